@@ -151,14 +151,10 @@ class _Scan:
             raise GGUFFormatError(f"GGUF version {version} is not supported (2 or 3)")
         n_tensors = self._u64("tensor count")
         n_kv = self._u64("kv count")
-        remaining = self.size - self.pos
-        if n_kv > MAX_KV or n_kv * _MIN_KV_BYTES > remaining:
-            raise GGUFFormatError(
-                f"kv count {n_kv} exceeds the limit {MAX_KV} or the {remaining} bytes left")
-        remaining -= n_kv * _MIN_KV_BYTES
-        if n_tensors > MAX_TENSORS or n_tensors * _MIN_TENSOR_INFO_BYTES > remaining:
-            raise GGUFFormatError(
-                f"tensor count {n_tensors} exceeds the limit {MAX_TENSORS} or the bytes left")
+        _check_count("kv count", n_kv, MAX_KV, _MIN_KV_BYTES, self.size - self.pos)
+        # Checked again, exactly, once the key/values are behind us.
+        _check_count("tensor count", n_tensors, MAX_TENSORS, _MIN_TENSOR_INFO_BYTES,
+                     self.size - self.pos)
         return version, n_tensors, n_kv
 
     def _kvs(self, n_kv: int) -> None:
@@ -236,9 +232,8 @@ class _Scan:
         self.pos = pos
 
     def _tensor_infos(self, n_tensors: int) -> list[tuple[str, int, int]]:
-        if n_tensors * _MIN_TENSOR_INFO_BYTES > self.size - self.pos:
-            raise GGUFFormatError(
-                f"tensor count {n_tensors} cannot fit in the {self.size - self.pos} bytes left")
+        _check_count("tensor count", n_tensors, MAX_TENSORS, _MIN_TENSOR_INFO_BYTES,
+                     self.size - self.pos)
         names: set[str] = set()
         infos = []
         for i in range(n_tensors):
@@ -266,6 +261,16 @@ class _Scan:
                 f"tensor '{name}': data [{start}, {start + n_bytes}) extends past end of file "
                 f"(size {self.size})")
         return TensorSpan(name, start, n_bytes)
+
+
+def _check_count(what: str, count: int, limit: int, min_bytes: int, remaining: int) -> None:
+    """A count read from the file, before anything is looped over or allocated for it."""
+    if count > limit:
+        raise GGUFFormatError(f"{what} {count} exceeds the limit {limit}")
+    if count * min_bytes > remaining:
+        raise GGUFFormatError(
+            f"{what} {count} cannot fit in the {remaining} bytes left ({min_bytes} bytes each "
+            f"at least)")
 
 
 def _tensor_bytes(what: str, dims: tuple[int, ...], raw_type: int) -> int:
