@@ -132,12 +132,10 @@ def test_rotated_error_bound_per_block(name: str, bits: int) -> None:
 
 
 def test_rotation_default_measures_better() -> None:
+    data = {"gauss": sample("gauss"), "outliers": sample("outliers")}
     for bits in ("q8", "q4"):
-        rot = {k: rel_mse(x, FORMATS[bits].decode(FORMATS[bits].encode(x)))
-               for k, x in (("gauss", sample("gauss")), ("outliers", sample("outliers")))}
-        plain = {k: rel_mse(x, FORMATS[bits + "_plain"].decode(
-            FORMATS[bits + "_plain"].encode(x)))
-            for k, x in (("gauss", sample("gauss")), ("outliers", sample("outliers")))}
+        rot, plain = ({k: rel_mse(x, FORMATS[name].decode(FORMATS[name].encode(x)))
+                       for k, x in data.items()} for name in (bits, bits + "_plain"))
         assert rot["outliers"] < 0.5 * plain["outliers"], (bits, rot, plain)
         assert rot["gauss"] < 1.03 * plain["gauss"], (bits, rot, plain)
 
