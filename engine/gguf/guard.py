@@ -147,7 +147,9 @@ class _Scan:
         version = self._u32("version")
         if version not in SUPPORTED_VERSIONS:
             if int.from_bytes(version.to_bytes(4, "little"), "big") in SUPPORTED_VERSIONS:
-                raise GGUFFormatError("big-endian GGUF files are not supported")
+                raise GGUFFormatError(
+                    f"GGUF version {version} is a byte-swapped version: big-endian GGUF files "
+                    "are not supported")
             raise GGUFFormatError(f"GGUF version {version} is not supported (2 or 3)")
         n_tensors = self._u64("tensor count")
         n_kv = self._u64("kv count")
