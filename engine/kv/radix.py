@@ -145,8 +145,10 @@ class RadixCache:
             if self.pool.kind(g) == FULL and min(pages[g][:n], default=0) < 0:
                 raise ValueError(f"group {g}: a full group cannot cache a released page")
         # Sliding pages before the window of the inserted boundary are not kept.
-        kept = {g: [-1 if i < self.pool.first_needed_page(g, n * self.page_size) else p
-                    for i, p in enumerate(pages[g][:n])] for g in self.pool.groups}
+        kept = {}
+        for g in self.pool.groups:
+            first = self.pool.first_needed_page(g, n * self.page_size)
+            kept[g] = [-1] * min(first, n) + list(pages[g][first:n])
         node, pos, tick = self.root, 0, next(self._clock)
         while pos < n:
             child = node.children.get(self._page_key(token_ids, pos))
