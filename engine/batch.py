@@ -8,7 +8,7 @@ Page tables index logical pages by position: page `p` of a row holds positions
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,7 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # (num_rows,) tokens in context after this step
     page_tables: dict[str, torch.Tensor]  # per layer group: (num_rows, max_pages) int64
     logits_rows: torch.Tensor  # indices into input_ids whose hidden states are needed
+    _write_slots: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def num_rows(self) -> int:
@@ -30,11 +31,54 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 
-    def slots(self, group: str, page_size: int) -> torch.Tensor:
-        """(num_tokens,) KV slot of each new token in `group`'s pages."""
-        table = self.page_tables[group]
-        row_of_token = torch.repeat_interleave(
-            torch.arange(self.num_rows), self.query_start.diff()
+    def write_slots(self, group: str, page_size: int) -> torch.Tensor:
+        """(num_tokens,) KV slot of each new token in `group`'s pages; computed once per batch."""
+        slots = self._write_slots.get(group)
+        if slots is None:
+            table = self.page_tables[group]
+            row_of_token = torch.repeat_interleave(
+                torch.arange(self.num_rows, device=table.device), self.query_start.diff()
+            )
+            pages = table[row_of_token, self.positions // page_size]
+            slots = pages * page_size + self.positions % page_size
+            self._write_slots[group] = slots
+        return slots
+
+    def row_slots(
+        self, group: str, row: int, positions: torch.Tensor, page_size: int
+    ) -> torch.Tensor:
+        """Slots of `positions` (n,) in row `row`'s pages of `group`."""
+        pages = self.page_tables[group][row, positions // page_size]
+        return pages * page_size + positions % page_size
+
+    @classmethod
+    def build(
+        cls,
+        spans: list[tuple[list[int], int]],
+        page_tables: dict[str, list[list[int]]],
+        logits_rows: list[int] | None = None,
+    ) -> ForwardBatch:
+        """spans: per row (new token ids, position of the first one). page_tables: per group,
+        per row, the page ids (rows padded with -1). logits_rows: default, each row's last token.
+        """
+        ids, pos, starts, lens = [], [], [0], []
+        for tokens, start in spans:
+            ids.extend(tokens)
+            pos.extend(range(start, start + len(tokens)))
+            starts.append(starts[-1] + len(tokens))
+            lens.append(start + len(tokens))
+        if logits_rows is None:
+            logits_rows = [s - 1 for s in starts[1:]]
+        tables = {}
+        for group, rows in page_tables.items():
+            width = max(1, max(len(r) for r in rows))
+            tables[group] = torch.tensor([r + [-1] * (width - len(r)) for r in rows],
+                                         dtype=torch.int64)
+        return cls(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(pos, dtype=torch.int64),
+            query_start=torch.tensor(starts, dtype=torch.int64),
+            seq_lens=torch.tensor(lens, dtype=torch.int64),
+            page_tables=tables,
+            logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
         )
-        pages = table[row_of_token, self.positions // page_size]
-        return pages * page_size + self.positions % page_size

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv.formats import FORMATS, KV_QUANT_CHOICES, KVFormat
+from engine.kv.pool import PageCopy
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +58,8 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k (n, kv_heads, head_dim_k) and v (n, kv_heads, head_dim_v) at `slots` (n,)."""
-        for planes, fmt, x in ((self.k[layer], self.k_format, k), (self.v[layer], self.v_format, v)):
+        pairs = ((self.k[layer], self.k_format, k), (self.v[layer], self.v_format, v))
+        for planes, fmt, x in pairs:
             assert planes is not None
             for name, enc in fmt.encode(x).items():
                 planes[name][slots] = enc
@@ -69,6 +71,18 @@ class KVCache:
         k = self.k_format.decode({n: p[slots] for n, p in k_planes.items()})
         v = self.v_format.decode({n: p[slots] for n, p in v_planes.items()})
         return k, v
+
+    def copy_pages(self, copies: list[PageCopy]) -> None:
+        """Copy whole pages (SeqPages.fork's partial last page) in every layer of their group."""
+        ps = self.page_size
+        for copy in copies:
+            for spec, k, v in zip(self.layers, self.k, self.v, strict=True):
+                if spec is None or spec.group != copy.group:
+                    continue
+                for planes in (k, v):
+                    for plane in planes.values():
+                        plane[copy.dst * ps:(copy.dst + 1) * ps] = plane[
+                            copy.src * ps:(copy.src + 1) * ps]
 
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for planes in (*self.k, *self.v)

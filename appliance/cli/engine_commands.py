@@ -1,0 +1,107 @@
+"""Engine commands on raw text: generate, perplexity, inspect (no chat template)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from a raw prompt (no chat template)")
+    _model_args(p)
+    p.add_argument("--prompt", required=True, help="raw prompt text (BOS per the model)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation")
+    p.add_argument("--json", action="store_true", help="one JSON object on the last line")
+    p.set_defaults(handler=cmd_generate)
+
+    p = sub.add_parser("perplexity", help="teacher-forced NLL and perplexity of a text file")
+    _model_args(p)
+    p.add_argument("--file", required=True, help="UTF-8 text file")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_perplexity)
+
+    p = sub.add_parser("inspect", help="architecture, sizes, tensor types, KV bytes per token")
+    p.add_argument("model", help="GGUF path or 'default'")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_inspect)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="GGUF path or 'default' (Gemma 3 270M Q4_K_M, embedded)")
+    p.add_argument("--dtype", choices=("bf16", "f32"), default="bf16",
+                   help="CPU weight dtype (default bf16; f32 for parity checks)")
+    p.add_argument("-c", "--context", type=int, default=4096, help="context tokens (default 4096)")
+    p.add_argument("--kv-quant", choices=("f16", "q8", "k8v4", "k4v8", "k4v4"), default="f16")
+
+
+def _llm(args: argparse.Namespace):
+    from engine.llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, context=args.context, kv_quant=args.kv_quant)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from appliance.cli.main import emit_json
+    from engine.sampler import SamplingParams
+
+    llm = _llm(args)
+    prompt_ids = llm.encode(args.prompt)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.seed, max_tokens=args.max_tokens,
+                            ignore_eos=args.ignore_eos)
+    start = time.perf_counter()
+    ids, parts, finish, first = [], [], None, None
+    for step in llm.generate(prompt_ids, params):
+        first = first or time.perf_counter()
+        ids.append(step.token_id)
+        parts.append(step.text)
+        finish = step.finish_reason
+        if not args.json:
+            sys.stdout.write(step.text)
+            sys.stdout.flush()
+    end = time.perf_counter()
+    decode_tps = (len(ids) - 1) / (end - first) if len(ids) > 1 and first else 0.0
+    if args.json:
+        emit_json({"text": "".join(parts), "token_ids": ids, "prompt_tokens": len(prompt_ids),
+                   "completion_tokens": len(ids), "finish_reason": finish,
+                   "ttft_ms": round(((first or end) - start) * 1000, 2),
+                   "decode_tok_s": round(decode_tps, 2)})
+    else:
+        sys.stdout.write("\n")
+        print(f"[{len(prompt_ids)} prompt tokens, {len(ids)} generated, {decode_tps:.1f} tok/s,"
+              f" finish: {finish}]", file=sys.stderr)
+    return 0
+
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    from appliance.cli.main import emit_json
+
+    with open(args.file, encoding="utf-8") as fh:
+        text = fh.read()
+    result = _llm(args).perplexity(text)
+    if args.json:
+        emit_json({"num_tokens": result.num_tokens, "mean_nll": result.mean_nll,
+                   "ppl": result.ppl, "argmax_ids": result.argmax_ids})
+    else:
+        print(f"tokens {result.num_tokens}  mean NLL {result.mean_nll:.4f}  "
+              f"perplexity {result.ppl:.3f}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from appliance.cli.main import emit_json
+    from engine.inspect import inspect_model
+
+    info = inspect_model(args.model)
+    if args.json:
+        emit_json(info)
+    else:
+        for key, value in info.items():
+            print(f"{key:24} {value}")
+    return 0

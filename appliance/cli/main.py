@@ -1,0 +1,53 @@
+"""`mbufo` command line. Each subcommand lives in its own module and registers itself here.
+
+Conventions: `--json` prints exactly one compact JSON object on the last line of stdout;
+progress and logs go to stderr. Engine errors exit with status 2 and a one-line message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable
+
+from appliance.cli import engine_commands
+
+COMMAND_MODULES = [engine_commands]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mbufo", description="mbufo: a mixed-batch LLM appliance for a shared box")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in COMMAND_MODULES:
+        module.register(sub)
+    return parser
+
+
+def emit_json(obj: dict) -> None:
+    """The last line of stdout: one compact JSON object."""
+    sys.stdout.write(json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    from engine.errors import EngineError
+
+    try:
+        return handler(args) or 0
+    except EngineError as exc:
+        print(f"mbufo: error ({exc.code}): {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

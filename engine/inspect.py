@@ -1,0 +1,55 @@
+"""`mbufo inspect`: what a GGUF holds and what serving it costs, without loading weights."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import Counter
+
+import gguf
+
+from engine.gguf import ModelFile
+from engine.kv.formats import KV_QUANT_CHOICES, kv_bytes_per_token
+from engine.loader import resolve_model_path
+from engine.models.registry import read_config
+
+
+def inspect_model(name: str | os.PathLike) -> dict:
+    path = resolve_model_path(name)
+    with ModelFile.open(path) as mf:
+        cfg = read_config(mf)
+        types = Counter(gguf.GGMLQuantizationType(t.ggml_type).name for t in mf.tensors.values())
+        params = sum(t.n_elements for t in mf.tensors.values())
+        template = mf.get("tokenizer.chat_template")
+        sliding = cfg.num_sliding_layers
+        full = cfg.num_layers - sliding
+        kv = {}
+        for choice in KV_QUANT_CHOICES:
+            per_layer = kv_bytes_per_token(1, cfg.num_kv_heads, cfg.head_dim, choice)
+            kv[choice] = per_layer * cfg.num_layers
+        return {
+            "path": str(path),
+            "architecture": cfg.architecture,
+            "name": mf.get("general.name"),
+            "file_bytes": path.stat().st_size,
+            "parameters": params,
+            "tensor_types": dict(sorted(types.items())),
+            "context_length": cfg.context_length,
+            "layers": cfg.num_layers,
+            "sliding_layers": sliding,
+            "full_layers": full,
+            "sliding_window": cfg.sliding_window,
+            "hidden_size": cfg.hidden_size,
+            "heads": cfg.num_heads,
+            "kv_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "head_dim_v": cfg.head_dim_v,
+            "ffn_size": cfg.ffn_size,
+            "vocab_size": cfg.vocab_size,
+            "tokenizer": mf.get("tokenizer.ggml.model"),
+            "tokenizer_pre": mf.get("tokenizer.ggml.pre"),
+            "chat_template": ("sha256:" + hashlib.sha256(template.encode()).hexdigest()
+                              if isinstance(template, str) else "none (built-in used)"),
+            # every layer stores each token it keeps; sliding layers keep at most the window
+            "kv_bytes_per_token": kv,
+        }

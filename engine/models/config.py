@@ -1,0 +1,87 @@
+"""ModelConfig: the hyperparameters one decoder family needs, read from GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import GGUFFormatError
+from engine.gguf import ModelFile
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    ffn_size: int
+    vocab_size: int
+    context_length: int
+    rms_eps: float
+    rope_base: float
+    rope_neox: bool
+    rope_freq_scale: float = 1.0
+    rope_base_swa: float | None = None
+    sliding_window: int | None = None
+    swa_layers: tuple[bool, ...] = ()  # per layer: True if it uses the sliding window
+    attn_scale: float | None = None  # None -> 1/sqrt(head_dim)
+    qk_norm: bool = False
+    post_norms: bool = False  # gemma: norm after attention and after the MLP too
+    embed_scale: float = 1.0  # gemma multiplies embeddings by sqrt(hidden)
+    final_softcap: float | None = None
+    activation: str = "silu"  # "silu" (SwiGLU) | "gelu" (GeGLU, tanh GELU)
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.swa_layers) and self.swa_layers[layer]
+
+    @property
+    def num_sliding_layers(self) -> int:
+        return sum(self.swa_layers)
+
+
+def read_base_config(mf: ModelFile, *, rope_neox: bool, **overrides: object) -> ModelConfig:
+    """The keys every decoder family shares (`<arch>.*`); families pass their differences."""
+    num_heads = _int(mf, "attention.head_count")
+    hidden = _int(mf, "embedding_length")
+    num_kv = mf.arch_get("attention.head_count_kv", num_heads)
+    if not isinstance(num_kv, int) or num_kv <= 0 or num_heads % num_kv:
+        raise GGUFFormatError(
+            f"{mf.architecture}.attention.head_count_kv must be a positive divisor of "
+            f"head_count ({num_heads}), got {num_kv!r}")
+    head_dim = mf.arch_get("attention.key_length", hidden // num_heads)
+    tokens = mf.get("tokenizer.ggml.tokens")
+    embd = mf.tensors.get("token_embd.weight")
+    vocab = len(tokens) if tokens is not None else (embd.shape[0] if embd else 0)
+    if vocab <= 0:
+        raise GGUFFormatError("no vocabulary: tokenizer.ggml.tokens and token_embd.weight missing")
+    freq_scale = 1.0
+    if mf.arch_get("rope.scaling.type") == "linear":
+        freq_scale = 1.0 / float(mf.arch_get("rope.scaling.factor", 1.0))
+    values: dict[str, object] = dict(
+        architecture=mf.architecture,
+        num_layers=_int(mf, "block_count"),
+        hidden_size=hidden,
+        num_heads=num_heads,
+        num_kv_heads=num_kv,
+        head_dim=head_dim,
+        head_dim_v=mf.arch_get("attention.value_length", head_dim),
+        ffn_size=_int(mf, "feed_forward_length"),
+        vocab_size=vocab,
+        context_length=_int(mf, "context_length"),
+        rms_eps=float(mf.arch_require("attention.layer_norm_rms_epsilon", (int, float))),
+        rope_base=float(mf.arch_get("rope.freq_base", 10000.0)),
+        rope_neox=rope_neox,
+        rope_freq_scale=freq_scale,
+    )
+    values.update(overrides)
+    return ModelConfig(**values)  # type: ignore[arg-type]
+
+
+def _int(mf: ModelFile, suffix: str) -> int:
+    value = mf.arch_require(suffix, int)
+    if value <= 0:
+        raise GGUFFormatError(f"{mf.architecture}.{suffix} must be positive, got {value}")
+    return value

@@ -1,0 +1,157 @@
+"""Random-weight GGUF files with a family's exact tensor names and shapes.
+
+Used by the parity tests (tiny models, a real vocabulary copied from another GGUF) and by
+`mbufo bench --synthetic` (a real model's shapes, no real weights). Quantized tensors are
+random GGML blocks whose scale fields are set to small finite values, so the true weights
+are whatever `gguf.quants.dequantize` says they are.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import gguf
+import numpy as np
+
+T = gguf.GGMLQuantizationType
+
+
+@dataclass(frozen=True, slots=True)
+class SyntheticSpec:
+    architecture: str  # llama | qwen2 | qwen3 | gemma3
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    ffn_size: int = 128
+    context_length: int = 2048
+    rope_base: float = 10000.0
+    sliding_window: int | None = None
+    rms_eps: float = 1e-6
+    tied_embeddings: bool = True
+    # tensor-name suffix -> GGML type; anything unlisted is F32 (vectors) or `default_type`
+    types: dict[str, int] = field(default_factory=dict)
+    default_type: int = T.F16
+    rope_freq_factors: bool = False  # write rope_freqs.weight (Llama 3.1 style)
+
+
+# (scale field byte offset, count of f16 scales) inside one block, for random-block fixing
+_SCALE_FIELDS = {
+    T.Q4_0: [(0, 1)], T.Q4_1: [(0, 2)], T.Q5_0: [(0, 1)], T.Q5_1: [(0, 2)], T.Q8_0: [(0, 1)],
+    T.Q2_K: [(80, 2)], T.Q3_K: [(108, 1)], T.Q4_K: [(0, 2)], T.Q5_K: [(0, 2)],
+    T.Q6_K: [(208, 1)],
+}
+# rough magnitude of |q * sub-scale| per type, so weights come out near `std`
+_CODE_GAIN = {T.Q4_0: 8, T.Q4_1: 8, T.Q5_0: 16, T.Q5_1: 16, T.Q8_0: 128, T.Q2_K: 30,
+              T.Q3_K: 128, T.Q4_K: 400, T.Q5_K: 800, T.Q6_K: 1500}
+
+
+def random_blocks(qtype: int, shape: tuple[int, ...], rng: np.random.Generator,
+                  std: float = 0.05) -> np.ndarray:
+    """Random GGML blocks for a tensor of torch-order `shape`: uint8 (rows, bytes_per_row)."""
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    n_blocks = rows * shape[-1] // block
+    raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+    for offset, count in _SCALE_FIELDS[qtype]:
+        scales = (rng.uniform(0.2, 1.0, size=(n_blocks, count)) * std * 2 / _CODE_GAIN[qtype])
+        raw[:, offset:offset + 2 * count] = scales.astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, shape[-1] // block * type_size)
+
+
+def tensor_shapes(spec: SyntheticSpec, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """Name -> torch-order shape, as llama.cpp expects the family's tensors."""
+    h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (vocab_size, h),
+                                          "output_norm.weight": (h,)}
+    if not spec.tied_embeddings:
+        shapes["output.weight"] = (vocab_size, h)
+    if spec.rope_freq_factors:
+        shapes["rope_freqs.weight"] = (spec.head_dim // 2,)
+    for i in range(spec.num_layers):
+        p = f"blk.{i}."
+        shapes.update({
+            p + "attn_norm.weight": (h,), p + "attn_q.weight": (q, h),
+            p + "attn_k.weight": (kv, h), p + "attn_v.weight": (kv, h),
+            p + "attn_output.weight": (h, q), p + "ffn_norm.weight": (h,),
+            p + "ffn_gate.weight": (spec.ffn_size, h), p + "ffn_up.weight": (spec.ffn_size, h),
+            p + "ffn_down.weight": (h, spec.ffn_size),
+        })
+        if spec.architecture == "qwen2":
+            shapes.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,),
+                           p + "attn_v.bias": (kv,)})
+        if spec.architecture in ("qwen3", "gemma3"):
+            shapes.update({p + "attn_q_norm.weight": (spec.head_dim,),
+                           p + "attn_k_norm.weight": (spec.head_dim,)})
+        if spec.architecture == "gemma3":
+            shapes.update({p + "post_attention_norm.weight": (h,),
+                           p + "post_ffw_norm.weight": (h,)})
+    return shapes
+
+
+def _tensor_type(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> int:
+    for suffix, qtype in spec.types.items():
+        if name.endswith(suffix):
+            return qtype
+    return T.F32 if len(shape) == 1 else spec.default_type
+
+
+def copy_vocabulary(writer: gguf.GGUFWriter, vocab_path: str | os.PathLike) -> int:
+    """Copy every tokenizer.* key of another GGUF; returns the vocabulary size."""
+    reader = gguf.GGUFReader(vocab_path)
+    size = 0
+    for key, fld in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = gguf.GGUFValueType(fld.types[0])
+        value = fld.contents()
+        if key == "tokenizer.ggml.tokens":
+            size = len(value)
+        sub = gguf.GGUFValueType(fld.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, vtype, sub_type=sub)
+    return size
+
+
+def write_synthetic_gguf(path: str | os.PathLike, spec: SyntheticSpec,
+                         vocab_path: str | os.PathLike, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    arch = spec.architecture
+    writer = gguf.GGUFWriter(os.fspath(path), arch)
+    writer.add_block_count(spec.num_layers)
+    writer.add_context_length(spec.context_length)
+    writer.add_embedding_length(spec.hidden_size)
+    writer.add_feed_forward_length(spec.ffn_size)
+    writer.add_head_count(spec.num_heads)
+    writer.add_head_count_kv(spec.num_kv_heads)
+    writer.add_key_length(spec.head_dim)
+    writer.add_value_length(spec.head_dim)
+    writer.add_rope_dimension_count(spec.head_dim)
+    writer.add_layer_norm_rms_eps(spec.rms_eps)
+    writer.add_rope_freq_base(spec.rope_base)
+    if spec.sliding_window:
+        writer.add_sliding_window(spec.sliding_window)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    vocab_size = copy_vocabulary(writer, vocab_path)
+    for name, shape in tensor_shapes(spec, vocab_size).items():
+        qtype = _tensor_type(spec, name, shape)
+        if name == "rope_freqs.weight":
+            data = rng.uniform(1.0, 8.0, size=shape).astype(np.float32)
+        elif len(shape) == 1:  # norms near 1, biases near 0
+            base = 0.0 if name.endswith(".bias") else 1.0
+            data = (base + rng.normal(0, 0.1, size=shape)).astype(np.float32)
+        elif qtype in (T.F32, T.F16, T.BF16):
+            data = rng.normal(0, 0.05, size=shape).astype(np.float32)
+            if qtype == T.F16:
+                data = data.astype(np.float16)
+            elif qtype == T.BF16:
+                data = gguf.quants.quantize(data, T.BF16)
+        else:
+            data = random_blocks(qtype, shape, rng)
+        raw_dtype = None if qtype in (T.F32, T.F16) else qtype
+        writer.add_tensor(name, data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -1,0 +1,109 @@
+"""Each family on a tiny random GGUF, against llama.cpp (llama-cpp-python) on the same file.
+
+The GGUF mixes F32/F16/Q8_0/Q4_K/Q6_K tensors and carries a real vocabulary. llama.cpp
+quantizes activations to 8 bits for quantized weights, so logits agree to a tolerance,
+and greedy tokens must agree wherever llama.cpp's own top-1/top-2 gap is >= 0.3 nats.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine.llm import LLM
+from engine.synthetic import SyntheticSpec, write_synthetic_gguf
+
+T = gguf.GGMLQuantizationType
+MIXED = {"attn_q.weight": T.Q8_0, "attn_k.weight": T.Q4_K, "attn_v.weight": T.Q6_K,
+         "attn_output.weight": T.Q8_0, "ffn_gate.weight": T.Q4_K, "ffn_up.weight": T.Q8_0,
+         "ffn_down.weight": T.Q6_K, "token_embd.weight": T.Q8_0}
+BASE = dict(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, ffn_size=512,
+            types=MIXED, num_layers=2)
+CASES = {
+    "llama": (SyntheticSpec("llama", **BASE), "ggml-vocab-llama-bpe.gguf"),
+    "llama-rope-freqs": (SyntheticSpec("llama", rope_freq_factors=True, rope_base=500000.0,
+                                       tied_embeddings=False, **BASE), "ggml-vocab-llama-bpe.gguf"),
+    "qwen2": (SyntheticSpec("qwen2", **BASE), "ggml-vocab-qwen2.gguf"),
+    "qwen3": (SyntheticSpec("qwen3", rope_base=1000000.0, **BASE), "ggml-vocab-qwen2.gguf"),
+    "gemma3": (SyntheticSpec("gemma3", sliding_window=8,
+                             **{**BASE, "num_layers": 6}), "default"),
+}
+TEXT = ("The quick brown fox jumps over the lazy dog. In 1969, Apollo 11 landed on the Moon; "
+        "def f(x): return x ** 2  # squares. 東京は日本の首都です。 Emoji: 🦊🐶! ") * 3
+GAP = 0.3
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def tiny_model(request, tmp_path_factory, vocab_dir: Path, default_model_path: Path):
+    spec, vocab = CASES[request.param]
+    vocab_path = default_model_path if vocab == "default" else vocab_dir / vocab
+    path = tmp_path_factory.mktemp("tiny") / f"{request.param}.gguf"
+    write_synthetic_gguf(path, spec, vocab_path, seed=sum(map(ord, request.param)))
+    return request.param, path
+
+
+def _reference(path: Path):
+    import llama_cpp
+
+    return llama_cpp.Llama(model_path=str(path), n_ctx=512, n_batch=512, logits_all=True,
+                           verbose=False, n_threads=2, seed=0)
+
+
+def _reference_logits(ref, ids: list[int]) -> np.ndarray:
+    ref.reset()
+    ref.eval(ids)
+    return np.array(ref.scores[: len(ids)], dtype=np.float64)
+
+
+def test_logits_match_llama_cpp(tiny_model):
+    name, path = tiny_model
+    ref = _reference(path)
+    ids_all = ref.tokenize(TEXT.encode(), add_bos=True, special=False)
+    ours = LLM(path, dtype="f32", context=512)
+    for n in (1, 5, 37, len(ids_all)):
+        ids = ids_all[:n]
+        want = _reference_logits(ref, ids)
+        got = ours.prompt_logits(ids).double().numpy()
+        scale = want.std(axis=-1, keepdims=True)
+        err = np.abs(got - want) / scale
+        assert err.max() < 0.08, f"{name} n={n}: max |diff|/std {err.max():.4f}"
+        assert err.mean() < 0.01, f"{name} n={n}: mean |diff|/std {err.mean():.5f}"
+
+
+def test_greedy_matches_llama_cpp_where_decisive(tiny_model):
+    name, path = tiny_model
+    ref = _reference(path)
+    prompt = ref.tokenize(b"Once upon a time, in a land far away,", add_bos=True, special=False)
+    ours = LLM(path, dtype="f32", context=512)
+    ref_ids, ref_gaps = [], []
+    ref.reset()
+    ref.eval(prompt)
+    for _ in range(24):
+        logits = np.array(ref.scores[ref.n_tokens - 1], dtype=np.float64)
+        top2 = np.sort(logits)[-2:]
+        ref_gaps.append(top2[1] - top2[0])
+        ref_ids.append(int(logits.argmax()))
+        ref.eval([ref_ids[-1]])
+    from engine.sampler import SamplingParams
+
+    got = [s.token_id for s in ours.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))]
+    for i, (a, b) in enumerate(zip(ref_ids, got, strict=True)):
+        if a != b:
+            assert ref_gaps[i] < GAP, (
+                f"{name}: token {i} differs ({b} vs llama.cpp {a}) with llama.cpp gap "
+                f"{ref_gaps[i]:.3f} nats")
+            break
+
+
+def test_bf16_default_stays_close_to_f32(tiny_model):
+    _, path = tiny_model
+    ids = list(range(10, 60))
+    f32 = LLM(path, dtype="f32", context=128).prompt_logits(ids)
+    bf16 = LLM(path, dtype="bf16", context=128).prompt_logits(ids)
+    rel = (bf16 - f32).norm() / f32.norm()
+    assert torch.isfinite(bf16).all() and rel < 0.05, float(rel)
