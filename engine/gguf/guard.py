@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 
@@ -73,15 +74,21 @@ class ScanResult:
 def scan_file(path: str | os.PathLike[str]) -> ScanResult:
     """Check a GGUF file; raise GGUFFormatError / UnsupportedTensorType naming the field."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < HEADER_BYTES:
-                raise GGUFFormatError(
-                    f"file is {size} bytes, too small for the {HEADER_BYTES}-byte GGUF header")
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                return scan_buffer(buf)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+        # O_NONBLOCK: a FIFO in place of the model must not block the open.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except (FileNotFoundError, NotADirectoryError) as e:
         raise ModelNotFound(f"no model file at {os.fspath(path)!r}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ModelNotFound(f"{os.fspath(path)!r} is not a regular file")
+        if st.st_size < HEADER_BYTES:
+            raise GGUFFormatError(
+                f"file is {st.st_size} bytes, too small for the {HEADER_BYTES}-byte GGUF header")
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as buf:
+            return scan_buffer(buf)
+    finally:
+        os.close(fd)
 
 
 def scan_buffer(buf: Buffer) -> ScanResult:

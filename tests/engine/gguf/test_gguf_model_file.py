@@ -3,6 +3,7 @@ and tensor bytes round-trip, and the fields agree with the stock gguf.GGUFReader
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import gguf
@@ -191,3 +192,6 @@ def test_missing_file_is_model_not_found(tmp_path: pathlib.Path) -> None:
         ModelFile.open(tmp_path / "nope.gguf")
     with pytest.raises(ModelNotFound):
         ModelFile.open(tmp_path)
+    os.mkfifo(tmp_path / "fifo.gguf")  # must not block waiting for a writer
+    with pytest.raises(ModelNotFound, match="not a regular file"):
+        ModelFile.open(tmp_path / "fifo.gguf")

@@ -4,6 +4,7 @@ to 10 s and 256 MiB, which imports engine.gguf and not torch."""
 from __future__ import annotations
 
 import pathlib
+import random
 
 import pytest
 from gguf_isolation import MEMORY_LIMIT, run_isolated
@@ -81,3 +82,31 @@ def test_stock_reader_fails_on_the_files_the_guard_stops(tmp_path: pathlib.Path)
     _, (loop, deep) = run_isolated(jobs, time_limit_s=1.0)
     assert loop.get("error") in {"Timeout", "MemoryError"}, loop
     assert deep.get("error") == "RecursionError", deep
+
+
+def mutants(blob: bytes, count: int, seed: int = 1) -> list[bytes]:
+    """`blob` with 1-3 overwrites each: a byte, or a u32/u64 set to an edge value."""
+    rng = random.Random(seed)
+    edges = [0, 1, 2**31, 2**32 - 1, 2**63, 2**64 - 1, rng.getrandbits(64)]
+    out = []
+    for _ in range(count):
+        b = bytearray(blob)
+        for _ in range(rng.randint(1, 3)):
+            width = rng.choice([1, 4, 8])
+            pos = rng.randrange(0, len(b) - width)
+            value = rng.choice(edges) % (1 << (8 * width)) if width > 1 else rng.randrange(256)
+            b[pos : pos + width] = value.to_bytes(width, "little")
+        out.append(bytes(b))
+    return out
+
+
+def test_random_mutations_open_or_raise_typed_errors(tmp_path: pathlib.Path) -> None:
+    typed = {"GGUFFormatError", "UnsupportedTensorType"}
+    jobs = []
+    for i, blob in enumerate(mutants(valid_file(), 200)):
+        (tmp_path / f"m{i}").write_bytes(blob)
+        jobs.append(f"open:{tmp_path / f'm{i}'}")
+    _, results = run_isolated(jobs)
+    escaped = [r for r in results if not r.get("ok") and r.get("error") not in typed]
+    assert not escaped, escaped[:5]
+    assert sum(1 for r in results if r.get("error") in typed) > 50  # the mutants do bite
