@@ -45,7 +45,7 @@ RESERVED_KEYS = frozenset({"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"}
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-_SCALAR_BYTES = {
+_SCALAR_BYTES: dict[int, int] = {
     GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1,
     GGUFValueType.UINT16: 2, GGUFValueType.INT16: 2,
     GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
@@ -191,7 +191,7 @@ class _Scan:
         self.alignment = value
 
     def _value(self, key: str, vtype: int) -> None:
-        n = _SCALAR_BYTES.get(vtype)  # type: ignore[call-overload]
+        n = _SCALAR_BYTES.get(vtype)
         if n is not None:
             self._take(n, f"key '{key}': {_type_name(vtype)} value")
         elif vtype == GGUFValueType.STRING:
@@ -215,7 +215,7 @@ class _Scan:
             raise GGUFFormatError(
                 f"key '{key}': array of {count} elements exceeds the limit of "
                 f"{MAX_ARRAY_ELEMENTS} metadata array elements per file")
-        n = _SCALAR_BYTES.get(etype)  # type: ignore[call-overload]
+        n = _SCALAR_BYTES.get(etype)
         if n is not None:
             self._take(count * n, f"key '{key}': array of {count} {_type_name(etype)}")
         elif etype == GGUFValueType.STRING:
