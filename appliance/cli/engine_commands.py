@@ -30,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help="GGUF path or 'default'")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_inspect)
+    register_plan(sub)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -104,4 +105,55 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     else:
         for key, value in info.items():
             print(f"{key:24} {value}")
+    return 0
+
+
+def register_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="memory plan: weights, KV per token/session, what fits")
+    p.add_argument("model", help="GGUF path or 'default'")
+    p.add_argument("--sessions", type=int, default=4, help="resident sessions (default 4)")
+    p.add_argument("-c", "--context", type=int, default=4096, help="tokens per session")
+    p.add_argument("--kv-quant", choices=("f16", "q8", "k8v4", "k4v8", "k4v4", "all"),
+                   default="all", help="KV format (default: a row for each)")
+    p.add_argument("--memory-gb", type=float, default=None, help="memory to plan for")
+    p.add_argument("--backend", choices=("cpu", "gpu"), default="cpu",
+                   help="cpu: weights as bf16; gpu: weights in their GGML blocks")
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from appliance.cli.main import emit_json
+    from engine.gguf import ModelFile
+    from engine.kv.formats import KV_QUANT_CHOICES
+    from engine.loader import resolve_model_path
+    from engine.models.registry import read_config
+    from engine.planner import plan
+
+    choices = list(KV_QUANT_CHOICES) if args.kv_quant == "all" else [args.kv_quant]
+    with ModelFile.open(resolve_model_path(args.model)) as mf:
+        cfg = read_config(mf)
+        plans = [plan(mf, cfg, sessions=args.sessions, context=args.context, kv_quant=q,
+                      prefill_chunk=args.prefill_chunk, backend=args.backend,
+                      memory_gb=args.memory_gb) for q in choices]
+    if args.json:
+        out = plans[0].to_dict() if len(plans) == 1 else {"plans": [p.to_dict() for p in plans]}
+        emit_json(out)
+        return 0
+    mib = 1 << 20
+    print(f"{cfg.architecture}: {cfg.num_layers} layers ({cfg.num_sliding_layers} sliding), "
+          f"{args.sessions} sessions x {args.context} tokens, weights "
+          f"{plans[0].weights_bytes / mib:.0f} MiB ({args.backend})")
+    head = f"{'kv':6} {'B/token':>8} {'MiB/session':>12} {'KV MiB':>9} {'total MiB':>10}"
+    if args.memory_gb is not None:
+        head += f" {'fits':>5} {'max sessions':>13} {'max ctx':>8}"
+    print(head)
+    for p in plans:
+        row = (f"{p.kv_quant:6} {p.kv_bytes_per_token:8d} {p.kv_bytes_per_session / mib:12.1f} "
+               f"{p.kv_bytes_total / mib:9.1f} {p.total_bytes / mib:10.1f}")
+        if args.memory_gb is not None:
+            row += (f" {str(p.fits):>5} {p.max_sessions_at_context:13d}"
+                    f" {p.max_context_at_sessions:8d}")
+        print(row)
     return 0

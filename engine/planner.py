@@ -1,0 +1,96 @@
+"""Memory planner: weights + KV for N sessions of C tokens + prefill working memory.
+
+KV bytes per token are the contract of engine/kv/formats.py summed over attention layers.
+A sliding layer keeps at most its window (plus one page of slack) per session, a full
+layer every position; both round up to whole pages. Weights are counted as the backend
+holds them: dequantized to bf16 on CPU, in their GGML blocks on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from engine.gguf import ModelFile
+from engine.kv.formats import KV_QUANT_CHOICES, kv_bytes_per_token
+from engine.models.config import ModelConfig
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    kv_quant: str
+    sessions: int
+    context: int
+    page_size: int
+    weights_bytes: int
+    kv_bytes_per_token: int  # every layer, one token (the contract)
+    kv_bytes_per_session: int  # at `context`, sliding layers capped at their window
+    kv_bytes_total: int
+    prefill_working_bytes: int  # activations of one prefill chunk
+    total_bytes: int
+    memory_bytes: int | None = None
+    fits: bool | None = None
+    max_sessions_at_context: int | None = None
+    max_context_at_sessions: int | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def weights_bytes(mf: ModelFile, cfg: ModelConfig, backend: str) -> int:
+    if backend == "gpu":
+        return sum(t.n_bytes for t in mf.tensors.values())
+    matrices = sum(t.n_elements for t in mf.tensors.values() if len(t.shape) > 1)
+    vectors = sum(t.n_elements for t in mf.tensors.values() if len(t.shape) == 1)
+    return matrices * 2 + vectors * 4
+
+
+def kv_bytes_per_session(cfg: ModelConfig, kv_quant: str, context: int, page_size: int) -> int:
+    per_layer = kv_bytes_per_token(1, cfg.num_kv_heads, cfg.head_dim, kv_quant)
+    pages_full = -(-context // page_size)
+    kept_sliding = min(context, (cfg.sliding_window or context) + page_size)
+    pages_sliding = -(-kept_sliding // page_size)
+    sliding = cfg.num_sliding_layers
+    return per_layer * page_size * (
+        (cfg.num_layers - sliding) * pages_full + sliding * pages_sliding)
+
+
+def prefill_working_bytes(cfg: ModelConfig, chunk: int) -> int:
+    """f32 activations of one chunk: residual, qkv, attention out, gate+up, one logits row."""
+    q = cfg.num_heads * cfg.head_dim
+    kv = 2 * cfg.num_kv_heads * cfg.head_dim
+    per_token = cfg.hidden_size * 3 + q * 2 + kv + cfg.ffn_size * 3
+    return 4 * (chunk * per_token + cfg.vocab_size)
+
+
+def plan(mf: ModelFile, cfg: ModelConfig, *, sessions: int, context: int, kv_quant: str,
+         page_size: int = 16, prefill_chunk: int = 512, backend: str = "cpu",
+         memory_gb: float | None = None) -> MemoryPlan:
+    if kv_quant not in KV_QUANT_CHOICES:
+        raise ValueError(f"kv_quant must be one of {sorted(KV_QUANT_CHOICES)}")
+    w = weights_bytes(mf, cfg, backend)
+    per_session = kv_bytes_per_session(cfg, kv_quant, context, page_size)
+    work = prefill_working_bytes(cfg, prefill_chunk)
+    total = w + per_session * sessions + work
+    fields: dict = {}
+    if memory_gb is not None:
+        budget = int(memory_gb * GIB)
+        free = budget - w - work
+        max_ctx = 0
+        if sessions > 0 and free > 0:
+            lo, hi = 0, cfg.context_length
+            while lo < hi:  # largest context whose KV for `sessions` fits
+                mid = (lo + hi + 1) // 2
+                if kv_bytes_per_session(cfg, kv_quant, mid, page_size) * sessions <= free:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            max_ctx = lo
+        fields = dict(memory_bytes=budget, fits=total <= budget,
+                      max_sessions_at_context=max(0, free // per_session) if per_session else 0,
+                      max_context_at_sessions=max_ctx)
+    return MemoryPlan(kv_quant, sessions, context, page_size, w,
+                      kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                         kv_quant),
+                      per_session, per_session * sessions, work, total, **fields)
