@@ -1,0 +1,239 @@
+"""EngineCore: step() = schedule -> run -> postprocess, single-threaded, no asyncio.
+
+One step: the scheduler picks every due decoder and at most one bounded prefill chunk; the
+rows become one ForwardBatch; the runner returns logits for the rows that need a token
+(decode rows, verify rows, prefill chunks that complete a sequence); one Sampler call
+draws a token for each; postprocess appends them (stop checks, detokenization, timings)
+and the scheduler finishes, promotes and frees. The thread/asyncio `Engine` wraps this.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from engine.batch import ForwardBatch
+from engine.errors import ContextOverflow, InvalidRequest
+from engine.kv.pool import RECURRENT, KVPool
+from engine.kv.radix import RadixCache
+from engine.sampler import Sampler, SamplerState
+from engine.scheduler.plan import (
+    ClientQueueStats,
+    EngineStats,
+    KVGroupStats,
+    RowKind,
+    SessionStats,
+    StepPlan,
+)
+from engine.scheduler.policies.speculative import DraftSource, SpeculativeRows
+from engine.scheduler.request import OutputChunk, Request
+from engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler.sequence import DetokenizerFactory, Sequence
+from engine.stop import StopChecker
+
+AUTO_ITL_FACTOR = 3.0  # "auto" ITL target: this many decode-only steps
+
+
+class Runner(Protocol):
+    pool: KVPool
+
+    @property
+    def page_size(self) -> int: ...
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """-> (len(batch.logits_rows), vocab) logits."""
+        ...
+
+
+class TokenizerLike(Protocol):
+    eog_ids: frozenset[int]
+
+
+class EngineCore:
+    def __init__(self, runner: Runner, tokenizer: TokenizerLike, config: SchedulerConfig,
+                 *, vocab_size: int, detokenizer: DetokenizerFactory | None = None,
+                 draft_source: DraftSource | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.runner = runner
+        self.pool = runner.pool
+        self.tokenizer = tokenizer
+        self.config = config
+        self.vocab_size = vocab_size
+        self.clock = clock
+        if detokenizer is None:
+            from engine.tokenizer.detok import IncrementalDetokenizer
+
+            def detokenizer() -> IncrementalDetokenizer:
+                return IncrementalDetokenizer(tokenizer)  # type: ignore[arg-type]
+        self._make_detok = detokenizer
+        # Recurrent state is not snapshotted at page boundaries yet: no prefix cache there.
+        use_cache = config.prefix_cache and RECURRENT not in self.pool.groups
+        self.radix = RadixCache(self.pool) if use_cache else None
+        spec = SpeculativeRows(draft_source, vocab_size) if draft_source is not None else None
+        self.scheduler = Scheduler(config, self.pool, self.radix, spec)
+        self.sampler = Sampler()
+        self.num_steps = 0
+        self._seq_no = itertools.count()
+        self._aborts: list[str] = []
+        self._decode_step_s: deque[float] = deque(maxlen=256)  # decode-only step times
+        self._recent_itl_s: deque[float] = deque(maxlen=512)
+
+    # -- requests ------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Validate and queue; raises InvalidRequest, ContextOverflow, OutOfKVPages (the
+        request cannot fit the pool even alone) or ClientQuotaExceeded."""
+        prompt, params = request.prompt_ids, request.sampling
+        if request.id in self.scheduler.seqs:
+            raise InvalidRequest(f"request id {request.id!r} is already in use")
+        if not prompt:
+            raise InvalidRequest("the prompt has no tokens")
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise InvalidRequest(f"prompt token ids must lie in [0, {self.vocab_size})")
+        if params.n != 1:
+            raise InvalidRequest(f"n={params.n}: the engine core runs one sequence per request")
+        limit = self.config.context
+        capacity = self.scheduler.capacity_tokens()
+        max_tokens = params.max_tokens
+        if max_tokens is None:  # as many as the context (and the pool) allow
+            max_tokens = min(limit, capacity or limit) - len(prompt)
+        if len(prompt) + max(max_tokens, 1) > limit:
+            raise ContextOverflow(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"context ({limit} tokens)")
+        sampler = SamplerState.create(params, prompt, self.vocab_size)  # validates params
+        stop = StopChecker(params.stop, params.stop_token_ids, self.tokenizer.eog_ids,
+                           params.ignore_eos, max_tokens)
+        seq = Sequence(request, next(self._seq_no), max_tokens, sampler, stop,
+                       self._make_detok(), self.clock())
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Finish the request with "abort" and free its pages in the next step."""
+        self._aborts.append(request_id)
+
+    def set_client_quota(self, client_id: str, max_pending: int | None) -> None:
+        self.scheduler.queue.set_limit(client_id, max_pending)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._aborts)
+
+    # -- the step ------------------------------------------------------------------------
+    def step(self) -> list[OutputChunk]:
+        start = self.clock()
+        chunks = self._reap_aborts()
+        self._update_itl_target()
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return chunks
+        logits = self.runner.forward(build_batch(plan, list(self.pool.groups)))
+        chunks += self._postprocess(plan, logits)
+        self.num_steps += 1
+        elapsed = self.clock() - start
+        self.scheduler.observe(plan, elapsed)
+        if plan.prefill_row is None:
+            self._decode_step_s.append(elapsed)
+        return chunks
+
+    def _reap_aborts(self) -> list[OutputChunk]:
+        seqs = [self.scheduler.abort(rid) for rid in self._aborts]
+        self._aborts.clear()
+        return [s.take_output() for s in seqs if s is not None]
+
+    def _update_itl_target(self) -> None:
+        if self.config.itl_target_ms == "auto":
+            times = self._decode_step_s
+            self.scheduler.itl.target_s = \
+                AUTO_ITL_FACTOR * statistics.median(times) if times else None
+
+    def _postprocess(self, plan: StepPlan, logits: torch.Tensor) -> list[OutputChunk]:
+        """Sample every row that needs a token: one Sampler call, then one more per accepted
+        draft position of verify rows (each sample is drawn from the model's distribution
+        given the tokens before it, so the kept tokens are exactly what plain decoding would
+        give: a draft is kept only if sampling agrees with it)."""
+        now = self.clock()
+        pending: list[list] = []  # [row, first logits row, drafts accepted so far]
+        offset = 0
+        for row in plan.rows:
+            num = row.num_logits  # before committing: it depends on num_computed
+            if row.kind is RowKind.PREFILL:
+                row.seq.num_computed += row.num_new_tokens
+            if num:
+                pending.append([row, offset, 0])
+            offset += num
+        while pending:
+            index = torch.tensor([first + i for _, first, i in pending], dtype=torch.long)
+            out = self.sampler.sample(logits[index], [p[0].seq.sampler for p in pending])
+            accepted = []
+            for p, token, logprob in zip(pending, out.token_ids, out.logprobs, strict=True):
+                row, _, i = p
+                seq = row.seq
+                if row.kind is not RowKind.PREFILL:
+                    seq.num_computed += 1  # the token at this position is now in the KV
+                if seq.last_token_time is not None:
+                    self._recent_itl_s.append(now - seq.last_token_time)
+                done = seq.append(token, logprob, now)
+                if not done and i < len(row.draft_ids) and token == row.draft_ids[i]:
+                    p[2] += 1
+                    accepted.append(p)
+            pending = accepted
+        self.scheduler.update(plan)
+        return [r.seq.take_output() for r in plan.rows if r.seq.has_output()]
+
+    # -- dashboard -----------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        now, sched = self.clock(), self.scheduler
+        queued = sched.requeued + [s for _, q in sched.queue.waiting() for s in q]
+        by_client: dict[str, list[Sequence]] = defaultdict(list)
+        for seq in queued:
+            by_client[seq.request.client_id].append(seq)
+        clients = tuple(
+            ClientQueueStats(c, len(q), now - min(s.arrival_time for s in q))
+            for c, q in by_client.items())
+        kv = tuple(
+            KVGroupStats(g, p.num_pages, p.num_pages - p.num_free, p.num_free,
+                         self.radix.num_cached_pages(g) if self.radix else 0)
+            for g, p in self.pool.groups.items())
+        target = sched.itl.target_s
+        return EngineStats(
+            sessions=tuple(_session_stats(s) for s in sched.running + queued),
+            num_waiting=sched.num_waiting, kv=kv, clients=clients,
+            last_plan=sched.last_plan.snapshot() if sched.last_plan else None,
+            num_steps=self.num_steps, num_preemptions=sched.num_preemptions,
+            itl_target_ms=None if target is None else target * 1e3,
+            recent_itl_ms=tuple(x * 1e3 for x in self._recent_itl_s),
+            prefix_hit_tokens=self.radix.num_hit_tokens if self.radix else 0,
+            prefix_query_tokens=self.radix.num_query_tokens if self.radix else 0)
+
+
+def _session_stats(seq: Sequence) -> SessionStats:
+    ttft = None if seq.first_token_time is None else \
+        (seq.first_token_time - seq.arrival_time) * 1e3
+    itl = statistics.fmean(seq.itl) * 1e3 if seq.itl else None
+    return SessionStats(seq.request_id, seq.request.client_id, seq.phase.value, seq.num_prompt,
+                        seq.num_cached, seq.num_computed, seq.num_output, ttft, itl,
+                        seq.num_preemptions)
+
+
+def build_batch(plan: StepPlan, groups: list[str]) -> ForwardBatch:
+    """One ForwardBatch for the plan's rows: each row's new tokens from its first
+    uncomputed position, its page table per group, and the logits rows it needs."""
+    spans: list[tuple[list[int], int]] = []
+    tables: dict[str, list[list[int]]] = {g: [] for g in groups}
+    logits_rows: list[int] = []
+    offset = 0
+    for row in plan.rows:
+        ids = row.token_ids()
+        spans.append((ids, row.start))
+        assert row.seq.pages is not None
+        for g in groups:
+            tables[g].append(row.seq.pages.table(g))
+        end = offset + len(ids)
+        logits_rows.extend(range(end - row.num_logits, end))
+        offset = end
+    return ForwardBatch.build(spans, tables, logits_rows)
