@@ -39,6 +39,7 @@ _CONTAINERS = (list, tuple, dict, set, frozenset, Namespace, KeysView, ValuesVie
 _PLAIN_CONTAINERS = frozenset({list, tuple, dict})
 _PLAIN_SCALARS = frozenset({str, int, float, bool, type(None)})
 _SMALL_SCALARS = frozenset({float, bool, type(None)})
+BUFFER_FACTOR = 8  # buffered text allowed per char of output allowance
 _OPAQUE_SIZE = 64  # what an object that is not data counts for outside text mode
 _TICK_EVERY = 4096  # values walked between two deadline checks
 
@@ -46,12 +47,13 @@ _TICK_EVERY = 4096  # values walked between two deadline checks
 class RenderBudget:
     """Deadline, size bound and the memo of tree sizes of one render."""
 
-    __slots__ = ("time_limit_s", "deadline", "max_chars", "_memo", "_steps")
+    __slots__ = ("time_limit_s", "deadline", "max_chars", "buffered", "_memo", "_steps")
 
     def __init__(self, time_limit_s: float, max_chars: int) -> None:
         self.time_limit_s = time_limit_s
         self.deadline = time.perf_counter() + time_limit_s
         self.max_chars = max_chars
+        self.buffered = 0  # chars written into macro and block buffers, all of them together
         # id -> (object, size, textual); the object is kept so its id cannot be reused.
         self._memo: dict[int, tuple[Any, int, bool]] = {}
         self._steps = 0
@@ -61,6 +63,13 @@ class RenderBudget:
             raise TemplateError(
                 f"chat template exceeded its time limit of {self.time_limit_s:g} s"
             )
+
+    def spend_buffer(self, size: int) -> None:
+        """Buffers hold text until their macro or block returns; bounding their sum bounds
+        the memory a render holds (nested macros count their text once per level)."""
+        self.buffered += size
+        if self.buffered > BUFFER_FACTOR * self.max_chars:
+            raise self.too_large("buffered output", self.buffered)
 
     def too_large(self, what: str, size: int | None = None) -> TemplateError:
         got = "" if size is None else f" ({size} chars)"

@@ -8,7 +8,8 @@ lacks, a bound on time and size, enforced from *inside* the render:
 - the compiled code calls back into the environment at every step a template can
   repeat: calls (functions, methods, macros), attribute and item access, filters, tests,
   binary operators (`+ * ** %` are intercepted), output parts, and every loop iteration
-  (the code generator wraps each `for` iterable in a ticking iterator);
+  (the code generator wraps each `for` iterable in a ticking iterator, makes macro and
+  block buffers counting lists, and routes literals and `~` through size checks);
 - each callback checks the render's deadline (`RenderBudget.tick`, a `perf_counter()`
   read) and the size of what it makes (`chat_budget`, `chat_guards`).
 
@@ -52,6 +53,10 @@ _FORBIDDEN_TAGS = {
 
 class _BoundedCodeGenerator(CodeGenerator):
     """Routes loop iterables, container literals and `~` through the environment."""
+
+    def buffer(self, frame: Frame) -> None:
+        frame.buffer = self.temporary_identifier()
+        self.writeline(f"{frame.buffer} = environment.mbufo_buffer()")
 
     def visit_For(self, node: nodes.For, frame: Frame) -> None:
         iterable = nodes.Call(
@@ -98,6 +103,25 @@ class _GenerationTag(Extension):
     def parse(self, parser: Any) -> list[nodes.Node]:
         next(parser.stream)
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+class _BoundedBuffer(list):
+    """The output buffer of a macro, call block, filter block or `{% set %}` block."""
+
+    __slots__ = ("_budget",)
+
+    def __init__(self, budget: RenderBudget) -> None:
+        super().__init__()
+        self._budget = budget
+
+    def append(self, part: str) -> None:
+        self._budget.tick()
+        self._budget.spend_buffer(len(part))
+        super().append(part)
+
+    def extend(self, parts: Iterable[str]) -> None:
+        for part in parts:
+            self.append(part)
 
 
 class _TickingIterable:
@@ -249,6 +273,9 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
                 raise budget.too_large("output", total)
             out.append(part)
         return "".join(out)
+
+    def mbufo_buffer(self) -> _BoundedBuffer:
+        return _BoundedBuffer(current_budget())
 
     def mbufo_iter(self, items: Iterable[Any]) -> _TickingIterable:
         return _TickingIterable(items, current_budget())
