@@ -127,7 +127,8 @@ def test_payload_as_message_content_is_data(payload, chatml, llama):
     assert chatml.render(messages) == expected
     tools = [{"type": "function", "function": {"name": "f", "description": payload}}]
     out = llama.render(messages, tools=tools)
-    assert f"<|start_header_id|>user<|end_header_id|>\n\n" in out and f"\n\n{payload}<|eot_id|>" in out
+    # Llama 3.1 inlines the first user message after the tool list.
+    assert f"\n\n{payload}<|eot_id|><|start_header_id|>assistant" in out
     assert json.dumps(payload)[1:-1] in out  # the tool description, JSON-escaped
 
 
