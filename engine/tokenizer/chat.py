@@ -65,7 +65,9 @@ class ChatTemplate:
     def for_model(cls, architecture: str, template: str | None, *, bos_token: str,
                   eos_token: str) -> ChatTemplate:
         """The GGUF's own template when present, else the family's built-in, else ChatML."""
-        if template is not None and template.strip():
+        if template is not None and not isinstance(template, str):
+            raise TemplateError(f"chat template must be a string, got {type(template).__name__}")
+        if template and template.strip():
             return cls(template, bos_token=bos_token, eos_token=eos_token)
         logger.info("GGUF has no chat template; using the built-in one for %r", architecture)
         chat = cls(builtin_template(architecture), bos_token=bos_token, eos_token=eos_token)

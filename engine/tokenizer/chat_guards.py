@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from engine.errors import TemplateError
@@ -30,12 +30,6 @@ FilterCheck = Callable[[RenderBudget, Data, dict[str, Any]], Data]
 def _int_arg_ok(budget: RenderBudget, value: Any, what: str) -> None:
     if isinstance(value, int) and value > budget.max_chars:
         raise budget.too_large(what, value)
-
-
-def _check_digit_runs(budget: RenderBudget, text: str, what: str) -> None:
-    for run in _DIGITS.findall(text):
-        if len(run) > 12 or int(run) > budget.max_chars:
-            raise budget.too_large(what, None)
 
 
 # ---- binary operators ------------------------------------------------------------------
@@ -62,39 +56,69 @@ def check_binop(budget: RenderBudget, operator: str, left: Any, right: Any) -> N
         check_printf(budget, left if isinstance(left, str) else left.decode("latin-1"), right)
 
 
+def _widest(budget: RenderBudget, spec: str) -> int:
+    """The largest number written in a format spec, refused past the bound."""
+    runs = _DIGITS.findall(spec)
+    for run in runs:
+        if len(run) > 12 or int(run) > budget.max_chars:
+            raise budget.too_large("format width", None)
+    return max(map(int, runs), default=0)
+
+
+def _largest_int(budget: RenderBudget, values: Any, what: str) -> int:
+    largest = 0
+    for value in values:
+        if isinstance(value, int):
+            if value > budget.max_chars:
+                raise budget.too_large(what, value)
+            largest = max(largest, value)
+    return largest
+
+
 def check_printf(budget: RenderBudget, fmt: str, args: Any) -> None:
-    """`fmt % args`: field widths and precisions, literal or `*`, stay within the bound."""
-    has_star = False
-    for match in _PRINTF_SPEC.finditer(fmt):
-        for group in match.groups():
-            if group == "*":
-                has_star = True
-            elif group:
-                _check_digit_runs(budget, group, "printf width")
+    """`fmt % args`: widths (literal or `*`) and the result stay within the bound. A
+    mapping's values can be named by many specs; positional values are used once each."""
     values = args if isinstance(args, tuple) else (args,)
-    if has_star:
-        for value in values:
-            _int_arg_ok(budget, value, "printf width")
-    for value in values:
-        budget.measure(value, text=True)
+    specs = [group for match in _PRINTF_SPEC.finditer(fmt) for group in match.groups()]
+    star = _largest_int(budget, values, "printf width") if "*" in specs else 0
+    width = sum(star if group == "*" else _widest(budget, group) for group in specs if group)
+    if isinstance(args, Mapping):
+        largest = max((budget.measure(v, text=True) for v in args.values()), default=0)
+        size = max(budget.measure(args, text=True), len(specs) // 2 * largest)
+    else:
+        size = sum(budget.measure(value, text=True) for value in values)
+    budget.check(len(fmt) + size + width, "printf result")
 
 
-def check_str_format(budget: RenderBudget, fmt: str, args: Data, kwargs: dict[str, Any]) -> None:
-    """`fmt.format(...)`: widths in format specs, literal or nested `{}`, stay bounded."""
-    nested = False
-    for _, _, spec, _ in string.Formatter().parse(fmt):
+def check_str_format(budget: RenderBudget, fmt: str, is_map: bool, args: Data,
+                     kwargs: dict[str, Any]) -> None:
+    """`fmt.format(...)` / `fmt.format_map(m)`: each field adds its argument's size and its
+    width; an argument named by many fields counts each time."""
+    if is_map:
+        mapping = args[0] if args else {}
+        args, kwargs = (), mapping if isinstance(mapping, Mapping) else {}
+    nested_width = 0  # what a `{:{w}}` width can take
+    if any(spec and "{" in spec for _, _, spec, _ in string.Formatter().parse(fmt)):
+        nested_width = _largest_int(budget, (*args, *kwargs.values()), "format width")
+    sizes: dict[Any, int] = {}
+    total, auto = len(fmt), 0
+    for _, field, spec, _ in string.Formatter().parse(fmt):
+        if field is None:
+            continue
+        first = field.split(".", 1)[0].split("[", 1)[0]
+        if first == "":
+            key: Any = auto
+            auto += 1
+        else:
+            key = int(first) if first.isdigit() else first
+        if key not in sizes:
+            value = args[key] if isinstance(key, int) and key < len(args) else (
+                kwargs.get(key) if isinstance(key, str) else None)
+            sizes[key] = budget.measure(value, text=True)
+        total += sizes[key]
         if spec:
-            _check_digit_runs(budget, spec, "format width")
-            nested = nested or "{" in spec
-    values = (*args, *kwargs.values())
-    if nested:
-        for value in values:
-            _int_arg_ok(budget, value, "format width")
-    for value in values:
-        if nested and isinstance(value, dict):  # format_map's mapping
-            for item in value.values():
-                _int_arg_ok(budget, item, "format width")
-        budget.measure(value, text=True)
+            total += nested_width if "{" in spec else _widest(budget, spec)
+        budget.check(total, "format() result")
 
 
 # ---- str / bytes methods ---------------------------------------------------------------

@@ -37,12 +37,17 @@ from jinja2 import nodes
 from jinja2.compiler import CodeGenerator, Frame
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
-from jinja2.utils import _PassArg
 
 from engine.errors import TemplateError
 from engine.tokenizer import chat_guards
 from engine.tokenizer.chat_budget import RenderBudget, activate, current_budget, deactivate
 
+# 3.1.5 and 3.1.6 closed sandbox escapes through str.format and the attr filter; the
+# format checks below hook `wrap_str_format`, which 3.1.5 introduced.
+if tuple(int(part) for part in jinja2.__version__.split(".")[:3]) < (3, 1, 6):
+    raise ImportError(f"chat templates need jinja2 >= 3.1.6, found {jinja2.__version__}")
+
+MAX_SOURCE_CHARS = 256 * 1024  # real templates are under 20 KB; compiling is not free
 _FORBIDDEN_TAGS = {
     nodes.Extends: "extends",
     nodes.Include: "include",
@@ -162,7 +167,8 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None,
 
 
 def _guard_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
-    skip = 1 if _PassArg.from_obj(func) is not None else 0  # leading context argument
+    # Filters marked pass_context / pass_eval_context / pass_environment get that first.
+    skip = 1 if getattr(func, "jinja_pass_arg", None) is not None else 0
     check = chat_guards.FILTER_CHECKS.get(name)
     is_text = name in chat_guards.TEXT_FILTERS
 
@@ -221,6 +227,10 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     # ---- compile and render ---------------------------------------------------------
 
     def compile_template(self, source: str) -> jinja2.Template:
+        if len(source) > MAX_SOURCE_CHARS:
+            raise TemplateError(
+                f"chat template is {len(source)} chars long, more than {MAX_SOURCE_CHARS}"
+            )
         try:
             tree = self.parse(source)
             for kind, tag in _FORBIDDEN_TAGS.items():
@@ -233,8 +243,14 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             raise TemplateError(
                 f"chat template syntax error at line {e.lineno}: {e.message}"
             ) from None
+        except TemplateError:
+            raise
         except RecursionError:
             raise TemplateError("chat template is nested too deeply to compile") from None
+        except Exception as e:  # e.g. an integer literal too long, Python's block limit
+            raise TemplateError(
+                f"chat template cannot be compiled: {type(e).__name__}: {str(e)[:300]}"
+            ) from e
 
     def render(self, template: jinja2.Template, context: dict[str, Any], *,
                time_limit_s: float, max_output_chars: int) -> str:
@@ -321,10 +337,10 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         sandboxed = super().wrap_str_format(value)
         if sandboxed is None:
             return None
-        fmt = value.__self__
+        fmt, is_map = value.__self__, value.__name__ == "format_map"
 
         def bounded(*args: Any, **kwargs: Any) -> str:
-            chat_guards.check_str_format(current_budget(), fmt, args, kwargs)
+            chat_guards.check_str_format(current_budget(), fmt, is_map, args, kwargs)
             return sandboxed(*args, **kwargs)
 
         return bounded

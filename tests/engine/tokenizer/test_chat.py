@@ -218,6 +218,17 @@ def test_mistral_raise_exception_on_bad_role_order():
         ("{{ bos_token }}|{{ eos_token }}|{{ add_generation_prompt }}|{{ tools }}",
          "<s>|</s>|True|None"),
         ("{{ messages[0].role ~ '/' ~ messages|length }}", "user/1"),
+        ("{{ '%*d|%-3s|%.2f' % (4, 7, 'ab', 3.14159) }}{{ '%d' % 10**9 }}",
+         "   7|ab |3.141000000000"),
+        ("{{ '%(a)s-%(b)03d' % {'a': 'x', 'b': 7} }}{{ '%s!'|format('q') }}", "x-007q!"),
+        ("{{ '{0:>{1}}|{0!r}|{n}'.format('a', 3, n=5) }}", "  a|'a'|5"),
+        ("{{ '{a}{b}'.format_map({'a': 1, 'b': 'z'}) }}{{ 'ab'.center(6, '*') }}", "1z**ab**"),
+        ("{{ ['a', 'b']|join(', ') }}|{{ '-'.join(['c', 'd']) }}|{{ 'a\tb'.expandtabs(4) }}",
+         "a, b|c-d|a   b"),
+        ("{{ 'x'|indent(2, first=True) }}|{{ 'aXa'|replace('X', 'yy') }}|{{ 'hello'|truncate(3, "
+         "leeway=0) }}", "  x|ayya|..."),
+        ("{{ 2 ** 10 }} {{ [0] * 3 }} {{ 'ab' * 2 }} {{ [1] + [2] }}",
+         "1024 [0, 0, 0] abab [1, 2]"),
     ],
 )
 def test_context_and_filters(source, expected):

@@ -209,6 +209,10 @@ AMPLIFIERS = [
     "{{ '%.999999999f' % 1.0 }}",
     "{{ '{:>999999999}'.format(1) }}",
     "{{ '{:>{w}}'.format(1, w=999999999) }}",
+    "{{ ('{0}' * 100000).format('a' * 1000000) }}",
+    "{{ ('{a}' * 100000).format_map({'a': 'a' * 1000000}) }}",
+    "{{ ('%(a)s' * 100000) % {'a': 'a' * 1000000} }}",
+    "{{ ('%(a)s' * 100000)|format(a='a' * 1000000) }}",
     "{{ 'a'|center(999999999) }}",
     "{{ 'a'.ljust(999999999) }}",
     "{{ 'a'.zfill(10**9) }}",
@@ -255,6 +259,20 @@ def test_long_input_is_not_refused_but_amplifying_it_is():
                           max_output_chars=1000)
     with pytest.raises(TemplateError, match="size limit"):
         thrice.render(messages)
+
+
+@pytest.mark.parametrize(
+    ("source", "match"),
+    [
+        ("{{ " + "9" * 5000 + " }}", "cannot be compiled"),
+        ("{% for a in b %}" * 25 + "{% endfor %}" * 25, "cannot be compiled"),
+        ("{{ " + "(" * 300 + "1" + ")" * 300 + " }}", "nested too deeply"),
+        ("x" * 300_000, "more than"),
+    ],
+)
+def test_hostile_source_fails_to_compile_cleanly(source, match):
+    with pytest.raises(TemplateError, match=match):
+        ChatTemplate(source)
 
 
 def test_render_works_after_a_failed_render():
