@@ -13,7 +13,8 @@ filter order top-k -> top-p -> min-p):
      renormalise, so this is a threshold on the scaled logits.
   7. draw: one float64 uniform from the sequence's own CPU generator, inverse CDF over the
      kept weights in id order. A row's draw depends only on its logits and its generator,
-     never on the other rows, and a seeded row gives the same tokens on CPU and GPU.
+     never on the other rows; a seeded row gives the same tokens on CPU and GPU (barring
+     float rounding that moves a CDF boundary across the draw).
 Greedy (temperature 0 or top_k 1): argmax after penalties and grammar mask, ties to the lowest
 id. Logprobs come from log_softmax of the *raw* logits (before penalties, temperature and the
 grammar mask) in float32: the model's distribution, as OpenAI and vLLM's default report it.
@@ -76,9 +77,9 @@ class SamplerState:
     params: SamplingParams
     generator: torch.Generator  # CPU: one float64 uniform per random step
     vocab_size: int
-    seen_mask: torch.Tensor | None = None  # (vocab,) bool, prompt + output ids
-    output_counts: torch.Tensor | None = None  # (vocab,) int32, output ids
-    pending_ids: list[int] = field(default_factory=list)  # recorded, not yet in the tensors
+    prompt_mask: torch.Tensor | None = None  # (vocab,) bool, prompt ids (repetition only)
+    output_counts: torch.Tensor | None = None  # (vocab,) float32 counts of output ids
+    pending_ids: list[int] = field(default_factory=list)  # recorded, not yet in output_counts
     uniforms: list[float] = field(default_factory=list)  # drawn ahead, consumed from the end
     num_output_tokens: int = 0
 
@@ -93,17 +94,23 @@ class SamplerState:
         else:
             generator.manual_seed(params.seed % 2**64)
         state = cls(params, generator, vocab_size)
+        # Kept on the device across steps and updated by the recorded ids only (one
+        # index_add_ per step), never rebuilt from the history. The output side of
+        # "seen" for repetition_penalty is output_counts > 0.
         if params.repetition_penalty != 1.0:
-            state.seen_mask = torch.zeros(vocab_size, dtype=torch.bool)
+            state.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool)
             if len(prompt_ids):
-                state.seen_mask[torch.as_tensor(list(prompt_ids), dtype=torch.long)] = True
-        if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
-            state.output_counts = torch.zeros(vocab_size, dtype=torch.int32)
+                state.prompt_mask[torch.as_tensor(list(prompt_ids), dtype=torch.long)] = True
+        if state.has_penalties:
+            # float32 holds counts exactly up to 2**24 and has atomic adds everywhere.
+            state.output_counts = torch.zeros(vocab_size, dtype=torch.float32)
         return state
 
     @property
     def has_penalties(self) -> bool:
-        return self.seen_mask is not None or self.output_counts is not None
+        p = self.params
+        return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                or p.presence_penalty != 0.0)
 
     def record(self, token_id: int) -> None:
         """A token was appended to the output: count it and advance the grammar."""
@@ -124,22 +131,6 @@ class SamplerState:
             self.uniforms = block.tolist()[::-1]
         return self.uniforms.pop()
 
-    def penalty_tensors(self, device: torch.device) -> tuple[torch.Tensor | None, ...]:
-        """(seen_mask, output_counts) on `device`, with recorded ids applied in one update."""
-        if self.seen_mask is not None and self.seen_mask.device != device:
-            self.seen_mask = self.seen_mask.to(device)
-        if self.output_counts is not None and self.output_counts.device != device:
-            self.output_counts = self.output_counts.to(device)
-        if self.pending_ids:
-            ids = torch.tensor(self.pending_ids, dtype=torch.long, device=device)
-            if self.seen_mask is not None:
-                self.seen_mask[ids] = True
-            if self.output_counts is not None:
-                ones = torch.ones_like(ids, dtype=torch.int32)
-                self.output_counts.index_put_((ids,), ones, accumulate=True)
-            self.pending_ids.clear()
-        return self.seen_mask, self.output_counts
-
 
 class Sampler:
     """Stateless: all per-sequence state lives in SamplerState."""
@@ -152,24 +143,27 @@ class Sampler:
         With record=True (the default) each chosen token is passed to its state's record()
         (penalty counts, grammar.accept); the caller then must not record it again.
         """
-        x = self._adjusted(logits, states)  # (rows, vocab) float64
-        device = x.device
-        greedy = [i for i, s in enumerate(states) if s.params.is_greedy]
+        if not states:
+            return SampleOutput([], [])
         rand = [i for i, s in enumerate(states) if not s.params.is_greedy]
-        token_ids = torch.zeros(len(states), dtype=torch.long, device=device)
-        if greedy:
-            token_ids[greedy] = x[greedy].argmax(dim=-1)  # first maximum: lowest id
+        uniforms = [0.0] * len(states)
+        for i in rand:
+            uniforms[i] = states[i].next_uniform()
+        x, table = self._adjusted(logits, states, uniforms)  # (rows, vocab) float64
+        if len(rand) < len(states):
+            token_ids = x.argmax(dim=-1)  # first maximum: ties go to the lowest id
         if rand:
-            weights = _filtered_weights(x[rand], [states[i].params for i in rand])
-            u = torch.tensor([states[i].next_uniform() for i in rand], dtype=torch.float64)
-            u = u.to(device)
+            rows = _Rows(rand, x.shape[0], x.device)
+            params = rows.of(table)
+            weights = _filtered_weights(rows.of(x), params, [states[i].params for i in rand])
             cdf = weights.cumsum(dim=-1)  # (rand, vocab), last column = total kept weight
-            target = (u * cdf[:, -1]).unsqueeze(-1)
+            target = (params[:, _U] * cdf[:, -1]).unsqueeze(-1)
             # First id whose cdf exceeds the target; zero-weight ids never increase the cdf.
             picked = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-            token_ids[rand] = picked.clamp_(max=x.shape[-1] - 1)
+            picked = picked.clamp_(max=x.shape[-1] - 1)
+            token_ids = picked if rows.is_all else token_ids.index_copy(0, rows.index, picked)
+        logprobs = _logprobs(logits, states, token_ids)
         tokens = token_ids.tolist()
-        logprobs = _logprobs(logits, states, tokens)
         if record:
             for state, token in zip(states, tokens, strict=True):
                 state.record(token)
@@ -180,48 +174,107 @@ class Sampler:
 
         For speculative verification (rejection sampling needs the target distribution).
         """
-        x = self._adjusted(logits, states)
+        x, table = self._adjusted(logits, states, [0.0] * len(states))
         out = torch.zeros_like(x)
         for i, state in enumerate(states):
             if state.params.is_greedy:
                 out[i, x[i].argmax()] = 1.0
             else:
-                w = _filtered_weights(x[i : i + 1], [state.params])
+                w = _filtered_weights(x[i : i + 1], table[i : i + 1], [state.params])
                 out[i] = w[0] / w[0].sum()
         return out
 
-    def _adjusted(self, logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
-        """Raw logits -> float64 copy with penalties and grammar masks applied."""
+    def _adjusted(
+        self, logits: torch.Tensor, states: Sequence[SamplerState], uniforms: list[float]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw logits -> (float64 copy with penalties and grammar masks, parameter table)."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits {tuple(logits.shape)} for {len(states)} sequences")
         for state in states:
             if state.vocab_size != logits.shape[-1]:
                 raise ValueError(f"logits width {logits.shape[-1]} != vocab {state.vocab_size}")
+        table = _param_table(states, uniforms, logits.shape[-1], logits.device)
         x = logits.to(torch.float64, copy=True)
-        _apply_penalties(x, states)
+        _apply_penalties(x, table, states)
         _apply_grammar(x, states)
-        return x
+        return x, table
 
 
-def _apply_penalties(x: torch.Tensor, states: Sequence[SamplerState]) -> None:
+# Columns of the per-row parameter table: built on the host and copied once per step.
+_T, _K, _P, _MIN_P, _REP, _FREQ, _PRES, _U = range(8)
+
+
+def _param_table(
+    states: Sequence[SamplerState], uniforms: list[float], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """(rows, 8) float64; top_k as a count (vocab when off), u the row's uniform draw."""
+    rows = []
+    for state, u in zip(states, uniforms, strict=True):
+        p = state.params
+        top_k = p.top_k if 0 < p.top_k < vocab else vocab
+        rows.append([p.temperature, top_k, p.top_p, p.min_p, p.repetition_penalty,
+                     p.frequency_penalty, p.presence_penalty, u])
+    return torch.tensor(rows, dtype=torch.float64).reshape(-1, 8).to(device)
+
+
+class _Rows:
+    """A subset of the batch's rows; the whole batch needs no gather."""
+
+    def __init__(self, rows: list[int], num_rows: int, device: torch.device) -> None:
+        self.is_all = len(rows) == num_rows  # rows are sorted and unique
+        self.index = torch.tensor(rows, dtype=torch.long).to(device)
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.is_all else t.index_select(0, self.index)
+
+
+def _sync_counts(states: Sequence[SamplerState], device: torch.device) -> list[torch.Tensor]:
+    """Each state's output_counts on `device` with its recorded ids applied.
+
+    One host->device copy for the batch and one index_add_ per state that has new ids.
+    """
+    flat = [t for s in states for t in s.pending_ids]
+    ids = torch.tensor(flat, dtype=torch.long).to(device) if flat else None
+    ones = torch.ones(len(flat), dtype=torch.float32, device=device) if flat else None
+    out, start = [], 0
+    for state in states:
+        counts = state.output_counts
+        assert counts is not None
+        if counts.device != device:
+            counts = state.output_counts = counts.to(device)
+        if state.prompt_mask is not None and state.prompt_mask.device != device:
+            state.prompt_mask = state.prompt_mask.to(device)
+        if state.pending_ids and ids is not None and ones is not None:
+            end = start + len(state.pending_ids)
+            counts.index_add_(0, ids[start:end], ones[start:end])
+            state.pending_ids.clear()
+            start = end
+        out.append(counts)
+    return out
+
+
+def _apply_penalties(x: torch.Tensor, table: torch.Tensor, states: Sequence[SamplerState]) -> None:
     """In place on x (rows, vocab); rows without penalties are untouched."""
-    rep_rows = [i for i, s in enumerate(states) if s.seen_mask is not None]
-    cnt_rows = [i for i, s in enumerate(states) if s.output_counts is not None]
-    tensors = {i: states[i].penalty_tensors(x.device) for i in set(rep_rows) | set(cnt_rows)}
-
-    def column(values: list[float]) -> torch.Tensor:  # (rows, 1)
-        return torch.tensor(values, dtype=x.dtype, device=x.device).unsqueeze(-1)
-
-    if rep_rows:
-        sub = x[rep_rows]  # (r, vocab)
-        seen = torch.stack([tensors[i][0] for i in rep_rows])
-        r = column([states[i].params.repetition_penalty for i in rep_rows])
-        x[rep_rows] = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
-    if cnt_rows:
-        counts = torch.stack([tensors[i][1] for i in cnt_rows]).to(x.dtype)  # (c, vocab)
-        f = column([states[i].params.frequency_penalty for i in cnt_rows])
-        p = column([states[i].params.presence_penalty for i in cnt_rows])
-        x[cnt_rows] -= f * counts + p * (counts > 0).to(x.dtype)
+    penalized = [i for i, s in enumerate(states) if s.output_counts is not None]
+    if not penalized:
+        return
+    rows = _Rows(penalized, x.shape[0], x.device)
+    counts = torch.stack(_sync_counts([states[i] for i in penalized], x.device))  # (r, vocab)
+    in_output = counts > 0
+    seen = in_output  # prompt + output ids, for repetition_penalty
+    masks = [states[i].prompt_mask for i in penalized]
+    if any(m is not None for m in masks):
+        blank = torch.zeros_like(in_output[0])
+        seen = in_output | torch.stack([blank if m is None else m for m in masks])
+    params = rows.of(table)
+    r, f, p = (params[:, c : c + 1] for c in (_REP, _FREQ, _PRES))  # (r, 1) each
+    sub = rows.of(x)
+    sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+    sub = sub - f * counts.to(x.dtype) - p * in_output.to(x.dtype)
+    if rows.is_all:
+        x.copy_(sub)
+    else:
+        x.index_copy_(0, rows.index, sub)
 
 
 def _apply_grammar(x: torch.Tensor, states: Sequence[SamplerState]) -> None:
@@ -235,55 +288,57 @@ def _apply_grammar(x: torch.Tensor, states: Sequence[SamplerState]) -> None:
         x[i].masked_fill_(~allowed.to(x.device), float("-inf"))
 
 
-def _filtered_weights(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def _filtered_weights(
+    x: torch.Tensor, table: torch.Tensor, params: Sequence[SamplingParams]
+) -> torch.Tensor:
     """x (rows, vocab) float64 adjusted logits -> unnormalised weights, 0 outside the support.
 
     The weights are exp(l/T - max): the top token has weight 1, so min-p is `w >= min_p`.
+    `params` (host side) only decides which filters any row needs.
     """
-    rows, vocab = x.shape
-    dev = x.device
-    temp = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=dev)
-    scaled = x / temp.unsqueeze(-1)
+    vocab = x.shape[-1]
+    scaled = x / table[:, _T : _T + 1]
     w = torch.exp(scaled - scaled.amax(dim=-1, keepdim=True))
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    top_p = [p.top_p for p in params]
-    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-        k = torch.tensor(top_k, device=dev)
-        w = _top_k_top_p(w, k, torch.tensor(top_p, dtype=x.dtype, device=dev))
+    if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
+        w = _top_k_top_p(w, table[:, _K : _K + 1], table[:, _P : _P + 1])
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=dev)
-        w = w.masked_fill(w < min_p.unsqueeze(-1), 0.0)
+        w = w.masked_fill(w < table[:, _MIN_P : _MIN_P + 1], 0.0)
     return w
 
 
 def _top_k_top_p(w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """w (rows, vocab) weights; top_k (rows,) long (vocab = off); top_p (rows,) (1 = off)."""
+    """w (rows, vocab) weights; top_k (rows, 1) count (vocab = off); top_p (rows, 1) (1 = off)."""
     # Stable descending sort: equal weights stay in id order, so ties go to the lower id.
     sorted_w, order = w.sort(dim=-1, descending=True, stable=True)
-    rank = torch.arange(w.shape[-1], device=w.device)
-    sorted_w = sorted_w.masked_fill(rank >= top_k.unsqueeze(-1), 0.0)
+    rank = torch.arange(w.shape[-1], device=w.device, dtype=w.dtype)
+    sorted_w = sorted_w.masked_fill(rank >= top_k, 0.0)
     cum = sorted_w.cumsum(dim=-1)
     before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)  # mass ahead
-    keep = (before < top_p.unsqueeze(-1) * cum[:, -1:]) | (top_p >= 1.0).unsqueeze(-1)
+    keep = (before < top_p * cum[:, -1:]) | (top_p >= 1.0)
     sorted_w = sorted_w.masked_fill(~keep, 0.0)
     return torch.zeros_like(w).scatter_(-1, order, sorted_w)
 
 
 def _logprobs(
-    logits: torch.Tensor, states: Sequence[SamplerState], tokens: list[int]
+    logits: torch.Tensor, states: Sequence[SamplerState], token_ids: torch.Tensor
 ) -> list[TokenLogprobs | None]:
+    """From the raw logits; token_ids (rows,) on the logits' device."""
     out: list[TokenLogprobs | None] = [None] * len(states)
-    rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-    if not rows:
+    wanted = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+    if not wanted:
         return out
-    lp = torch.log_softmax(logits[rows].to(torch.float32), dim=-1)  # (r, vocab) raw logits
-    chosen_ids = torch.tensor([tokens[i] for i in rows], device=lp.device).unsqueeze(-1)
-    chosen = lp.gather(-1, chosen_ids).squeeze(-1).tolist()
-    k_max = max(states[i].params.logprobs or 0 for i in rows)
-    top_vals, top_ids = lp.topk(k_max, dim=-1) if k_max else (lp[:, :0], lp[:, :0].long())
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    for j, i in enumerate(rows):
+    rows = _Rows(wanted, len(states), logits.device)
+    lp = torch.log_softmax(rows.of(logits).to(torch.float32), dim=-1)  # (r, vocab)
+    chosen_ids = rows.of(token_ids).unsqueeze(-1)
+    chosen = lp.gather(-1, chosen_ids).squeeze(-1)
+    k_max = max(states[i].params.logprobs or 0 for i in wanted)
+    top_vals, top_ids = lp.topk(k_max, dim=-1)  # (r, k_max), most likely first
+    # One device->host copy: chosen id, its logprob, then the top pairs.
+    packed = torch.cat([chosen_ids.double(), chosen.double().unsqueeze(-1),
+                        top_ids.double(), top_vals.double()], dim=-1).tolist()
+    for row, i in zip(packed, wanted, strict=True):
         k = states[i].params.logprobs or 0
-        top = tuple(zip(top_ids[j][:k], top_vals[j][:k], strict=True))
-        out[i] = TokenLogprobs(tokens[i], chosen[j], top)
+        ids, vals = row[2 : 2 + k], row[2 + k_max : 2 + k_max + k]
+        top = tuple((int(t), v) for t, v in zip(ids, vals, strict=True))
+        out[i] = TokenLogprobs(int(row[0]), row[1], top)
     return out

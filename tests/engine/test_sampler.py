@@ -15,6 +15,15 @@ from engine.sampler import Sampler, SamplerState, SamplingParams
 VOCAB = 120
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tensors here are tiny: intra-op threads only add sync cost (badly on busy CPUs)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def penalized(logits, params, prompt_ids=(), output_ids=()):
     """Reference penalties: CTRL repetition over prompt+output, OpenAI freq/presence on output."""
     x = np.asarray(logits, dtype=np.float64).copy()
@@ -174,7 +183,7 @@ def test_logprobs_are_raw_log_softmax(k):
     rng = np.random.default_rng(6)
     logits = np.stack([random_logits(rng, scale=4.0) for _ in range(3)])
     params = [SamplingParams(logprobs=k, temperature=0.5, repetition_penalty=1.5, seed=1),
-              SamplingParams(), SamplingParams(logprobs=k, temperature=0.0)]
+              SamplingParams(), SamplingParams(logprobs=min(k, 3), temperature=0.0)]
     states = [SamplerState.create(p, [0, 1, 2], VOCAB) for p in params]
     out = Sampler().sample(torch.from_numpy(logits), states)
     assert out.logprobs[1] is None
@@ -184,7 +193,7 @@ def test_logprobs_are_raw_log_softmax(k):
         lp = out.logprobs[i]
         assert lp.token_id == out.token_ids[i]
         assert abs(lp.logprob - ref[lp.token_id]) < 1e-5
-        assert [t for t, _ in lp.top] == list(np.argsort(-ref, kind="stable")[:k])
+        assert [t for t, _ in lp.top] == list(np.argsort(-ref)[: params[i].logprobs])
         np.testing.assert_allclose([v for _, v in lp.top], ref[[t for t, _ in lp.top]], atol=1e-5)
 
 
@@ -252,3 +261,29 @@ def test_unseeded_sequences_differ():
         state = SamplerState.create(SamplingParams(), [], VOCAB)
         runs.append([Sampler().sample(logits, [state]).token_ids[0] for _ in range(20)])
     assert runs[0] != runs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")
+def test_device_rows_match_cpu_rows():
+    """Same seeds on CPU and GPU: same tokens (the draws come from CPU generators)."""
+    vocab = 50_000
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, logprobs=5),
+              SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4),
+              SamplingParams(top_k=40, min_p=0.05, presence_penalty=0.7, seed=2),
+              SamplingParams(temperature=1.2, seed=3, grammar=SetGrammar(range(0, vocab, 3)))]
+    runs = {}
+    for device in ("cpu", "cuda"):
+        states = [SamplerState.create(p, list(range(20)), vocab) for p in params]
+        if params[3].grammar is not None:
+            params[3].grammar.accepted.clear()
+        rng = np.random.default_rng(9)
+        tokens, logprobs = [], []
+        for _ in range(20):
+            logits = torch.from_numpy(rng.standard_normal((4, vocab)).astype(np.float32) * 3)
+            out = Sampler().sample(logits.to(device), states)
+            tokens.append(out.token_ids)
+            logprobs.append(out.logprobs[0].logprob)
+        runs[device] = tokens, logprobs
+    assert runs["cpu"][0] == runs["cuda"][0]
+    np.testing.assert_allclose(runs["cpu"][1], runs["cuda"][1], atol=1e-5)
