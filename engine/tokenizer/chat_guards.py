@@ -5,7 +5,9 @@ Each check runs *before* the operation, on operands that already obey the size b
 arithmetic (`*`, `**`), printf and `str.format` widths, and the filters and `str` methods
 that amplify (center/ljust/zfill widths, indent, replace, join, wordwrap, batch/slice
 counts, tojson indentation). Everything else produces at most a constant factor of its
-inputs and is checked after the fact by `RenderBudget.measure`.
+inputs and is checked after the fact by `RenderBudget.measure`. The few pure-Python text
+filters that are slow per character (urlize, wordwrap, pprint, title, xmlattr) take
+bounded input, since no deadline check can run inside them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ _MAX_INT_BITS = 1 << 15  # str(int) refuses ~14k bits anyway; keeps bigint math 
 _PRINTF_SPEC = re.compile(r"%(?:\([^)]*\))?[#0 +-]*(\*|\d+)?(?:\.(\*|\d+))?")
 _DIGITS = re.compile(r"\d+")
 _SEQUENCES = (str, bytes, list, tuple)
+SLOW_FILTER_INPUT = 32 * 1024
 
 Data = tuple[Any, ...]
 FilterCheck = Callable[[RenderBudget, Data, dict[str, Any]], Data]
@@ -179,6 +182,33 @@ def _width_check(index: int, name: str, default: Any) -> FilterCheck:
     return check
 
 
+def _slow(name: str, then: FilterCheck | None = None) -> FilterCheck:
+    """Pure-Python text filters cost microseconds per char and cannot check the deadline
+    inside; chat templates use them, if ever, on short strings."""
+
+    def check(budget: RenderBudget, data: Data, kwargs: dict[str, Any]) -> Data:
+        size = budget.measure(data[0], text=True)
+        if size > SLOW_FILTER_INPUT:
+            raise TemplateError(
+                f"chat template filter {name!r} takes at most {SLOW_FILTER_INPUT} chars, "
+                f"got {size}"
+            )
+        return then(budget, data, kwargs) if then is not None else data
+
+    return check
+
+
+def _chars(name: str) -> FilterCheck:
+    """A string turned into a list of characters grows fivefold in tree size."""
+
+    def check(budget: RenderBudget, data: Data, kwargs: dict[str, Any]) -> Data:
+        if isinstance(data[0], str):
+            budget.check(5 * len(data[0]) + 2, f"{name} of a string")
+        return data
+
+    return check
+
+
 def _indent(budget: RenderBudget, data: Data, kwargs: dict[str, Any]) -> Data:
     text = _as_text(budget, data[0])
     width = _arg(data, kwargs, 1, "width", 4)
@@ -233,8 +263,15 @@ FILTER_CHECKS: dict[str, FilterCheck] = {
     "replace": _replace,
     "join": _join,
     "format": _format,
-    "wordwrap": _wordwrap,
+    "wordwrap": _slow("wordwrap", _wordwrap),
     "tojson": _tojson,
+    "urlize": _slow("urlize"),
+    "pprint": _slow("pprint"),
+    "title": _slow("title"),
+    "xmlattr": _slow("xmlattr"),
+    "list": _chars("list"),
+    "sort": _chars("sort"),
+    "unique": _chars("unique"),
 }
 
 # Filters that turn their input into text: their arguments must be data, never objects.
