@@ -92,7 +92,6 @@ class LLM:
             pos = len(prompt_ids)
             while True:
                 token = self.sampler.sample(logits[-1:], [state]).token_ids[0]
-                state.record(token)
                 update = stop.feed(token, detok.push(token))
                 text = update.text
                 if update.finish_reason is not None and update.finish_reason != "stop":

@@ -13,11 +13,11 @@ __all__ = ["ForwardBatch", "ModelRunner"]
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, num_pages: int, page_size: int = 16,
-                 kv_quant: str = "f16") -> None:
+    def __init__(self, model: DecoderModel, num_pages: int | dict[str, int],
+                 page_size: int = 16, kv_quant: str = "f16") -> None:
         self.model = model
         groups = {spec.group for spec in model.kv_layers() if spec is not None}
-        pages = {g: num_pages for g in groups}
+        pages = {g: num_pages[g] if isinstance(num_pages, dict) else num_pages for g in groups}
         self.pool = KVPool(pages, page_size, model.windows())
         self.kv = KVCache(model.kv_layers(), pages, page_size, kv_quant)
 

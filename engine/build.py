@@ -1,0 +1,59 @@
+"""Build a running Engine for a model from one options object (CLI, server, benchmarks)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from engine.core import EngineCore
+from engine.engine import Engine
+from engine.llm import DTYPES
+from engine.loader import LoadedModel, load
+from engine.models.config import ModelConfig
+from engine.runner import ModelRunner
+from engine.scheduler.scheduler import SchedulerConfig
+
+PAGE_SIZE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    sessions: int = 4  # resident sequences
+    context: int = 4096  # tokens per session: prompt + output
+    prefill_chunk: int = 512
+    mixed_batch: bool = True
+    itl_target_ms: float | str | None = "auto"
+    kv_quant: str = "f16"
+    dtype: str = "bf16"
+    max_pending_per_client: int | None = 16
+    prefix_cache_fraction: float = 0.5  # extra full-layer pages for cached prefixes
+
+
+def pages_per_group(cfg: ModelConfig, opts: EngineOptions) -> dict[str, int]:
+    """Pages for `sessions` x `context`; sliding layers only need window + one chunk."""
+    per_session_full = -(-opts.context // PAGE_SIZE)
+    pages = {"full": int(opts.sessions * per_session_full * (1 + opts.prefix_cache_fraction))}
+    if cfg.sliding_window:
+        kept = min(opts.context, cfg.sliding_window + opts.prefill_chunk) + 2 * PAGE_SIZE
+        pages["sliding"] = int(opts.sessions * -(-kept // PAGE_SIZE)
+                               * (1 + opts.prefix_cache_fraction))
+    return pages
+
+
+def build_core(loaded: LoadedModel, opts: EngineOptions) -> EngineCore:
+    cfg = loaded.config
+    context = min(opts.context, cfg.context_length)
+    runner = ModelRunner(loaded.model, pages_per_group(cfg, opts), PAGE_SIZE, opts.kv_quant)
+    sched = SchedulerConfig(max_sessions=opts.sessions, context=context,
+                            prefill_chunk=opts.prefill_chunk, mixed_batch=opts.mixed_batch,
+                            itl_target_ms=opts.itl_target_ms,
+                            max_pending_per_client=opts.max_pending_per_client)
+    return EngineCore(runner, loaded.tokenizer, sched, vocab_size=cfg.vocab_size)
+
+
+def build_engine(model: str | os.PathLike, opts: EngineOptions | None = None,
+                 loaded: LoadedModel | None = None) -> Engine:
+    """Load `model` (a path or 'default') unless `loaded` is given; returns a started Engine."""
+    opts = opts or EngineOptions()
+    loaded = loaded or load(model, DTYPES[opts.dtype])
+    return Engine(build_core(loaded, opts), name=loaded.path.stem, loaded=loaded).start()

@@ -1,0 +1,162 @@
+"""Engine: the loop thread around EngineCore, and the submit/abort API for many callers.
+
+One thread per loaded model steps the core; callers talk to it through a thread-safe inbox
+and per-request sinks, so HTTP work can never stall a step. `submit` is an async iterator
+for the server; `stream` is its blocking twin for the CLI and benchmarks. A caller that
+stops iterating (a disconnect) aborts its request: the core frees its pages next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+from engine.core import EngineCore
+from engine.errors import EngineError
+from engine.scheduler.request import OutputChunk, Request
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[OutputChunk | BaseException], None]
+
+
+class Engine:
+    def __init__(self, core: EngineCore, name: str = "model", loaded: Any = None) -> None:
+        self.core = core
+        self.name = name
+        self.loaded = loaded  # engine.loader.LoadedModel when built from a file
+        self._inbox: list[tuple[str, Any]] = []
+        self._sinks: dict[str, Sink] = {}
+        self._wake = threading.Condition()
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self._stats: Any = None
+        self.error: BaseException | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def start(self) -> Engine:
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{self.name}",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Stop the loop; requests still running end with finish_reason "abort"."""
+        with self._wake:
+            self._running = False
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- caller side -----------------------------------------------------------------
+    def _post(self, kind: str, payload: Any) -> None:
+        with self._wake:
+            self._inbox.append((kind, payload))
+            self._wake.notify()
+
+    def add(self, request: Request, sink: Sink) -> None:
+        """Queue a request; every chunk (or the error that rejected it) goes to `sink`."""
+        if not self._running:
+            raise EngineError(f"engine '{self.name}' is not running")
+        self._post("add", (request, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._post("abort", request_id)
+
+    async def submit(self, request: Request) -> AsyncIterator[OutputChunk]:
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue[OutputChunk | BaseException] = asyncio.Queue()
+        self.add(request, lambda item: loop.call_soon_threadsafe(chunks.put_nowait, item))
+        finished = False
+        try:
+            while True:
+                item = await chunks.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request.id)
+
+    def stream(self, request: Request, timeout: float | None = None) -> Iterator[OutputChunk]:
+        chunks: queue.Queue[OutputChunk | BaseException] = queue.Queue()
+        self.add(request, chunks.put)
+        finished = False
+        try:
+            while True:
+                item = chunks.get(timeout=timeout)
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request.id)
+
+    def stats(self) -> Any:
+        """The core's EngineStats as of the last step (safe to read from any thread)."""
+        return self._stats
+
+    # ---- loop thread -----------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        with self._wake:
+            while self._running and not self._inbox and not self.core.has_work():
+                self._wake.wait()
+            inbox, self._inbox = self._inbox, []
+        for kind, payload in inbox:
+            if kind == "add":
+                request, sink = payload
+                try:
+                    self.core.add(request)
+                    self._sinks[request.id] = sink
+                except EngineError as exc:
+                    sink(exc)
+            elif kind == "abort":
+                self.core.abort(payload)
+
+    def _deliver(self, chunks: list[OutputChunk]) -> None:
+        for chunk in chunks:
+            sink = self._sinks.get(chunk.request_id)
+            if sink is None:
+                continue
+            if chunk.finish_reason is not None:
+                del self._sinks[chunk.request_id]
+            sink(chunk)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                self._drain_inbox()
+                if not self._running:
+                    break
+                if self.core.has_work():
+                    self._deliver(self.core.step())
+                    self._stats = self.core.stats()
+        except BaseException as exc:  # a bug in a step: fail every caller, loudly
+            log.exception("engine '%s' loop crashed", self.name)
+            self.error = exc
+            failure = EngineError(f"engine '{self.name}' failed: {exc}")
+            for sink in self._sinks.values():
+                sink(failure)
+            self._sinks.clear()
+            self._running = False
+            return
+        for request_id in list(self._sinks):
+            self.core.abort(request_id)
+        while self.core.has_work():
+            self._deliver(self.core.step())
+        for sink in self._sinks.values():
+            sink(EngineError(f"engine '{self.name}' stopped"))
+        self._sinks.clear()
