@@ -104,7 +104,9 @@ class FakeRunner:
                  for a, b in zip(starts[:-1], starts[1:], strict=True)]
         self.batches.append(BatchRecord(spans, batch.logits_rows.tolist()))
         for g, store in self.store.items():
-            store[batch.write_slots(g, self.page_size)] = batch.input_ids
+            for row, (a, b) in enumerate(zip(starts[:-1], starts[1:], strict=True)):
+                slots = batch.row_slots(g, row, batch.positions[a:b], self.page_size)
+                store[slots] = batch.input_ids[a:b]
         out = []
         for idx in batch.logits_rows.tolist():
             row = int(torch.searchsorted(batch.query_start, idx, right=True)) - 1

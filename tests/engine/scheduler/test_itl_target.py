@@ -1,0 +1,95 @@
+"""ITL target: the step-cost model and the chunk it allows, against the fake clock's true
+costs (a + b * decode rows + c * prefill tokens, set by the test)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from sched_fakes import FakeClock, greedy, make_core, prompt_of, reference_tokens, req, run_all
+
+from engine.scheduler.policies.itl_target import ItlTarget, StepCostModel
+
+A, B, C = 2e-3, 1e-3, 5e-5  # the fake runner's default costs
+
+
+def test_model_recovers_true_costs() -> None:
+    model = StepCostModel()
+    for rows, tokens in [(0, 512), (4, 0), (2, 100), (8, 300), (1, 0), (3, 64)] * 3:
+        model.observe(rows, tokens, A + B * rows + C * tokens)
+    a, b, c = model.coefficients()
+    assert a == pytest.approx(A, rel=1e-3) and b == pytest.approx(B, rel=1e-3)
+    assert c == pytest.approx(C, rel=1e-3)
+
+
+def test_model_follows_a_slower_device_and_keeps_unexercised_terms() -> None:
+    model = StepCostModel()
+    for rows, tokens in [(0, 512), (4, 0), (2, 100), (8, 300)] * 3:
+        model.observe(rows, tokens, A + B * rows + C * tokens)
+    for rows, tokens in [(0, 512), (4, 0), (2, 100), (8, 300)] * 30:  # 2x slower now
+        model.observe(rows, tokens, 2 * (A + B * rows + C * tokens))
+    assert model.predict(4, 200) == pytest.approx(2 * (A + 4 * B + 200 * C), rel=1e-2)
+    for _ in range(500):  # a long decode-only stretch says nothing about c
+        model.observe(4, 0, 2 * (A + 4 * B))
+    assert model.coefficients()[2] == pytest.approx(2 * C, rel=0.05)
+
+
+def test_chunk_limit() -> None:
+    policy = ItlTarget(None, min_chunk=16)
+    assert policy.chunk_limit(4, 512) == (512, None)  # off
+    policy.target_s = 10e-3
+    assert policy.chunk_limit(4, 512) == (512, None)  # nothing measured yet: no cap
+    for rows, tokens in [(0, 512), (4, 0), (2, 100), (8, 300)] * 3:
+        policy.observe(rows, tokens, A + B * rows + C * tokens)
+    chunk, why = policy.chunk_limit(4, 512)
+    assert chunk == math.floor((10e-3 - A - 4 * B) / C) and why  # 80
+    policy.target_s = 3e-3  # the decoders alone take 6 ms: the minimum chunk still runs
+    assert policy.chunk_limit(4, 512)[0] == 16
+    policy.target_s = 1.0
+    assert policy.chunk_limit(4, 512) == (512, None)
+
+
+@pytest.mark.parametrize("target_ms", [10.0, 3.0])
+def test_itl_target_keeps_modelled_step_under_target_while_prefill_progresses(
+        target_ms: float) -> None:
+    clock = FakeClock()
+    core, runner = make_core(num_pages=1024, clock=clock, max_sessions=5, prefill_chunk=512,
+                             itl_target_ms=target_ms)
+    for i in range(4):
+        core.add(req(f"d{i}", prompt_of(i, 4), greedy(300)))
+    while len(core.scheduler.decode_queue) < 4:
+        core.step()
+    core.add(req("long", prompt_of(9, 2000), greedy(1)))
+    out = run_all(core)
+    assert out["long"][0].token_ids == tuple(reference_tokens(prompt_of(9, 2000), greedy(1), 1))
+    mixed = [b for b in runner.batches if sum(len(t) > 1 for t, _ in b.spans)
+             and sum(len(t) == 1 for t, _ in b.spans) == 4]
+    chunks = [max(len(t) for t, _ in b.spans) for b in mixed]
+    steps_ms = [(A + 4 * B + C * n) * 1e3 for n in chunks]
+    assert sum(chunks) >= 2000 - 512  # the first chunk (nothing measured) may be uncapped
+    if target_ms == 10.0:
+        assert all(ms <= target_ms + 1e-9 for ms in steps_ms[1:])
+        assert max(chunks[1:]) == 80  # uses the room it has
+    else:
+        assert set(chunks[1:-1]) == {16}  # impossible target: minimum chunk, still moving
+
+
+def test_auto_target_is_three_decode_only_steps() -> None:
+    clock = FakeClock()
+    core, runner = make_core(num_pages=1024, clock=clock, max_sessions=5, itl_target_ms="auto")
+    core.add(req("d0", prompt_of(0, 4), greedy(100)))
+    core.step()
+    assert core.stats().itl_target_ms is None  # no decode-only step measured yet
+    for i in range(1, 4):
+        core.add(req(f"d{i}", prompt_of(i, 4), greedy(100)))
+    while len(core.scheduler.decode_queue) < 4:
+        core.step()
+    for _ in range(5):
+        core.step()
+    core.add(req("long", prompt_of(9, 2000), greedy(1)))
+    run_all(core)
+    # Decode-only steps with 4 rows take A + 4B = 6 ms; the median is one of them.
+    assert core.stats().itl_target_ms == pytest.approx(3 * (A + 4 * B) * 1e3)
+    chunks = [max(len(t) for t, _ in b.spans) for b in runner.batches
+              if sum(len(t) == 1 for t, _ in b.spans) == 4 and any(len(t) > 1 for t, _ in b.spans)]
+    assert max(chunks[1:]) == math.floor((18e-3 - A - 4 * B) / C)  # 240
