@@ -47,7 +47,8 @@ _TICK_EVERY = 4096  # values walked between two deadline checks
 class RenderBudget:
     """Deadline, size bound and the memo of tree sizes of one render."""
 
-    __slots__ = ("time_limit_s", "deadline", "max_chars", "buffered", "_memo", "_steps")
+    __slots__ = ("time_limit_s", "deadline", "max_chars", "buffered", "_memo", "_memo_chars",
+                 "_steps")
 
     def __init__(self, time_limit_s: float, max_chars: int) -> None:
         self.time_limit_s = time_limit_s
@@ -56,6 +57,7 @@ class RenderBudget:
         self.buffered = 0  # chars written into macro and block buffers, all of them together
         # id -> (object, size, textual); the object is kept so its id cannot be reused.
         self._memo: dict[int, tuple[Any, int, bool]] = {}
+        self._memo_chars = 0  # what the memo keeps alive, so that it can be let go
         self._steps = 0
 
     def tick(self) -> None:
@@ -139,8 +141,17 @@ class RenderBudget:
             if total > self.max_chars:
                 raise self.too_large("value", total)
         if pure and not indent:
-            self._memo[id(value)] = (value, total, textual)
+            self._remember(value, total, textual)
         return total, pure, textual
+
+    def _remember(self, value: Any, size: int, textual: bool) -> None:
+        # The memo holds its containers alive (their ids must stay unique); past a bound
+        # it starts over, which only costs re-walking.
+        self._memo_chars += size
+        if self._memo_chars > BUFFER_FACTOR * self.max_chars:
+            self._memo.clear()
+            self._memo_chars = size
+        self._memo[id(value)] = (value, size, textual)
 
 
 def _is_container(value: Any) -> bool:
