@@ -18,7 +18,9 @@ hook (`sys.settrace`) slows every render tenfold and is process-global; a subpro
 render costs milliseconds and a worker pool brings its own lifecycle. The callbacks
 add microseconds to a normal render and stop a runaway one at the next loop iteration
 or call. What no callback can interrupt is a single C-level operation, and the size
-bound keeps every such operation on bounded values.
+bound keeps every such operation on bounded values (the few slow pure-Python filters take
+bounded input). Memory follows: every value obeys the size bound, macro and block buffers
+together hold at most `BUFFER_FACTOR` times it, and the size memo lets go past that too.
 
 Unsafe attribute access raises at once (the stock sandbox returns a silent undefined),
 and templates may not extend, include or import other templates (there is no loader).
