@@ -43,8 +43,9 @@ class SpeculativeRows:
             proposed = tuple(int(t) for t in self.source.propose(seq.token_ids, room))
         except Exception:  # a failing draft source costs speed, never the request
             self.num_failures += 1
-            logger.warning("draft source failed for %s; plain decode", seq.request_id,
-                           exc_info=True)
+            log = logger.warning if self.num_failures == 1 else logger.debug
+            log("draft source failed for %s (%d failures); plain decode", seq.request_id,
+                self.num_failures, exc_info=True)
             return ()
         if any(not 0 <= t < self.vocab_size for t in proposed):
             self.num_failures += 1
