@@ -1,0 +1,316 @@
+"""`mbufo bench SUB MODEL|--url URL`: decode, prefill, fairness, kv-quality, gguf-reject.
+
+MODEL (a GGUF path or `default`) runs the engine in this process with the engine flags;
+`--url` measures any OpenAI-compatible server instead. Progress goes to stderr; `--json`
+prints one compact JSON object on the last line of stdout (fairness with `--configs`:
+one line per configuration, the default flags' result last).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import random
+import shlex
+import sys
+from typing import Any
+
+from engine.errors import InvalidRequest
+
+KV_CHOICES = ("f16", "q8", "k8v4", "k4v8", "k4v4")
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4: {text!r}") from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive numbers: {text!r}")
+    return values
+
+
+def _itl_target(text: str) -> float | str | None:
+    if text in ("auto", "off"):
+        return None if text == "off" else "auto"
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"auto, off or milliseconds: {text!r}") from exc
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"the ITL target must be > 0 ms: {text!r}")
+    return value
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine (in-process MODEL)")
+    g.add_argument("--sessions", type=int, default=4, help="resident sessions (default 4; "
+                   "raised to what the benchmark needs)")
+    g.add_argument("-c", "--context", type=int, default=4096, help="tokens per session")
+    g.add_argument("--prefill-chunk", type=int, default=512)
+    g.add_argument("--mixed-batch", choices=("on", "off"), default="on")
+    g.add_argument("--itl-target-ms", type=_itl_target, default="auto",
+                   help="auto (default), off, or milliseconds")
+    g.add_argument("--kv-quant", choices=KV_CHOICES, default="f16")
+    g.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+
+
+def _target_args(p: argparse.ArgumentParser, peers: bool = False) -> None:
+    p.add_argument("model", nargs="?", help="GGUF path or 'default' (in-process engine)")
+    p.add_argument("--url", help="an OpenAI-compatible server instead of MODEL")
+    p.add_argument("--api-key", help="bearer key for --url / --peer-url")
+    p.add_argument("--model-name", help="`model` field for --url (default: the first of "
+                   "/v1/models)")
+    p.add_argument("--seed", type=int, default=None, help="prompt seed (default: random)")
+    p.add_argument("--json", action="store_true", help="one JSON object on the last line")
+    if peers:
+        p.add_argument("--peer", choices=("llama-cpp",),
+                       help="also measure llama-cpp-python in this process on MODEL")
+        p.add_argument("--peer-url", help="also measure this OpenAI-compatible server")
+    _engine_args(p)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks against the engine or an --url server")
+    bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+
+    p = bsub.add_parser("decode", help="tok/s and ITL at several concurrency levels")
+    _target_args(p, peers=True)
+    p.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16])
+    p.add_argument("--tokens", type=int, default=64, help="tokens per request (ignore_eos)")
+    p.add_argument("--prompt-tokens", type=int, default=24)
+    p.set_defaults(handler=cmd_decode)
+
+    p = bsub.add_parser("prefill", help="prompt tok/s by length (fresh prompts, max_tokens 1)")
+    _target_args(p, peers=True)
+    p.add_argument("--lengths", type=_int_list, default=[128, 512, 2048])
+    p.add_argument("--repeats", type=int, default=1, help="fresh prompts per length (median)")
+    p.set_defaults(handler=cmd_prefill)
+
+    p = bsub.add_parser("fairness", help="DESIGN.md's scenario: streams + long + short prompt")
+    _target_args(p)
+    p.add_argument("--streams", type=int, default=2)
+    p.add_argument("--scenario", choices=("A", "B"), default="A",
+                   help="A: long prompt 2048 tokens, B: 4096")
+    p.add_argument("--long-tokens", type=int, default=None, help="overrides --scenario")
+    p.add_argument("--short-tokens", type=int, default=48, help="about 40 words")
+    p.add_argument("--stream-tokens", type=int, default=None,
+                   help="tokens per stream (default: estimated to outlast the injection)")
+    p.add_argument("--configs", default=None, help="several engine configurations, ';'-"
+                   "separated flag sets, e.g. 'default;--itl-target-ms off;--mixed-batch off'")
+    p.set_defaults(handler=cmd_fairness)
+
+    p = bsub.add_parser("kv-quality", help="KL and argmax agreement of each KV format")
+    p.add_argument("model", help="GGUF path or 'default'")
+    p.add_argument("--formats", default=",".join(KV_CHOICES))
+    p.add_argument("--steps", type=int, default=98)
+    p.add_argument("--context-tokens", type=int, default=400)
+    p.add_argument("--teacher", choices=("decode", "prefill"), default="decode")
+    p.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_kv_quality)
+
+    p = bsub.add_parser("gguf-reject", help="time and memory to reject malformed GGUF files")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_gguf_reject)
+
+
+# ---- targets ---------------------------------------------------------------------------------
+def engine_options(args: argparse.Namespace, *, min_sessions: int = 1, min_context: int = 1):
+    from engine.build import EngineOptions
+
+    sessions = max(args.sessions, min_sessions)
+    context = max(args.context, min_context)
+    if sessions != args.sessions or context != args.context:
+        _progress(f"engine: {sessions} sessions x {context} tokens (what the benchmark needs)")
+    return EngineOptions(sessions=sessions, context=context, prefill_chunk=args.prefill_chunk,
+                         mixed_batch=args.mixed_batch == "on",
+                         itl_target_ms=args.itl_target_ms, kv_quant=args.kv_quant,
+                         dtype=args.dtype)
+
+
+def _check_source(args: argparse.Namespace) -> None:
+    if (args.model is None) == (args.url is None):
+        raise InvalidRequest("give either MODEL (in-process) or --url URL, not both")
+    if getattr(args, "peer", None) and args.model is None:
+        raise InvalidRequest("--peer llama-cpp runs on MODEL's file: give MODEL")
+
+
+async def _open_targets(args: argparse.Namespace, options: Any, loaded: Any = None) -> list:
+    from engine.bench.target import HttpTarget, InProcessTarget, LlamaCppTarget
+
+    if args.url:
+        targets: list = [HttpTarget(args.url, model=args.model_name, api_key=args.api_key)]
+    else:
+        _progress(f"loading {args.model} ...")
+        targets = [await asyncio.to_thread(InProcessTarget.from_model, args.model, options,
+                                           loaded)]
+    if getattr(args, "peer", None) == "llama-cpp":
+        import torch
+
+        from engine.loader import resolve_model_path
+
+        targets.append(LlamaCppTarget(resolve_model_path(args.model), n_ctx=options.context,
+                                      n_threads=torch.get_num_threads(),
+                                      tokenizer=targets[0].tokenizer))
+    if getattr(args, "peer_url", None):
+        targets.append(HttpTarget(args.peer_url, api_key=args.api_key, name="peer"))
+    return targets
+
+
+def _seed(args: argparse.Namespace) -> int:
+    return args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
+
+
+def _emit(obj: dict[str, Any], as_json: bool, table: str) -> None:
+    from appliance.cli.main import emit_json
+
+    if as_json:
+        emit_json(obj)
+    else:
+        print(table)
+
+
+# ---- commands --------------------------------------------------------------------------------
+def cmd_decode(args: argparse.Namespace) -> int:
+    from engine.bench.decode import decode_table, run_decode
+    from engine.bench.prompts import PromptFactory
+
+    _check_source(args)
+    seed = _seed(args)
+    options = engine_options(args, min_sessions=max(args.concurrency),
+                             min_context=args.prompt_tokens + args.tokens + 1)
+
+    async def run() -> dict[str, Any]:
+        targets = await _open_targets(args, options)
+        results = {}
+        try:
+            for target in targets:
+                factory = await PromptFactory.for_target(target, seed)
+                levels = [1] if target.is_serial else args.concurrency  # one sequence at a time
+                results[target.name] = await run_decode(target, factory, levels, args.tokens,
+                                                        args.prompt_tokens, _progress)
+        finally:
+            for target in targets:
+                await target.aclose()
+        return {"bench": "decode", "tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
+                "seed": seed, "targets": [t.describe() for t in targets], "results": results}
+
+    out = asyncio.run(run())
+    _emit(out, args.json, decode_table(out["results"]))
+    return 0
+
+
+def cmd_prefill(args: argparse.Namespace) -> int:
+    from engine.bench.prefill import prefill_table, run_prefill
+    from engine.bench.prompts import PromptFactory
+
+    _check_source(args)
+    seed = _seed(args)
+    options = engine_options(args, min_context=max(args.lengths) + 1)
+
+    async def run() -> dict[str, Any]:
+        targets = await _open_targets(args, options)
+        results = {}
+        try:
+            for target in targets:
+                factory = await PromptFactory.for_target(target, seed)
+                results[target.name] = await run_prefill(target, factory, args.lengths,
+                                                         args.repeats, _progress)
+        finally:
+            for target in targets:
+                await target.aclose()
+        return {"bench": "prefill", "seed": seed, "targets": [t.describe() for t in targets],
+                "results": results}
+
+    out = asyncio.run(run())
+    _emit(out, args.json, prefill_table(out["results"]))
+    return 0
+
+
+def fairness_configs(args: argparse.Namespace) -> list[tuple[str, argparse.Namespace]]:
+    """`--configs` -> (label, flags) per configuration; the command's own flags last."""
+    if not args.configs:
+        return [("default", args)]
+    if args.url:
+        raise InvalidRequest("--configs changes engine flags: it needs an in-process MODEL")
+    flags = argparse.ArgumentParser(prog="--configs", add_help=False)
+    _engine_args(flags)
+    others = []
+    for spec in (s.strip() for s in args.configs.split(";")):
+        if spec and spec != "default":
+            others.append((spec, flags.parse_args(shlex.split(spec),
+                                                  namespace=copy.copy(args))))
+    return [*others, ("default", args)]
+
+
+def cmd_fairness(args: argparse.Namespace) -> int:
+    from engine.bench.fairness import SCENARIO_LONG_TOKENS, fairness_table
+
+    _check_source(args)
+    seed = _seed(args)
+    long_tokens = args.long_tokens or SCENARIO_LONG_TOKENS[args.scenario]
+    loaded: dict[str, Any] = {}
+    rows = []
+    for label, cargs in fairness_configs(args):
+        out = asyncio.run(_fairness_one(cargs, label, long_tokens, seed, loaded))
+        rows.append(out)
+        if args.json:
+            _emit(out, True, "")
+    if not args.json:
+        print(fairness_table(rows))
+    return 0
+
+
+async def _fairness_one(args: argparse.Namespace, label: str, long_tokens: int, seed: int,
+                        loaded: dict[str, Any]) -> dict[str, Any]:
+    from engine.bench.fairness import FairnessSpec, run_fairness
+    from engine.bench.prompts import PromptFactory
+
+    options = engine_options(args, min_sessions=args.streams + 2, min_context=long_tokens + 16)
+    if args.model is not None and args.dtype not in loaded:  # one load for every config
+        from engine.llm import DTYPES
+        from engine.loader import load
+
+        loaded[args.dtype] = await asyncio.to_thread(load, args.model, DTYPES[args.dtype])
+    _progress(f"fairness: configuration {label}")
+    target = (await _open_targets(args, options, loaded.get(args.dtype)))[0]
+    try:
+        spec = FairnessSpec(streams=args.streams, long_tokens=long_tokens,
+                            short_tokens=args.short_tokens, stream_tokens=args.stream_tokens,
+                            max_stream_tokens=options.context - 33)
+        factory = await PromptFactory.for_target(target, seed)
+        result = await run_fairness(target, factory, spec, _progress)
+    finally:
+        await target.aclose()
+    return {"config": label, "scenario": args.scenario if not args.long_tokens else None,
+            "seed": seed, **result}
+
+
+def cmd_kv_quality(args: argparse.Namespace) -> int:
+    from engine.bench.kv_quality import kv_quality_table, run_kv_quality
+
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    unknown = sorted(set(formats) - set(KV_CHOICES))
+    if unknown:
+        raise InvalidRequest(f"unknown KV formats {unknown}; choose from {list(KV_CHOICES)}")
+    out = run_kv_quality(args.model, formats=formats, steps=args.steps,
+                         context_tokens=args.context_tokens, teacher=args.teacher,
+                         dtype=args.dtype, progress=_progress)
+    _emit(out, args.json, kv_quality_table(out))
+    return 0
+
+
+def cmd_gguf_reject(args: argparse.Namespace) -> int:
+    from engine.bench.gguf_reject import run_gguf_reject_bench
+
+    out = run_gguf_reject_bench(repeats=args.repeats)
+    table = "\n".join(f"{k:22} {v}" for k, v in out.items())
+    _emit({"bench": "gguf-reject", **out}, args.json, table)
+    return 0

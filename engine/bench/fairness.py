@@ -1,0 +1,174 @@
+"""`mbufo bench fairness`: DESIGN.md's fairness scenario, one definition for CLI and tests.
+
+N streams decode a fixed number of tokens (ignore_eos); 1.5 s later a long prompt is
+injected (max_tokens 1); 0.3 s after that a short prompt (~40 words) arrives (max_tokens
+4). Every prompt is fresh; a reported prefix-cache hit on the solo, short or long request
+fails the run. Reported:
+
+- `solo_ttft_ms`: median TTFT of 3 solo runs of a short request on the idle target;
+- `loaded_short_ttft_ms`: the short request's TTFT during the injection;
+- `fairness_ratio`: loaded_short_ttft_ms / solo_ttft_ms (1.0 = the long prompt cost
+  the newcomer nothing);
+- `long_ttft_ms`: the long prompt's TTFT;
+- `itl_baseline_ms` and `itl_during_injection_ms` ({mean, p95, max}): the streams'
+  inter-token intervals in steady state before the injection (after every stream has its
+  first token, ending before the long prompt is sent) vs every interval that overlaps the
+  injection window (ends after the long prompt was sent and starts before its first token).
+
+The stream length is estimated from a warm-up request so that the streams outlast the
+injection; if they still finish before the long and short prompts have their first token,
+the loaded run is repeated with twice as many stream tokens (up to the context).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import statistics
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.bench.prefill import check_fresh
+from engine.bench.prompts import PromptFactory
+from engine.bench.report import format_table, latency_ms, ms
+from engine.bench.target import RequestResult, Target
+from engine.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+SCENARIO_LONG_TOKENS = {"A": 2048, "B": 4096}
+RESULT_KEYS = ("solo_ttft_ms", "loaded_short_ttft_ms", "fairness_ratio", "long_ttft_ms",
+               "itl_baseline_ms", "itl_during_injection_ms")
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class FairnessSpec:
+    streams: int = 2
+    long_tokens: int = 2048
+    short_tokens: int = 48  # about 40 words of the salted word list
+    stream_prompt_tokens: int = 32
+    stream_tokens: int | None = None  # None: estimated from the warm-up
+    max_stream_tokens: int = 4000  # the context left after a stream's prompt
+    inject_after_s: float = 1.5
+    short_after_s: float = 0.3
+    solo_runs: int = 3
+
+
+@dataclass(slots=True)
+class LoadedRun:
+    streams: list[RequestResult]
+    long: RequestResult
+    short: RequestResult
+
+    def streams_outlast(self) -> bool:
+        """Every stream was still decoding when both injected prompts had their first token."""
+        end = max(self.long.first_token_time, self.short.first_token_time)
+        return all(s.token_times and s.last_token_time >= end for s in self.streams)
+
+
+def summarize_fairness(solo: Sequence[RequestResult], run: LoadedRun) -> dict[str, Any]:
+    t_inject = run.long.sent
+    t_long_first = run.long.first_token_time
+    steady_from = max(s.first_token_time for s in run.streams)
+    baseline = [end - start for s in run.streams for start, end in s.intervals()
+                if start >= steady_from and end <= t_inject]
+    during = [end - start for s in run.streams for start, end in s.intervals()
+              if end > t_inject and start < t_long_first]
+    if not baseline:
+        raise EngineError("fairness: no steady decode interval before the injection "
+                          "(the streams started too slowly)")
+    solo_ttft = statistics.median(r.ttft_s for r in solo)
+    loaded = run.short.ttft_s
+    return {
+        "solo_ttft_ms": ms(solo_ttft),
+        "loaded_short_ttft_ms": ms(loaded),
+        "fairness_ratio": round(loaded / solo_ttft, 3),
+        "long_ttft_ms": ms(run.long.ttft_s),
+        "itl_baseline_ms": latency_ms(baseline),
+        "itl_during_injection_ms": latency_ms(during),
+    }
+
+
+def estimate_stream_tokens(warm: RequestResult, spec: FairnessSpec) -> int:
+    """Tokens that keep a stream busy through the injection, with margin: the window is
+    the two delays, twice the long prompt's solo prefill time and one second; a solo ITL
+    is no longer than a loaded one, so the count is on the safe side."""
+    prefill_s = warm.ttft_s * spec.long_tokens / max(1, warm.prompt_tokens or 1)
+    itls = warm.itls_s()
+    itl = statistics.median(itls) if itls else 0.05
+    window = spec.inject_after_s + spec.short_after_s + 2 * prefill_s + 1.0
+    return min(spec.max_stream_tokens, math.ceil(1.25 * window / max(itl, 1e-4)))
+
+
+async def _loaded_run(target: Target, factory: PromptFactory, spec: FairnessSpec,
+                      stream_tokens: int,
+                      sleep: Callable[[float], Awaitable[Any]]) -> LoadedRun:
+    stream_prompts = [factory.make(spec.stream_prompt_tokens) for _ in range(spec.streams)]
+    long_prompt = factory.make(spec.long_tokens)
+    short_prompt = factory.make(spec.short_tokens)
+    streams = [asyncio.ensure_future(target.complete(p, stream_tokens, client=f"stream-{i}"))
+               for i, p in enumerate(stream_prompts)]
+    await sleep(spec.inject_after_s)
+    long = asyncio.ensure_future(target.complete(long_prompt, 1, client="long"))
+    await sleep(spec.short_after_s)
+    short = asyncio.ensure_future(target.complete(short_prompt, 4, client="short"))
+    results = await asyncio.gather(*streams, long, short)
+    return LoadedRun(list(results[:-2]), results[-2], results[-1])
+
+
+async def run_fairness(target: Target, factory: PromptFactory, spec: FairnessSpec,
+                       progress: Progress = log.info,
+                       sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+                       ) -> dict[str, Any]:
+    slack = target.cache_slack
+    await target.complete(factory.make(8), 2, client="warmup")
+    warm = await target.complete(factory.make(min(256, spec.long_tokens)), 16, client="warmup")
+    solo = []
+    for i in range(spec.solo_runs):
+        solo.append(await target.complete(factory.make(spec.short_tokens), 4, client="short"))
+        progress(f"fairness [{target.name}] solo {i + 1}: TTFT {ms(solo[-1].ttft_s)} ms")
+    stream_tokens = spec.stream_tokens or estimate_stream_tokens(warm, spec)
+    while True:
+        progress(f"fairness [{target.name}] {spec.streams} streams x {stream_tokens} tokens, "
+                 f"long prompt {spec.long_tokens} tokens after {spec.inject_after_s} s")
+        run = await _loaded_run(target, factory, spec, stream_tokens, sleep)
+        if run.streams_outlast():
+            break
+        if stream_tokens >= spec.max_stream_tokens:
+            raise EngineError(
+                f"fairness: the streams finished before the injected prompts got their first "
+                f"token even at {stream_tokens} tokens; give a larger context (-c)")
+        stream_tokens = min(spec.max_stream_tokens, 2 * stream_tokens)
+        progress(f"  the streams ended too early; again with {stream_tokens} tokens")
+    known = [check_fresh(r, f"fairness {what}", slack)
+             for what, r in [("solo", s) for s in solo] + [("short", run.short),
+                                                            ("long", run.long)]]
+    out = {
+        "bench": "fairness",
+        "target": target.describe(),
+        "streams": spec.streams,
+        "stream_tokens": stream_tokens,
+        "long_prompt_tokens": run.long.prompt_tokens,
+        "short_prompt_tokens": run.short.prompt_tokens,
+        "cache_check": "passed" if all(known) else "unknown (the target reports no cache hits)",
+    }
+    out.update(summarize_fairness(solo, run))
+    return out
+
+
+def fairness_table(results: Sequence[dict[str, Any]]) -> str:
+    """One row per configuration."""
+    headers = ["config", "solo TTFT ms", "loaded short TTFT ms", "ratio", "long TTFT ms",
+               "ITL base mean/p95/max ms", "ITL injection mean/p95/max ms"]
+
+    def triple(stats: dict[str, Any]) -> str:
+        return "/".join("-" if stats[k] is None else f"{stats[k]:.1f}"
+                        for k in ("mean", "p95", "max"))
+
+    rows = [[r.get("config", "default"), r["solo_ttft_ms"], r["loaded_short_ttft_ms"],
+             r["fairness_ratio"], r["long_ttft_ms"], triple(r["itl_baseline_ms"]),
+             triple(r["itl_during_injection_ms"])] for r in results]
+    return format_table(headers, rows)

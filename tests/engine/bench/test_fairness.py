@@ -1,0 +1,166 @@
+"""The fairness scenario's bookkeeping on a scripted target with a hand-made timeline."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from bench_fakes import ScriptedTarget, result, timeline
+
+from engine.bench.fairness import (
+    RESULT_KEYS,
+    FairnessSpec,
+    LoadedRun,
+    estimate_stream_tokens,
+    run_fairness,
+    summarize_fairness,
+)
+from engine.bench.prompts import PromptFactory
+from engine.bench.report import compact_json
+from engine.errors import EngineError
+
+INJECT_MS, LONG_FIRST_MS = 1500, 2100
+
+
+def _step(t: int) -> int:
+    """Streams: 10 ms apart, 40 ms while the long prompt is being prefilled."""
+    return 40 if INJECT_MS <= t < LONG_FIRST_MS else 10
+
+
+def _script(stream_counts=(181, 180), short_cached=0, long_cached=0) -> dict:
+    warm_times = [(256 + 12 * i) / 1000 for i in range(16)]
+    return {
+        "warmup": [result(0, [0.05, 0.06]), result(0, warm_times, prompt_tokens=256)],
+        "short": [result(0, [0.020, 0.03, 0.04, 0.05]), result(0, [0.030, 0.04, 0.05, 0.06]),
+                  result(0, [0.025, 0.03, 0.04, 0.05]),
+                  result(1800, [1.860, 1.87, 1.88, 1.89], cached=short_cached)],
+        "stream-0": [result(0, timeline(53, stream_counts[0], _step))],
+        "stream-1": [result(0, timeline(87, stream_counts[1], _step))],
+        "long": [result(INJECT_MS, [LONG_FIRST_MS / 1000], prompt_tokens=2048,
+                        cached=long_cached)],
+    }
+
+
+SPEC = FairnessSpec(inject_after_s=0.001, short_after_s=0.001)
+
+
+def _run(target, spec=SPEC) -> dict:
+    factory = PromptFactory(7, target.tokenizer)
+    return asyncio.run(run_fairness(target, factory, spec, progress=lambda _m: None))
+
+
+def test_scenario_numbers_from_a_known_timeline():
+    out = _run(ScriptedTarget(_script()))
+    assert out["solo_ttft_ms"] == pytest.approx(25.0)  # median of 20, 30, 25
+    assert out["loaded_short_ttft_ms"] == pytest.approx(60.0)
+    assert out["fairness_ratio"] == pytest.approx(2.4)
+    assert out["long_ttft_ms"] == pytest.approx(600.0)
+    # Baseline: stream 0 from 93 ms (stream 1's first token is at 87) to 1493 ms, stream 1
+    # from 87 to 1497 ms: 10 ms each.
+    assert out["itl_baseline_ms"] == pytest.approx({"mean": 10.0, "p95": 10.0, "max": 10.0})
+    # During: per stream the 10 ms interval across 1500 ms, then 15 x 40 ms to ~2100 ms.
+    during = out["itl_during_injection_ms"]
+    assert during["mean"] == pytest.approx((2 * 10 + 30 * 40) / 32, abs=0.01)
+    assert during["p95"] == pytest.approx(40.0)
+    assert during["max"] == pytest.approx(40.0)
+    assert out["cache_check"] == "passed"
+
+
+def test_result_keys_and_json():
+    out = _run(ScriptedTarget(_script()))
+    assert set(RESULT_KEYS) <= set(out)
+    assert RESULT_KEYS == ("solo_ttft_ms", "loaded_short_ttft_ms", "fairness_ratio",
+                           "long_ttft_ms", "itl_baseline_ms", "itl_during_injection_ms")
+    for key in ("itl_baseline_ms", "itl_during_injection_ms"):
+        assert set(out[key]) == {"mean", "p95", "max"}
+    line = compact_json(out)
+    assert "\n" not in line and " " not in line.replace("scripted", "")
+    assert json.loads(line)["fairness_ratio"] == out["fairness_ratio"]
+
+
+def test_requests_sent_as_the_scenario_says():
+    target = ScriptedTarget(_script())
+    out = _run(target, FairnessSpec(streams=2, long_tokens=2048, short_tokens=48,
+                                    stream_prompt_tokens=32, inject_after_s=0.001,
+                                    short_after_s=0.001))
+    calls = target.calls
+    assert [m for _, m in calls["short"]] == [4, 4, 4, 4]
+    assert [len(p.ids) for p, _ in calls["short"]] == [48] * 4
+    (long_prompt, long_max), = calls["long"]
+    assert long_max == 1 and len(long_prompt.ids) == 2048
+    stream_max = {m for c in ("stream-0", "stream-1") for _, m in calls[c]}
+    assert stream_max == {out["stream_tokens"]}
+    assert [len(calls[c][0][0].ids) for c in ("stream-0", "stream-1")] == [32, 32]
+    every = [p.ids for c in calls for p, _ in calls[c]]
+    assert len(set(every)) == len(every)  # every prompt is fresh
+    # The stream length came from the warm-up: 256 tokens in 256 ms, ITL 12 ms.
+    assert out["stream_tokens"] == estimate_stream_tokens(target_warm(), SPEC)
+
+
+def target_warm():
+    return _script()["warmup"][1]
+
+
+def test_stream_estimate_by_hand():
+    # long prefill 2048 tokens at 1000 tok/s = 2.048 s; window 1.5 + 0.3 + 2 x 2.048 + 1.0
+    # = 6.896 s; at 12 ms per token with 25 % margin: ceil(718.33) = 719.
+    assert estimate_stream_tokens(target_warm(), FairnessSpec()) == 719
+    assert estimate_stream_tokens(target_warm(), FairnessSpec(max_stream_tokens=500)) == 500
+
+
+def test_streams_that_end_early_are_rerun_with_twice_the_tokens():
+    script = _script()
+    early = _script(stream_counts=(60, 60))  # they end near 0.65 s, before the injection
+    for key in ("stream-0", "stream-1", "long"):
+        script[key] = early[key] + script[key]
+    script["short"].insert(3, result(1800, [1.86, 1.87]))
+    target = ScriptedTarget(script)
+    out = _run(target, FairnessSpec(stream_tokens=300, max_stream_tokens=1000,
+                                    inject_after_s=0.001, short_after_s=0.001))
+    assert [m for _, m in target.calls["stream-0"]] == [300, 600]
+    assert out["stream_tokens"] == 600
+    assert out["long_ttft_ms"] == pytest.approx(600.0)
+
+
+def test_streams_too_short_even_at_the_cap_fail():
+    script = _script(stream_counts=(60, 60))
+    target = ScriptedTarget(script)
+    with pytest.raises(EngineError, match="streams finished"):
+        _run(target, FairnessSpec(stream_tokens=300, max_stream_tokens=300,
+                                  inject_after_s=0.001, short_after_s=0.001))
+
+
+def test_a_cache_hit_fails_loudly():
+    with pytest.raises(EngineError, match="cached prompt tokens"):
+        _run(ScriptedTarget(_script(short_cached=16)))
+    with pytest.raises(EngineError, match="cached prompt tokens"):
+        _run(ScriptedTarget(_script(long_cached=512)))
+    # A token-granular cache may count the shared BOS.
+    assert _run(ScriptedTarget(_script(short_cached=1), cache_slack=4))["cache_check"] \
+        == "passed"
+
+
+def test_unknown_cache_counts_are_said_not_zero():
+    out = _run(ScriptedTarget(_script(short_cached=None)))
+    assert out["cache_check"].startswith("unknown")
+
+
+def test_windows_on_a_tiny_timeline():
+    # Two streams; injection at 1.0 s, long first token at 1.5 s.
+    s0 = result(0, [0.1, 0.3, 0.5, 0.7, 0.9, 1.2, 1.6, 1.7])
+    s1 = result(0, [0.2, 0.4, 0.6, 0.8, 1.1, 1.4, 1.8])
+    run = LoadedRun([s0, s1], result(1000, [1.5]), result(1300, [1.35]))
+    out = summarize_fairness([result(0, [0.05])], run)
+    # baseline: intervals starting at >= 0.2 and ending <= 1.0:
+    # s0 (0.3,0.5) (0.5,0.7) (0.7,0.9); s1 (0.2,0.4) (0.4,0.6) (0.6,0.8) -> all 200 ms
+    assert out["itl_baseline_ms"] == pytest.approx({"mean": 200.0, "p95": 200.0, "max": 200.0})
+    # during: end > 1.0 and start < 1.5: s0 (0.9,1.2)=300 (1.2,1.6)=400;
+    # s1 (0.8,1.1)=300 (1.1,1.4)=300 (1.4,1.8)=400
+    assert out["itl_during_injection_ms"]["mean"] == pytest.approx(340.0)
+    assert out["itl_during_injection_ms"]["max"] == pytest.approx(400.0)
+    # p95 of [300, 300, 300, 400, 400]: rank 3.8, between the two 400s
+    assert out["itl_during_injection_ms"]["p95"] == pytest.approx(400.0)
+    assert out["solo_ttft_ms"] == pytest.approx(50.0)
+    assert out["loaded_short_ttft_ms"] == pytest.approx(50.0)
+    assert out["fairness_ratio"] == pytest.approx(1.0)
