@@ -7,7 +7,8 @@ every piece left by the previous one into its matches and the gaps between them,
 The regexes are llama.cpp's own strings: its custom splitters (gpt2, llama3, qwen2) and its
 std::regex fallback (on "collapsed" category codes) both implement these regexes' meaning,
 which Oniguruma in `tokenizers` matches directly. Two translations are needed: ECMAScript `$`
-(end of input) is Oniguruma's `\\z`, and nothing else.
+(end of input) is Oniguruma's `\\z`, and literal character ranges exclude non-ASCII
+whitespace (see `_literal_class`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,16 @@ QWEN35 = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"]
+# llama.cpp runs regexes without \p{..} classes through std::wregex on text whose non-ASCII
+# whitespace was replaced by \v first: such whitespace never matches a literal range there.
+_WIDE_SPACE = "\u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+
+
+def _literal_class(ranges: str) -> str:
+    return f"[{ranges}&&[^{_WIDE_SPACE}]]"
+
+
+_CJK = "一-龥ࠀ-一가-퟿"
 _DEEPSEEK_LLM_LETTERS = (
     "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295"
     "-\u02af\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-"
@@ -42,20 +53,20 @@ _DEEPSEEK_LLM_LETTERS = (
     "\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17"
     "\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-"
     "\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-"
-    "\U0001e943]+"
+    "\U0001e943&&[^" + _WIDE_SPACE + "]]+"
 )
 _DEEPSEEK_LLM = [
     r"[\r\n]",
     _DEEPSEEK_LLM_LETTERS,
-    r"\s?[!-/:-~！-／：-～‘-‟　-。]+",
+    r"\s?" + _literal_class("!-/:-~！-／：-～‘-‟　-。") + "+",
     r"\s+\z",
-    r"[一-龥ࠀ-一가-퟿]+",
+    _literal_class(_CJK) + "+",
     r"\p{N}+",
 ]
-_DEEPSEEK_CODER = [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"]
+_DEEPSEEK_CODER = [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _literal_class(_CJK) + "+", r"\p{N}"]
 _DEEPSEEK3 = [
     r"\p{N}{1,3}",
-    r"[一-龥぀-ゟ゠-ヿ]+",
+    _literal_class("一-龥぀-ゟ゠-ヿ") + "+",
     r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
     r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 ]
@@ -85,6 +96,10 @@ class PreTokenizer:
     ignore_merges: bool = False  # a word that is a whole token skips the merges
     add_bos: bool = False  # default when the file has no tokenizer.ggml.add_bos_token
     bos_disabled: bool = False  # chatglm/glm: no BOS whatever the defaults say
+    # SentencePiece-style BPE (gemma4): spaces escaped to U+2581, merges over raw UTF-8 (no
+    # GPT-2 byte mapping), `<0xXX>` byte fallback, BOS always added, and a run of newlines
+    # that is a token stays whole.
+    spm_style: bool = False
 
 
 def _p(regexes: list[str], **flags: bool) -> PreTokenizer:
@@ -118,6 +133,7 @@ _TABLE: dict[tuple[str, ...], PreTokenizer] = {
     ("tekken",): _p(_TEKKEN, clean_spaces=False, ignore_merges=True, add_bos=True),
     ("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"): _p(_GPT4O, clean_spaces=False),
     ("seed-coder",): _p(_SEED_CODER, clean_spaces=False),
+    ("gemma4", "granite-embed-multi-311m"): _p([r"[^\n]+|[\n]+"], spm_style=True),
 }
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     name: pre for names, pre in _TABLE.items() for name in names

@@ -9,6 +9,7 @@ of plain text. `decode` concatenates token pieces the way `llama_detokenize` doe
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from engine.tokenizer.specials import HIDDEN_ATTRS, SPECIAL_ATTRS, Attr
 from engine.tokenizer.vocab import Vocab, build_hf_tokenizer, parse_vocab, token_pieces
 
 _C_SPACES = frozenset(" \t\n\v\f\r")  # C isspace() in the "C" locale, what llama.cpp strips
+_NEWLINE_RUNS = re.compile(r"(\n+)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +58,7 @@ class Tokenizer:
     def __init__(self, vocab: Vocab, hf: tokenizers.Tokenizer) -> None:
         self._vocab = vocab
         self._hf = hf
-        self._ids = {text: i for i, text in enumerate(vocab.texts)}
+        self._ids = vocab.ids
         self._pieces = token_pieces(vocab)
         self._visible_pieces = [
             b"" if attr & HIDDEN_ATTRS else piece
@@ -68,6 +70,7 @@ class Tokenizer:
         self.eog_ids: frozenset[int] = vocab.eog_ids
         self.add_bos: bool = vocab.add_bos
         self.add_eos: bool = vocab.add_eos
+        self._newline_words = vocab.pre is not None and vocab.pre.spm_style
         specials = [
             _Special(text, i, bool(attr & Attr.LSTRIP), bool(attr & Attr.RSTRIP))
             for i, (text, attr) in enumerate(zip(vocab.texts, vocab.attrs, strict=True))
@@ -114,11 +117,23 @@ class Tokenizer:
                 continue
             if is_spm and self._vocab.add_space_prefix and prev_special:
                 fragment = " " + fragment  # SPM: a space before text that starts a segment
-            ids += self._hf.encode(fragment, add_special_tokens=False).ids
+            ids += self._encode_text(fragment)
             prev_special = False
         if add_special and self.add_eos:
             assert self.eos_id is not None
             ids.append(self.eos_id)
+        return ids
+
+    def _encode_text(self, text: str) -> list[int]:
+        if not self._newline_words:
+            return self._hf.encode(text, add_special_tokens=False).ids
+        # gemma4: a run of newlines that is itself a token is that token, never merged.
+        ids: list[int] = []
+        for part in _NEWLINE_RUNS.split(text):
+            if part[:1] == "\n" and (tid := self._ids.get(part)) is not None:
+                ids.append(tid)
+            elif part:
+                ids += self._hf.encode(part, add_special_tokens=False).ids
         return ids
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:

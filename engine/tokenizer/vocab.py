@@ -42,6 +42,7 @@ class Vocab:
 
     kind: str  # "spm" | "bpe"
     texts: list[str]  # token id -> GGUF token text
+    ids: dict[str, int]  # GGUF token text -> token id
     scores: np.ndarray  # (num_tokens,) float32, SPM merge priority
     attrs: list[int]  # token id -> attributes after llama.cpp's text rules
     merges: list[tuple[str, str]]  # BPE only, in rank order
@@ -57,9 +58,9 @@ class Vocab:
 
 def parse_vocab(metadata: Mapping[str, Any]) -> Vocab:
     model = metadata.get("tokenizer.ggml.model")
-    if model not in ("llama", "gpt2"):
+    if model not in ("llama", "gpt2", "gemma4"):
         raise TokenizerError(
-            f"tokenizer.ggml.model {model!r} is not supported (supported: 'llama', 'gpt2')"
+            f"tokenizer.ggml.model {model!r} is not supported ('llama', 'gpt2', 'gemma4')"
         )
     texts = _token_texts(metadata)
     num_tokens = len(texts)
@@ -76,15 +77,19 @@ def parse_vocab(metadata: Mapping[str, Any]) -> Vocab:
         default_bos, default_eos = 1, 2
         add_space_prefix, clean_spaces, add_bos = True, False, True
     else:
-        pre_name = str(metadata.get("tokenizer.ggml.pre") or "")
+        pre_name = "gemma4" if model == "gemma4" else str(metadata.get("tokenizer.ggml.pre") or "")
         if pre_name not in PRE_TOKENIZERS:
             raise TokenizerError(f"tokenizer.ggml.pre {pre_name!r} is not supported")
         pre = PRE_TOKENIZERS[pre_name]
-        merges = _bpe_merges(metadata, ids)
+        merges = _bpe_merges(metadata)
         default_bos, default_eos = (None if pre.bos_disabled else 11), 11
+        if model == "gemma4":
+            default_bos = default_eos = None
         add_space_prefix, clean_spaces, add_bos = False, pre.clean_spaces, pre.add_bos
     add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", add_space_prefix))
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos))
+    if pre is not None and pre.spm_style:
+        add_bos = True  # llama.cpp overrides the file for gemma4
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
 
     def special(key: str, default: int | None) -> int | None:
@@ -101,7 +106,7 @@ def parse_vocab(metadata: Mapping[str, Any]) -> Vocab:
     eog_ids = apply_text_rules(metadata, texts, attrs, eos_id, ids)
     apply_strip_rules(metadata, texts, attrs, ids)
     return Vocab(
-        kind="spm" if model == "llama" else "bpe", texts=texts,
+        kind="spm" if model == "llama" else "bpe", texts=texts, ids=ids,
         scores=np.zeros(num_tokens, np.float32) if scores is None else scores,
         attrs=attrs, merges=merges, pre=pre, bos_id=bos_id, eos_id=eos_id, eog_ids=eog_ids,
         add_bos=add_bos, add_eos=add_eos, add_space_prefix=add_space_prefix,
@@ -132,41 +137,41 @@ def _numeric_array(
     return arr[:num_tokens]
 
 
-def _bpe_merges(metadata: Mapping[str, Any], ids: Mapping[str, int]) -> list[tuple[str, str]]:
+def _bpe_merges(metadata: Mapping[str, Any]) -> list[tuple[str, str]]:
     raw = metadata.get("tokenizer.ggml.merges")
     if raw is None:
         raise TokenizerError("tokenizer.ggml.merges is missing (needed by a 'gpt2' vocabulary)")
-    merges: list[tuple[str, str]] = []
-    seen: set[tuple[str, str]] = set()
-    num_dropped = 0
-    for line in raw:
-        # llama.cpp splits at the first space after the first character.
-        if line[:1] == " ":
-            pos = line.find(" ", 1)
-            if pos < 0:
-                continue
-            pair = (line[:pos], line[pos + 1:])
-        else:
-            left, space, right = line.partition(" ")
-            if not space:
-                continue
-            pair = (left, right)
-        if pair in seen:
-            continue  # llama.cpp keeps the first rank of a repeated merge
-        seen.add(pair)
-        if pair[0] in ids and pair[1] in ids and pair[0] + pair[1] in ids:
-            merges.append(pair)
-        else:
-            num_dropped += 1
-    if num_dropped:
-        logger.warning("%d BPE merges name tokens outside the vocabulary; dropped", num_dropped)
-    return merges
+    raw = [str(line) for line in raw]
+    if len(set(raw)) != len(raw):  # llama.cpp keeps the first rank of a repeated merge
+        raw = list(dict.fromkeys(raw))
+    # llama.cpp splits at the first space after the first character. This is the hot path
+    # (500K merges); lines that start with a space are rare.
+    parts = [line.partition(" ") if line[:1] != " " else _split_late(line) for line in raw]
+    return [(a, b) for a, space, b in parts if space]
 
 
-def spm_merges(texts: list[str], scores: np.ndarray) -> list[tuple[str, str]]:
+def _split_late(line: str) -> tuple[str, str, str]:
+    pos = line.find(" ", 1)
+    return (line, "", "") if pos < 0 else (line[:pos], " ", line[pos + 1:])
+
+
+def _bpe_model(vocab: Vocab, index: dict[str, int], **options: Any) -> models.BPE:
+    """`tokenizers` refuses merges that name tokens outside the vocabulary (llama.cpp would
+    merge them and then spell the result in bytes); such merges are dropped."""
+    try:
+        return models.BPE(index, vocab.merges, **options)
+    except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception here
+        merges = [(a, b) for a, b in vocab.merges if a in index and b in index and a + b in index]
+        logger.warning("%d BPE merges name tokens outside the vocabulary; dropped",
+                       len(vocab.merges) - len(merges))
+        return models.BPE(index, merges, **options)
+
+
+def spm_merges(
+    texts: list[str], scores: np.ndarray, index: Mapping[str, int],
+) -> list[tuple[str, str]]:
     """Every (left, right) split of every token with both halves in the vocabulary, ordered
     by the token's score, highest first (ties: lower token id, then shorter left half)."""
-    index = {t: i for i, t in enumerate(texts)}
     merged_ids: list[int] = []
     cut_at: list[int] = []
     for tid, text in enumerate(texts):
@@ -185,19 +190,28 @@ def build_hf_tokenizer(vocab: Vocab) -> Tokenizer:
     """The merge stage of `vocab` as a `tokenizers.Tokenizer`. Special tokens are not
     registered: `Tokenizer.encode` splits them out first, the way llama.cpp does, and hands
     only the text between them to this object."""
-    index = {t: i for i, t in enumerate(vocab.texts)}
+    index = vocab.ids
     if vocab.kind == "spm":
-        model = models.BPE(index, spm_merges(vocab.texts, vocab.scores), byte_fallback=True)
+        model = models.BPE(index, spm_merges(vocab.texts, vocab.scores, index), byte_fallback=True)
         hf = Tokenizer(model)
         hf.normalizer = normalizers.Replace(" ", SPACE_ESCAPE)
         hf.decoder = decoders.Sequence(
             [decoders.Replace(SPACE_ESCAPE, " "), decoders.ByteFallback(), decoders.Fuse()]
         )
         return hf
-    assert vocab.pre is not None
-    model = models.BPE(index, vocab.merges, ignore_merges=vocab.pre.ignore_merges)
+    pre = vocab.pre
+    assert pre is not None
+    model = _bpe_model(vocab, index, ignore_merges=pre.ignore_merges,
+                       byte_fallback=pre.spm_style)
     hf = Tokenizer(model)
-    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in vocab.pre.regexes]
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+    if pre.spm_style:
+        hf.normalizer = normalizers.Replace(" ", SPACE_ESCAPE)
+        hf.pre_tokenizer = pre_tokenizers.Sequence(splits)
+        hf.decoder = decoders.Sequence(
+            [decoders.Replace(SPACE_ESCAPE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        )
+        return hf
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     hf.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
     hf.decoder = decoders.ByteLevel()
@@ -246,12 +260,12 @@ def token_pieces(vocab: Vocab) -> list[bytes]:
     anything else (unused, undefined) empty."""
     pieces: list[bytes] = []
     verbatim = Attr.CONTROL | Attr.UNKNOWN | Attr.USER_DEFINED
-    is_spm = vocab.kind == "spm"
+    unescape = vocab.kind == "spm" or (vocab.pre is not None and vocab.pre.spm_style)
     for text, attr in zip(vocab.texts, vocab.attrs, strict=True):
         if attr & verbatim:
             pieces.append(text.encode())
         elif attr & Attr.NORMAL:
-            pieces.append(text.replace(SPACE_ESCAPE, " ").encode() if is_spm
+            pieces.append(text.replace(SPACE_ESCAPE, " ").encode() if unescape
                           else _bpe_text_bytes(text))
         elif attr & Attr.BYTE:
             pieces.append(bytes([_byte_token_value(text)]))
