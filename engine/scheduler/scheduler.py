@@ -226,9 +226,13 @@ class Scheduler:
             if seq.finish_reason is not None:
                 self.finish(seq)
                 continue
+            assert seq.pages is not None
             if row.kind is RowKind.PREFILL and seq.phase is Phase.DECODE:
                 self.decode_queue.append(seq)
-            assert seq.pages is not None
+                # Cache the prompt now, not only at the finish: a request sharing it can hit
+                # while this one decodes, and sliding groups still hold the window before
+                # the boundary that the same prompt would match (its last token excluded).
+                self._cache_prefix(seq, seq.num_computed - 1)
             seq.pages.release_out_of_window(seq.num_computed)
 
     def observe(self, plan: StepPlan, seconds: float) -> None:
@@ -263,11 +267,15 @@ class Scheduler:
             self.decode_queue.remove(seq)
         if seq.pages is None:
             return
-        if self.radix is not None and seq.num_computed >= self.pool.page_size:
-            self.radix.insert(seq.token_ids[:seq.num_computed],
-                              seq.pages.prefix_pages(seq.num_computed))
+        self._cache_prefix(seq, seq.num_computed)
         seq.pages.free()
         if seq.radix_node is not None:
             assert self.radix is not None
             self.radix.unlock(seq.radix_node)
             seq.radix_node = None
+
+    def _cache_prefix(self, seq: Sequence, num_tokens: int) -> None:
+        """Insert the whole pages of the first num_tokens (computed) tokens."""
+        if self.radix is not None and seq.pages is not None and \
+                num_tokens >= self.pool.page_size:
+            self.radix.insert(seq.token_ids[:num_tokens], seq.pages.prefix_pages(num_tokens))

