@@ -7,6 +7,7 @@ and greedy tokens must agree wherever llama.cpp's own top-1/top-2 gap is >= 0.3 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -32,6 +33,11 @@ CASES = {
     "gemma3": (SyntheticSpec("gemma3", sliding_window=8,
                              **{**BASE, "num_layers": 6}), "default"),
 }
+# All-F32 twins: llama.cpp then multiplies in f32 without quantizing activations, so the
+# only expected differences are summation order (and gemma's f16-table GELU in ggml).
+for _name in list(CASES):
+    _spec, _vocab = CASES[_name]
+    CASES[_name + "-f32"] = (replace(_spec, types={}, default_type=T.F32), _vocab)
 TEXT = ("The quick brown fox jumps over the lazy dog. In 1969, Apollo 11 landed on the Moon; "
         "def f(x): return x ** 2  # squares. 東京は日本の首都です。 Emoji: 🦊🐶! ") * 3
 GAP = 0.3
@@ -60,18 +66,24 @@ def _reference_logits(ref, ids: list[int]) -> np.ndarray:
 
 
 def test_logits_match_llama_cpp(tiny_model):
+    """Relative error of the logits (norm of the difference over the norm of the centred
+    reference). All-F32 files: llama.cpp's f16 KV cache and f16 GELU table are the only
+    rounding, measured at <= 8e-4. Mixed-quant files: llama.cpp quantizes activations to
+    Q8_0/Q8_K before each quantized matmul, ~0.5% per matmul, measured 2-7% at the logits;
+    a layout or formula error gives errors near 100%."""
     name, path = tiny_model
     ref = _reference(path)
     ids_all = ref.tokenize(TEXT.encode(), add_bos=True, special=False)
     ours = LLM(path, dtype="f32", context=512)
+    limit = 2e-3 if name.endswith("-f32") else 0.12
     for n in (1, 5, 37, len(ids_all)):
         ids = ids_all[:n]
         want = _reference_logits(ref, ids)
         got = ours.prompt_logits(ids).double().numpy()
-        scale = want.std(axis=-1, keepdims=True)
-        err = np.abs(got - want) / scale
-        assert err.max() < 0.08, f"{name} n={n}: max |diff|/std {err.max():.4f}"
-        assert err.mean() < 0.01, f"{name} n={n}: mean |diff|/std {err.mean():.5f}"
+        centred = want - want.mean(axis=-1, keepdims=True)
+        rel = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(centred, axis=-1)
+        assert np.isfinite(got).all()
+        assert rel.max() < limit, f"{name} n={n}: relative logits error {rel.max():.5f}"
 
 
 def test_greedy_matches_llama_cpp_where_decisive(tiny_model):
