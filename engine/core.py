@@ -101,7 +101,7 @@ class EngineCore:
         capacity = self.scheduler.capacity_tokens()
         max_tokens = params.max_tokens
         if max_tokens is None:  # as many as the context (and the pool) allow
-            max_tokens = min(limit, capacity or limit) - len(prompt)
+            max_tokens = max(1, min(limit, capacity or limit) - len(prompt))
         if len(prompt) + max(max_tokens, 1) > limit:
             raise ContextOverflow(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "

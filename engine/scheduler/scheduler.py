@@ -194,9 +194,11 @@ class Scheduler:
         prefills = [s for s in self.running if s.phase is Phase.PREFILL]
         if not prefills:
             return
-        chunk, why = self.itl.chunk_limit(plan.num_decode_tokens, self.config.prefill_chunk)
-        if why:
-            plan.note(self.itl.name, why)
+        chunk = self.config.prefill_chunk
+        if self.decode_queue:  # with no stream to keep smooth, a chunk runs at full size
+            chunk, why = self.itl.chunk_limit(plan.num_decode_tokens, chunk)
+            if why:
+                plan.note(self.itl.name, why)
         yielded = False
         for rank, seq in enumerate(self.srtf.order(prefills)):
             if seq.phase is not Phase.PREFILL:

@@ -28,7 +28,7 @@ from sched_fakes import (  # noqa: E402
     tokens_of,
 )
 
-from engine.errors import ContextOverflow, InvalidRequest  # noqa: E402
+from engine.errors import ContextOverflow, InvalidRequest, OutOfKVPages  # noqa: E402
 from engine.sampler import SamplingParams  # noqa: E402
 
 
@@ -211,3 +211,13 @@ def test_prompt_is_cached_when_its_prefill_ends() -> None:
     assert tokens_of(out["again"]) == reference_tokens(prompt, greedy(4), 4, {"local": 6})
     rest = reference_tokens(prompt, greedy(30), 30, {"local": 6})[3:]  # 3 streamed before
     assert tokens_of(out["first"]) == rest
+
+
+def test_default_max_tokens_is_bounded_by_the_pool() -> None:
+    core, _ = make_core(num_pages=10, page_size=4, context=4096)
+    core.add(req("a", prompt_of(1, 30), SamplingParams(temperature=0.0, ignore_eos=True)))
+    out = run_all(core)
+    assert out["a"][-1].completion_tokens == 40 - 30  # 10 pages of 4 tokens
+    assert out["a"][-1].finish_reason == "length"
+    with pytest.raises(OutOfKVPages):  # a prompt the pool cannot hold: this request fails
+        core.add(req("b", prompt_of(2, 45), SamplingParams(temperature=0.0)))

@@ -94,3 +94,18 @@ def test_auto_target_is_three_decode_only_steps() -> None:
               if sum(len(t) == 1 for t, _ in b.spans) == 4 and any(len(t) > 1 for t, _ in b.spans)]
     fit = math.floor((18e-3 - A - 4 * B) / C)  # 240
     assert 0.95 * fit <= max(chunks[1:]) <= fit
+
+
+def test_no_cap_without_decoders() -> None:
+    clock = FakeClock()
+    core, runner = make_core(num_pages=1024, clock=clock, prefill_chunk=256, itl_target_ms=3.0)
+    core.add(req("d", prompt_of(1, 4), greedy(40)))
+    while "d" in core.scheduler.seqs:
+        core.step()
+    core.add(req("p", prompt_of(2, 300), greedy(40)))  # the model says 6 ms > 3 ms
+    core.add(req("d2", prompt_of(3, 300), greedy(1)))
+    core.step()
+    assert runner.batches[-1].spans == [(tuple(prompt_of(2, 300)[:256]), 0)]  # nobody streams
+    core.step()
+    core.step()  # p decodes now: d2's chunk is capped to the minimum
+    assert [len(t) for t, _ in runner.batches[-1].spans] == [1, 16]
