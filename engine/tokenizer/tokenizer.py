@@ -34,22 +34,66 @@ class _Special:
 
 
 class _SpecialMatcher:
-    """Special tokens in llama.cpp's partition order, indexed by first character so that a
-    text is only searched for the tokens whose first character it contains."""
+    """The special tokens present in a text, in llama.cpp's partition order. Tokens are
+    grouped by first character; a text is searched only for the groups whose first character
+    it contains, a small group token by token, a large one (gemma's 6K `<unused*>`) with one
+    regex over the group's trie."""
+
+    _LARGE_GROUP = 64  # below this, `in` per token is faster than the regex
+    _LONG_TOKEN = 128  # longer tokens stay out of the trie regex (nesting depth)
 
     def __init__(self, specials: list[_Special]) -> None:
         self.specials = specials
-        self.by_first: dict[str, list[int]] = {}
-        for i, sp in enumerate(specials):
-            self.by_first.setdefault(sp.text[0], []).append(i)
+        self.order = {sp.text: i for i, sp in enumerate(specials)}
+        groups: dict[str, list[str]] = {}
+        for sp in specials:
+            groups.setdefault(sp.text[0], []).append(sp.text)
+        self.small: list[tuple[str, list[str]]] = []
+        self.large: list[tuple[str, re.Pattern[str], frozenset[str]]] = []
+        for first, all_texts in groups.items():
+            texts = [t for t in all_texts if len(t) <= self._LONG_TOKEN]
+            if len(texts) <= self._LARGE_GROUP:
+                self.small.append((first, all_texts))
+            else:
+                long_texts = [t for t in all_texts if len(t) > self._LONG_TOKEN]
+                if long_texts:
+                    self.small.append((first, long_texts))
+                # One match per occurrence of `first` (it is consumed, the rest looked ahead),
+                # capturing the longest token there; shorter ones are its prefixes.
+                rest = _trie_regex([t[1:] for t in texts])
+                self.large.append((first, re.compile(f"{re.escape(first)}(?=({rest}))"),
+                                   frozenset(texts)))
 
     def present(self, text: str) -> list[_Special]:
-        order: list[int] = []
-        for first, indices in self.by_first.items():
+        found: set[str] = set()
+        for first, texts in self.small:
             if first in text:
-                order += indices
-        order.sort()
-        return [self.specials[i] for i in order if self.specials[i].text in text]
+                found.update(t for t in texts if t in text)
+        for first, pattern, group in self.large:
+            if first in text:
+                for longest in {first + m.group(1) for m in pattern.finditer(text)}:
+                    found.update(longest[:k] for k in range(1, len(longest) + 1)
+                                 if longest[:k] in group)
+        return [self.specials[i] for i in sorted(self.order[t] for t in found)]
+
+
+def _trie_regex(words: list[str]) -> str:
+    """A regex matching exactly `words`, shaped as their trie (greedy: longest first)."""
+    trie: dict[str, Any] = {}
+    for word in words:
+        node = trie
+        for ch in word:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def build(node: dict[str, Any]) -> str:
+        branches = [re.escape(ch) + build(child) for ch, child in node.items() if ch]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        return f"(?:{body})?" if "" in node else body
+
+    return build(trie)
 
 
 class Tokenizer:
