@@ -34,14 +34,17 @@ def clean_up_spaces(data: bytes) -> bytes:
 
 class IncrementalDetokenizer:
     """Feeds token ids one at a time; the concatenation of everything `push` and `flush`
-    return equals `tokenizer.decode(all_ids, skip_special)`."""
+    return equals `tokenizer.decode(all_ids, skip_special, clean_spaces=clean_spaces)`."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, skip_special: bool = False, *,
+        clean_spaces: bool | None = None,
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special
         self._pieces = tokenizer.pieces(skip_special)
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self._clean = tokenizer.clean_spaces
+        self._clean = tokenizer.clean_spaces if clean_spaces is None else clean_spaces
         self._remove_space = tokenizer.add_space_prefix
         self._is_first = True
         self._pending = b""  # bytes the clean-up may still change

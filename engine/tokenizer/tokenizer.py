@@ -11,89 +11,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import tokenizers
 
 from engine.errors import InvalidRequest
 from engine.tokenizer.detok import clean_up_spaces
+from engine.tokenizer.partition import Special, SpecialMatcher, partition
 from engine.tokenizer.specials import HIDDEN_ATTRS, SPECIAL_ATTRS, Attr
 from engine.tokenizer.vocab import Vocab, build_hf_tokenizer, parse_vocab, token_pieces
 
-_C_SPACES = frozenset(" \t\n\v\f\r")  # C isspace() in the "C" locale, what llama.cpp strips
 _NEWLINE_RUNS = re.compile(r"(\n+)")
-
-
-@dataclass(frozen=True, slots=True)
-class _Special:
-    text: str
-    token_id: int
-    lstrip: bool
-    rstrip: bool
-
-
-class _SpecialMatcher:
-    """The special tokens present in a text, in llama.cpp's partition order. Tokens are
-    grouped by first character; a text is searched only for the groups whose first character
-    it contains, a small group token by token, a large one (gemma's 6K `<unused*>`) with one
-    regex over the group's trie."""
-
-    _LARGE_GROUP = 64  # below this, `in` per token is faster than the regex
-    _LONG_TOKEN = 128  # longer tokens stay out of the trie regex (nesting depth)
-
-    def __init__(self, specials: list[_Special]) -> None:
-        self.specials = specials
-        self.order = {sp.text: i for i, sp in enumerate(specials)}
-        groups: dict[str, list[str]] = {}
-        for sp in specials:
-            groups.setdefault(sp.text[0], []).append(sp.text)
-        self.small: list[tuple[str, list[str]]] = []
-        self.large: list[tuple[str, re.Pattern[str], frozenset[str]]] = []
-        for first, all_texts in groups.items():
-            texts = [t for t in all_texts if len(t) <= self._LONG_TOKEN]
-            if len(texts) <= self._LARGE_GROUP:
-                self.small.append((first, all_texts))
-            else:
-                long_texts = [t for t in all_texts if len(t) > self._LONG_TOKEN]
-                if long_texts:
-                    self.small.append((first, long_texts))
-                # One match per occurrence of `first` (it is consumed, the rest looked ahead),
-                # capturing the longest token there; shorter ones are its prefixes.
-                rest = _trie_regex([t[1:] for t in texts])
-                self.large.append((first, re.compile(f"{re.escape(first)}(?=({rest}))"),
-                                   frozenset(texts)))
-
-    def present(self, text: str) -> list[_Special]:
-        found: set[str] = set()
-        for first, texts in self.small:
-            if first in text:
-                found.update(t for t in texts if t in text)
-        for first, pattern, group in self.large:
-            if first in text:
-                for longest in {first + m.group(1) for m in pattern.finditer(text)}:
-                    found.update(longest[:k] for k in range(1, len(longest) + 1)
-                                 if longest[:k] in group)
-        return [self.specials[i] for i in sorted(self.order[t] for t in found)]
-
-
-def _trie_regex(words: list[str]) -> str:
-    """A regex matching exactly `words`, shaped as their trie (greedy: longest first)."""
-    trie: dict[str, Any] = {}
-    for word in words:
-        node = trie
-        for ch in word:
-            node = node.setdefault(ch, {})
-        node[""] = {}
-
-    def build(node: dict[str, Any]) -> str:
-        branches = [re.escape(ch) + build(child) for ch, child in node.items() if ch]
-        if not branches:
-            return ""
-        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
-        return f"(?:{body})?" if "" in node else body
-
-    return build(trie)
+_SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 class Tokenizer:
@@ -116,14 +45,14 @@ class Tokenizer:
         self.add_eos: bool = vocab.add_eos
         self._newline_words = vocab.pre is not None and vocab.pre.spm_style
         specials = [
-            _Special(text, i, bool(attr & Attr.LSTRIP), bool(attr & Attr.RSTRIP))
+            Special(text, i, bool(attr & Attr.LSTRIP), bool(attr & Attr.RSTRIP))
             for i, (text, attr) in enumerate(zip(vocab.texts, vocab.attrs, strict=True))
             if attr & SPECIAL_ATTRS
         ]
         # llama.cpp sorts by text length, longest first; equal lengths keep id order here.
         specials.sort(key=lambda sp: -len(sp.text))
-        self._match_all = _SpecialMatcher(specials)
-        self._match_plain = _SpecialMatcher(
+        self._match_all = SpecialMatcher(specials)
+        self._match_plain = SpecialMatcher(
             [sp for sp in specials if not vocab.attrs[sp.token_id] & HIDDEN_ATTRS]
         )
 
@@ -138,7 +67,8 @@ class Tokenizer:
 
     @property
     def clean_spaces(self) -> bool:
-        """Whether decode applies llama.cpp's clean_up_tokenization_spaces (" ?" -> "?")."""
+        """Whether decode applies llama.cpp's clean_up_tokenization_spaces (" ?" -> "?") by
+        default."""
         return self._vocab.clean_spaces
 
     @property
@@ -147,7 +77,11 @@ class Tokenizer:
         return self._hf
 
     def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        fragments = self._partition(text, parse_special) if text else []
+        if not text:
+            fragments: list[str | int] = []
+        else:
+            matcher = self._match_all if parse_special else self._match_plain
+            fragments = partition(_without_surrogates(text), matcher)
         ids: list[int] = []
         if add_special and self.add_bos:
             assert self.bos_id is not None  # parse_vocab refuses add_bos without BOS
@@ -180,12 +114,19 @@ class Tokenizer:
                 ids += self._hf.encode(part, add_special_tokens=False).ids
         return ids
 
-    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+    def decode(
+        self, ids: Sequence[int], skip_special: bool = False, *, clean_spaces: bool | None = None,
+    ) -> str:
         """llama_detokenize(ids, remove_special=skip_special, unparse_special=not skip_special),
-        invalid UTF-8 replaced by U+FFFD."""
-        return self.decode_bytes(ids, skip_special).decode("utf-8", "replace")
+        invalid UTF-8 replaced by U+FFFD. `clean_spaces=False` skips llama.cpp's clean-up of
+        spaces before punctuation (on by default for some BPE vocabularies, e.g. Llama 3's,
+        where it turns code like "a ? b" into "a? b"); llama-server streams text without it."""
+        return self.decode_bytes(ids, skip_special, clean_spaces=clean_spaces).decode(
+            "utf-8", "replace")
 
-    def decode_bytes(self, ids: Sequence[int], skip_special: bool = False) -> bytes:
+    def decode_bytes(
+        self, ids: Sequence[int], skip_special: bool = False, *, clean_spaces: bool | None = None,
+    ) -> bytes:
         ids = self._checked(ids)
         remove_space = self._vocab.add_space_prefix
         if skip_special:
@@ -198,7 +139,9 @@ class Tokenizer:
         if remove_space and parts and parts[0][:1] == b" ":
             parts[0] = parts[0][1:]
         data = b"".join(parts)
-        return clean_up_spaces(data) if self._vocab.clean_spaces else data
+        if clean_spaces is None:
+            clean_spaces = self._vocab.clean_spaces
+        return clean_up_spaces(data) if clean_spaces else data
 
     def pieces(self, skip_special: bool = False) -> list[bytes]:
         """Token id -> piece bytes, as llama_token_to_piece(special=not skip_special)."""
@@ -228,37 +171,11 @@ class Tokenizer:
             )
         return out
 
-    def _partition(self, text: str, parse_special: bool) -> list[str | int]:
-        matcher = self._match_all if parse_special else self._match_plain
-        fragments: list[str | int] = [text]
-        for sp in matcher.present(text):
-            split: list[str | int] = []
-            for fragment in fragments:
-                if isinstance(fragment, str) and sp.text in fragment:
-                    split += _split_on(fragment, sp)
-                else:
-                    split.append(fragment)
-            fragments = split
-        return fragments
 
-
-def _split_on(text: str, sp: _Special) -> list[str | int]:
-    """Every occurrence of `sp` in `text`, left to right, with llama.cpp's lstrip (drop
-    spaces before it) and rstrip (drop spaces after it; the search resumes after them)."""
-    out: list[str | int] = []
-    start, end, width = 0, len(text), len(sp.text)
-    while (match := text.find(sp.text, start)) >= 0:
-        left_end = match
-        if sp.lstrip:
-            while left_end > start and text[left_end - 1] in _C_SPACES:
-                left_end -= 1
-        if left_end > start:
-            out.append(text[start:left_end])
-        out.append(sp.token_id)
-        start = match + width
-        if sp.rstrip:
-            while start < end and text[start] in _C_SPACES:
-                start += 1
-    if start < end:
-        out.append(text[start:])
-    return out
+def _without_surrogates(text: str) -> str:
+    """Unpaired surrogates (from JSON escapes) have no UTF-8 form: each becomes U+FFFD."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _SURROGATES.sub("\ufffd", text)
+    return text

@@ -80,6 +80,21 @@ def test_clean_up_spaces_streams_like_llama_detokenize(name: str, vocab_case: Ca
     assert num_cleaned >= 100  # the clean-up rules fired
 
 
+@pytest.mark.parametrize("skip_special", [False, True])
+def test_without_clean_up_pieces_are_concatenated(skip_special: bool,
+                                                  vocab_case: Callable) -> None:
+    """clean_spaces=False: the plain concatenation of llama_token_to_piece, streamed alike."""
+    case = vocab_case("llama-bpe")
+    tok, ref = case.ours, case.ref
+    for text in ["a ? b : c", "it 's", "x , y . z", " ' ", "<|begin_of_text|>Hi !"]:
+        ids = tok.encode(text, parse_special=True)
+        want = b"".join(ref.piece(i, not skip_special) for i in ids).decode("utf-8", "replace")
+        assert tok.decode(ids, skip_special, clean_spaces=False) == want
+        detok = IncrementalDetokenizer(tok, skip_special, clean_spaces=False)
+        assert "".join(detok.push(i) for i in ids) + detok.flush() == want
+        assert tok.decode(ids, skip_special) != want or " " not in text  # cleaned by default
+
+
 def test_clean_up_spaces_rules() -> None:
     assert clean_up_spaces(b"a ? b ! c . d , e") == b"a? b! c. d, e"
     assert clean_up_spaces(b"rock ' n ' roll") == b"rock'n'roll"

@@ -70,13 +70,17 @@ def test_round_trip_where_llama_cpp_round_trips(name: str, vocab_case: Callable)
 
 @pytest.mark.parametrize("name", [*PARITY_VOCABS, "gpt-2", "gemma-4"])
 def test_vocab_tables_match(name: str, vocab_case: Callable) -> None:
-    """Every token's piece (with and without special rendering), the EOG set and the
-    BOS/EOS settings, as llama.cpp's loader decides them."""
+    """Token pieces (with and without special rendering), the EOG set and the BOS/EOS
+    settings, as llama.cpp's loader decides them. Pieces: every special and byte token, and
+    every third one of the rest."""
     case = vocab_case(name)
     ours, ref = case.ours, case.ref
     assert ours.vocab_size == ref.n_tokens
     shown, hidden = ours.pieces(False), ours.pieces(True)
-    bad_pieces = [i for i in range(ref.n_tokens)
+    texts = case.metadata["tokenizer.ggml.tokens"]
+    checked = [i for i, text in enumerate(texts) if i % 3 == 0 or text.startswith("<0x")
+               or ours.special_token_id(text) is not None]
+    bad_pieces = [i for i in checked
                   if shown[i] != ref.piece(i, True) or hidden[i] != ref.piece(i, False)]
     assert not bad_pieces, f"{len(bad_pieces)} pieces differ, first id {bad_pieces[0]}"
     assert all(ours.token_bytes(i) == shown[i] for i in range(0, ref.n_tokens, 997))

@@ -20,9 +20,9 @@ from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 def test_model_file_metadata_gives_the_same_tokenizer(vocab_case: Callable) -> None:
     """The contract with engine.gguf: ModelFile.metadata (numpy arrays, MappingProxyType)
     builds the tokenizer that the GGUFReader-based test helper builds."""
-    case = vocab_case("qwen2")
+    case = vocab_case("llama-spm")
     tok = Tokenizer.from_metadata(ModelFile.open(case.path).metadata)
-    for text in ["Hello world", "<|im_start|>user\nhi<|im_end|>", "日本語 🤖", "  x\n\n"]:
+    for text in ["Hello world", "<s>user\nhi</s>", "日本語 🤖", "  x\n\n"]:
         for parse_special in (False, True):
             want = case.ref.tokenize(text, True, parse_special)
             assert tok.encode(text, parse_special=parse_special) == want
@@ -128,3 +128,9 @@ def test_small_spm_vocab_matches_llama_cpp(extra: dict[str, Any], tmp_path: Path
             detok = IncrementalDetokenizer(tok, skip_special=skip)
             streamed = "".join(detok.push(i) for i in ids) + detok.flush()
             assert streamed == want.decode("utf-8", "replace"), (ids, skip)
+
+
+def test_unpaired_surrogates_are_replaced(vocab_case: Callable) -> None:
+    """JSON can carry lone surrogates, which have no UTF-8 form; they tokenize as U+FFFD."""
+    tok = vocab_case("llama-bpe").ours
+    assert tok.encode("a\ud800b\udfff") == tok.encode("a\ufffdb\ufffd")

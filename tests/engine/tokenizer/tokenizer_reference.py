@@ -18,6 +18,7 @@ class LlamaVocabRef:
         self.llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
         self.vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
         self.n_tokens = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self._buf = ctypes.create_string_buffer(256)
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         data = text.encode("utf-8")
@@ -42,13 +43,12 @@ class LlamaVocabRef:
             size = -n
 
     def piece(self, token_id: int, special: bool) -> bytes:
-        size = 256
-        while True:
-            buf = ctypes.create_string_buffer(size)
-            n = llama_cpp.llama_token_to_piece(self.vocab, token_id, buf, size, 0, special)
-            if n >= 0:
-                return buf.raw[:n]
-            size = -n
+        n = llama_cpp.llama_token_to_piece(self.vocab, token_id, self._buf, len(self._buf), 0,
+                                           special)
+        if n < 0:
+            self._buf = ctypes.create_string_buffer(-n)
+            return self.piece(token_id, special)
+        return self._buf.raw[:n]
 
     def is_eog(self, token_id: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token_id))
