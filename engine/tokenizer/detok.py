@@ -3,8 +3,8 @@
 A token's piece can end inside a UTF-8 character (byte-fallback tokens, byte-level BPE
 pieces), and llama.cpp's clean-up of spaces (" ?" -> "?", " 's" -> "'s") looks up to three
 bytes ahead. The detokenizer therefore holds back the bytes whose meaning is not settled yet:
-an incomplete character in the UTF-8 decoder, and the tail after the last space in the
-clean-up stage.
+an incomplete character in the UTF-8 decoder, and, where the clean-up applies, the few bytes
+after the last point where no clean-up rule can reach across (see `_safe_cut`).
 """
 
 from __future__ import annotations
