@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from engine.errors import TokenizerError
+
 
 class Attr:
     """llama.cpp's `llama_token_attr` bits (plain ints: enum flags are slow over 262K tokens)."""
@@ -72,9 +74,13 @@ def token_id(metadata: Mapping[str, Any], key: str, num_tokens: int) -> int | No
     """A `tokenizer.ggml.<key>` id, or None when absent or out of range (llama.cpp then
     keeps its default, which the caller supplies)."""
     value = metadata.get(f"tokenizer.ggml.{key}")
-    if value is None or not 0 <= int(value) < num_tokens:
+    if value is None:
         return None
-    return int(value)
+    try:
+        tid = int(value)
+    except (TypeError, ValueError) as exc:
+        raise TokenizerError(f"tokenizer.ggml.{key} is not an integer: {value!r}") from exc
+    return tid if 0 <= tid < num_tokens else None
 
 
 def apply_text_rules(

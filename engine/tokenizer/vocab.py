@@ -1,14 +1,19 @@
 """GGUF tokenizer metadata -> `Vocab` (what llama.cpp's loader decides) -> `tokenizers.Tokenizer`.
 
-Two vocabulary kinds are supported, as llama.cpp names them by `tokenizer.ggml.model`:
+Three vocabulary kinds are supported, as llama.cpp names them by `tokenizer.ggml.model`:
 
 - `llama` (SPM): llama.cpp merges, at each step, the adjacent pair whose concatenation is
   the highest-scoring vocabulary token (leftmost on ties), and spells any character left
   outside the vocabulary as `<0xXX>` byte tokens. That is a BPE whose merges are every
   split (a, b) of every token with both halves in the vocabulary, ranked by the token's
   score: `tokenizers.models.BPE` with `byte_fallback`, spaces escaped to U+2581 first.
+  Known difference: llama.cpp breaks a tie between two different tokens of equal score by
+  position (leftmost first), a ranked BPE by token id. Real vocabularies give normal tokens
+  distinct scores; only control/user-defined ones share one (-1000 in gemma3).
 - `gpt2` (byte-level BPE): the file's merges, ranked by position, after the regex splits of
   the file's `tokenizer.ggml.pre` (see `pretok.py`) and GPT-2's byte-to-unicode mapping.
+- `gemma4` (BPE over SentencePiece-style pieces): the file's merges on raw UTF-8 with spaces
+  escaped, `<0xXX>` byte fallback.
 """
 
 from __future__ import annotations
@@ -118,6 +123,8 @@ def _token_texts(metadata: Mapping[str, Any]) -> list[str]:
     tokens = metadata.get("tokenizer.ggml.tokens")
     if tokens is None or len(tokens) == 0:
         raise TokenizerError("tokenizer.ggml.tokens is missing or empty")
+    if not all(isinstance(t, str) for t in tokens):
+        raise TokenizerError("tokenizer.ggml.tokens is not an array of strings")
     # llama.cpp renames empty tokens so that every text maps to one id.
     return [str(t) if len(t) else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
 

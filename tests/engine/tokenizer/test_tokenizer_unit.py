@@ -51,6 +51,8 @@ def _spm_metadata(**extra: Any) -> dict[str, Any]:
     ({"tokenizer.ggml.model": None}, "not supported"),
     ({"tokenizer.ggml.tokens": []}, "missing or empty"),
     ({"tokenizer.ggml.tokens": ["a", "a", "b"]}, "duplicate"),
+    ({"tokenizer.ggml.tokens": [1, 2, 3]}, "strings"),
+    ({"tokenizer.ggml.bos_token_id": "one"}, "integer"),
     ({"tokenizer.ggml.scores": np.zeros(3, np.float32)}, "entries for"),
     ({"tokenizer.ggml.token_type": ["x"] * 300}, "numeric"),
     ({"tokenizer.ggml.add_eos_token": True, "tokenizer.ggml.eos_token_id": 10**6,
