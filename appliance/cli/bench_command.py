@@ -110,7 +110,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--formats", default=",".join(KV_CHOICES))
     p.add_argument("--steps", type=int, default=98)
     p.add_argument("--context-tokens", type=int, default=400)
-    p.add_argument("--teacher", choices=("decode", "prefill"), default="decode")
+    p.add_argument("--teacher", choices=("prefill", "decode"), default="prefill",
+                   help="feed the 98 tokens as one chunk (default) or one per forward")
     p.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_kv_quality)

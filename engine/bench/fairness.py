@@ -1,9 +1,10 @@
 """`mbufo bench fairness`: DESIGN.md's fairness scenario, one definition for CLI and tests.
 
-N streams decode a fixed number of tokens (ignore_eos); 1.5 s later a long prompt is
-injected (max_tokens 1); 0.3 s after that a short prompt (~40 words) arrives (max_tokens
-4). Every prompt is fresh; a reported prefix-cache hit on the solo, short or long request
-fails the run. Reported:
+N streams decode a fixed number of tokens (ignore_eos); after 1.5 s of decoding (counted
+from the moment every stream has its first token, so that a slow machine still has a
+steady baseline) a long prompt is injected (max_tokens 1); 0.3 s after that a short
+prompt (~40 words) arrives (max_tokens 4). Every prompt is fresh; a reported prefix-cache
+hit on the solo, short or long request fails the run. Reported:
 
 - `solo_ttft_ms`: median TTFT of 3 solo runs of a short request on the idle target;
 - `loaded_short_ttft_ms`: the short request's TTFT during the injection;
@@ -94,13 +95,29 @@ def summarize_fairness(solo: Sequence[RequestResult], run: LoadedRun) -> dict[st
 
 def estimate_stream_tokens(warm: RequestResult, spec: FairnessSpec) -> int:
     """Tokens that keep a stream busy through the injection, with margin: the window is
-    the two delays, twice the long prompt's solo prefill time and one second; a solo ITL
+    the two delays, twice the long prompt's solo prefill time, one second and the warm-up's
+    TTFT (the streams' own start); a solo ITL
     is no longer than a loaded one, so the count is on the safe side."""
     prefill_s = warm.ttft_s * spec.long_tokens / max(1, warm.prompt_tokens or 1)
     itls = warm.itls_s()
     itl = statistics.median(itls) if itls else 0.05
-    window = spec.inject_after_s + spec.short_after_s + 2 * prefill_s + 1.0
+    window = spec.inject_after_s + spec.short_after_s + 2 * prefill_s + 1.0 + warm.ttft_s
     return min(spec.max_stream_tokens, math.ceil(1.25 * window / max(itl, 1e-4)))
+
+
+async def _all_started(streams: list[asyncio.Future], started: list[asyncio.Event]) -> None:
+    """Wait until every stream has its first token; a stream that fails fails the run."""
+    waits = {asyncio.ensure_future(e.wait()) for e in started}
+    watch = waits | set(streams)
+    try:
+        while not all(e.is_set() for e in started):
+            done, watch = await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
+            for task in done - waits:
+                if not task.result().token_times:
+                    raise EngineError("fairness: a stream finished without a token")
+    finally:
+        for wait in waits:
+            wait.cancel()
 
 
 async def _loaded_run(target: Target, factory: PromptFactory, spec: FairnessSpec,
@@ -109,13 +126,21 @@ async def _loaded_run(target: Target, factory: PromptFactory, spec: FairnessSpec
     stream_prompts = [factory.make(spec.stream_prompt_tokens) for _ in range(spec.streams)]
     long_prompt = factory.make(spec.long_tokens)
     short_prompt = factory.make(spec.short_tokens)
-    streams = [asyncio.ensure_future(target.complete(p, stream_tokens, client=f"stream-{i}"))
-               for i, p in enumerate(stream_prompts)]
-    await sleep(spec.inject_after_s)
-    long = asyncio.ensure_future(target.complete(long_prompt, 1, client="long"))
-    await sleep(spec.short_after_s)
-    short = asyncio.ensure_future(target.complete(short_prompt, 4, client="short"))
-    results = await asyncio.gather(*streams, long, short)
+    started = [asyncio.Event() for _ in stream_prompts]
+    streams = [asyncio.ensure_future(target.complete(p, stream_tokens, client=f"stream-{i}",
+                                                     first_token=e))
+               for i, (p, e) in enumerate(zip(stream_prompts, started, strict=True))]
+    try:
+        await _all_started(streams, started)
+        await sleep(spec.inject_after_s)  # of steady decoding by all N streams
+        long = asyncio.ensure_future(target.complete(long_prompt, 1, client="long"))
+        await sleep(spec.short_after_s)
+        short = asyncio.ensure_future(target.complete(short_prompt, 4, client="short"))
+        results = await asyncio.gather(*streams, long, short)
+    except BaseException:
+        for task in streams:
+            task.cancel()
+        raise
     return LoadedRun(list(results[:-2]), results[-2], results[-1])
 
 

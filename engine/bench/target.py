@@ -22,7 +22,7 @@ import json
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,7 +84,8 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 class Target(ABC):
     """Contract: `complete` sends one greedy request (temperature 0, ignore_eos, max_tokens),
-    waits until it finishes and returns its timings; calls may overlap unless `is_serial`.
+    waits until it finishes and returns its timings (setting `first_token`, if given, when
+    the first token arrives); calls may overlap unless `is_serial`.
     `tokenizer`, when not None, encodes text exactly as the target does, so prompts can be
     built to an exact token count; otherwise `count_tokens` asks the target."""
 
@@ -98,7 +99,8 @@ class Target(ABC):
 
     @abstractmethod
     async def complete(self, prompt: Prompt, max_tokens: int, *,
-                       client: str = "bench") -> RequestResult: ...
+                       client: str = "bench",
+                       first_token: asyncio.Event | None = None) -> RequestResult: ...
 
     async def count_tokens(self, text: str) -> int:
         if self.tokenizer is None:
@@ -132,7 +134,8 @@ class InProcessTarget(Target):
         return cls(build_engine(model, options, loaded=loaded), name, options)
 
     async def complete(self, prompt: Prompt, max_tokens: int, *,
-                       client: str = "bench") -> RequestResult:
+                       client: str = "bench",
+                       first_token: asyncio.Event | None = None) -> RequestResult:
         from engine.sampler import SamplingParams
         from engine.scheduler.request import Request
 
@@ -155,6 +158,8 @@ class InProcessTarget(Target):
                 if isinstance(item, BaseException):
                     raise item
                 result.token_times += [now] * len(item.token_ids)
+                if first_token is not None and result.token_times:
+                    first_token.set()
                 result.prompt_tokens = item.prompt_tokens
                 result.cached_tokens = item.cached_tokens
                 result.completion_tokens = item.completion_tokens
@@ -200,17 +205,25 @@ class LlamaCppTarget(Target):
         self._lock = asyncio.Lock()
 
     async def complete(self, prompt: Prompt, max_tokens: int, *,
-                       client: str = "bench") -> RequestResult:
+                       client: str = "bench",
+                       first_token: asyncio.Event | None = None) -> RequestResult:
         if prompt.ids is not None:
             ids = list(prompt.ids)
         else:
             ids = self._llm.tokenize(prompt.text.encode("utf-8"), add_bos=True, special=False)
         result = RequestResult(_request_id("llama-cpp"), time.perf_counter())
+        loop = asyncio.get_running_loop()
+
+        def on_first() -> None:
+            if first_token is not None:
+                loop.call_soon_threadsafe(first_token.set)
+
         async with self._lock:
-            await asyncio.to_thread(self._generate, ids, max_tokens, result)
+            await asyncio.to_thread(self._generate, ids, max_tokens, result, on_first)
         return result
 
-    def _generate(self, ids: list[int], max_tokens: int, result: RequestResult) -> None:
+    def _generate(self, ids: list[int], max_tokens: int, result: RequestResult,
+                  on_first: Callable[[], None]) -> None:
         llm = self._llm
         # generate() keeps the KV of the longest common prefix of the previous input and
         # `ids` (one token short when the whole prompt matches: it re-evaluates the last).
@@ -220,6 +233,8 @@ class LlamaCppTarget(Target):
         for _token in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
                                    repeat_penalty=1.0, reset=True):
             result.token_times.append(time.perf_counter())
+            if len(result.token_times) == 1:
+                on_first()
             if len(result.token_times) >= max_tokens:
                 break
         result.completion_tokens = len(result.token_times)
@@ -316,7 +331,7 @@ class HttpTarget(Target):
         self.model = model
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(30.0, read=None), headers=headers,
+            timeout=httpx.Timeout(30.0, read=600.0), headers=headers,  # long prefills
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
         self._model_known = model is not None
 
@@ -341,7 +356,8 @@ class HttpTarget(Target):
         return body
 
     async def complete(self, prompt: Prompt, max_tokens: int, *,
-                       client: str = "bench") -> RequestResult:
+                       client: str = "bench",
+                       first_token: asyncio.Event | None = None) -> RequestResult:
         body = await self._body(prompt.text, max_tokens, stream=True)
         state = StreamState()
         sent = time.perf_counter()
@@ -357,6 +373,8 @@ class HttpTarget(Target):
                     break
                 if isinstance(event, dict):
                     state.feed(event, now)
+                    if first_token is not None and (state.token_times or state.finish_time):
+                        first_token.set()
         return state.result(_request_id("http"), sent)
 
     async def count_tokens(self, text: str) -> int:

@@ -53,6 +53,19 @@ class ScriptedTarget(Target):
         self.cache_slack = cache_slack
 
     async def complete(self, prompt: Prompt, max_tokens: int, *,
-                       client: str = "bench") -> RequestResult:
+                       client: str = "bench", first_token=None) -> RequestResult:
         self.calls[client].append((prompt, max_tokens))
+        if first_token is not None:
+            first_token.set()
         return self.script[client].popleft()
+
+
+def parse_cli(argv: list[str]):
+    """`mbufo` argv -> Namespace, with only the bench command registered."""
+    import argparse
+
+    from appliance.cli import bench_command
+
+    parser = argparse.ArgumentParser(prog="mbufo")
+    bench_command.register(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)

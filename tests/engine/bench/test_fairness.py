@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from bench_fakes import ScriptedTarget, result, timeline
@@ -29,7 +30,7 @@ def _step(t: int) -> int:
 
 
 def _script(stream_counts=(181, 180), short_cached=0, long_cached=0) -> dict:
-    warm_times = [(256 + 12 * i) / 1000 for i in range(16)]
+    warm_times = [(256 + 11 * i) / 1000 for i in range(16)]
     return {
         "warmup": [result(0, [0.05, 0.06]), result(0, warm_times, prompt_tokens=256)],
         "short": [result(0, [0.020, 0.03, 0.04, 0.05]), result(0, [0.030, 0.04, 0.05, 0.06]),
@@ -94,7 +95,7 @@ def test_requests_sent_as_the_scenario_says():
     assert [len(calls[c][0][0].ids) for c in ("stream-0", "stream-1")] == [32, 32]
     every = [p.ids for c in calls for p, _ in calls[c]]
     assert len(set(every)) == len(every)  # every prompt is fresh
-    # The stream length came from the warm-up: 256 tokens in 256 ms, ITL 12 ms.
+    # The stream length came from the warm-up: 256 tokens in 256 ms, ITL 11 ms.
     assert out["stream_tokens"] == estimate_stream_tokens(target_warm(), SPEC)
 
 
@@ -104,8 +105,9 @@ def target_warm():
 
 def test_stream_estimate_by_hand():
     # long prefill 2048 tokens at 1000 tok/s = 2.048 s; window 1.5 + 0.3 + 2 x 2.048 + 1.0
-    # = 6.896 s; at 12 ms per token with 25 % margin: ceil(718.33) = 719.
-    assert estimate_stream_tokens(target_warm(), FairnessSpec()) == 719
+    # + 0.256 (the warm-up's TTFT) = 7.152 s; at 11 ms per token with 25 % margin:
+    # ceil(812.73) = 813.
+    assert estimate_stream_tokens(target_warm(), FairnessSpec()) == 813
     assert estimate_stream_tokens(target_warm(), FairnessSpec(max_stream_tokens=500)) == 500
 
 
@@ -164,3 +166,36 @@ def test_windows_on_a_tiny_timeline():
     assert out["solo_ttft_ms"] == pytest.approx(50.0)
     assert out["loaded_short_ttft_ms"] == pytest.approx(50.0)
     assert out["fairness_ratio"] == pytest.approx(1.0)
+
+
+class SlowStartTarget(ScriptedTarget):
+    """Streams get their first token only after 50 ms (real time); records when."""
+
+    def __init__(self, script, fail_stream: bool = False):
+        super().__init__(script)
+        self.first_token_at: list[float] = []
+        self.long_sent_at: float | None = None
+        self.fail_stream = fail_stream
+
+    async def complete(self, prompt, max_tokens, *, client="bench", first_token=None):
+        if client.startswith("stream-"):
+            await asyncio.sleep(0.05)
+            if self.fail_stream:
+                raise EngineError("stream broke")
+            self.first_token_at.append(time.perf_counter())
+        if client == "long":
+            self.long_sent_at = time.perf_counter()
+        return await super().complete(prompt, max_tokens, client=client,
+                                      first_token=first_token)
+
+
+def test_injection_counts_from_the_streams_first_tokens():
+    target = SlowStartTarget(_script())
+    _run(target, FairnessSpec(inject_after_s=0.02, short_after_s=0.001))
+    assert len(target.first_token_at) == 2
+    assert target.long_sent_at >= max(target.first_token_at) + 0.02
+
+
+def test_a_stream_failing_before_its_first_token_fails_the_run():
+    with pytest.raises(EngineError, match="stream broke"):
+        _run(SlowStartTarget(_script(), fail_stream=True))

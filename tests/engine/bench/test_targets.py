@@ -139,7 +139,9 @@ def test_http_target_over_a_mock_transport():
     async def run():
         client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
         target = HttpTarget("http://server:8080/v1/", client=client)
-        res = await target.complete(Prompt("hello there"), 3)
+        started = asyncio.Event()
+        res = await target.complete(Prompt("hello there"), 3, first_token=started)
+        assert started.is_set()
         count = await target.count_tokens("four hundred words")
         await target.aclose()
         return target, res, count
@@ -180,7 +182,15 @@ class FakeEngine:
 def test_in_process_target_records_each_token():
     engine = FakeEngine()
     target = InProcessTarget(engine, owns_engine=False)
-    res = asyncio.run(target.complete(Prompt("word list here"), 3, client="stream-0"))
+
+    async def run():
+        started = asyncio.Event()
+        res = await target.complete(Prompt("word list here"), 3, client="stream-0",
+                                    first_token=started)
+        return res, started.is_set()
+
+    res, started = asyncio.run(run())
+    assert started
     (request,) = engine.requests
     assert request.prompt_ids == tuple(WordTokenizer().encode("word list here"))
     assert request.client_id == "stream-0"
