@@ -1,0 +1,1 @@
+"""HTTP handlers: parse, call a service, return."""

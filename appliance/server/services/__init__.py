@@ -1,0 +1,1 @@
+"""The server's services: the rules behind the handlers."""

@@ -1,0 +1,204 @@
+"""Chat and text completion requests -> generation jobs.
+
+The service resolves the model (404), checks the key may use it (403), builds the prompt
+(chat template, or text / token ids), checks prompt + max_tokens against the context
+(400 with the numbers), builds one SamplingParams per choice (seed + i for choice i) and
+hands the job to the GenerationService. Templating and tokenizing run in a worker
+thread: a long prompt must not stall other streams' events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import replace
+from typing import Any
+
+from litestar import Response
+
+from appliance.auth import Principal, check_model_allowed
+from appliance.server.errors import BadRequest, Unsupported
+from appliance.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from appliance.server.services.formats import CHAT, TEXT
+from appliance.server.services.generation import Choice, GenerationService, Job
+from engine.sampler import validate_params
+from engine.sampling_params import SamplingParams
+from engine.scheduler.request import Request
+
+MAX_CHOICES = 64  # prompts x n of one request
+DEFAULT_ESTIMATE = 256  # output tokens a request without max_tokens is assumed to use
+
+
+class CompletionService:
+    def __init__(self, router: Any, generation: GenerationService) -> None:
+        self.router = router
+        self.generation = generation
+
+    async def chat(self, principal: Principal, body: ChatCompletionRequest,
+                   receive: Any) -> Response:
+        handle = self.router.get(body.model)
+        check_model_allowed(principal, handle.name)
+        _reject_unsupported(body)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens == 0:
+            raise BadRequest("max_tokens must be at least 1", param="max_tokens")
+        prompt = await asyncio.to_thread(chat_prompt, handle, body)
+        _check_context(handle, [prompt], max_tokens, "messages")
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        if body.top_logprobs is not None and not body.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        params = _sampling(body, max_tokens, top)
+        grammar = await _grammar_factory(handle, body)
+        job = _job("chat", handle, principal, [prompt], params, body.n, grammar)
+        job.logprobs = top
+        job.include_usage = bool(body.stream and body.stream_options
+                                 and body.stream_options.include_usage)
+        return await self.generation.run(job, CHAT, receive, body.stream)
+
+    async def text(self, principal: Principal, body: CompletionRequest,
+                   receive: Any) -> Response:
+        handle = self.router.get(body.model)
+        check_model_allowed(principal, handle.name)
+        _reject_unsupported(body)
+        if body.suffix:
+            raise Unsupported("suffix (insertion) is not supported", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise Unsupported("best_of other than n is not supported", param="best_of")
+        if body.echo and body.logprobs is not None:
+            raise Unsupported("echo with logprobs needs prompt logprobs, which this server "
+                              "does not compute", param="logprobs")
+        if body.max_tokens == 0 and not body.echo:
+            raise BadRequest("max_tokens must be at least 1 (0 only with echo)",
+                             param="max_tokens")
+        prompts = await asyncio.to_thread(text_prompts, handle, body.prompt)
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise BadRequest(f"{len(prompts)} prompts x n={body.n} exceed {MAX_CHOICES} "
+                             f"choices", param="prompt")
+        ids = [p for p, _ in prompts]
+        _check_context(handle, ids, body.max_tokens or None, "prompt")
+        job = _job("text", handle, principal, ids, _sampling(body, body.max_tokens,
+                                                             body.logprobs), body.n, None)
+        job.logprobs = body.logprobs
+        job.echo = [text for _, text in prompts] if body.echo else None
+        job.include_usage = bool(body.stream and body.stream_options
+                                 and body.stream_options.include_usage)
+        if body.max_tokens == 0:  # echo only: nothing to generate
+            return Response(TEXT.response(_echo_only(job)))
+        return await self.generation.run(job, TEXT, receive, body.stream)
+
+
+def chat_prompt(handle: Any, body: ChatCompletionRequest) -> tuple[int, ...]:
+    extra = body.chat_template_kwargs or {}
+    text = handle.chat_template.render([m.to_dict() for m in body.messages],
+                                       add_generation_prompt=True, tools=body.tools, **extra)
+    tok = handle.tokenizer
+    ids = tok.encode(text, add_special=False, parse_special=True)
+    if tok.add_bos and tok.bos_id is not None and ids[:1] != [tok.bos_id]:
+        ids.insert(0, tok.bos_id)  # the template did not write BOS; the model wants it
+    return tuple(ids)
+
+
+def text_prompts(handle: Any, prompt: str | list[Any]) -> list[tuple[tuple[int, ...], str]]:
+    """(token ids, text) per prompt: a string, token ids, or a list of either."""
+    tok = handle.tokenizer
+
+    def from_text(text: str) -> tuple[tuple[int, ...], str]:
+        return tuple(tok.encode(text, add_special=True, parse_special=True)), text
+
+    def from_ids(ids: list[Any]) -> tuple[tuple[int, ...], str]:
+        if not all(type(t) is int and 0 <= t < handle.vocab_size for t in ids):
+            raise BadRequest(f"prompt token ids must be integers in [0, {handle.vocab_size})",
+                             param="prompt")
+        return tuple(ids), tok.decode([t for t in ids if t < tok.vocab_size])
+
+    if isinstance(prompt, str):
+        return [from_text(prompt)]
+    if all(type(p) is int for p in prompt):
+        return [from_ids(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return [from_text(p) for p in prompt]
+    if all(isinstance(p, list) for p in prompt):
+        return [from_ids(p) for p in prompt]
+    raise BadRequest("prompt must be a string, a list of token ids, or a list of either",
+                     param="prompt")
+
+
+def _reject_unsupported(body: SamplingFields) -> None:
+    if body.logit_bias:
+        raise Unsupported("logit_bias is not supported", param="logit_bias")
+
+
+def _check_context(handle: Any, prompts: list[tuple[int, ...]], max_tokens: int | None,
+                   param: str) -> None:
+    limit = handle.context
+    for ids in prompts:
+        want = len(ids) + (max_tokens or 1)
+        if want > limit:
+            where = "messages" if param == "messages" else "prompt"
+            raise BadRequest(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {want} tokens ({len(ids)} in the {where}, {max_tokens or 1} in "
+                f"the completion). Please reduce the length of the {where} or completion.",
+                code="context_length_exceeded", param=param)
+
+
+def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None
+              ) -> SamplingParams:
+    stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else []
+    params = SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0, min_p=body.min_p or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        seed=body.seed, max_tokens=max_tokens or None,
+        stop=tuple(s for s in stop if s), stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos, logprobs=logprobs)
+    validate_params(params)  # InvalidRequest -> 400
+    return params
+
+
+async def _grammar_factory(handle: Any, body: ChatCompletionRequest) -> Any:
+    """None, or a callable making one fresh grammar per choice (the state is per sequence)."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    from engine.grammar import JsonGrammar, grammar_tokenizer, json_schema_grammar
+
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema is None:
+            raise BadRequest("response_format json_schema needs json_schema.schema",
+                             param="response_format")
+        text = json_schema_grammar(fmt.json_schema.schema)
+    else:
+        text = json_schema_grammar(None)
+    gtok = await asyncio.to_thread(grammar_tokenizer, handle.tokenizer, handle.vocab_size)
+    await asyncio.to_thread(JsonGrammar, gtok, text)  # validates the schema once
+
+    def make() -> JsonGrammar:
+        return JsonGrammar(gtok, text)
+    return make
+
+
+def _job(kind: str, handle: Any, principal: Principal, prompts: list[tuple[int, ...]],
+         params: SamplingParams, n: int, grammar: Any) -> Job:
+    job_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    choices = []
+    for p, ids in enumerate(prompts):
+        for i in range(n):
+            index = p * n + i
+            seed = None if params.seed is None else params.seed + i
+            sampling = replace(params, seed=seed,
+                               grammar=grammar() if grammar is not None else None)
+            request = Request(f"{job_id}-{index}", ids, sampling, client_id=principal.key_id)
+            choices.append(Choice(index, p, request))
+    out = params.max_tokens or DEFAULT_ESTIMATE
+    estimate = sum(len(p) for p in prompts) + out * len(choices)
+    return Job(kind, job_id, handle, principal, choices, prompts, estimate)
+
+
+def _echo_only(job: Job) -> Job:
+    for c in job.choices:
+        c.finish_reason = "length"
+    return job

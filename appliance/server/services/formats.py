@@ -1,0 +1,138 @@
+"""OpenAI's JSON shapes for chat and text completions, streamed and whole.
+
+Engine finish reasons map one to one ("stop", "length"); "abort" never reaches here (the
+generation service turns it into an error). Token strings in logprobs are the token's
+bytes decoded as UTF-8 with replacement, and `bytes` carries the exact bytes, as OpenAI
+does for tokens that split a character.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from appliance.server.services.generation import Choice, Format, Job
+from engine.scheduler.request import OutputChunk
+
+
+def _token(pieces: list[bytes], token_id: int) -> tuple[str, list[int]]:
+    piece = pieces[token_id] if 0 <= token_id < len(pieces) else b""
+    return piece.decode("utf-8", "replace"), list(piece)
+
+
+def chat_logprobs(job: Job, entries: Any) -> dict[str, Any]:
+    pieces = job.handle.tokenizer.pieces()
+    content = []
+    for entry in entries:
+        if entry is None:
+            continue
+        text, raw = _token(pieces, entry.token_id)
+        top = []
+        for token_id, logprob in entry.top[:job.logprobs or 0]:
+            t, b = _token(pieces, token_id)
+            top.append({"token": t, "logprob": logprob, "bytes": b})
+        content.append({"token": text, "logprob": entry.logprob, "bytes": raw,
+                        "top_logprobs": top})
+    return {"content": content, "refusal": None}
+
+
+def text_logprobs(job: Job, entries: Any, offset: int) -> dict[str, Any]:
+    pieces = job.handle.tokenizer.pieces()
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                            "text_offset": []}
+    for entry in entries:
+        if entry is None:
+            continue
+        text, _ = _token(pieces, entry.token_id)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(entry.logprob)
+        top: dict[str, float] = {}
+        for token_id, logprob in entry.top[:job.logprobs or 0]:
+            top.setdefault(_token(pieces, token_id)[0], logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+class ChatFormat(Format):
+    def _head(self, job: Job, obj: str) -> dict[str, Any]:
+        return {"id": job.id, "object": obj, "created": job.created, "model": job.model,
+                "system_fingerprint": None}
+
+    def event(self, job: Job, choice: Choice, chunk: OutputChunk) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        if choice.num_events == 0:
+            delta["role"] = "assistant"
+        if chunk.text or choice.num_events == 0:
+            delta["content"] = chunk.text
+        logprobs = None
+        if job.logprobs is not None and chunk.logprobs is not None:
+            logprobs = chat_logprobs(job, chunk.logprobs)
+        out = self._head(job, "chat.completion.chunk")
+        out["choices"] = [{"index": choice.index, "delta": delta, "logprobs": logprobs,
+                           "finish_reason": chunk.finish_reason}]
+        if job.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_event(self, job: Job) -> dict[str, Any]:
+        out = self._head(job, "chat.completion.chunk")
+        out["choices"] = []
+        out["usage"] = job.usage()
+        return out
+
+    def response(self, job: Job) -> dict[str, Any]:
+        out = self._head(job, "chat.completion")
+        out["choices"] = [{
+            "index": c.index,
+            "message": {"role": "assistant", "content": "".join(c.text), "refusal": None},
+            "logprobs": chat_logprobs(job, c.logprobs) if job.logprobs is not None else None,
+            "finish_reason": c.finish_reason} for c in job.choices]
+        out["usage"] = job.usage()
+        return out
+
+
+class TextFormat(Format):
+    def _head(self, job: Job) -> dict[str, Any]:
+        return {"id": job.id, "object": "text_completion", "created": job.created,
+                "model": job.model, "system_fingerprint": None}
+
+    def _echo(self, job: Job, choice: Choice) -> str:
+        return job.echo[choice.prompt_index] if job.echo is not None else ""
+
+    def event(self, job: Job, choice: Choice, chunk: OutputChunk) -> dict[str, Any]:
+        prefix = self._echo(job, choice) if choice.num_events == 0 else ""
+        logprobs = None
+        if job.logprobs is not None and chunk.logprobs is not None:
+            done = len("".join(choice.text)) - len(chunk.text)  # text before this chunk
+            logprobs = text_logprobs(job, chunk.logprobs, done + len(self._echo(job, choice)))
+        out = self._head(job)
+        out["choices"] = [{"index": choice.index, "text": prefix + chunk.text,
+                           "logprobs": logprobs, "finish_reason": chunk.finish_reason}]
+        if job.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_event(self, job: Job) -> dict[str, Any]:
+        out = self._head(job)
+        out["choices"] = []
+        out["usage"] = job.usage()
+        return out
+
+    def response(self, job: Job) -> dict[str, Any]:
+        out = self._head(job)
+        choices = []
+        for c in job.choices:
+            echo = self._echo(job, c)
+            logprobs = None
+            if job.logprobs is not None:
+                logprobs = text_logprobs(job, c.logprobs, len(echo))
+            choices.append({"index": c.index, "text": echo + "".join(c.text),
+                            "logprobs": logprobs, "finish_reason": c.finish_reason})
+        out["choices"] = choices
+        out["usage"] = job.usage()
+        return out
+
+
+CHAT = ChatFormat()
+TEXT = TextFormat()
