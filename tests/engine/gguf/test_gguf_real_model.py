@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 import struct
 import time
@@ -72,10 +71,9 @@ def test_tensor_bytes_agree_with_reader_views(model: ModelFile, path: pathlib.Pa
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("MBUFO_SLOW_TESTS") != "1", reason="set MBUFO_SLOW_TESTS=1")
 def test_agrees_with_stock_reader(model: ModelFile, path: pathlib.Path) -> None:
-    """gguf.GGUFReader unmodified, on everything. Opt-in: it takes 10-25 s of CPU on this
-    file (a memmap slice per vocabulary entry); the default run checks MappedReader against
+    """gguf.GGUFReader unmodified, on everything. It takes 10-25 s of CPU on this
+    file (a memmap slice per vocabulary entry); the fast tests check MappedReader against
     it field by field on a written file, and every tensor offset against the pre-scan."""
     stock = gguf.GGUFReader(path, "r")
     assert [t.name for t in stock.tensors] == list(model.tensors)
