@@ -24,6 +24,7 @@ SECRET_LENGTH = 43
 # ids of 8-12 and secrets of 43-128 characters are accepted, leaving room to change lengths
 _KEY = re.compile(r"mbufo_([A-Za-z0-9]{8,12})_([A-Za-z0-9]{43,128})")
 _BEARER = "bearer"
+_OWS = " \t"  # HTTP's optional whitespace; anything else around the key is malformed
 
 
 def new_key_id() -> str:
@@ -56,14 +57,14 @@ def parse_key(token: str) -> tuple[str, str] | None:
 
 def parse_authorization(header: str | None) -> tuple[str, str]:
     """(id, secret) from an `Authorization: Bearer <key>` value, else AuthError 401."""
-    if header is None or not header.strip():
+    if header is None or not header.strip(_OWS):
         raise AuthError(401, "invalid_api_key",
                         "missing API key: send 'Authorization: Bearer mbufo_...'")
-    scheme, _, token = header.strip().partition(" ")
+    scheme, _, token = header.strip(_OWS).partition(" ")
     if scheme.lower() != _BEARER:
         raise AuthError(401, "invalid_api_key",
                         "malformed Authorization header: expected 'Bearer mbufo_...'")
-    parsed = parse_key(token.strip())
+    parsed = parse_key(token.strip(_OWS))
     if parsed is None:
         raise AuthError(401, "invalid_api_key", "malformed API key: expected mbufo_<id>_<secret>")
     return parsed

@@ -110,18 +110,19 @@ class RateLimiter:
         return w
 
     def _seed(self, db: Database) -> None:
-        """Tokens per key and minute over the last day, placed on the monotonic clock by
-        their age (one-minute resolution)."""
+        """Tokens per key and minute over the last day, placed on the monotonic clock at
+        the age of each minute's newest row (so they stay counted up to a minute longer,
+        never shorter)."""
         wall, mono = self._now(), self._clock()
         minute = func.substr(UsageRecord.created_at, 1, 16)  # 'YYYY-MM-DD HH:MM'
-        query = (select(UsageRecord.key_id, minute,
+        newest = func.max(UsageRecord.created_at)
+        query = (select(UsageRecord.key_id, newest,
                         func.sum(UsageRecord.prompt_tokens + UsageRecord.completion_tokens))
                  .where(UsageRecord.created_at >= wall - timedelta(seconds=DAY_S))
-                 .group_by(UsageRecord.key_id, minute).order_by(minute))
+                 .group_by(UsageRecord.key_id, minute).order_by(newest))
         with db.session() as session:
             rows = session.execute(query).all()
-        for key_id, stamp, tokens in rows:
-            at = datetime.fromisoformat(stamp).replace(tzinfo=wall.tzinfo)
+        for key_id, at, tokens in rows:
             age = max((wall - at).total_seconds(), 0.0)
             self._keys.setdefault(key_id, KeyWindows()).add_tokens(mono - age, int(tokens or 0))
         for w in self._keys.values():
