@@ -14,6 +14,12 @@ from appliance.auth.types import (
     require_admin,
     validate_quota,
 )
+from appliance.db import Database
 
 __all__ = ["NO_AUTH_PRINCIPAL", "ROLES", "AuthError", "KeyInfo", "KeyService", "Principal",
-           "Quota", "check_model_allowed", "require_admin", "validate_quota"]
+           "Quota", "check_model_allowed", "ensure_admin_key", "require_admin", "validate_quota"]
+
+
+def ensure_admin_key(db: Database) -> str | None:
+    """First start: a new admin key (to print once) when no active admin key exists."""
+    return KeyService(db).ensure_admin_key()

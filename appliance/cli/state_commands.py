@@ -16,7 +16,9 @@ from typing import Any
 Handler = Callable[[argparse.Namespace], int]
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction) -> dict[str, argparse._SubParsersAction]:
+    """Add `db`, `keys`, `models`; returns their action groups by name so that other
+    modules can add actions (the server's `models load|unload`)."""
     db = sub.add_parser("db", help="database schema: upgrade, downgrade, current")
     dsub = db.add_subparsers(dest="db_command", required=True, metavar="ACTION")
     p = _leaf(dsub, "upgrade", "migrate the database to a revision (default head)", cmd_db_upgrade)
@@ -51,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _leaf(msub, "list", "list registered models", cmd_models_list)
     p = _leaf(msub, "rm", "remove a model from the registry (the file stays)", cmd_models_rm)
     p.add_argument("name")
+    return {"db": dsub, "keys": ksub, "models": msub}
 
 
 def _leaf(sub: argparse._SubParsersAction, name: str, help_text: str,

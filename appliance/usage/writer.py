@@ -43,6 +43,8 @@ class UsageWriter:
                 log.error("usage buffer full: dropped the oldest rows")
             if len(self._rows) >= BATCH_ROWS:
                 self._wake.set()
+        if self._stopping:  # recorded after close(): no thread left to write it
+            self.flush()
 
     def flush(self) -> bool:
         """Write everything buffered now; False (rows kept) if the database refused."""

@@ -270,6 +270,14 @@ def test_require_admin(db: Database) -> None:
     assert (err.value.status, err.value.code) == (403, "forbidden")
 
 
+def test_ensure_admin_key_function(db: Database) -> None:
+    from appliance.auth import ensure_admin_key
+
+    key = ensure_admin_key(db)
+    assert key is not None and KeyService(db).authenticate(f"Bearer {key}").role == "admin"
+    assert ensure_admin_key(db) is None
+
+
 def test_ensure_admin_key(db: Database) -> None:
     now = [T0]
     service = KeyService(db, now=lambda: now[0])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -126,6 +127,20 @@ def test_record_writes_rows_flushed_on_close(db: Database) -> None:
     assert usage_rows(db) == []
     limiter.close()
     assert usage_rows(db) == [("a", "m1", 10, 5, 2, "ok"), ("b", "m2", 7, 0, 0, "error")]
+
+
+def test_the_writer_thread_flushes_by_itself(db: Database) -> None:
+    limiter = RateLimiter(db, flush_interval_s=0.05)
+    try:
+        limiter.record(who("a"), "m1", 1, 2, 0, "ok")
+        deadline = time.monotonic() + 5.0
+        while not usage_rows(db) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert usage_rows(db) == [("a", "m1", 1, 2, 0, "ok")]
+    finally:
+        limiter.close()
+    limiter.record(who("a"), "m1", 3, 4, 0, "ok")  # after close: written at once
+    assert len(usage_rows(db)) == 2
 
 
 def test_a_refused_batch_is_kept_whole_and_retried(settings) -> None:
