@@ -12,9 +12,10 @@ import logging
 import sys
 from collections.abc import Callable
 
-from appliance.cli import engine_commands
+from appliance.cli import engine_commands, state_commands
 
-COMMAND_MODULES = [engine_commands]
+# order matters: serve_command adds `models load|unload` beside the registry's `models`
+COMMAND_MODULES = [engine_commands, state_commands]
 
 
 def build_parser() -> argparse.ArgumentParser:
