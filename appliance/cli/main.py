@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:  # library chatter (migration plugins, HTTP clients) only with -v
+        for name in ("alembic", "httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     handler: Callable[[argparse.Namespace], int] = args.handler
     from engine.errors import EngineError
 
