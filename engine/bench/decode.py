@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,6 +43,7 @@ def summarize_level(concurrency: int, results: Sequence[RequestResult],
         "itl_ms": latency_ms(itls),
         "ttft_ms": {"mean": ms(mean([r.ttft_s for r in results])),
                     "max": ms(max(r.ttft_s for r in results))},
+        "finish_reasons": dict(Counter(r.finish_reason or "none" for r in results)),
     }
 
 
@@ -58,6 +60,10 @@ async def run_decode(target: Target, factory: PromptFactory,
         tasks = [target.complete(p, tokens, client=f"decode-{i}") for i, p in enumerate(prompts)]
         results = await asyncio.gather(*tasks)
         level = summarize_level(n, results, min(r.sent for r in results))
+        if level["completion_tokens"] < n * tokens:
+            progress(f"  only {level['completion_tokens']} of {n * tokens} tokens came back "
+                     f"(finish reasons {level['finish_reasons']}): the target ignores "
+                     "ignore_eos or cut requests off")
         progress(f"  {level['total_tok_s']} tok/s total, {level['per_session_tok_s']} per "
                  f"session, ITL mean {level['itl_ms']['mean']} ms")
         levels.append(level)

@@ -31,10 +31,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.bench.prefill import check_fresh
+from engine.bench.prefill import check_fresh, prompt_tokens
 from engine.bench.prompts import PromptFactory
 from engine.bench.report import format_table, latency_ms, ms
-from engine.bench.target import RequestResult, Target
+from engine.bench.target import Prompt, RequestResult, Target
 from engine.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ class LoadedRun:
     streams: list[RequestResult]
     long: RequestResult
     short: RequestResult
+    long_prompt: Prompt | None = None
+    short_prompt: Prompt | None = None
 
     def streams_outlast(self) -> bool:
         """Every stream was still decoding when both injected prompts had their first token."""
@@ -99,8 +101,8 @@ def estimate_stream_tokens(warm: RequestResult, spec: FairnessSpec) -> int:
     TTFT (the streams' own start); a solo ITL
     is no longer than a loaded one, so the count is on the safe side."""
     prefill_s = warm.ttft_s * spec.long_tokens / max(1, warm.prompt_tokens or 1)
-    itls = warm.itls_s()
-    itl = statistics.median(itls) if itls else 0.05
+    itls = warm.itls_s()  # their mean: servers that send tokens in bursts have tiny medians
+    itl = sum(itls) / len(itls) if itls else 0.05
     window = spec.inject_after_s + spec.short_after_s + 2 * prefill_s + 1.0 + warm.ttft_s
     return min(spec.max_stream_tokens, math.ceil(1.25 * window / max(itl, 1e-4)))
 
@@ -113,8 +115,12 @@ async def _all_started(streams: list[asyncio.Future], started: list[asyncio.Even
         while not all(e.is_set() for e in started):
             done, watch = await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
             for task in done - waits:
-                if not task.result().token_times:
-                    raise EngineError("fairness: a stream finished without a token")
+                stream = task.result()  # raises what the stream raised
+                if not all(e.is_set() for e in started):
+                    raise EngineError(
+                        f"fairness: a stream finished ({stream.completion_tokens} tokens, "
+                        f"{stream.finish_reason}) before every stream had started: the target "
+                        "runs requests one after another, the scenario needs them concurrent")
     finally:
         for wait in waits:
             wait.cancel()
@@ -141,7 +147,16 @@ async def _loaded_run(target: Target, factory: PromptFactory, spec: FairnessSpec
         for task in streams:
             task.cancel()
         raise
-    return LoadedRun(list(results[:-2]), results[-2], results[-1])
+    return LoadedRun(list(results[:-2]), results[-2], results[-1], long_prompt, short_prompt)
+
+
+def _check_streams_ran_out(run: LoadedRun, stream_tokens: int) -> None:
+    """Streams must stop at max_tokens, not at an end-of-generation token."""
+    for stream in run.streams:
+        if stream.completion_tokens < stream_tokens and stream.finish_reason != "length":
+            raise EngineError(
+                f"fairness: a stream ended after {stream.completion_tokens} of {stream_tokens} "
+                f"tokens ({stream.finish_reason}): the target does not honor ignore_eos")
 
 
 async def run_fairness(target: Target, factory: PromptFactory, spec: FairnessSpec,
@@ -160,6 +175,7 @@ async def run_fairness(target: Target, factory: PromptFactory, spec: FairnessSpe
         progress(f"fairness [{target.name}] {spec.streams} streams x {stream_tokens} tokens, "
                  f"long prompt {spec.long_tokens} tokens after {spec.inject_after_s} s")
         run = await _loaded_run(target, factory, spec, stream_tokens, sleep)
+        _check_streams_ran_out(run, stream_tokens)
         if run.streams_outlast():
             break
         if stream_tokens >= spec.max_stream_tokens:
@@ -176,8 +192,8 @@ async def run_fairness(target: Target, factory: PromptFactory, spec: FairnessSpe
         "target": target.describe(),
         "streams": spec.streams,
         "stream_tokens": stream_tokens,
-        "long_prompt_tokens": run.long.prompt_tokens,
-        "short_prompt_tokens": run.short.prompt_tokens,
+        "long_prompt_tokens": await prompt_tokens(target, run.long_prompt, run.long),
+        "short_prompt_tokens": await prompt_tokens(target, run.short_prompt, run.short),
         "cache_check": "passed" if all(known) else "unknown (the target reports no cache hits)",
     }
     out.update(summarize_fairness(solo, run))

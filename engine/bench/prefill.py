@@ -2,7 +2,8 @@
 
 Each measurement is one fresh salted prompt of the given length with max_tokens 1, so the
 prefix cache cannot help (checked: a reported cache hit fails the run); speed is prompt
-tokens / TTFT. With `repeats` > 1 the median TTFT of fresh prompts is taken.
+tokens / TTFT. With `repeats` > 1 the medians over fresh prompts are taken. A server that
+streams no usage (llama-cpp-python's) is asked for the prompt's token count afterwards.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from engine.bench.prompts import PromptFactory
 from engine.bench.report import format_table, ms
-from engine.bench.target import RequestResult, Target
+from engine.bench.target import Prompt, RequestResult, Target
 from engine.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,16 @@ def check_fresh(result: RequestResult, what: str, slack: int = 0) -> bool:
     return True
 
 
+async def prompt_tokens(target: Target, prompt: Prompt, result: RequestResult) -> int:
+    """What the target counted; a server that streams no usage is asked afterwards."""
+    if result.prompt_tokens is not None:
+        return result.prompt_tokens
+    if prompt.ids is not None:
+        return len(prompt.ids)
+    result.prompt_tokens = await target.count_tokens(prompt.text)
+    return result.prompt_tokens
+
+
 async def run_prefill(target: Target, factory: PromptFactory,
                       lengths: Sequence[int] = DEFAULT_LENGTHS, repeats: int = 1,
                       progress: Progress = log.info) -> list[dict[str, Any]]:
@@ -45,13 +56,16 @@ async def run_prefill(target: Target, factory: PromptFactory,
     for length in lengths:
         runs = []
         for _ in range(repeats):
-            result = await target.complete(factory.make(length), 1, client="prefill")
+            prompt = factory.make(length)
+            result = await target.complete(prompt, 1, client="prefill")
+            await prompt_tokens(target, prompt, result)
             runs.append(result)
         known = [check_fresh(r, f"prefill {length}", slack) for r in runs]
         ttft = statistics.median(r.ttft_s for r in runs)
-        tokens = runs[0].prompt_tokens if runs[0].prompt_tokens is not None else length
+        tokens = round(statistics.median(r.prompt_tokens for r in runs))
+        rate = statistics.median(r.prompt_tokens / r.ttft_s for r in runs)
         row = {"length": length, "prompt_tokens": tokens, "ttft_ms": ms(ttft),
-               "tok_s": round(tokens / ttft, 1),
+               "tok_s": round(rate, 1),
                "cached_tokens": runs[0].cached_tokens if all(known) else None}
         progress(f"prefill [{target.name}] {tokens} tokens: {row['tok_s']} tok/s "
                  f"(TTFT {row['ttft_ms']} ms)")

@@ -317,7 +317,12 @@ class StreamState:
 
 
 class HttpTarget(Target):
-    """An OpenAI-compatible server at `url` (with or without the trailing /v1)."""
+    """An OpenAI-compatible server at `url` (with or without the trailing /v1).
+
+    Measured against `python -m llama_cpp.server` 0.3.36: it streams no usage (counts are
+    then asked for separately, the cache is reported unknown), ignores `ignore_eos`, and
+    by default a new request interrupts the running one, so it serves one request at a
+    time; llama.cpp's own `llama-server --parallel N` decodes N concurrently."""
 
     cache_slack = 4
 

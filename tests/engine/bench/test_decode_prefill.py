@@ -28,6 +28,7 @@ def test_level_summary_by_hand():
     # ITLs 10, 10, 10, 20, 20, 20 ms: p95 rank 4.75 lies between two 20s
     assert level["itl_ms"] == pytest.approx({"mean": 15.0, "p95": 20.0, "max": 20.0})
     assert level["ttft_ms"] == pytest.approx({"mean": 125.0, "max": 150.0})
+    assert level["finish_reasons"] == {"length": 2}
 
 
 def test_run_decode_sends_distinct_prompts_per_level():
@@ -68,3 +69,31 @@ def test_prefill_rate_and_cache_check():
     with pytest.raises(EngineError, match="496 cached"):
         asyncio.run(run_prefill(hit, PromptFactory(5, hit.tokenizer), (512,),
                                 progress=lambda _m: None))
+
+
+class NoUsageTarget(ScriptedTarget):
+    """A server that streams no usage (llama-cpp-python's) and no tokenizer here."""
+
+    def __init__(self, script):
+        super().__init__(script)
+        self.tokenizer = None
+        self.counted: list[str] = []
+
+    async def count_tokens(self, text: str) -> int:
+        self.counted.append(text)
+        return 1 + 2 * len(text.split())
+
+
+def test_prefill_asks_a_server_without_usage_for_the_count():
+    target = NoUsageTarget({"warmup": [result(0, [0.01], prompt_tokens=None)],
+                            "prefill": [result(0, [0.5], prompt_tokens=None, cached=None)]})
+    factory = asyncio.run(PromptFactory.for_target(target, seed=4))
+    assert factory.tokens_per_word == pytest.approx(801 / 400)
+    (row,) = asyncio.run(run_prefill(target, factory, (300,), progress=lambda _m: None))
+    ((prompt, _),) = target.calls["prefill"]
+    assert target.counted[-1] == prompt.text
+    words = len(prompt.text.split())
+    assert words == round(300 / (801 / 400))
+    assert row["prompt_tokens"] == 1 + 2 * words
+    assert row["tok_s"] == pytest.approx((1 + 2 * words) / 0.5, abs=0.05)
+    assert row["cached_tokens"] is None

@@ -199,3 +199,32 @@ def test_injection_counts_from_the_streams_first_tokens():
 def test_a_stream_failing_before_its_first_token_fails_the_run():
     with pytest.raises(EngineError, match="stream broke"):
         _run(SlowStartTarget(_script(), fail_stream=True))
+
+
+class SerialTarget(ScriptedTarget):
+    """Runs one request at a time (llama-cpp-python's server): the first token of a request
+    comes only after the previous request has finished."""
+
+    def __init__(self, script):
+        super().__init__(script)
+        self.lock = asyncio.Lock()
+
+    async def complete(self, prompt, max_tokens, *, client="bench", first_token=None):
+        async with self.lock:
+            await asyncio.sleep(0.01)
+            return await super().complete(prompt, max_tokens, client=client,
+                                          first_token=first_token)
+
+
+def test_a_serial_target_is_refused():
+    with pytest.raises(EngineError, match="one after another"):
+        _run(SerialTarget(_script()))
+
+
+def test_streams_stopped_at_eos_are_refused():
+    script = _script()
+    stopped = script["stream-1"][0]
+    stopped.finish_reason, stopped.completion_tokens = "stop", 40
+    with pytest.raises(EngineError, match="does not honor ignore_eos"):
+        _run(ScriptedTarget(script), FairnessSpec(stream_tokens=200, inject_after_s=0.001,
+                                                  short_after_s=0.001))
