@@ -51,6 +51,14 @@ class ForwardBatch:
         pages = self.page_tables[group][row, positions // page_size]
         return pages * page_size + positions % page_size
 
+    def to(self, device: torch.device) -> ForwardBatch:
+        if self.input_ids.device == device:
+            return self
+        return ForwardBatch(self.input_ids.to(device), self.positions.to(device),
+                            self.query_start.to(device), self.seq_lens.to(device),
+                            {g: t.to(device) for g, t in self.page_tables.items()},
+                            self.logits_rows.to(device))
+
     @classmethod
     def build(
         cls,

@@ -27,6 +27,7 @@ class EngineOptions:
     dtype: str = "bf16"
     max_pending_per_client: int | None = 16
     prefix_cache_fraction: float = 0.5  # extra full-layer pages for cached prefixes
+    device: str = "auto"  # auto: the GPU when present
 
 
 def pages_per_group(cfg: ModelConfig, opts: EngineOptions) -> dict[str, int]:
@@ -55,5 +56,5 @@ def build_engine(model: str | os.PathLike, opts: EngineOptions | None = None,
                  loaded: LoadedModel | None = None) -> Engine:
     """Load `model` (a path or 'default') unless `loaded` is given; returns a started Engine."""
     opts = opts or EngineOptions()
-    loaded = loaded or load(model, DTYPES[opts.dtype])
+    loaded = loaded or load(model, DTYPES[opts.dtype], opts.device)
     return Engine(build_core(loaded, opts), name=loaded.path.stem, loaded=loaded).start()

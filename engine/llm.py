@@ -43,10 +43,10 @@ class PerplexityResult:
 class LLM:
     def __init__(self, model: str | os.PathLike = "default", *, dtype: str = "bf16",
                  context: int | None = None, kv_quant: str = "f16",
-                 prefill_chunk: int = 512) -> None:
+                 prefill_chunk: int = 512, device: str = "auto") -> None:
         if dtype not in DTYPES:
             raise InvalidRequest(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        self.loaded: LoadedModel = load(model, DTYPES[dtype])
+        self.loaded: LoadedModel = load(model, DTYPES[dtype], device)
         cfg = self.loaded.config
         self.context = min(context or cfg.context_length, cfg.context_length)
         self.prefill_chunk = prefill_chunk

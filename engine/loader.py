@@ -50,14 +50,22 @@ class LoadedModel:
     load_seconds: float
 
 
-def load(name: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
+def resolve_device(device: str = "auto") -> torch.device:
+    """`auto`: the GPU when torch sees one (CUDA or ROCm, both as torch.cuda), else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load(name: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
+         device: str | torch.device = "cpu") -> LoadedModel:
     start = time.perf_counter()
     path = resolve_model_path(name)
     mf = ModelFile.open(path)
     config = read_config(mf)
     tokenizer = Tokenizer.from_metadata(mf.metadata)
     template = chat_template_for(mf, tokenizer)
-    model = load_model(mf, dtype)
+    model = load_model(mf, dtype, resolve_device(str(device)))
     seconds = time.perf_counter() - start
     log.info("loaded %s (%s, %d layers) in %.1f s", path.name, config.architecture,
              config.num_layers, seconds)

@@ -19,7 +19,7 @@ class ModelRunner:
         groups = {spec.group for spec in model.kv_layers() if spec is not None}
         pages = {g: num_pages[g] if isinstance(num_pages, dict) else num_pages for g in groups}
         self.pool = KVPool(pages, page_size, model.windows())
-        self.kv = KVCache(model.kv_layers(), pages, page_size, kv_quant)
+        self.kv = KVCache(model.kv_layers(), pages, page_size, kv_quant, model.device)
 
     @property
     def page_size(self) -> int:
@@ -28,4 +28,5 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> (len(batch.logits_rows), vocab) float32."""
+        batch = batch.to(self.model.device)
         return self.model.logits(self.model.forward(batch, self.kv))

@@ -39,12 +39,14 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="CPU weight dtype (default bf16; f32 for parity checks)")
     p.add_argument("-c", "--context", type=int, default=4096, help="context tokens (default 4096)")
     p.add_argument("--kv-quant", choices=("f16", "q8", "k8v4", "k4v8", "k4v4"), default="f16")
+    p.add_argument("--device", default="auto", help="auto (GPU when present, default), cpu, cuda")
 
 
 def _llm(args: argparse.Namespace):
     from engine.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, context=args.context, kv_quant=args.kv_quant)
+    return LLM(args.model, dtype=args.dtype, context=args.context, kv_quant=args.kv_quant,
+               device=args.device)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -44,17 +44,19 @@ def attend_reference(
     layer: AttnLayer, q: torch.Tensor, batch: ForwardBatch, kv: KVCache, group: str
 ) -> torch.Tensor:
     num_tokens = q.shape[0]
-    out = torch.empty(num_tokens, layer.num_heads * layer.head_dim_v, dtype=torch.float32)
+    out = torch.empty(num_tokens, layer.num_heads * layer.head_dim_v, dtype=torch.float32,
+                      device=q.device)
     groups = layer.num_heads // layer.num_kv_heads
     starts = batch.query_start.tolist()
     seq_lens = batch.seq_lens.tolist()
+    first_pos = batch.positions[batch.query_start[:-1]].tolist()
     for row in range(batch.num_rows):
         qs, qe = starts[row], starts[row + 1]
         q_pos = batch.positions[qs:qe]  # (ql,)
         lo = 0
         if layer.window is not None:
-            lo = max(0, int(q_pos[0]) - layer.window + 1)
-        k_pos = torch.arange(lo, seq_lens[row])  # (L,)
+            lo = max(0, first_pos[row] - layer.window + 1)
+        k_pos = torch.arange(lo, seq_lens[row], device=q.device)  # (L,)
         keys, values = kv.read(layer.index, batch.row_slots(group, row, k_pos, kv.page_size))
         qr = q[qs:qe].view(qe - qs, layer.num_kv_heads, groups, layer.head_dim)
         scores = torch.einsum("qhgd,khd->hgqk", qr, keys) * layer.scale  # (KVH, G, ql, L)

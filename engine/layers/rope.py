@@ -30,7 +30,9 @@ class Rope:
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (n,) -> cos, sin (n, 1, d/2) float32, shared by every layer of one step."""
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq
         return angles.cos()[:, None, :], angles.sin()[:, None, :]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

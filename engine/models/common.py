@@ -56,6 +56,7 @@ class DecoderModel:
         if cfg.rope_base_swa is not None and cfg.swa_layers:
             self.rope_swa = Rope(cfg.head_dim, cfg.rope_base_swa, cfg.rope_neox)
         self.blocks = [self._load_block(weights, i) for i in range(cfg.num_layers)]
+        self.device = weights.device
         self._act = ACTIVATIONS[cfg.activation]
 
     def _load_block(self, w: WeightLoader, i: int) -> Block:

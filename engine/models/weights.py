@@ -18,9 +18,11 @@ from kernels.dequant import dequantize
 
 
 class WeightLoader:
-    def __init__(self, model_file: ModelFile, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, model_file: ModelFile, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu") -> None:
         self.file = model_file
         self.dtype = dtype
+        self.device = torch.device(device)
 
     def has(self, name: str) -> bool:
         return name in self.file.tensors
@@ -35,7 +37,9 @@ class WeightLoader:
         with warnings.catch_warnings():  # the mmap is read-only; nothing writes to `raw`
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(self.file.tensor_data(name))
-        return dequantize(raw, info.ggml_type, tuple(info.shape), out_dtype=dtype)
+        if self.device.type != "cpu":  # ship the blocks, dequantize on the device
+            raw = raw.to(self.device, non_blocking=False)
+        return dequantize(raw, info.ggml_type, tuple(info.shape), out_dtype=dtype, name=name)
 
     def vector(self, name: str, size: int) -> torch.Tensor:
         return self.load(name, (size,), torch.float32)
@@ -56,6 +60,7 @@ class WeightLoader:
         biases = [p.bias for p in parts]
         bias = None
         if any(b is not None for b in biases):
-            bias = torch.cat([b if b is not None else torch.zeros(p.out_features)
+            bias = torch.cat([b if b is not None else torch.zeros(p.out_features,
+                                                                  device=self.device)
                               for b, p in zip(biases, parts, strict=True)])
         return Linear(weight, bias)
