@@ -213,17 +213,13 @@ class LlamaCppTarget(Target):
             ids = self._llm.tokenize(prompt.text.encode("utf-8"), add_bos=True, special=False)
         result = RequestResult(_request_id("llama-cpp"), time.perf_counter())
         loop = asyncio.get_running_loop()
-
-        def on_first() -> None:
-            if first_token is not None:
-                loop.call_soon_threadsafe(first_token.set)
-
+        on_first = (lambda: loop.call_soon_threadsafe(first_token.set)) if first_token else None
         async with self._lock:
             await asyncio.to_thread(self._generate, ids, max_tokens, result, on_first)
         return result
 
     def _generate(self, ids: list[int], max_tokens: int, result: RequestResult,
-                  on_first: Callable[[], None]) -> None:
+                  on_first: Callable[[], Any] | None) -> None:
         llm = self._llm
         # generate() keeps the KV of the longest common prefix of the previous input and
         # `ids` (one token short when the whole prompt matches: it re-evaluates the last).
@@ -233,7 +229,7 @@ class LlamaCppTarget(Target):
         for _token in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
                                    repeat_penalty=1.0, reset=True):
             result.token_times.append(time.perf_counter())
-            if len(result.token_times) == 1:
+            if on_first is not None and len(result.token_times) == 1:
                 on_first()
             if len(result.token_times) >= max_tokens:
                 break

@@ -199,3 +199,26 @@ def test_in_process_target_records_each_token():
     assert len(res.token_times) == 3 and res.token_times[0] == res.token_times[1]
     assert (res.prompt_tokens, res.cached_tokens, res.completion_tokens) == (9, 0, 3)
     assert res.finish_reason == "length" and engine.aborted == []
+
+
+def test_llama_cpp_target_on_the_default_model(default_model_path):
+    from engine.bench.target import LlamaCppTarget
+
+    target = LlamaCppTarget(default_model_path, n_ctx=256, n_threads=2)
+
+    async def run():
+        started = asyncio.Event()
+        first = await target.complete(Prompt("The lighthouse keeper wrote in the log"), 5,
+                                      first_token=started)
+        ids = target._llm.tokenize(b"The lighthouse keeper wrote in the log", add_bos=True,
+                                   special=False)
+        # shares the first 4 tokens with the previous prompt: llama.cpp reuses them
+        second = await target.complete(Prompt("", tuple(ids[:4]) + (1000, 2000, 3000)), 3)
+        return first, second, started.is_set(), ids
+
+    first, second, started, ids = asyncio.run(run())
+    assert started and len(first.token_times) == 5 and first.completion_tokens == 5
+    assert first.prompt_tokens == len(ids) and first.finish_reason == "length"
+    assert first.token_times == sorted(first.token_times) and first.ttft_s > 0
+    assert second.prompt_tokens == 7 and second.cached_tokens == 4
+    assert target.describe()["serial"] is True
