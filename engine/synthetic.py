@@ -9,7 +9,7 @@ are whatever `gguf.quants.dequantize` says they are.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import gguf
 import numpy as np
@@ -155,3 +155,41 @@ def write_synthetic_gguf(path: str | os.PathLike, spec: SyntheticSpec,
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# Real models' shapes for `mbufo bench --synthetic NAME:QUANT` (random weights, same bytes).
+PRESETS: dict[str, SyntheticSpec] = {
+    "llama-3.1-8b": SyntheticSpec("llama", num_layers=32, hidden_size=4096, num_heads=32,
+                                  num_kv_heads=8, head_dim=128, ffn_size=14336,
+                                  context_length=131072, rope_base=500000.0, rms_eps=1e-5,
+                                  tied_embeddings=False, rope_freq_factors=True),
+    "qwen3-8b": SyntheticSpec("qwen3", num_layers=36, hidden_size=4096, num_heads=32,
+                              num_kv_heads=8, head_dim=128, ffn_size=12288,
+                              context_length=40960, rope_base=1000000.0,
+                              tied_embeddings=False),
+    "gemma3-270m": SyntheticSpec("gemma3", num_layers=18, hidden_size=640, num_heads=4,
+                                 num_kv_heads=1, head_dim=256, ffn_size=2048,
+                                 context_length=32768, rope_base=1000000.0,
+                                 sliding_window=512),
+}
+# Quantization recipes by tensor suffix, after llama.cpp's: Q4_K_M keeps attn_v and
+# ffn_down in Q6_K (llama.cpp does that on about half the layers: these files are ~8%
+# larger than a real Q4_K_M) and the output layer in Q6_K.
+RECIPES: dict[str, dict[str, int]] = {
+    "Q4_K_M": {"attn_v.weight": T.Q6_K, "ffn_down.weight": T.Q6_K, "output.weight": T.Q6_K,
+               ".weight": T.Q4_K},
+    "Q8_0": {".weight": T.Q8_0},
+    "Q6_K": {".weight": T.Q6_K},
+    "BF16": {".weight": T.BF16},
+}
+
+
+def synthetic_spec(name_quant: str) -> SyntheticSpec:
+    """'llama-3.1-8b:Q4_K_M' -> the preset's spec with the recipe's tensor types."""
+    name, _, quant = name_quant.partition(":")
+    if name not in PRESETS or (quant or "Q4_K_M") not in RECIPES:
+        raise ValueError(f"unknown synthetic model {name_quant!r}: models "
+                         f"{sorted(PRESETS)}, quantizations {sorted(RECIPES)}")
+    types = {k: v for k, v in RECIPES[quant or "Q4_K_M"].items() if k != ".weight"}
+    return replace(PRESETS[name], types=types,
+                   default_type=RECIPES[quant or "Q4_K_M"][".weight"])
