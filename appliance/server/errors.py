@@ -135,6 +135,7 @@ def error_response(err: ApiError) -> Response[dict[str, Any]]:
 def exception_hook(request: Request, exc: Exception) -> Response[dict[str, Any]]:
     """Litestar's exception handler for every exception type."""
     err = as_api_error(exc)
-    if err.status >= 500:
-        log.warning("%s %s -> %d %s", request.method, request.url.path, err.status, err.code)
+    # The path only: a query string or header could carry a key.
+    log.log(logging.WARNING if err.status >= 500 else logging.DEBUG, "%s %s -> %d %s",
+            request.method, request.scope.get("path", ""), err.status, err.code)
     return error_response(err)

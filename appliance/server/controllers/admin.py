@@ -7,11 +7,10 @@ from typing import Any
 
 from litestar import Controller, Request, get, patch, post
 from litestar.di import Provide
+from litestar.params import FromPath, FromQuery
 
-from appliance.auth import Principal
-from appliance.server.controllers.deps import provide_admin, provide_server
+from appliance.server.controllers.deps import Caller, Server, provide_admin, provide_server
 from appliance.server.schemas import AddModel, CreateKey, ModelRef, QuotaPatch, decode_body
-from appliance.server.state import ServerState
 
 
 class AdminController(Controller):
@@ -20,54 +19,54 @@ class AdminController(Controller):
                     "admin": Provide(provide_admin)}
 
     @get("/models")
-    async def models(self, server: ServerState, admin: Principal) -> dict[str, Any]:
+    async def models(self, server: Server, admin: Caller) -> dict[str, Any]:
         return await server.admin.models()
 
     @post("/models", status_code=201)
-    async def add_model(self, request: Request, server: ServerState,
-                        admin: Principal) -> dict[str, Any]:
+    async def add_model(self, request: Request, server: Server,
+                        admin: Caller) -> dict[str, Any]:
         return await server.admin.add(decode_body(await request.body(), AddModel))
 
     @post("/models/remove", status_code=200)
-    async def remove_model(self, request: Request, server: ServerState,
-                           admin: Principal) -> dict[str, Any]:
+    async def remove_model(self, request: Request, server: Server,
+                           admin: Caller) -> dict[str, Any]:
         return await server.admin.remove(decode_body(await request.body(), ModelRef).name)
 
     @post("/models/load", status_code=200)
-    async def load_model(self, request: Request, server: ServerState,
-                         admin: Principal) -> dict[str, Any]:
+    async def load_model(self, request: Request, server: Server,
+                         admin: Caller) -> dict[str, Any]:
         return await server.admin.load(decode_body(await request.body(), ModelRef))
 
     @post("/models/unload", status_code=200)
-    async def unload_model(self, request: Request, server: ServerState,
-                           admin: Principal) -> dict[str, Any]:
+    async def unload_model(self, request: Request, server: Server,
+                           admin: Caller) -> dict[str, Any]:
         return await server.admin.unload(decode_body(await request.body(), ModelRef).name)
 
     @get("/keys")
-    async def keys(self, server: ServerState, admin: Principal) -> dict[str, Any]:
+    async def keys(self, server: Server, admin: Caller) -> dict[str, Any]:
         return await server.admin.list_keys()
 
     @post("/keys", status_code=201)
-    async def create_key(self, request: Request, server: ServerState,
-                         admin: Principal) -> dict[str, Any]:
+    async def create_key(self, request: Request, server: Server,
+                         admin: Caller) -> dict[str, Any]:
         return await server.admin.create_key(decode_body(await request.body(), CreateKey))
 
     @post("/keys/{key_id:str}/revoke", status_code=200)
-    async def revoke_key(self, server: ServerState, admin: Principal,
-                         key_id: str) -> dict[str, Any]:
+    async def revoke_key(self, server: Server, admin: Caller,
+                         key_id: FromPath[str]) -> dict[str, Any]:
         return await server.admin.revoke_key(key_id)
 
     @patch("/keys/{key_id:str}/quota")
-    async def set_quota(self, request: Request, server: ServerState, admin: Principal,
-                        key_id: str) -> dict[str, Any]:
+    async def set_quota(self, request: Request, server: Server, admin: Caller,
+                        key_id: FromPath[str]) -> dict[str, Any]:
         return await server.admin.set_quota(key_id, decode_body(await request.body(),
                                                                 QuotaPatch))
 
     @get("/usage")
-    async def usage(self, server: ServerState, admin: Principal, since: datetime | None = None,
-                    key_id: str | None = None) -> dict[str, Any]:
+    async def usage(self, server: Server, admin: Caller, since: FromQuery[datetime | None] = None,
+                    key_id: FromQuery[str | None] = None) -> dict[str, Any]:
         return await server.admin.usage_summary(since, key_id)
 
     @get("/state")
-    async def state(self, server: ServerState, admin: Principal) -> dict[str, Any]:
+    async def state(self, server: Server, admin: Caller) -> dict[str, Any]:
         return server.admin.state()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from litestar import Request
+from litestar.di import NamedDependency
 
 from appliance.auth import Principal
 from appliance.server.state import ServerState
@@ -20,3 +21,7 @@ async def provide_principal(request: Request) -> Principal:
 async def provide_admin(request: Request) -> Principal:
     server: ServerState = request.app.state["server"]
     return await server.access.admin(request.headers.get("authorization"))
+
+
+Server = NamedDependency[ServerState]
+Caller = NamedDependency[Principal]

@@ -6,13 +6,13 @@ from typing import Any
 
 from litestar import Controller, Request, Response, get, post
 from litestar.di import Provide
+from litestar.params import FromPath
 from msgspec import Struct
 
-from appliance.auth import Principal, check_model_allowed
-from appliance.server.controllers.deps import provide_principal, provide_server
+from appliance.auth import check_model_allowed
+from appliance.server.controllers.deps import Caller, Server, provide_principal, provide_server
 from appliance.server.errors import Unsupported
 from appliance.server.schemas import ChatCompletionRequest, CompletionRequest, Name, decode_body
-from appliance.server.state import ServerState
 
 
 class ModelOnly(Struct):
@@ -25,39 +25,39 @@ class OpenAIController(Controller):
                     "principal": Provide(provide_principal)}
 
     @post("/chat/completions", status_code=200)
-    async def chat_completions(self, request: Request, server: ServerState,
-                               principal: Principal) -> Response:
+    async def chat_completions(self, request: Request, server: Server,
+                               principal: Caller) -> Response:
         body = decode_body(await request.body(), ChatCompletionRequest)
         return await server.completions.chat(principal, body, request.receive)
 
     @post("/completions", status_code=200)
-    async def completions(self, request: Request, server: ServerState,
-                          principal: Principal) -> Response:
+    async def completions(self, request: Request, server: Server,
+                          principal: Caller) -> Response:
         body = decode_body(await request.body(), CompletionRequest)
         return await server.completions.text(principal, body, request.receive)
 
     @get("/models")
-    async def list_models(self, server: ServerState, principal: Principal) -> dict[str, Any]:
+    async def list_models(self, server: Server, principal: Caller) -> dict[str, Any]:
         allowed = principal.quota.allowed_models
         data = [_model_card(h) for h in server.router.handles()
                 if allowed is None or h.name in allowed]
         return {"object": "list", "data": data}
 
     @get("/models/{name:str}")
-    async def get_model(self, server: ServerState, principal: Principal,
-                        name: str) -> dict[str, Any]:
+    async def get_model(self, server: Server, principal: Caller,
+                        name: FromPath[str]) -> dict[str, Any]:
         handle = server.router.get(name)
         check_model_allowed(principal, handle.name)
         return _model_card(handle)
 
     @post("/embeddings", status_code=200)
-    async def embeddings(self, request: Request, server: ServerState,
-                         principal: Principal) -> Response:
+    async def embeddings(self, request: Request, server: Server,
+                         principal: Caller) -> Response:
         return await _unsupported(request, server, principal, "embeddings")
 
     @post("/rerank", status_code=200)
-    async def rerank(self, request: Request, server: ServerState,
-                     principal: Principal) -> Response:
+    async def rerank(self, request: Request, server: Server,
+                     principal: Caller) -> Response:
         return await _unsupported(request, server, principal, "reranking")
 
 
@@ -66,7 +66,7 @@ def _model_card(handle: Any) -> dict[str, Any]:
             "owned_by": "mbufo", "max_model_len": handle.context}
 
 
-async def _unsupported(request: Request, server: ServerState, principal: Principal,
+async def _unsupported(request: Request, server: Server, principal: Caller,
                        what: str) -> Response:
     """Every model served today is a decoder: say so in an OpenAI error body (400)."""
     body = decode_body(await request.body(), ModelOnly)
