@@ -35,6 +35,16 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a whole number: {text!r}") from exc
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1: {text!r}")
+    return value
+
+
 def _itl_target(text: str) -> float | str | None:
     if text in ("auto", "off"):
         return None if text == "off" else "auto"
@@ -49,10 +59,10 @@ def _itl_target(text: str) -> float | str | None:
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (in-process MODEL)")
-    g.add_argument("--sessions", type=int, default=4, help="resident sessions (default 4; "
+    g.add_argument("--sessions", type=_positive, default=4, help="resident sessions (default 4; "
                    "raised to what the benchmark needs)")
-    g.add_argument("-c", "--context", type=int, default=4096, help="tokens per session")
-    g.add_argument("--prefill-chunk", type=int, default=512)
+    g.add_argument("-c", "--context", type=_positive, default=4096, help="tokens per session")
+    g.add_argument("--prefill-chunk", type=_positive, default=512)
     g.add_argument("--mixed-batch", choices=("on", "off"), default="on")
     g.add_argument("--itl-target-ms", type=_itl_target, default="auto",
                    help="auto (default), off, or milliseconds")
@@ -82,34 +92,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("decode", help="tok/s and ITL at several concurrency levels")
     _target_args(p, peers=True)
     p.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16])
-    p.add_argument("--tokens", type=int, default=64, help="tokens per request (ignore_eos)")
-    p.add_argument("--prompt-tokens", type=int, default=24)
+    p.add_argument("--tokens", type=_positive, default=64, help="tokens per request (ignore_eos)")
+    p.add_argument("--prompt-tokens", type=_positive, default=24)
     p.set_defaults(handler=cmd_decode)
 
     p = bsub.add_parser("prefill", help="prompt tok/s by length (fresh prompts, max_tokens 1)")
     _target_args(p, peers=True)
     p.add_argument("--lengths", type=_int_list, default=[128, 512, 2048])
-    p.add_argument("--repeats", type=int, default=1, help="fresh prompts per length (median)")
+    p.add_argument("--repeats", type=_positive, default=1, help="fresh prompts per length (median)")
     p.set_defaults(handler=cmd_prefill)
 
-    p = bsub.add_parser("fairness", help="DESIGN.md's scenario: streams + long + short prompt")
+    p = bsub.add_parser("fairness", help="N streams, a long prompt injected, then a short one")
     _target_args(p)
-    p.add_argument("--streams", type=int, default=2)
+    p.add_argument("--streams", type=_positive, default=2)
     p.add_argument("--scenario", choices=("A", "B"), default="A",
                    help="A: long prompt 2048 tokens, B: 4096")
-    p.add_argument("--long-tokens", type=int, default=None, help="overrides --scenario")
-    p.add_argument("--short-tokens", type=int, default=48, help="about 40 words")
-    p.add_argument("--stream-tokens", type=int, default=None,
+    p.add_argument("--long-tokens", type=_positive, default=None, help="overrides --scenario")
+    p.add_argument("--short-tokens", type=_positive, default=48, help="about 40 words")
+    p.add_argument("--stream-tokens", type=_positive, default=None,
                    help="tokens per stream (default: estimated to outlast the injection)")
     p.add_argument("--configs", default=None, help="several engine configurations, ';'-"
-                   "separated flag sets, e.g. 'default;--itl-target-ms off;--mixed-batch off'")
+                   "separated flag sets, e.g. --configs='--itl-target-ms off;--mixed-batch "
+                   "off' (the command's own flags run last)")
     p.set_defaults(handler=cmd_fairness)
 
     p = bsub.add_parser("kv-quality", help="KL and argmax agreement of each KV format")
     p.add_argument("model", help="GGUF path or 'default'")
     p.add_argument("--formats", default=",".join(KV_CHOICES))
-    p.add_argument("--steps", type=int, default=98)
-    p.add_argument("--context-tokens", type=int, default=400)
+    p.add_argument("--steps", type=_positive, default=98)
+    p.add_argument("--context-tokens", type=_positive, default=400)
     p.add_argument("--teacher", choices=("prefill", "decode"), default="prefill",
                    help="feed the 98 tokens as one chunk (default) or one per forward")
     p.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
@@ -117,7 +128,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=cmd_kv_quality)
 
     p = bsub.add_parser("gguf-reject", help="time and memory to reject malformed GGUF files")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=_positive, default=5)
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_gguf_reject)
 
@@ -128,7 +139,7 @@ def engine_options(args: argparse.Namespace, *, min_sessions: int = 1, min_conte
 
     sessions = max(args.sessions, min_sessions)
     context = max(args.context, min_context)
-    if sessions != args.sessions or context != args.context:
+    if args.model is not None and (sessions != args.sessions or context != args.context):
         _progress(f"engine: {sessions} sessions x {context} tokens (what the benchmark needs)")
     return EngineOptions(sessions=sessions, context=context, prefill_chunk=args.prefill_chunk,
                          mixed_batch=args.mixed_batch == "on",
@@ -149,7 +160,8 @@ async def _open_targets(args: argparse.Namespace, options: Any, loaded: Any = No
     if args.url:
         targets: list = [HttpTarget(args.url, model=args.model_name, api_key=args.api_key)]
     else:
-        _progress(f"loading {args.model} ...")
+        if loaded is None:
+            _progress(f"loading {args.model} ...")
         targets = [await asyncio.to_thread(InProcessTarget.from_model, args.model, options,
                                            loaded)]
     if getattr(args, "peer", None) == "llama-cpp":

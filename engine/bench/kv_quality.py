@@ -107,6 +107,8 @@ def run_kv_quality(model: str = "default", *, formats: Sequence[str] = FORMATS,
                    progress: Progress = log.info) -> dict[str, Any]:
     from engine.llm import LLM
 
+    if min(steps, context_tokens, check_steps) < 1:
+        raise InvalidRequest("steps, context_tokens and check_steps must be >= 1")
     if teacher not in ("decode", "prefill"):
         raise InvalidRequest(f"teacher must be 'decode' or 'prefill', got {teacher!r}")
     formats = list(dict.fromkeys([*REFERENCES, *formats]))  # references first

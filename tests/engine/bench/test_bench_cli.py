@@ -32,6 +32,9 @@ def test_engine_flags_and_lists():
         parse(["bench", "decode", "default", "--concurrency", "0,2"])
     with pytest.raises(SystemExit):
         parse(["bench", "decode", "default", "--itl-target-ms", "-3"])
+    for flag in ("--tokens", "--sessions", "--prompt-tokens", "--context"):
+        with pytest.raises(SystemExit):
+            parse(["bench", "decode", "default", flag, "0"])
 
 
 def test_model_or_url():
