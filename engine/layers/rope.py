@@ -25,7 +25,7 @@ class Rope:
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
         inv_freq = freq_scale / base**exponents  # (d/2,)
         if freq_factors is not None:
-            inv_freq = inv_freq / freq_factors.to(torch.float64)
+            inv_freq = inv_freq / freq_factors.detach().cpu().to(torch.float64)
         self.inv_freq = inv_freq.to(torch.float32)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
