@@ -74,6 +74,7 @@ class Scheduler:
         self.decode_queue: deque[Sequence] = deque()  # resident decoders, rotating
         self.last_plan: StepPlan | None = None
         self.num_preemptions = 0
+        self._prefill_start = 0
         self._last_decode_only = False
 
     # -- queue ---------------------------------------------------------------------------
@@ -194,16 +195,18 @@ class Scheduler:
         prefills = [s for s in self.running if s.phase is Phase.PREFILL]
         if not prefills:
             return
-        chunk = self.config.prefill_chunk
-        if self.decode_queue:  # with no stream to keep smooth, a chunk runs at full size
-            chunk, why = self.itl.chunk_limit(plan.num_decode_tokens, chunk)
-            if why:
-                plan.note(self.itl.name, why)
         yielded = False
         for rank, seq in enumerate(self.srtf.order(prefills)):
             if seq.phase is not Phase.PREFILL:
                 continue  # preempted for an earlier candidate
+            chunk = self.config.prefill_chunk
+            if self.decode_queue:  # with no stream to keep smooth, a chunk runs at full size
+                chunk, why = self.itl.chunk_limit(plan.num_decode_tokens, chunk,
+                                                  seq.num_computed)
+                if why:
+                    plan.note(self.itl.name, why)
             num = min(chunk, seq.num_uncomputed)
+            self._prefill_start = seq.num_computed  # the cost model's context for this step
             reason = self.near_done.should_yield(num, self.decode_queue, self.num_waiting)
             if reason:
                 plan.note(self.near_done.name, f"{seq.request_id}: {reason}")
@@ -239,7 +242,8 @@ class Scheduler:
 
     def observe(self, plan: StepPlan, seconds: float) -> None:
         """A step's measured time, for the ITL target's cost model."""
-        self.itl.observe(plan.num_decode_tokens, plan.num_prefill_tokens, seconds)
+        self.itl.observe(plan.num_decode_tokens, plan.num_prefill_tokens, seconds,
+                         self._prefill_start)
 
     def finish(self, seq: Sequence) -> None:
         self._evict_resident(seq)

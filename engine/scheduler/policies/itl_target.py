@@ -1,103 +1,125 @@
 """ITL target: size each step's prefill chunk so the step (and so every stream's gap
 between tokens) stays within a target time.
 
-The cost of a step is modelled as  t = a + b * decode_rows + c * prefill_tokens  and fitted
-from the core's measured step times by exponentially weighted least squares (a recursive
-fit with forgetting factor `decay`: recent steps count most, the model follows a device
-that warms up or throttles). The fit is regularised towards the previous estimate, not
-towards zero, so a term that recent steps do not exercise (c during a decode-only stretch)
-keeps its last value instead of collapsing.
+The cost of a step is modelled as
 
-The chunk is  (target - a - b * decode_rows) / c,  clamped to [min_chunk, prefill_chunk]:
-prefill always progresses, even when the decoders alone exceed the target. Before any step
-with prefill tokens has been measured the model has no c and the chunk is not capped.
+    t = a + b * decode_rows + c * prefill_tokens + d * attended
+
+where `attended` = prefill_tokens * (start + prefill_tokens / 2) counts the key reads of
+the chunk's attention (a chunk deep into a long prompt attends to everything before it,
+so its cost per token grows with its start). The model is fitted from the core's measured
+step times by exponentially weighted least squares (forgetting factor `decay`: recent
+steps count most, the model follows a device that warms up or throttles), regularised
+towards the previous estimate, so a term that recent steps do not exercise keeps its last
+value instead of collapsing.
+
+The chunk is the largest n whose modelled step fits the target, clamped to
+[min_chunk, prefill_chunk]: prefill always progresses, even when the decoders alone exceed
+the target. Until a step with prefill tokens has been measured, a chunk beside streaming
+decoders is a small probe (`probe_chunk`), so the first measurement never costs a stall.
 """
 
 from __future__ import annotations
 
-import math
-
 # Features are scaled to O(1) so that one prior strength suits every term.
-_ROW_SCALE = 8.0
-_TOKEN_SCALE = 256.0
+_SCALES = (1.0, 8.0, 256.0, 256.0 * 2048.0)
 
 
 class StepCostModel:
     def __init__(self, decay: float = 0.9, prior: float = 1e-3) -> None:
         self.decay = decay
         self.prior = prior
-        self._g = [[0.0] * 3 for _ in range(3)]  # sum of w * x x^T, x scaled
-        self._h = [0.0] * 3  # sum of w * x * seconds
-        self._theta = [0.0] * 3  # in scaled units
+        n = len(_SCALES)
+        self._g = [[0.0] * n for _ in range(n)]  # sum of w * x x^T, x scaled
+        self._h = [0.0] * n  # sum of w * x * seconds
+        self._theta = [0.0] * n  # in scaled units
         self.num_observations = 0
         self.num_prefill_observations = 0
 
-    def observe(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
-        x = (1.0, decode_rows / _ROW_SCALE, prefill_tokens / _TOKEN_SCALE)
-        for i in range(3):
+    @staticmethod
+    def features(decode_rows: int, prefill_tokens: int, start: int) -> list[float]:
+        attended = prefill_tokens * (start + prefill_tokens / 2)
+        raw = (1.0, decode_rows, prefill_tokens, attended)
+        return [v / s for v, s in zip(raw, _SCALES, strict=True)]
+
+    def observe(self, decode_rows: int, prefill_tokens: int, seconds: float,
+                start: int = 0) -> None:
+        x = self.features(decode_rows, prefill_tokens, start)
+        n = len(x)
+        for i in range(n):
             self._h[i] = self.decay * self._h[i] + x[i] * seconds
-            for j in range(3):
+            for j in range(n):
                 self._g[i][j] = self.decay * self._g[i][j] + x[i] * x[j]
         self.num_observations += 1
         self.num_prefill_observations += prefill_tokens > 0
         # (G + p I) theta = h + p theta_prev: ridge towards the last estimate.
-        m = [[self._g[i][j] + (self.prior if i == j else 0.0) for j in range(3)]
-             for i in range(3)]
-        rhs = [self._h[i] + self.prior * self._theta[i] for i in range(3)]
-        self._theta = _solve3(m, rhs)
+        m = [[self._g[i][j] + (self.prior if i == j else 0.0) for j in range(n)]
+             for i in range(n)]
+        rhs = [self._h[i] + self.prior * self._theta[i] for i in range(n)]
+        self._theta = _solve(m, rhs)
 
     @property
     def is_ready(self) -> bool:
         return self.num_prefill_observations > 0
 
-    def coefficients(self) -> tuple[float, float, float]:
-        """(a seconds, b seconds per decode row, c seconds per prefill token)."""
-        a, b, c = self._theta
-        return a, b / _ROW_SCALE, c / _TOKEN_SCALE
+    def coefficients(self) -> tuple[float, ...]:
+        """(a s, b s per decode row, c s per prefill token, d s per attended key)."""
+        return tuple(t / s for t, s in zip(self._theta, _SCALES, strict=True))
 
-    def predict(self, decode_rows: int, prefill_tokens: int) -> float:
-        a, b, c = self.coefficients()
-        return a + b * decode_rows + c * prefill_tokens
+    def predict(self, decode_rows: int, prefill_tokens: int, start: int = 0) -> float:
+        x = self.features(decode_rows, prefill_tokens, start)
+        return sum(t * v for t, v in zip(self._theta, x, strict=True))
 
 
-def _solve3(m: list[list[float]], rhs: list[float]) -> list[float]:
+def _solve(m: list[list[float]], rhs: list[float]) -> list[float]:
     """Gaussian elimination with partial pivoting; m is positive definite (ridge > 0)."""
+    n = len(rhs)
     a = [row[:] + [r] for row, r in zip(m, rhs, strict=True)]
-    for col in range(3):
-        piv = max(range(col, 3), key=lambda r: abs(a[r][col]))
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(a[r][col]))
         a[col], a[piv] = a[piv], a[col]
-        for r in range(col + 1, 3):
+        for r in range(col + 1, n):
             f = a[r][col] / a[col][col]
-            for k in range(col, 4):
+            for k in range(col, n + 1):
                 a[r][k] -= f * a[col][k]
-    x = [0.0] * 3
-    for r in range(2, -1, -1):
-        x[r] = (a[r][3] - sum(a[r][k] * x[k] for k in range(r + 1, 3))) / a[r][r]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (a[r][n] - sum(a[r][k] * x[k] for k in range(r + 1, n))) / a[r][r]
     return x
 
 
 class ItlTarget:
     name = "itl_target"
 
-    def __init__(self, target_s: float | None, min_chunk: int = 16) -> None:
+    def __init__(self, target_s: float | None, min_chunk: int = 16,
+                 probe_chunk: int = 64) -> None:
         self.target_s = target_s  # None: off (the core sets it each step in "auto" mode)
         self.min_chunk = min_chunk
+        self.probe_chunk = probe_chunk
         self.model = StepCostModel()
 
-    def observe(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
-        self.model.observe(decode_rows, prefill_tokens, seconds)
+    def observe(self, decode_rows: int, prefill_tokens: int, seconds: float,
+                start: int = 0) -> None:
+        self.model.observe(decode_rows, prefill_tokens, seconds, start)
 
-    def chunk_limit(self, decode_rows: int, chunk: int) -> tuple[int, str | None]:
-        """The largest chunk (<= `chunk`) that keeps the modelled step within the target,
-        and why it was cut (None when it was not)."""
-        if self.target_s is None or not self.model.is_ready:
+    def chunk_limit(self, decode_rows: int, chunk: int,
+                    start: int = 0) -> tuple[int, str | None]:
+        """The largest chunk (<= `chunk`) starting at position `start` that keeps the
+        modelled step within the target, and why it was cut (None when it was not)."""
+        if self.target_s is None:
             return chunk, None
-        a, b, c = self.model.coefficients()
-        base = max(0.0, a + b * decode_rows)
-        room = self.target_s - base
-        fit = chunk if c <= 0.0 else math.floor(max(0.0, room) / c)
-        limit = max(min(self.min_chunk, chunk), min(chunk, fit))
-        if limit >= chunk:
+        if not self.model.is_ready:
+            probe = min(chunk, self.probe_chunk)
+            return probe, (None if probe == chunk else f"chunk {chunk} -> {probe}: probe")
+        lo, hi = min(self.min_chunk, chunk), chunk
+        if self.model.predict(decode_rows, hi, start) <= self.target_s:
             return chunk, None
-        return limit, (f"chunk {chunk} -> {limit}: target {self.target_s * 1e3:.2f} ms, "
-                       f"{decode_rows} rows {base * 1e3:.2f} ms + {c * 1e6:.2f} us/token")
+        while lo < hi:  # the modelled time grows with the chunk: bisect for the largest fit
+            mid = (lo + hi + 1) // 2
+            if self.model.predict(decode_rows, mid, start) <= self.target_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo, (f"chunk {chunk} -> {lo}: target {self.target_s * 1e3:.2f} ms, "
+                    f"{decode_rows} rows, modelled "
+                    f"{self.model.predict(decode_rows, lo, start) * 1e3:.2f} ms")

@@ -17,9 +17,28 @@ def test_model_recovers_true_costs() -> None:
     model = StepCostModel()
     for rows, tokens in [(0, 512), (4, 0), (2, 100), (8, 300), (1, 0), (3, 64)] * 3:
         model.observe(rows, tokens, A + B * rows + C * tokens)
-    a, b, c = model.coefficients()
+    a, b, c, d = model.coefficients()
     assert a == pytest.approx(A, rel=1e-3) and b == pytest.approx(B, rel=1e-3)
-    assert c == pytest.approx(C, rel=1e-3)
+    assert c == pytest.approx(C, rel=1e-3) and abs(d) < 1e-9
+
+
+def test_model_learns_the_attention_term_and_cuts_deep_chunks() -> None:
+    """A chunk deep in a long prompt attends to everything before it: the model learns
+    the per-key cost and allows a smaller chunk there than at the start."""
+    D = 2e-8  # seconds per attended key
+    policy = ItlTarget(20e-3, min_chunk=16)
+
+    def cost(rows: int, n: int, start: int) -> float:
+        return A + B * rows + C * n + D * n * (start + n / 2)
+
+    for rows, n, start in [(0, 512, 0), (4, 0, 0), (2, 100, 3000), (8, 300, 1000),
+                           (4, 64, 8000), (1, 256, 500)] * 4:
+        policy.observe(rows, n, cost(rows, n, start), start)
+    assert policy.model.coefficients()[3] == pytest.approx(D, rel=1e-2)
+    near, _ = policy.chunk_limit(4, 512, 0)
+    deep, why = policy.chunk_limit(4, 512, 20000)
+    assert deep < near and why
+    assert cost(4, deep, 20000) <= 20e-3 < cost(4, deep + 1, 20000)
 
 
 def test_model_follows_a_slower_device_and_keeps_unexercised_terms() -> None:
@@ -38,7 +57,7 @@ def test_chunk_limit() -> None:
     policy = ItlTarget(None, min_chunk=16)
     assert policy.chunk_limit(4, 512) == (512, None)  # off
     policy.target_s = 10e-3
-    assert policy.chunk_limit(4, 512) == (512, None)  # nothing measured yet: no cap
+    assert policy.chunk_limit(4, 512)[0] == 64  # nothing measured yet: a probe chunk
     for rows, tokens in [(0, 512), (4, 0), (2, 100), (8, 300)] * 3:
         policy.observe(rows, tokens, A + B * rows + C * tokens)
     chunk, why = policy.chunk_limit(4, 512)
@@ -66,7 +85,7 @@ def test_itl_target_keeps_modelled_step_under_target_while_prefill_progresses(
              and sum(len(t) == 1 for t, _ in b.spans) == 4]
     chunks = [max(len(t) for t, _ in b.spans) for b in mixed]
     steps_ms = [(A + 4 * B + C * n) * 1e3 for n in chunks]
-    assert sum(chunks) >= 1000 - 512  # the first chunk (nothing measured) may be uncapped
+    assert sum(chunks) >= 1000 - 64  # the first chunk (nothing measured) is a probe
     if target_ms == 10.0:
         assert all(ms <= target_ms + 1e-9 for ms in steps_ms[1:])
         assert 76 <= max(chunks[1:]) <= 80  # uses the room it has (80 = exact fit)
