@@ -12,10 +12,10 @@ import logging
 import sys
 from collections.abc import Callable
 
-from appliance.cli import bench_command, engine_commands, state_commands
+from appliance.cli import bench_command, engine_commands, serve_command, state_commands
 
 # order matters: serve_command adds `models load|unload` beside the registry's `models`
-COMMAND_MODULES = [engine_commands, state_commands, bench_command]
+COMMAND_MODULES = [engine_commands, state_commands, serve_command, bench_command]
 
 
 def build_parser() -> argparse.ArgumentParser:
