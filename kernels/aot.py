@@ -1,0 +1,114 @@
+"""Ahead-of-time compilation of every kernel for the appliance's chip and the lent GPU.
+
+`triton.compile` needs no device: each kernel is built for `hip:gfx1151` (Strix Halo,
+wave32) down to the hsaco and for `cuda:90` (Hopper) down to the cubin, with the
+constexpr values the wrappers launch. A kernel that cannot build for a target fails here
+instead of on the box. For gfx1151 the bf16/f16 `tl.dot` must lower to the RDNA 3.5 WMMA
+instructions (`v_wmma_*` in the amdgcn), for sm_90 to tensor-core MMA (`mma`/`wgmma` in
+the PTX); a silent fallback to scalar FMAs would cost 10x.
+
+Run as `python -m kernels.aot [--target hip:gfx1151] [--only NAME]`: prints one JSON object.
+It must run in a process that did not import Triton with TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from kernels.triton_util import HAS_TRITON, compiled, interpreter_active, triton
+
+__all__ = ["TARGETS", "KernelSpec", "build", "check_asm", "kernel_specs", "main"]
+
+TARGETS = ("hip:gfx1151", "cuda:90")
+
+
+class KernelSpec(NamedTuple):
+    name: str
+    kernel: Any  # the @triton.jit function
+    signature: dict[str, str]  # argument -> Triton type ("*fp32", "i32", "constexpr")
+    constexprs: dict[str, Any]
+    num_warps: int
+    uses_dot: bool  # expects tensor-core instructions in the output
+
+
+def kernel_specs() -> list[KernelSpec]:
+    """Every kernel at the configurations its wrapper launches."""
+    from kernels import paged_attention, qmatmul
+
+    return [*qmatmul.aot_specs(KernelSpec), *paged_attention.aot_specs(KernelSpec)]
+
+
+def _target(name: str) -> Any:
+    from triton.backends.compiler import GPUTarget
+
+    backend, arch = name.split(":")
+    return GPUTarget(backend, int(arch) if backend == "cuda" else arch, 32)
+
+
+def build(spec: KernelSpec, target: str) -> Any:
+    """The CompiledKernel of `spec` for `target` (every stage, to the binary)."""
+    src = triton.compiler.ASTSource(compiled(spec.kernel), spec.signature, spec.constexprs)
+    return triton.compile(src, target=_target(target), options={"num_warps": spec.num_warps})
+
+
+def check_asm(spec: KernelSpec, target: str, kernel: Any) -> dict[str, Any]:
+    """What the build produced: stages, binary size, tensor-core instruction counts."""
+    asm = kernel.asm
+    info: dict[str, Any] = {"stages": sorted(asm), "problems": []}
+    binary = asm.get("hsaco" if target.startswith("hip") else "cubin")
+    info["binary_bytes"] = len(binary) if binary else 0
+    if not binary:
+        info["problems"].append("no binary")
+    if target.startswith("hip"):
+        info["wmma"] = len(re.findall(r"\bv_wmma_\w+", asm.get("amdgcn", "")))
+        found = info["wmma"]
+    else:
+        info["mma"] = len(re.findall(r"\b(?:mma\.sync|wgmma\.mma_async)\.\S+", asm.get("ptx", "")))
+        found = info["mma"]
+    if spec.uses_dot and not found:
+        info["problems"].append("tl.dot did not lower to tensor-core instructions")
+    return info
+
+
+def compile_all(targets: tuple[str, ...] = TARGETS, only: str | None = None,
+                log: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
+    """{kernel name: {target: check_asm(...) plus seconds, or {"error": ...}}}."""
+    out: dict[str, dict[str, Any]] = {}
+    for spec in kernel_specs():
+        if only and only not in spec.name:
+            continue
+        for target in targets:
+            start = time.perf_counter()
+            try:
+                info = check_asm(spec, target, build(spec, target))
+            except Exception as exc:  # report every failure, not only the first
+                info = {"error": f"{type(exc).__name__}: {exc}"[:2000], "problems": ["error"]}
+            info["seconds"] = round(time.perf_counter() - start, 2)
+            out.setdefault(spec.name, {})[target] = info
+            if log:
+                log(f"{spec.name} {target}: {info.get('problems') or 'ok'} {info['seconds']}s")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", action="append", choices=TARGETS)
+    parser.add_argument("--only", help="compile only kernels whose name contains this")
+    args = parser.parse_args(argv)
+    if not HAS_TRITON or interpreter_active():
+        print(json.dumps({"error": "needs Triton imported without TRITON_INTERPRET=1"}))
+        return 2
+    result = compile_all(tuple(args.target or TARGETS), args.only,
+                         log=lambda line: print(line, file=sys.stderr))
+    print(json.dumps(result))
+    return 0 if not any(i["problems"] for t in result.values() for i in t.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

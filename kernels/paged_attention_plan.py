@@ -1,0 +1,105 @@
+"""Work items of kernels/paged_attention.py, computed once per batch on the host.
+
+One plan serves every attention layer of a step with the same window (the engine builds
+one per layer group). A work item is a block of query tokens of one row times a range of
+key positions; a token's partial results go to its slots `tok_base[t] + split`.
+
+Assumes the ForwardBatch contract: row r's tokens sit at positions
+seq_lens[r] - num_new .. seq_lens[r] - 1 (the kernel masks with the real positions; the
+plan only needs them to bound each item's key range).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from engine.errors import InvalidRequest
+from kernels.triton_util import next_pow2
+
+__all__ = ["FORMAT_IDS", "AttnConfig", "AttnPlan", "plan_attention"]
+
+# KV format name -> the kernel's constexpr: 0 f16, 1 q8, 2 q4 (rotation is done outside).
+FORMAT_IDS = {"f16": 0, "q8": 1, "q8_plain": 1, "q4": 2, "q4_plain": 2}
+WORK_FIELDS = 6  # row, q_begin, q_count, key_lo, key_hi, split
+
+
+class AttnConfig(NamedTuple):
+    block_m: int  # query rows per program: tokens * heads of one KV head (GQA packed)
+    block_n: int  # keys per inner step
+    split_keys: int  # key positions per split of a single-block row
+    num_warps: int = 4
+
+    @classmethod
+    def default(cls, group: int, dim: int, dim_v: int) -> AttnConfig:
+        """Depends only on the layer's shape, never on the batch (batch invariance)."""
+        wide = max(dim, dim_v) > 128  # keep the (block_m, Dv) accumulator in registers
+        return cls(max(32 if wide else 64, next_pow2(group)), 32 if wide else 64, 1024)
+
+    def tokens_per_block(self, group: int) -> int:
+        return self.block_m // group
+
+
+class AttnPlan(NamedTuple):
+    work: torch.Tensor  # (W, WORK_FIELDS) int32
+    tok_base: torch.Tensor  # (T,) int32 first partial slot of each token
+    tok_splits: torch.Tensor  # (T,) int32 number of splits of each token
+    num_slots: int
+    num_tokens: int
+
+
+def _row_items(row: int, q0: int, num_new: int, seq_len: int, block_q: int,
+               window: int | None, split_keys: int) -> list[tuple[int, ...]]:
+    first_pos = seq_len - num_new
+
+    def key_lo(pos: int) -> int:  # oldest key the query at `pos` sees
+        return 0 if window is None else max(0, pos - window + 1)
+
+    if num_new <= block_q:  # one query block: split the keys at aligned boundaries
+        lo, hi = key_lo(first_pos), seq_len
+        first, last = lo // split_keys, (hi - 1) // split_keys
+        return [(row, q0, num_new, max(lo, s * split_keys), min(hi, (s + 1) * split_keys),
+                 s - first) for s in range(first, last + 1)]
+    items = []
+    for b in range(0, num_new, block_q):
+        count = min(block_q, num_new - b)
+        items.append((row, q0 + b, count, key_lo(first_pos + b), first_pos + b + count, 0))
+    return items
+
+
+def plan_attention(
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    group: int,
+    window: int | None,
+    config: AttnConfig,
+    device: torch.device | str,
+) -> AttnPlan:
+    """Work items for rows (query_start (R + 1,), seq_lens (R,)); reads both on the host."""
+    starts = [int(s) for s in query_start.tolist()]
+    lens = [int(s) for s in seq_lens.tolist()]
+    if len(starts) != len(lens) + 1 or starts[0] != 0:
+        raise InvalidRequest("paged_attention: query_start must be (rows + 1,) from 0")
+    block_q = config.tokens_per_block(group)
+    if block_q < 1:
+        raise InvalidRequest(f"paged_attention: block_m {config.block_m} < group {group}")
+    work: list[tuple[int, ...]] = []
+    splits: list[int] = []
+    for row, seq_len in enumerate(lens):
+        num_new = starts[row + 1] - starts[row]
+        if num_new < 0 or num_new > seq_len:
+            raise InvalidRequest(f"paged_attention: row {row} has {num_new} new tokens "
+                                 f"and seq_len {seq_len}")
+        if num_new == 0:
+            continue
+        items = _row_items(row, starts[row], num_new, seq_len, block_q, window,
+                           config.split_keys)
+        work.extend(items)
+        splits.extend([len(items) if num_new <= block_q else 1] * num_new)
+    tok_splits = torch.tensor(splits, dtype=torch.int32)
+    tok_base = torch.cumsum(tok_splits, 0, dtype=torch.int32) - tok_splits
+    work_t = torch.tensor(work, dtype=torch.int32).reshape(-1, WORK_FIELDS)
+    return AttnPlan(work_t.to(device), tok_base.to(device), tok_splits.to(device),
+                    int(tok_splits.sum()), starts[-1])

@@ -1,0 +1,138 @@
+"""Optional Triton: the one place kernels import it from.
+
+The CPU torch build does not bring Triton, so every kernel module imports `triton` and
+`tl` from here and checks `HAS_TRITON` before launching; without Triton the modules still
+import (the kernels are then never defined) and the torch references run.
+
+Three ways a kernel runs:
+- compiled, when its tensors live on a GPU (`triton.jit` as usual);
+- interpreted, when its tensors live on the CPU in a process that imported Triton with
+  TRITON_INTERPRET=1: the interpreter executes the same Python source with numpy, which
+  is how CI checks kernel logic without a GPU (tests run it in a worker process);
+- ahead of time (kernels/aot.py): `triton.compile` for a named target, no device needed.
+
+Helpers called from inside kernels are declared with `helper` rather than `triton.jit`:
+the interpreter resolves a nested call through the module's globals, where a plain
+JITFunction refuses to run on the host; `helper` objects are JITFunctions to the compiler
+and interpreted functions when the interpreter calls them. Kernels loop with
+`range` over constexpr bounds or bounds computed in the kernel, both of which the
+interpreter handles.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+try:  # pragma: no cover - exercised by whichever build is installed
+    import triton
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    HAS_TRITON = True
+except ImportError:  # the CPU torch build: kernels fall back to their references
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    HAS_TRITON = False
+
+__all__ = [
+    "HAS_TRITON",
+    "compiled",
+    "helper",
+    "interpreted",
+    "interpreter_active",
+    "jit",
+    "launcher",
+    "next_pow2",
+    "tl",
+    "triton",
+]
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+if HAS_TRITON:
+
+    class _Helper(JITFunction):
+        """A device function that the interpreter can also call (see the module docstring)."""
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            # Only reached on the host, i.e. from an interpreted kernel (compiled kernels
+            # inline helpers through the code generator). The kernel's call already
+            # patched triton.language for the interpreter, so the rewritten function runs
+            # directly; InterpretedFunction.__call__ would patch it again (milliseconds).
+            return _interpreted_fn(self.fn).rewrite()(*args, **kwargs)
+
+    @functools.cache
+    def _interpreted_fn(fn: Callable) -> Any:
+        _fix_scalar_index()
+        return InterpretedFunction(fn)
+
+    @functools.cache
+    def _compiled_fn(fn: Callable) -> Any:
+        return JITFunction(fn)
+
+    @functools.lru_cache(maxsize=1)
+    def _fix_scalar_index() -> None:
+        """Let interpreted scalars index `range` under numpy >= 2.4.
+
+        The interpreter keeps a scalar as a 1-element array and converts it with int(),
+        which numpy 2.4 refuses for arrays with a dimension; `.item()` works for both.
+        """
+        from triton.runtime import interpreter
+
+        original = interpreter._patch_lang_tensor
+
+        def patch(tensor: Any, scope: Any) -> None:
+            original(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+        interpreter._patch_lang_tensor = patch
+
+
+def interpreter_active() -> bool:
+    """True when Triton was imported for its interpreter (TRITON_INTERPRET=1 at import).
+
+    Interpreted kernels need Triton's own library functions (tl.zeros, tl.sum, ...) in
+    their interpreted form, which Triton builds only at import under that variable;
+    compiling (GPU, AOT) needs the opposite, so one process does one or the other.
+    """
+    return HAS_TRITON and isinstance(tl.zeros, InterpretedFunction)
+
+
+def helper(fn: Callable) -> Any:
+    """Decorator for device functions called from kernels; the identity without Triton."""
+    return _Helper(fn) if HAS_TRITON else fn
+
+
+def jit(fn: Callable) -> Any:
+    """Decorator for kernels (`triton.jit`); the identity without Triton."""
+    return triton.jit(fn) if HAS_TRITON else fn
+
+
+def interpreted(kernel: Any) -> Any:
+    """The interpreted version of a kernel (runs on CPU tensors)."""
+    if not interpreter_active():
+        raise RuntimeError("Triton kernels run on CPU tensors only in a process that "
+                           "imported Triton with TRITON_INTERPRET=1")
+    return _interpreted_fn(kernel.fn)
+
+
+def compiled(kernel: Any) -> Any:
+    """The JITFunction of a kernel (for AOT compilation and GPU launches)."""
+    if isinstance(kernel, JITFunction):
+        return kernel
+    return _compiled_fn(kernel.fn)
+
+
+def launcher(kernel: Any, device: torch.device) -> Any:
+    """What to launch for tensors on `device`: compiled on a GPU, interpreted on the CPU."""
+    if device.type == "cpu":
+        return interpreted(kernel)
+    return compiled(kernel)
