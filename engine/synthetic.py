@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -193,3 +194,16 @@ def synthetic_spec(name_quant: str) -> SyntheticSpec:
     types = {k: v for k, v in RECIPES[quant or "Q4_K_M"].items() if k != ".weight"}
     return replace(PRESETS[name], types=types,
                    default_type=RECIPES[quant or "Q4_K_M"][".weight"])
+
+
+def ensure_synthetic(name_quant: str, vocab_path: str | os.PathLike,
+                     cache_dir: str | os.PathLike) -> Path:
+    """The synthetic file for NAME:QUANT in `cache_dir`, written once (seed 0)."""
+    spec = synthetic_spec(name_quant)
+    target = Path(cache_dir) / (name_quant.replace(":", "_").replace("/", "_") + ".gguf")
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(".partial")
+        write_synthetic_gguf(partial, spec, vocab_path, seed=0)
+        partial.replace(target)  # never leave a half-written file under the final name
+    return target

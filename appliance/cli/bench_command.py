@@ -73,6 +73,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def _target_args(p: argparse.ArgumentParser, peers: bool = False) -> None:
     p.add_argument("model", nargs="?", help="GGUF path or 'default' (in-process engine)")
     p.add_argument("--url", help="an OpenAI-compatible server instead of MODEL")
+    p.add_argument("--synthetic", metavar="NAME:QUANT",
+                   help="instead of MODEL: a random-weight GGUF with a real model's shapes, "
+                        "e.g. llama-3.1-8b:Q4_K_M (needs --vocab)")
+    p.add_argument("--vocab", help="a GGUF whose tokenizer the synthetic model copies "
+                   "(e.g. llama.cpp's models/ggml-vocab-llama-bpe.gguf)")
     p.add_argument("--api-key", help="bearer key for --url / --peer-url")
     p.add_argument("--model-name", help="`model` field for --url (default: the first of "
                    "/v1/models)")
@@ -148,6 +153,18 @@ def engine_options(args: argparse.Namespace, *, min_sessions: int = 1, min_conte
 
 
 def _check_source(args: argparse.Namespace) -> None:
+    if getattr(args, "synthetic", None):
+        from pathlib import Path
+
+        from engine.synthetic import ensure_synthetic
+
+        if args.model is not None or not args.vocab:
+            raise InvalidRequest("--synthetic replaces MODEL and needs --vocab VOCAB.gguf")
+        try:
+            args.model = str(ensure_synthetic(args.synthetic, args.vocab,
+                                              Path.home() / ".cache" / "mbufo" / "synthetic"))
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
     if (args.model is None) == (args.url is None):
         raise InvalidRequest("give either MODEL (in-process) or --url URL, not both")
     if getattr(args, "peer", None) and args.model is None:
