@@ -87,8 +87,14 @@ class CompletionService:
         return await self.generation.run(job, TEXT, receive, body.stream)
 
 
+_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
 def chat_prompt(handle: Any, body: ChatCompletionRequest) -> tuple[int, ...]:
     extra = body.chat_template_kwargs or {}
+    if reserved := sorted(_RESERVED & extra.keys()):
+        raise BadRequest(f"chat_template_kwargs may not set {', '.join(reserved)}",
+                         param="chat_template_kwargs")
     text = handle.chat_template.render([m.to_dict() for m in body.messages],
                                        add_generation_prompt=True, tools=body.tools, **extra)
     tok = handle.tokenizer

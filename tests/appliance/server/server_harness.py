@@ -136,3 +136,44 @@ async def asgi_request(app: Any, method: str, path: str, *, headers: dict[str, b
     await app(scope, receive, send)
     done.set()
     return RawResponse(out["status"], out["headers"], b"".join(out["body"]))
+
+
+class LiveServer:
+    """A real uvicorn server on 127.0.0.1 (random port) in a thread, with the app's own
+    lifespan: startup loads the configured models, shutdown drains and flushes."""
+
+    def __init__(self, settings: Any, grace_s: float = 5.0) -> None:
+        import socket
+        import threading
+
+        from appliance.cli.serve_command import build_server
+
+        self.settings = settings
+        self.state = open_state(settings)
+        self.admin_key = self.state.keys.ensure_admin_key()
+        self.app = create_app(self.state)
+        self.server = build_server(self.app, self.state, "127.0.0.1", 0, grace_s=grace_s,
+                                   log_level="warning")
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+
+    def start(self, timeout: float = 60.0) -> LiveServer:
+        import time
+
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the server did not stop"
