@@ -23,6 +23,7 @@ from engine.kv.pool import RECURRENT, SLIDING, KVPool, SeqPages
 from engine.kv.radix import RadixCache
 from engine.scheduler.plan import Row, RowKind, StepPlan
 from engine.scheduler.policies.client_rr import ClientRoundRobin
+from engine.scheduler.policies.fair_share import FairShare
 from engine.scheduler.policies.itl_target import ItlTarget
 from engine.scheduler.policies.near_done import NearDoneGate
 from engine.scheduler.policies.preempt import EvictAndRecompute
@@ -62,6 +63,7 @@ class Scheduler:
         self.pool = pool
         self.radix = radix
         self.queue = ClientRoundRobin(config.max_pending_per_client)
+        self.fair_share = FairShare()
         self.srtf = ShortestRemainingFirst(config.prefill_chunk)
         self.near_done = NearDoneGate()
         fixed = config.itl_target_ms
@@ -143,11 +145,14 @@ class Scheduler:
         return plan
 
     def _admit(self, plan: StepPlan) -> None:
-        while len(self.running) < self.config.max_sessions:
-            if self.requeued:  # preempted sequences come back first, best-ranked first
-                seq = max(self.requeued, key=lambda s: s.rank)
-                self.requeued.remove(seq)
-            elif (seq := self.queue.pop()) is None:
+        while True:
+            if len(self.running) < self.config.max_sessions:
+                if self.requeued:  # preempted sequences come back first, best-ranked first
+                    seq = max(self.requeued, key=lambda s: s.rank)
+                    self.requeued.remove(seq)
+                elif (seq := self.queue.pop()) is None:
+                    return
+            elif (seq := self._take_fair_share(plan)) is None:
                 return
             if seq.pages is None:
                 seq.pages = SeqPages(self.pool)
@@ -165,6 +170,27 @@ class Scheduler:
             plan.admitted.append(seq.request_id)
             plan.note(self.queue.name, f"admit {seq.request_id} ({seq.request.client_id}), "
                       f"{seq.num_computed} tokens cached")
+
+    def _take_fair_share(self, plan: StepPlan) -> Sequence | None:
+        """All slots taken: a starved client's request, after a resident of the client
+        most above its share gave up its slot (None when the shares are fair)."""
+        if self.requeued:
+            return None
+        choice = self.fair_share.victim(self.running, self.queue, self.config.max_sessions)
+        if choice is None:
+            return None
+        victim, client = choice
+        self._evict_resident(victim)
+        plan.drop(victim)
+        victim.phase = Phase.PREEMPTED
+        victim.num_computed = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.queue.push_front(victim)
+        plan.preempted.append(victim.request_id)
+        plan.note(self.fair_share.name, f"{victim.request_id} ({victim.request.client_id}) "
+                  f"yields its slot to client {client}")
+        return self.queue.pop_client(client)
 
     def _plan_decodes(self, plan: StepPlan) -> None:
         queue = self.decode_queue

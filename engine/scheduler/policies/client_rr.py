@@ -46,6 +46,20 @@ class ClientRoundRobin:
                 f"client {client!r} has {pending} pending requests (limit {limit})")
         self._queues.setdefault(client, deque()).append(seq)
 
+    def push_front(self, seq: Sequence) -> None:
+        """Queue a resident that gave up its slot: first in its client's queue, no quota."""
+        self._queues.setdefault(seq.request.client_id, deque()).appendleft(seq)
+
+    def pop_client(self, client_id: str) -> Sequence | None:
+        """The next request of one client (its turn in the rotation moves to the back)."""
+        queue = self._queues.pop(client_id, None)
+        if not queue:
+            return None
+        seq = queue.popleft()
+        if queue:
+            self._queues[client_id] = queue
+        return seq
+
     def pop(self) -> Sequence | None:
         """The next request to admit, rotating over clients with waiting requests."""
         if not self._queues:
