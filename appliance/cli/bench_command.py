@@ -121,6 +121,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "off' (the command's own flags run last)")
     p.set_defaults(handler=cmd_fairness)
 
+    p = bsub.add_parser("clients", help="one heavy client and light ones: light clients' "
+                        "TTFT under load vs solo")
+    _target_args(p)
+    p.add_argument("--heavy-requests", type=_positive, default=12)
+    p.add_argument("--light-clients", type=_positive, default=4)
+    p.add_argument("--prompt-tokens", type=_positive, default=128)
+    p.add_argument("--tokens", type=_positive, default=16, help="light requests' max_tokens")
+    p.add_argument("--heavy-tokens", type=_positive, default=64)
+    p.set_defaults(handler=cmd_clients)
+
     p = bsub.add_parser("kv-quality", help="KL and argmax agreement of each KV format")
     p.add_argument("model", help="GGUF path or 'default'")
     p.add_argument("--formats", default=",".join(KV_CHOICES))
@@ -261,6 +271,37 @@ def cmd_prefill(args: argparse.Namespace) -> int:
 
     out = asyncio.run(run())
     _emit(out, args.json, prefill_table(out["results"]))
+    return 0
+
+
+def cmd_clients(args: argparse.Namespace) -> int:
+    from engine.bench.clients import run_clients
+    from engine.bench.prompts import PromptFactory
+
+    _check_source(args)
+    if args.url:
+        raise InvalidRequest("bench clients runs in-process (clients are ids there); over "
+                             "HTTP each client needs its own API key")
+    seed = _seed(args)
+    options = engine_options(args, min_context=args.prompt_tokens + args.heavy_tokens + 8)
+
+    async def run() -> dict[str, Any]:
+        (target,) = await _open_targets(args, options)
+        try:
+            factory = await PromptFactory.for_target(target, seed)
+            result = await run_clients(target, factory, heavy_requests=args.heavy_requests,
+                                       light_clients=args.light_clients,
+                                       prompt_tokens=args.prompt_tokens,
+                                       max_tokens=args.tokens, heavy_tokens=args.heavy_tokens,
+                                       progress=_progress)
+        finally:
+            await target.aclose()
+        return {"bench": "clients", "seed": seed, "target": target.describe(), **result}
+
+    out = asyncio.run(run())
+    table = (f"light TTFT solo {out['solo_light_ttft_ms']:.0f} ms, under a heavy client "
+             f"{out['loaded_light_ttft_ms']:.0f} ms: x{out['light_ttft_ratio']:.2f}")
+    _emit(out, args.json, table)
     return 0
 
 
