@@ -118,7 +118,10 @@ def json_schema_grammar(schema: dict[str, Any] | None) -> str:
         raise InvalidRequest(f"the JSON schema has {len(text)} characters; at most "
                              f"{MAX_SCHEMA_CHARS} are accepted")
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(text)
+        # Compact JSON: with free whitespace between tokens a small model can loop on
+        # newlines forever; a schema's own "x-guidance" options still take precedence.
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            text, defaults={"whitespace_flexible": False})
     except ValueError as exc:
         raise InvalidRequest(f"invalid JSON schema: {exc}") from exc
 
