@@ -71,16 +71,16 @@ class _TokenizerView:
 
 
 class GrammarTokenizer:
-    """llguidance's view of one model's vocabulary; `vocab_size` is the logits width."""
+    """llguidance's view of one model's vocabulary."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         import llguidance
 
-        self.vocab_size = vocab_size
         self.eog_ids = sorted(tokenizer.eog_ids)
         if not self.eog_ids:
             raise InvalidRequest("the model has no end-of-generation token: no grammar")
-        self.ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenizerView(tokenizer)),
+        self.view = _TokenizerView(tokenizer)
+        self.ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(self.view),
                                          n_vocab=tokenizer.vocab_size, eos_token=self.eog_ids)
 
 
@@ -88,13 +88,13 @@ _cache: dict[int, tuple[Tokenizer, GrammarTokenizer]] = {}
 _cache_lock = threading.Lock()
 
 
-def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> GrammarTokenizer:
+def grammar_tokenizer(tokenizer: Tokenizer) -> GrammarTokenizer:
     """The cached GrammarTokenizer of `tokenizer` (built on first use; seconds)."""
     with _cache_lock:
         hit = _cache.get(id(tokenizer))
-        if hit is not None and hit[0] is tokenizer and hit[1].vocab_size == vocab_size:
+        if hit is not None and hit[0] is tokenizer:
             return hit[1]
-        built = GrammarTokenizer(tokenizer, vocab_size)
+        built = GrammarTokenizer(tokenizer)
         _cache[id(tokenizer)] = (tokenizer, built)
         return built
 

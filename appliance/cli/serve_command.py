@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from typing import Any
 
@@ -79,8 +80,7 @@ def _client_args(p: argparse.ArgumentParser) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
-    from appliance.server import create_app, open_state
-    from appliance.settings import load_settings
+    from appliance.settings import SettingsError, load_settings
 
     cli: dict[str, Any] = {k: getattr(args, k) for k in (
         "host", "port", "data_dir", "models", "sessions", "context", "kv_quant",
@@ -88,8 +88,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "max_body_bytes", "keep_alive_s", "log_level")}
     if args.mixed_batch is not None:
         cli["mixed_batch"] = args.mixed_batch == "on"
-    settings = load_settings(cli, config=args.config)
+    try:
+        settings = load_settings(cli, config=args.config)
+    except SettingsError as exc:
+        print(f"mbufo: error: {exc}", file=sys.stderr)
+        return 2
     logging.getLogger().setLevel(settings.log_level.upper())
+    from appliance.server import create_app, open_state
+
     state = open_state(settings)
     if not settings.no_auth:
         key = state.keys.ensure_admin_key()
@@ -99,6 +105,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(state)
     server = build_server(app, state, settings.host, settings.port, settings.keep_alive_s,
                           settings.log_level)
+    # uvicorn re-raises the signal it shut down on once its own handlers are gone: a no-op
+    # handler makes a SIGTERM-initiated graceful shutdown end with status 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     server.run()
     return 0 if server.started else 1
 

@@ -179,7 +179,7 @@ async def _grammar_factory(handle: Any, body: ChatCompletionRequest) -> Any:
         text = json_schema_grammar(fmt.json_schema.schema)
     else:
         text = json_schema_grammar(None)
-    gtok = await asyncio.to_thread(grammar_tokenizer, handle.tokenizer, handle.vocab_size)
+    gtok = await asyncio.to_thread(grammar_tokenizer, handle.tokenizer)
     await asyncio.to_thread(JsonGrammar, gtok, text)  # validates the schema once
 
     def make() -> JsonGrammar:

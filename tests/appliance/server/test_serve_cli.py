@@ -1,0 +1,78 @@
+"""`mbufo serve` as a process: first start prints the admin key once and serves with it;
+SIGTERM shuts down cleanly; --no-auth off loopback is refused."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+# Runs the CLI with the serve command registered, whether or not main.py lists it yet.
+RUN = ("import sys; from appliance.cli import main, serve_command as s\n"
+       "if s not in main.COMMAND_MODULES: main.COMMAND_MODULES.append(s)\n"
+       "sys.exit(main.main(sys.argv[1:]))")
+
+
+def _env(tmp_path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MBUFO_")}
+    env["XDG_DATA_HOME"] = str(tmp_path / "xdg")
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_prints_the_admin_key_once_and_stops_on_sigterm(tmp_path, tiny_gguf):
+    port = _free_port()
+    cmd = [sys.executable, "-c", RUN, "serve", "--port", str(port), "--data-dir",
+           str(tmp_path / "data"), "--model", str(tiny_gguf), "--sessions", "1", "-c", "128"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(tmp_path))
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    keys = re.findall(r"mbufo_[A-Za-z0-9]+_[A-Za-z0-9]+", out)
+    assert len(keys) == 1, out
+    assert keys[0].split("_")[2] not in err  # the secret is not in the logs
+    from appliance.auth import KeyService
+    from appliance.db import open_database
+    from appliance.settings import load_settings
+
+    db = open_database(load_settings({"data_dir": str(tmp_path / "data")}, environ={}))
+    try:
+        keys_service = KeyService(db)
+        assert keys_service.authenticate(f"Bearer {keys[0]}").role == "admin"
+        assert keys_service.ensure_admin_key() is None  # a second start prints nothing
+    finally:
+        db.close()
+
+
+def test_no_auth_off_loopback_is_refused(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", RUN, "serve", "--no-auth", "--host", "0.0.0.0",
+                           "--data-dir", str(tmp_path)], capture_output=True, text=True,
+                          env=_env(tmp_path), timeout=120)
+    assert proc.returncode == 2
+    assert "no_auth" in proc.stderr and "loopback" in proc.stderr
