@@ -39,6 +39,7 @@ class ModelHandle:
     created: int = field(default_factory=lambda: int(time.time()))
     num_in_flight: int = 0  # requests of this model the server is running
     is_unloading: bool = False
+    client_quotas: dict[str, int | None] = field(default_factory=dict)  # set on the core
 
     @property
     def tokenizer(self) -> Any:

@@ -27,6 +27,7 @@ from engine.scheduler.request import Request
 
 MAX_CHOICES = 64  # prompts x n of one request
 DEFAULT_ESTIMATE = 256  # output tokens a request without max_tokens is assumed to use
+TEXT_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the context)
 
 
 class CompletionService:
@@ -67,7 +68,8 @@ class CompletionService:
         if body.echo and body.logprobs is not None:
             raise Unsupported("echo with logprobs needs prompt logprobs, which this server "
                               "does not compute", param="logprobs")
-        if body.max_tokens == 0 and not body.echo:
+        max_tokens = TEXT_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        if max_tokens == 0 and not body.echo:
             raise BadRequest("max_tokens must be at least 1 (0 only with echo)",
                              param="max_tokens")
         prompts = await asyncio.to_thread(text_prompts, handle, body.prompt)
@@ -75,14 +77,14 @@ class CompletionService:
             raise BadRequest(f"{len(prompts)} prompts x n={body.n} exceed {MAX_CHOICES} "
                              f"choices", param="prompt")
         ids = [p for p, _ in prompts]
-        _check_context(handle, ids, body.max_tokens or None, "prompt")
-        job = _job("text", handle, principal, ids, _sampling(body, body.max_tokens,
-                                                             body.logprobs), body.n, None)
+        _check_context(handle, ids, max_tokens or None, "prompt")
+        job = _job("text", handle, principal, ids, _sampling(body, max_tokens, body.logprobs),
+                   body.n, None)
         job.logprobs = body.logprobs
         job.echo = [text for _, text in prompts] if body.echo else None
         job.include_usage = bool(body.stream and body.stream_options
                                  and body.stream_options.include_usage)
-        if body.max_tokens == 0:  # echo only: nothing to generate
+        if max_tokens == 0:  # echo only: nothing to generate
             return Response(TEXT.response(_echo_only(job)))
         return await self.generation.run(job, TEXT, receive, body.stream)
 

@@ -31,7 +31,11 @@ from appliance.server.errors import (
     as_api_error,
     error_body,
 )
-from appliance.server.services.streams import ChoiceStreams, until_disconnect
+from appliance.server.services.streams import (
+    ChoiceStreams,
+    ClientDisconnected,
+    until_disconnect,
+)
 from engine.scheduler.request import OutputChunk, Request
 
 log = logging.getLogger(__name__)
@@ -107,7 +111,6 @@ class GenerationService:
         self.is_draining = False
         self.num_jobs = 0
         self._per_key: dict[str, int] = defaultdict(int)
-        self._quota_set: dict[tuple[int, str], int | None] = {}
 
     # -- admission -----------------------------------------------------------------------
     def admit(self, job: Job) -> None:
@@ -127,10 +130,10 @@ class GenerationService:
                                   f"running (its max_concurrent_streams)",
                                   code="concurrent_streams", retry_after_s=1.0)
         self.limiter.check_request(principal, job.estimated_tokens)
-        key = (id(handle.engine), principal.key_id)
-        if self._quota_set.get(key, -1) != principal.quota.max_pending:
-            handle.engine.core.set_client_quota(principal.key_id, principal.quota.max_pending)
-            self._quota_set[key] = principal.quota.max_pending
+        max_pending = principal.quota.max_pending
+        if handle.client_quotas.get(principal.key_id, -1) != max_pending:
+            handle.engine.core.set_client_quota(principal.key_id, max_pending)
+            handle.client_quotas[principal.key_id] = max_pending
         self._per_key[principal.key_id] += 1
         handle.num_in_flight += 1
         self.num_jobs += 1
@@ -146,7 +149,8 @@ class GenerationService:
             if not stream:
                 await until_disconnect(receive, self._collect(job, streams))
         except BaseException as exc:
-            self.finish(job, streams, "error" if isinstance(exc, Exception) else "abort")
+            gone = isinstance(exc, ClientDisconnected) or not isinstance(exc, Exception)
+            self.finish(job, streams, "abort" if gone else "error")
             raise
         if not stream:
             self.finish(job, streams, "ok")

@@ -30,8 +30,16 @@ async def test_registry_add_load_by_name_unload_remove(harness, tiny_gguf):
     listing = (await harness.http.get("/admin/api/models", headers=admin)).json()
     assert [m["name"] for m in listing["registered"]] == ["tiny-reg"]
     assert [m["name"] for m in listing["loaded"]] == ["tiny"] and listing["default"] == "tiny"
-    resp = await harness.http.post("/admin/api/models/load", headers=admin,
-                                   json={"name": "tiny-reg"})
+    load = asyncio.create_task(harness.http.post("/admin/api/models/load", headers=admin,
+                                                 json={"name": "tiny-reg"}))
+    deadline = time.monotonic() + 10
+    while not harness.state.router.loading():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.001)
+    chat = await harness.http.post("/v1/chat/completions", headers=admin, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+    assert chat.status_code == 200 and not load.done()  # served while the load ran
+    resp = await load
     assert resp.status_code == 200, resp.text
     assert (resp.json()["sessions"], resp.json()["context"]) == (2, 128)  # registry defaults
     chat = await harness.http.post("/v1/chat/completions", headers=admin, json={

@@ -122,6 +122,22 @@ async def test_text_completions(harness):
     stream = await client.completions.create(model="tiny", prompt=ids, max_tokens=5,
                                              temperature=0, stream=True)
     assert "".join([c.choices[0].text async for c in stream]) == by_ids.choices[0].text
+    default = await client.completions.create(model="tiny", prompt="x",
+                                              extra_body={"ignore_eos": True})
+    assert default.usage.completion_tokens == 16  # OpenAI's default max_tokens
+
+
+async def test_extensions_top_k_min_p_are_applied(harness):
+    client = harness.openai()
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=8)
+    greedy = (await client.chat.completions.create(**kwargs, temperature=0)).choices[0]
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):  # both leave only the most likely token
+        hot = await client.chat.completions.create(**kwargs, temperature=1.5, seed=9,
+                                                   extra_body={**extra, "ignore_eos": True,
+                                                               "repetition_penalty": 1.0})
+        assert hot.choices[0].message.content == greedy.message.content
+    hot = await client.chat.completions.create(**kwargs, temperature=1.5, seed=9)
+    assert hot.choices[0].message.content != greedy.message.content
 
 
 @pytest.mark.xfail(strict=True, reason="engine: the incremental detokenizer drops the first "
@@ -229,3 +245,14 @@ async def test_usage_is_recorded_per_key(harness):
     assert len(rows) == 1 and rows[0]["model"] == "tiny"
     assert rows[0]["prompt_tokens"] == resp.usage.prompt_tokens
     assert rows[0]["completion_tokens"] == resp.usage.completion_tokens == 4
+
+
+async def test_repeated_prompt_reports_cached_tokens(harness):
+    client = harness.openai()
+    messages = [{"role": "user", "content": "A long enough prompt to fill pages. " * 6}]
+    first = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    again = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    prompt = again.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens < cached
+    assert cached % 16 == 0 and prompt - 16 <= cached < prompt  # whole pages, not the last
