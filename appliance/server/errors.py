@@ -74,7 +74,8 @@ _ENGINE_STATUS = {
     "invalid_request": 400, "context_length_exceeded": 400, "chat_template": 400,
     "tokenizer": 400, "model_not_found": 404, "gguf_format": 400,
     "unsupported_architecture": 400, "unsupported_tensor_type": 400,
-    "client_quota": 429, "out_of_kv_pages": 503, "overloaded": 503,
+    "client_quota": 429, "overloaded": 503,
+    "out_of_kv_pages": 400,  # at submit: the request cannot fit the pool even alone
 }
 
 
