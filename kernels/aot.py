@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import re
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any, NamedTuple
 
 from kernels.triton_util import HAS_TRITON, compiled, interpreter_active, triton
@@ -35,13 +37,17 @@ class KernelSpec(NamedTuple):
     constexprs: dict[str, Any]
     num_warps: int
     uses_dot: bool  # expects tensor-core instructions in the output
+    backend: str | None = None  # "hip" or "cuda": the config is that backend's; None: both
+    num_stages: int | None = None
 
 
-def kernel_specs() -> list[KernelSpec]:
-    """Every kernel at the configurations its wrapper launches."""
+def kernel_specs(quick: bool = False) -> list[KernelSpec]:
+    """Every kernel at the configurations its wrapper launches (`quick`: qmatmul at its
+    tiled block size only; the skinny one differs in BLOCK_M alone)."""
     from kernels import paged_attention, qmatmul
 
-    return [*qmatmul.aot_specs(KernelSpec), *paged_attention.aot_specs(KernelSpec)]
+    specs = [*qmatmul.aot_specs(KernelSpec), *paged_attention.aot_specs(KernelSpec)]
+    return [s for s in specs if not (quick and s.name.endswith("_m16"))]
 
 
 def _target(name: str) -> Any:
@@ -54,7 +60,10 @@ def _target(name: str) -> Any:
 def build(spec: KernelSpec, target: str) -> Any:
     """The CompiledKernel of `spec` for `target` (every stage, to the binary)."""
     src = triton.compiler.ASTSource(compiled(spec.kernel), spec.signature, spec.constexprs)
-    return triton.compile(src, target=_target(target), options={"num_warps": spec.num_warps})
+    options: dict[str, int] = {"num_warps": spec.num_warps}
+    if spec.num_stages is not None:
+        options["num_stages"] = spec.num_stages
+    return triton.compile(src, target=_target(target), options=options)
 
 
 def check_asm(spec: KernelSpec, target: str, kernel: Any) -> dict[str, Any]:
@@ -66,33 +75,55 @@ def check_asm(spec: KernelSpec, target: str, kernel: Any) -> dict[str, Any]:
     if not binary:
         info["problems"].append("no binary")
     if target.startswith("hip"):
-        info["wmma"] = len(re.findall(r"\bv_wmma_\w+", asm.get("amdgcn", "")))
+        amdgcn = asm.get("amdgcn", "")
+        ops = re.findall(r"\bv_wmma_\w+", amdgcn)
+        info["wmma"] = len(ops)
+        info["ops"] = sorted(set(ops))
+        # Spilled registers go to scratch memory: a performance problem, not an error.
+        info["vgpr_spills"] = sum(int(n) for n in re.findall(r"vgpr_spill_count:\s+(\d+)", amdgcn))
         found = info["wmma"]
     else:
-        info["mma"] = len(re.findall(r"\b(?:mma\.sync|wgmma\.mma_async)\.\S+", asm.get("ptx", "")))
+        ops = re.findall(r"\b(?:mma\.sync|wgmma\.mma_async)\.[\w.]+", asm.get("ptx", ""))
+        info["mma"] = len(ops)
+        info["ops"] = sorted(set(ops))
         found = info["mma"]
     if spec.uses_dot and not found:
         info["problems"].append("tl.dot did not lower to tensor-core instructions")
     return info
 
 
-def compile_all(targets: tuple[str, ...] = TARGETS, only: str | None = None,
+def _compile_one(index: int, target: str, quick: bool) -> dict[str, Any]:
+    spec = kernel_specs(quick)[index]
+    start = time.perf_counter()
+    try:
+        info = check_asm(spec, target, build(spec, target))
+    except Exception as exc:  # report every failure, not only the first
+        info = {"error": f"{type(exc).__name__}: {exc}"[:2000], "problems": ["error"]}
+    info["seconds"] = round(time.perf_counter() - start, 2)
+    return info
+
+
+def compile_all(targets: tuple[str, ...] = TARGETS, only: str | None = None, *,
+                quick: bool = False, jobs: int = 1,
                 log: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
-    """{kernel name: {target: check_asm(...) plus seconds, or {"error": ...}}}."""
+    """{kernel name: {target: check_asm(...) plus seconds, or an "error"}}; `jobs` > 1
+    compiles in that many forked processes (compilation is single-threaded)."""
+    specs = kernel_specs(quick)
+    todo = [(i, t) for i, spec in enumerate(specs) for t in targets
+            if (not only or only in spec.name) and (spec.backend is None
+                                                    or t.startswith(spec.backend))]
+    if jobs > 1:
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+            indices, names = [i for i, _ in todo], [t for _, t in todo]
+            infos = list(pool.map(_compile_one, indices, names, [quick] * len(todo)))
+    else:
+        infos = [_compile_one(i, t, quick) for i, t in todo]
     out: dict[str, dict[str, Any]] = {}
-    for spec in kernel_specs():
-        if only and only not in spec.name:
-            continue
-        for target in targets:
-            start = time.perf_counter()
-            try:
-                info = check_asm(spec, target, build(spec, target))
-            except Exception as exc:  # report every failure, not only the first
-                info = {"error": f"{type(exc).__name__}: {exc}"[:2000], "problems": ["error"]}
-            info["seconds"] = round(time.perf_counter() - start, 2)
-            out.setdefault(spec.name, {})[target] = info
-            if log:
-                log(f"{spec.name} {target}: {info.get('problems') or 'ok'} {info['seconds']}s")
+    for (i, target), info in zip(todo, infos, strict=True):
+        out.setdefault(specs[i].name, {})[target] = info
+        if log:
+            log(f"{specs[i].name} {target}: {info['problems'] or 'ok'} {info['seconds']}s")
     return out
 
 
@@ -100,12 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", action="append", choices=TARGETS)
     parser.add_argument("--only", help="compile only kernels whose name contains this")
+    parser.add_argument("--quick", action="store_true",
+                        help="one block size per kernel and target (what CI compiles)")
+    parser.add_argument("--jobs", type=int, default=1)
     args = parser.parse_args(argv)
     if not HAS_TRITON or interpreter_active():
         print(json.dumps({"error": "needs Triton imported without TRITON_INTERPRET=1"}))
         return 2
-    result = compile_all(tuple(args.target or TARGETS), args.only,
-                         log=lambda line: print(line, file=sys.stderr))
+    result = compile_all(tuple(args.target or TARGETS), args.only, quick=args.quick,
+                         jobs=args.jobs, log=lambda line: print(line, file=sys.stderr))
     print(json.dumps(result))
     return 0 if not any(i["problems"] for t in result.values() for i in t.values()) else 1
 

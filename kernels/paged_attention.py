@@ -23,6 +23,7 @@ is bit-equal whatever else is in the batch. Dots take f16 operands, accumulate i
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
@@ -128,25 +129,34 @@ if HAS_TRITON:
     @helper
     def _load_kv(p0, p1, slot, kvh, FMT: tl.constexpr, KVH: tl.constexpr, DIM: tl.constexpr,
                  DP: tl.constexpr, BN: tl.constexpr):
-        """(BN, DP) f16 rows at `slot` (BN,) of KV head kvh; columns >= DIM are zero."""
-        d = tl.arange(0, DP)
-        d_ok = (d < DIM)[None, :]
+        """(BN, DP) f16 rows at `slot` (BN,) of KV head kvh; columns >= DIM are zero.
+
+        Offsets stay int32 (the wrapper checks the plane sizes) so that AMD can use buffer
+        loads; a scale is loaded once per 32-block and broadcast.
+        """
         if FMT == 0:
-            x = tl.load(p0 + slot[:, None] * (KVH * DIM) + kvh * DIM + d[None, :], mask=d_ok,
-                        other=0.0)
+            d = tl.arange(0, DP)
+            row = (slot * (KVH * DIM) + kvh * DIM)[:, None]
+            x = tl.load(p0 + row + d[None, :], mask=(d < DIM)[None, :], other=0.0)
         else:
             nb = DIM // 32
-            sc = tl.load(p1 + slot[:, None] * (KVH * nb) + kvh * nb + (d // 32)[None, :],
-                         mask=d_ok, other=0.0).to(tl.float32)
+            b = tl.arange(0, DP // 32)
+            b_ok = (b < nb)[None, :]
+            sc = tl.load(p1 + (slot * (KVH * nb) + kvh * nb)[:, None] + b[None, :], mask=b_ok,
+                         other=0.0).to(tl.float32)  # (BN, NB)
             if FMT == 1:
-                c = tl.load(p0 + slot[:, None] * (KVH * DIM) + kvh * DIM + d[None, :],
-                            mask=d_ok, other=0).to(tl.float32)
-            else:
-                j = tl.arange(0, DP // 2)
-                b = tl.load(p0 + slot[:, None] * (KVH * DIM // 2) + kvh * (DIM // 2) + j[None, :],
-                            mask=(j < DIM // 2)[None, :], other=0)
-                c = tl.reshape(tl.join(b & 15, b >> 4), (BN, DP)).to(tl.float32) - 8.0
-            x = c * sc
+                row = (slot * (KVH * DIM) + kvh * DIM)[:, None, None]
+                e = tl.arange(0, 32)[None, None, :]
+                c = tl.load(p0 + row + (b * 32)[None, :, None] + e, mask=b_ok[:, :, None],
+                            other=0).to(tl.float32)  # (BN, NB, 32)
+            else:  # byte j of a block: element 2j in the low nibble, 2j + 1 in the high
+                row = (slot * (KVH * DIM // 2) + kvh * (DIM // 2))[:, None, None]
+                j = tl.arange(0, 16)[None, None, :]
+                byte = tl.load(p0 + row + (b * 16)[None, :, None] + j, mask=b_ok[:, :, None],
+                               other=0)
+                c = tl.join(byte & 15, byte >> 4).to(tl.float32) - 8.0  # (BN, NB, 16, 2)
+                c = tl.reshape(c, (BN, DP // 32, 32))
+            x = tl.reshape(c * sc[:, :, None], (BN, DP))
         return x.to(tl.float16)
 
     @jit
@@ -178,7 +188,7 @@ if HAS_TRITON:
             kp = start + tl.arange(0, BLOCK_N)
             k_ok = kp < key_hi
             page = tl.load(pt_ptr + row * stride_pt + kp // PAGE, mask=k_ok, other=0)
-            slot = page.to(tl.int64) * PAGE + kp % PAGE
+            slot = page * PAGE + kp % PAGE  # int32, see _load_kv
             k = _load_kv(k0_ptr, k1_ptr, slot, kvh, K_FMT, KVH, D, DP, BLOCK_N)
             s = tl.dot(q, tl.trans(k)) * qk_scale  # (BM, BN) in log2 units
             if HAS_SOFTCAP:  # c * tanh(s / c), tanh(x) = 1 - 2 / (exp(2x) + 1)
@@ -308,7 +318,8 @@ def paged_attention(
         raise InvalidRequest(f"paged_attention: {num_heads} heads, {kv_heads} KV heads, "
                              f"sinks {None if sinks is None else tuple(sinks.shape)}")
     group = num_heads // kv_heads
-    cfg = config or AttnConfig.default(group, dim, dim_v)
+    backend = "hip" if q.device.type == "cuda" and torch.version.hip else "cuda"
+    cfg = config or AttnConfig.default(group, dim, dim_v, backend)
     if plan is None:
         plan = plan_attention(query_start, seq_lens, group=group, window=window, config=cfg,
                               device=q.device)
@@ -343,6 +354,7 @@ def _launch(q, planes, formats, positions, page_table, page_size, params, sinks,
         DV=dim_v, DP=next_pow2(dim), DVP=next_pow2(dim_v), PAGE=page_size,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
     )
     sink = m_part if sinks is None else (sinks.float() * _LOG2E).contiguous()
     # One token per program on a GPU (its (H, Dv) accumulator fills the registers); the
@@ -353,3 +365,38 @@ def _launch(q, planes, formats, positions, page_table, page_size, params, sinks,
         H=num_heads, HP=next_pow2(num_heads), DV=dim_v, DVP=next_pow2(dim_v),
         HAS_SINKS=sinks is not None, BLOCK_T=block_t,
     )
+
+
+def aot_specs(spec: type) -> list:
+    """kernels/aot.py: every K/V format pair's loader at Llama-like shapes (GQA 4:1,
+    head dim 128), one with window and softcap; the merge with and without sinks."""
+    if not HAS_TRITON:
+        return []
+    plane = {"f16": "*fp16", "q8": "*i8", "q4": "*u8"}
+    sig = {"q_ptr": "*fp32", "k0_ptr": "", "k1_ptr": "*fp16", "v0_ptr": "", "v1_ptr": "*fp16",
+           **{n: "*i32" for n in ("pt_ptr", "pos_ptr", "work_ptr", "tok_base_ptr")},
+           **{n: "*fp32" for n in ("m_ptr", "l_ptr", "acc_ptr")},
+           "stride_qt": "i32", "stride_qh": "i32", "stride_pt": "i32", "qk_scale": "fp32",
+           "softcap": "fp32", "window": "i32"}
+    out = []
+    for (k_fmt, v_fmt, extras), backend in itertools.product(
+            (("f16", "f16", False), ("q8", "q8", True), ("q4", "q4", False),
+             ("q8", "q4", False)), ("hip", "cuda")):
+        cfg = AttnConfig.default(4, 128, 128, backend)
+        consts = {"K_FMT": FORMAT_IDS[k_fmt], "V_FMT": FORMAT_IDS[v_fmt], "KVH": 8, "G": 4,
+                  "D": 128, "DV": 128, "DP": 128, "DVP": 128, "PAGE": 16,
+                  "HAS_WINDOW": extras, "HAS_SOFTCAP": extras, "BLOCK_M": cfg.block_m,
+                  "BLOCK_N": cfg.block_n}
+        signature = {**sig, "k0_ptr": plane[k_fmt], "v0_ptr": plane[v_fmt],
+                     **{k: "constexpr" for k in consts}}
+        name = f"paged_attention_k{k_fmt}_v{v_fmt}" + ("_window_softcap" if extras else "")
+        out.append(spec(name, _attn_partial_kernel, signature, consts, cfg.num_warps, True,
+                        backend, cfg.num_stages))
+    for sinks in (False, True):
+        consts = {"H": 32, "HP": 32, "DV": 128, "DVP": 128, "HAS_SINKS": sinks, "BLOCK_T": 1}
+        signature = {**{n: "*fp32" for n in ("m_ptr", "l_ptr", "acc_ptr")},
+                     "tok_base_ptr": "*i32", "tok_splits_ptr": "*i32", "sink_ptr": "*fp32",
+                     "out_ptr": "*fp32", "num_tokens": "i32", **{k: "constexpr" for k in consts}}
+        out.append(spec(f"paged_attention_merge{'_sinks' if sinks else ''}", _attn_merge_kernel,
+                        signature, consts, 4, False))
+    return out

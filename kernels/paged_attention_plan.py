@@ -30,10 +30,16 @@ class AttnConfig(NamedTuple):
     block_n: int  # keys per inner step
     split_keys: int  # key positions per split of a single-block row
     num_warps: int = 4
+    num_stages: int | None = None  # None: Triton's default
 
     @classmethod
-    def default(cls, group: int, dim: int, dim_v: int) -> AttnConfig:
-        """Depends only on the layer's shape, never on the batch (batch invariance)."""
+    def default(cls, group: int, dim: int, dim_v: int, backend: str = "cuda") -> AttnConfig:
+        """Depends only on the layer's shape and the backend, never on the batch.
+
+        gfx1151: the largest tiles whose AOT build spills no VGPR for every format pair.
+        """
+        if backend == "hip":
+            return cls(max(32, next_pow2(group)), 16, 1024, 4, 1)
         wide = max(dim, dim_v) > 128  # keep the (block_m, Dv) accumulator in registers
         return cls(max(32 if wide else 64, next_pow2(group)), 32 if wide else 64, 1024)
 

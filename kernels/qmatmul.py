@@ -22,7 +22,6 @@ checks at full size. Split-K, where used, depends on (N, K) only, never on M.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -49,6 +48,7 @@ class QMMConfig(NamedTuple):
     block_k: int
     split_k: int  # K is cut into split_k equal ranges, each a multiple of block_k
     num_warps: int = 4
+    num_stages: int | None = None  # software pipelining depth; None: Triton's default
 
 
 def qmatmul_reference(
@@ -63,20 +63,33 @@ def qmatmul_reference(
     return x.to(dtype) @ w.t()
 
 
-def default_config(ggml_type: int, m: int, n: int, k: int, device: torch.device) -> QMMConfig:
-    """The launch config. Only block_m depends on m (see the module docstring)."""
+def default_config(
+    ggml_type: int, m: int, n: int, k: int, *, backend: str = "cuda", num_sms: int = 0
+) -> QMMConfig:
+    """The launch config for a (m, k) x (n, k)^T product on `backend` ("cuda" or "hip").
+
+    Only block_m depends on m (see the module docstring). On gfx1151 one pipeline stage
+    and 64-column steps keep every type's tile in registers (no VGPR spills in the AOT
+    build); on CUDA, K is split while the N tiles alone would leave SMs idle.
+    """
     step = GEOMETRY[ggml_type][2]
-    block_k = step if step == 128 else max(step, math.gcd(k, 128 if step == 64 else 64))
+    hip = backend == "hip"
+    block_k = step if step == 128 else (128 if step == 64 and not hip else 64)
+    block_k = block_k if k % block_k == 0 else step
     block_n = 32
     split_k = 1
-    if device.type == "cuda":
-        # Enough programs to cover the SMs on a GEMV: split K while tiles are few.
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        tiles = -(-n // block_n)
-        while tiles * split_k < 2 * sms and k % (2 * split_k * block_k) == 0 and split_k < 8:
-            split_k *= 2
+    tiles = -(-n // block_n)
+    while tiles * split_k < 2 * num_sms and k % (2 * split_k * block_k) == 0 and split_k < 8:
+        split_k *= 2
     block_m = 16 if m <= SKINNY_MAX_M else 64
-    return QMMConfig(block_m, block_n, block_k, split_k)
+    return QMMConfig(block_m, block_n, block_k, split_k, 4, 1 if hip else None)
+
+
+def _device_info(device: torch.device) -> tuple[str, int]:
+    if device.type != "cuda":
+        return "cuda", 0
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return ("hip" if torch.version.hip else "cuda"), sms
 
 
 if HAS_TRITON:
@@ -154,9 +167,13 @@ def qmatmul_triton(
     """The kernel path (interpreted when the tensors are on the CPU)."""
     _check(x, blocks, ggml_type, shape)
     m, (n, k) = x.shape[0], shape
-    cfg = config or default_config(int(ggml_type), m, n, k, x.device)
-    if k % (cfg.split_k * cfg.block_k):
-        raise InvalidRequest(f"qmatmul: config {cfg} does not divide in={k}")
+    backend, sms = _device_info(x.device)
+    cfg = config or default_config(int(ggml_type), m, n, k, backend=backend, num_sms=sms)
+    step = GEOMETRY[int(ggml_type)][2]
+    if k % (cfg.split_k * cfg.block_k) or cfg.block_k % step or (step == 128 and
+                                                                  cfg.block_k != step):
+        raise InvalidRequest(f"qmatmul: {cfg} does not fit in={k} ({NAMES[int(ggml_type)]} "
+                             f"steps {step} columns)")
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return y
@@ -167,7 +184,8 @@ def qmatmul_triton(
         x, blocks, part, _lut(int(ggml_type), x.device), m, n, blocks.shape[1],
         k // cfg.split_k, x.stride(0), QTYPE=int(ggml_type), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F32=x.device.type == "cpu",
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **({} if cfg.num_stages is None else
+                                    {"num_stages": cfg.num_stages}),
     )
     if cfg.split_k > 1:
         block = 1024
@@ -191,7 +209,8 @@ def qmatmul(
 
 
 def aot_specs(spec: type) -> list:
-    """kernels/aot.py: each type at the skinny and the tiled block_m, bf16 and f32 x."""
+    """kernels/aot.py: each type at the skinny and the tiled block_m (bf16 and f32 x), with
+    the config each backend launches (the spec's target picks it)."""
     if not HAS_TRITON:
         return []
     sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*fp32", "lut_ptr": "*fp32",
@@ -199,12 +218,13 @@ def aot_specs(spec: type) -> list:
     out = []
     for qtype in sorted(SUPPORTED_TYPES):
         for block_m, x_type in ((16, "*bf16"), (64, "*fp32")):
-            cfg = default_config(qtype, block_m, 4096, 4096, torch.device("cpu"))
-            consts = {"QTYPE": qtype, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n,
-                      "BLOCK_K": cfg.block_k, "DOT_F32": False}
-            signature = {**sig, "x_ptr": x_type, **{k: "constexpr" for k in consts}}
-            out.append(spec(f"qmatmul_{NAMES[qtype]}_m{block_m}", _qmm_kernel, signature,
-                            consts, cfg.num_warps, True))
+            for backend in ("hip", "cuda"):
+                cfg = default_config(qtype, block_m, 4096, 4096, backend=backend)
+                consts = {"QTYPE": qtype, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n,
+                          "BLOCK_K": cfg.block_k, "DOT_F32": False}
+                signature = {**sig, "x_ptr": x_type, **{k: "constexpr" for k in consts}}
+                out.append(spec(f"qmatmul_{NAMES[qtype]}_m{block_m}", _qmm_kernel, signature,
+                                consts, cfg.num_warps, True, backend, cfg.num_stages))
     signature = {"part_ptr": "*fp32", "y_ptr": "*fp32", "numel": "i32", "SPLIT_K": "constexpr",
                  "BLOCK": "constexpr"}
     out.append(spec("qmatmul_sum_splits", _sum_splits_kernel, signature,

@@ -1,0 +1,57 @@
+"""Every kernel builds ahead of time for hip:gfx1151 (to the hsaco) and cuda:90 (to the
+cubin), and its dots lower to the tensor-core instructions of each chip (WMMA on RDNA 3.5,
+mma/wgmma on Hopper). The build runs in a background process (aot_build.py)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from aot_build import aot_result
+
+from kernels import paged_attention, qmatmul
+from kernels.triton_util import HAS_TRITON
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="the CPU torch build has no Triton")
+TARGETS = ("hip:gfx1151", "cuda:90")
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    code, report, log = aot_result()
+    assert report is not None, log
+    return report
+
+
+def test_every_kernel_builds_for_both_targets(report):
+    assert report, "no kernel compiled"
+    for name, targets in report.items():
+        assert set(targets) == set(TARGETS), name
+        for target, info in targets.items():
+            assert not info["problems"], (name, target, info.get("error"), info["problems"])
+            binary = "hsaco" if target.startswith("hip") else "cubin"
+            assert binary in info["stages"] and info["binary_bytes"] > 0, (name, target)
+
+
+def test_dots_lower_to_tensor_cores(report):
+    """bf16 dots (qmatmul) and f16 dots (attention) use the matching WMMA / MMA ops."""
+    for name, targets in report.items():
+        if "merge" in name or "sum_splits" in name:
+            continue
+        dtype = "bf16" if name.startswith("qmatmul") else "f16"
+        hip, cuda = targets["hip:gfx1151"], targets["cuda:90"]
+        assert hip["wmma"] > 0 and all(op.endswith(f"_{dtype}") for op in hip["ops"]), hip
+        assert cuda["mma"] > 0 and all(f".{dtype}." in op for op in cuda["ops"]), cuda
+
+
+def test_every_kernel_has_a_spec():
+    """A new @triton.jit kernel in these modules must be added to the AOT specs."""
+    from triton.runtime.jit import JITFunction
+
+    from kernels.aot import KernelSpec
+
+    for module in (qmatmul, paged_attention):
+        kernels = {name for name, obj in inspect.getmembers(module)
+                   if isinstance(obj, JITFunction) and name.endswith("_kernel")}
+        specced = {spec.kernel.__name__ for spec in module.aot_specs(KernelSpec)}
+        assert kernels and kernels <= specced, (module.__name__, kernels - specced)

@@ -1,0 +1,142 @@
+"""paged_attention's Triton kernels (interpreted on the CPU) against the float64 reference,
+and the reference against the engine's attend_reference, on KV written by the engine's
+own KVCache (engine/kv/formats.py encoders) into randomly permuted pages.
+
+Batches mix a prefill chunk, decode rows, a verify row and a chunk continuing a context;
+GQA 4:1 and 3:1, a sliding window, soft-capping, sinks, every KV format pair.
+The kernel takes f16 operands (relative 2^-11 per rounding) and accumulates in f32; a
+wrong mask, page, scale or merge is off by the size of the output itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.batch import ForwardBatch
+from engine.errors import InvalidRequest
+from engine.kv.cache import KVCache, LayerKVSpec
+from engine.layers.attention import AttnLayer, attend_reference
+from kernels.paged_attention import AttnConfig, paged_attention_reference
+
+KERNEL = "kernels.paged_attention:paged_attention"
+PAGE = 16
+# (new tokens, tokens in context after the step): prefill, decode, verify, a continued
+# chunk, a decode at the start of a sequence.
+ROWS = [(19, 19), (1, 40), (3, 35), (9, 30), (1, 5)]
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
+
+
+def make_case(rng, kv_quant, rows=ROWS, heads=8, kv_heads=2, dim=64):
+    """Engine-written KV for `rows` and random q; returns (q, kv, batch)."""
+    num_pages = sum(-(-length // PAGE) for _, length in rows) + 2
+    perm = rng.permutation(num_pages).tolist()
+    tables, spans = [], []
+    for new, length in rows:
+        count = -(-length // PAGE)
+        tables.append(perm[:count])
+        perm = perm[count:]
+        spans.append(([0] * new, length - new))
+    batch = ForwardBatch.build(spans, {"full": tables})
+    kv = KVCache([LayerKVSpec("full", kv_heads, dim, dim)], {"full": num_pages}, PAGE, kv_quant)
+
+    def randn(*shape):
+        return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))
+
+    for row, (_, length) in enumerate(rows):
+        keys = randn(length, kv_heads, dim)
+        keys[..., 5] *= 20  # an outlier channel, as real K has
+        slots = batch.row_slots("full", row, torch.arange(length), PAGE)
+        kv.write(0, slots, keys, randn(length, kv_heads, dim))
+    return randn(batch.num_tokens, heads, dim), kv, batch
+
+
+def kwargs(batch, dim, window=None, softcap=None, sinks=None):
+    return dict(query_start=batch.query_start, seq_lens=batch.seq_lens,
+                positions=batch.positions, page_table=batch.page_tables["full"],
+                page_size=PAGE, scale=dim**-0.5, window=window, softcap=softcap, sinks=sinks)
+
+
+def run_both(interp, q, kv, kw, config=None):
+    args = (q, kv.k[0], kv.v[0], kv.k_format.name, kv.v_format.name)
+    out = interp.call(KERNEL, *args, config=config, **kw)
+    ref = paged_attention_reference(*args, **kw)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert torch.isfinite(out).all(), "output not fully written"
+    return out, ref
+
+
+def assert_close(out, ref, tol=4e-3):
+    err = float((out.double() - ref).abs().max() / ref.abs().max())
+    assert err < tol, err
+
+
+@pytest.mark.parametrize("kv_quant", ["f16", "q8", "k8v4", "k4v4"])
+def test_mixed_batch_every_format(interp, rng, kv_quant):
+    q, kv, batch = make_case(rng, kv_quant)
+    assert_close(*run_both(interp, q, kv, kwargs(batch, 64)))
+
+
+def test_window_softcap_sinks(interp, rng):
+    q, kv, batch = make_case(rng, "q8")
+    sinks = torch.from_numpy(rng.standard_normal(8, dtype=np.float32))
+    out, ref = run_both(interp, q, kv, kwargs(batch, 64, window=12, softcap=3.0, sinks=sinks))
+    assert_close(out, ref)
+    plain = paged_attention_reference(q, kv.k[0], kv.v[0], "q8", "q8", **kwargs(batch, 64))
+    assert (plain - ref).abs().max() > 0.1  # the options matter at these shapes
+
+
+def test_odd_head_dim_gqa3_and_splits(interp, rng):
+    """Head dim 96 (padded to 128 in the kernel), 3 query heads per KV head, and short
+    key splits so decode rows merge several partials."""
+    rows = [(1, 70), (2, 45), (20, 40)]
+    q, kv, batch = make_case(rng, "k4v8", rows, heads=6, kv_heads=2, dim=96)
+    config = AttnConfig(block_m=16, block_n=16, split_keys=32)
+    out, ref = run_both(interp, q, kv, kwargs(batch, 96, window=50), config)
+    assert_close(out, ref)
+
+
+def test_batch_invariance(interp, rng):
+    """A decode row's output is bit-equal alone and inside a mixed batch."""
+    q, kv, batch = make_case(rng, "k8v4")
+    config = AttnConfig(block_m=32, block_n=16, split_keys=16)
+    args = (kv.k[0], kv.v[0], "q8", "q4")
+    mixed = interp.call(KERNEL, q, *args, config=config, **kwargs(batch, 64))
+    row = 1  # (1 new token, 40 in context)
+    alone_batch = ForwardBatch(
+        input_ids=batch.input_ids[19:20], positions=batch.positions[19:20],
+        query_start=torch.tensor([0, 1]), seq_lens=batch.seq_lens[row:row + 1],
+        page_tables={"full": batch.page_tables["full"][row:row + 1]},
+        logits_rows=torch.tensor([0]))
+    alone = interp.call(KERNEL, q[19:20], *args, config=config, **kwargs(alone_batch, 64))
+    assert torch.equal(alone[0], mixed[19])
+
+
+@pytest.mark.parametrize("kv_quant", ["f16", "q8", "k8v4", "k4v4", "k4v8"])
+def test_reference_matches_engine(rng, kv_quant):
+    """The float64 definition equals the engine's attend_reference (float32)."""
+    q, kv, batch = make_case(rng, kv_quant)
+    for window, softcap in ((None, None), (10, 4.0)):
+        layer = AttnLayer(0, 8, 2, 64, 64, 64**-0.5, window, softcap)
+        engine = attend_reference(layer, q, batch, kv, "full")
+        ref = paged_attention_reference(q, kv.k[0], kv.v[0], kv.k_format.name,
+                                        kv.v_format.name, **kwargs(batch, 64, window, softcap))
+        assert float((engine.double() - ref).abs().max()) < 1e-4
+
+
+def test_checks_inputs(interp, rng):
+    q, kv, batch = make_case(rng, "q8", rows=[(1, 4)])
+    kw = kwargs(batch, 64)
+    with pytest.raises(InvalidRequest):  # planes of another format
+        interp.call(KERNEL, q, kv.k[0], kv.v[0], "f16", "q8", **kw)
+    with pytest.raises(InvalidRequest):  # heads not a multiple of KV heads
+        interp.call(KERNEL, q[:, :7], kv.k[0], kv.v[0], "q8", "q8", **kw)
+    with pytest.raises(InvalidRequest):
+        interp.call(KERNEL, q, kv.k[0], kv.v[0], "q8", "q8", **{**kw, "sinks": torch.zeros(3)})
