@@ -70,7 +70,10 @@ class EngineCore:
             from engine.tokenizer.detok import IncrementalDetokenizer
 
             def detokenizer() -> IncrementalDetokenizer:
-                return IncrementalDetokenizer(tokenizer)  # type: ignore[arg-type]
+                # a completion continues its prompt: keep the first token's space; stream
+                # text as llama-server does (no llama.cpp clean-up of spaces)
+                return IncrementalDetokenizer(tokenizer, clean_spaces=False,  # type: ignore[arg-type]
+                                              continuation=True)
         self._make_detok = detokenizer
         # Recurrent state is not snapshotted at page boundaries yet: no prefix cache there.
         use_cache = config.prefix_cache and RECURRENT not in self.pool.groups

@@ -85,7 +85,7 @@ class LLM:
         state = SamplerState.create(params, prompt_ids, self.loaded.config.vocab_size)
         stop = StopChecker(params.stop, params.stop_token_ids, self.tokenizer.eog_ids,
                            params.ignore_eos, max_tokens)
-        detok = IncrementalDetokenizer(self.tokenizer)
+        detok = IncrementalDetokenizer(self.tokenizer, clean_spaces=False, continuation=True)
         seq = SeqPages(self.runner.pool)
         try:
             logits = self._prefill(seq, list(prompt_ids), 0)

@@ -38,15 +38,17 @@ class IncrementalDetokenizer:
 
     def __init__(
         self, tokenizer: Tokenizer, skip_special: bool = False, *,
-        clean_spaces: bool | None = None,
+        clean_spaces: bool | None = None, continuation: bool = False,
     ) -> None:
+        """continuation: the tokens continue a text (a completion after its prompt), so the
+        first one keeps its leading space (SPM vocabularies strip it at a text's start)."""
         self._tokenizer = tokenizer
         self._skip_special = skip_special
         self._pieces = tokenizer.pieces(skip_special)
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._clean = tokenizer.clean_spaces if clean_spaces is None else clean_spaces
         self._remove_space = tokenizer.add_space_prefix
-        self._is_first = True
+        self._is_first = not continuation
         self._pending = b""  # bytes the clean-up may still change
         self._held_eos = b""  # decode(skip_special) drops a final EOS; held until not final
 

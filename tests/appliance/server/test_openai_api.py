@@ -140,8 +140,6 @@ async def test_extensions_top_k_min_p_are_applied(harness):
     assert hot.choices[0].message.content != greedy.message.content
 
 
-@pytest.mark.xfail(strict=True, reason="engine: the incremental detokenizer drops the first "
-                   "output token's leading space (SPM), as if the output began the text")
 async def test_continuation_keeps_the_first_tokens_space(harness):
     client = harness.openai()
     ids = harness.state.router.get(None).tokenizer.encode("Once upon a time", add_special=True)
