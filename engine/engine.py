@@ -56,13 +56,13 @@ class Engine:
     # ---- caller side -----------------------------------------------------------------
     def _post(self, kind: str, payload: Any) -> None:
         with self._wake:
+            if kind == "add" and not self._running:  # checked under the loop's lock
+                raise EngineError(f"engine '{self.name}' is not running")
             self._inbox.append((kind, payload))
             self._wake.notify()
 
     def add(self, request: Request, sink: Sink) -> None:
         """Queue a request; every chunk (or the error that rejected it) goes to `sink`."""
-        if not self._running:
-            raise EngineError(f"engine '{self.name}' is not running")
         self._post("add", (request, sink))
 
     def abort(self, request_id: str) -> None:
@@ -157,6 +157,9 @@ class Engine:
             self.core.abort(request_id)
         while self.core.has_work():
             self._deliver(self.core.step())
-        for sink in self._sinks.values():
-            sink(EngineError(f"engine '{self.name}' stopped"))
+        with self._wake:  # requests posted after the last drain are answered too
+            late, self._inbox = self._inbox, []
+        stopped = EngineError(f"engine '{self.name}' stopped")
+        for sink in [*self._sinks.values(), *(p[1] for k, p in late if k == "add")]:
+            sink(stopped)
         self._sinks.clear()
