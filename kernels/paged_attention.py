@@ -266,9 +266,9 @@ def _planes(planes: dict[str, torch.Tensor], fmt: str, dim: int, kv_heads: int,
             got = None if p is None else (p.dtype, tuple(p.shape))
             raise InvalidRequest(f"paged_attention: {what} plane {name!r} must be {dtype} "
                                  f"(slots, *{shape}), got {got}")
-        if not p.is_contiguous() or p.device != device:
+        if not p.is_contiguous() or p.device != device or p.numel() >= 2**31:
             raise InvalidRequest(f"paged_attention: {what} plane {name!r} must be contiguous "
-                                 f"on {device}")
+                                 f"on {device}, under 2**31 elements (int32 offsets)")
         tensors.append(p)
     if tensors[0].shape[0] != tensors[-1].shape[0]:
         raise InvalidRequest(f"paged_attention: {what} planes differ in slot count")

@@ -1,5 +1,5 @@
 """Fixtures of the kernel tests: the interpreter worker (kernel_worker.py) and the background
-AOT build (aot_build.py), helpers importable in any pytest import mode."""
+checks (background.py), helpers importable in any pytest import mode."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 
-from aot_build import start_aot_build  # noqa: E402
+import background  # noqa: E402
 from kernel_worker import InterpreterWorker  # noqa: E402
 
 
@@ -23,14 +23,16 @@ def interp() -> InterpreterWorker:
     worker.close()
 
 
-AOT_TEST = "test_aot.py"
+# Test file -> the background check it awaits.
+BACKGROUND = {"test_aot.py": "aot", "test_kernels_check.py": "smoke"}
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
-    """The AOT build runs in a background process while the other tests run (see
-    aot_build.py); its tests go last so that they wait as little as possible."""
-    aot = [item for item in items if item.path.name == AOT_TEST
-           and item.path.parent == Path(__file__).parent]
-    if aot:
-        items[:] = [item for item in items if item not in aot] + aot
-        start_aot_build()
+    """Start the background checks whose tests were collected; their tests go last so
+    that they wait as little as possible."""
+    here = Path(__file__).parent
+    late = [item for item in items if item.path.parent == here and item.path.name in BACKGROUND]
+    if late:
+        items[:] = [item for item in items if item not in late] + late
+        for name in sorted({BACKGROUND[item.path.name] for item in late}):
+            background.start(name)

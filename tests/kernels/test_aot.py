@@ -1,13 +1,13 @@
 """Every kernel builds ahead of time for hip:gfx1151 (to the hsaco) and cuda:90 (to the
 cubin), and its dots lower to the tensor-core instructions of each chip (WMMA on RDNA 3.5,
-mma/wgmma on Hopper). The build runs in a background process (aot_build.py)."""
+mma/wgmma on Hopper). The build runs in a background process (background.py)."""
 
 from __future__ import annotations
 
 import inspect
 
+import background
 import pytest
-from aot_build import aot_result
 
 from kernels import paged_attention, qmatmul
 from kernels.triton_util import HAS_TRITON
@@ -18,8 +18,9 @@ TARGETS = ("hip:gfx1151", "cuda:90")
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    code, report, log = aot_result()
-    assert report is not None, log
+    run = background.result("aot")
+    report = background.last_json(run.stdout)
+    assert report is not None, run.stderr[-4000:]
     return report
 
 
