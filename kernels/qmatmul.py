@@ -8,16 +8,18 @@ dot(W_tile (BN, BK), x_tile.T (BK, BM))` in float32 (weights as the MMA's M side
 BLOCK_M can be 16 for skinny batches).
 - skinny (M <= 16): BLOCK_M = 16, every program covers all M rows, so each weight byte
   is read from memory once (a GEMV near memory bandwidth when M = 1);
-- tiled (M > 16): BLOCK_M = 64, a grid over (N tiles, M tiles), N fastest so a weight
-  tile is reused from L2 by the M tiles that run together.
+- tiled (M > 16): BLOCK_M = 64, a grid over (M tiles, N tiles), M fastest so the M tiles
+  that share a weight tile run together and read it from L2.
 
 Batch invariance (DESIGN.md): a row's result must not depend on M. Every config field
-but BLOCK_M depends only on (type, N, K, device); each row's K reduction runs in the same
-order (BLOCK_K steps, then SPLIT_K partials summed in a fixed order by a second kernel);
-the MMA instruction does not change with BLOCK_M on gfx1151 (v_wmma 16x16x16 throughout),
-so skinny and tiled rows are bit-equal there and in the interpreter (tested); on Hopper
-Triton may pick wgmma for one and mma.sync for the other, which bench/gpu/kernels_check.py
-checks at full size. Split-K, where used, depends on (N, K) only, never on M.
+but BLOCK_M depends only on (type, N, K, backend); each row's K reduction runs in the same
+order (BLOCK_K steps, then the SPLIT_K partials summed in split order by a second kernel,
+split_k chosen from (N, K) and the SM count, never from M); and the tensor-core
+instruction does not change with BLOCK_M (v_wmma_f32_16x16x16_bf16 on gfx1151,
+mma.sync m16n8k16 on sm_90 with BLOCK_N = 32; checked in the AOT build), so a row is
+bit-equal alone, in a skinny batch and in a tiled one (tested in the interpreter; on the
+GPU by bench/gpu/kernels_check.py). A BLOCK_N of 64 or more puts the tiled path on
+Hopper's wgmma, whose rounding is not known to match mma.sync's.
 """
 
 from __future__ import annotations
@@ -101,8 +103,8 @@ if HAS_TRITON:
         BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
     ):
         """out[s, m, n] = sum over split s's K range of x[m, k] * W[n, k]."""
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
         split = tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -179,7 +181,7 @@ def qmatmul_triton(
         return y
     part = y if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32,
                                                   device=x.device)
-    grid = (-(-n // cfg.block_n), -(-m // cfg.block_m), cfg.split_k)
+    grid = (-(-m // cfg.block_m), -(-n // cfg.block_n), cfg.split_k)
     launcher(_qmm_kernel, x.device)[grid](
         x, blocks, part, _lut(int(ggml_type), x.device), m, n, blocks.shape[1],
         k // cfg.split_k, x.stride(0), QTYPE=int(ggml_type), BLOCK_M=cfg.block_m,

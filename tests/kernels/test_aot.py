@@ -45,6 +45,15 @@ def test_dots_lower_to_tensor_cores(report):
         assert cuda["mma"] > 0 and all(f".{dtype}." in op for op in cuda["ops"]), cuda
 
 
+def test_skinny_and_tiled_qmatmul_use_the_same_instruction(report):
+    """Batch invariance needs a row's dot products to run through the same MMA instruction
+    whether M takes the skinny (BLOCK_M 16) or the tiled (BLOCK_M 64) path."""
+    for target in TARGETS:
+        skinny = report["qmatmul_Q4_K_m16"][target]["ops"]
+        tiled = report["qmatmul_Q4_K_m64"][target]["ops"]
+        assert skinny and skinny == tiled, (target, skinny, tiled)
+
+
 def test_every_kernel_has_a_spec():
     """A new @triton.jit kernel in these modules must be added to the AOT specs."""
     from triton.runtime.jit import JITFunction
