@@ -24,6 +24,7 @@ Hopper's wgmma, whose rounding is not known to match mma.sync's.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -157,7 +158,10 @@ def _check(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tuple[i
         raise InvalidRequest("qmatmul: blocks must be contiguous and on x's device")
 
 
+@functools.lru_cache(maxsize=64)
 def _lut(ggml_type: int, device: torch.device) -> torch.Tensor:
+    """The type's code book on the device, uploaded once (a copy per call would also
+    serialize the launch)."""
     values = _LUTS.get(ggml_type, (0.0,))
     return torch.tensor(values, dtype=torch.float32, device=device)
 

@@ -135,7 +135,7 @@ def check_qmatmul(run: Run, shapes, ms) -> None:
                 continue
             blocks = random_blocks(run, name, n, k)
             w = dequantize_reference(blocks.view(-1), qtype, (n, k), torch.float32).double()
-            x = torch.randn(max(ms), k, device=run.dev, generator=run.gen)
+            x = torch.randn(max(ms), k, device=run.dev, generator=run.gen).bfloat16()
             first = None
             for m in ms:
                 row = {"type": name, "shape": label, "m": m, "ok": False}
@@ -160,12 +160,11 @@ def qmm_variants(run: Run, qtype: int, m: int, n: int, k: int) -> list[QMMConfig
         out = [base, base._replace(block_n=16)]
     elif m <= 16:
         out = [base] + [base._replace(block_n=bn, split_k=s) for bn in (16, 32, 64)
-                        for s in (1, 2, 4, 8)] + [base._replace(num_warps=8),
-                                                  base._replace(block_k=min(2 * base.block_k, 256))]
+                        for s in (1, 2, 4, 8)] + [base._replace(block_k=min(2 * base.block_k, 256))]
     else:
         out = [base, base._replace(split_k=1)] + [
             base._replace(block_m=bm, block_n=bn, num_warps=w, split_k=1)
-            for bm, bn, w in ((64, 64, 4), (64, 128, 8), (128, 64, 8), (128, 128, 8))]
+            for bm, bn, w in ((64, 64, 4), (64, 128, 8), (128, 64, 8))]
     ok = [c for c in out if k % (c.split_k * c.block_k) == 0 and c.block_k % step == 0
           and (step < 128 or c.block_k == step)]
     return list(dict.fromkeys(ok))
@@ -234,7 +233,7 @@ def attention_case(run: Run, rows, heads: int, kv_heads: int, dim: int, kv_quant
     starts = [0] + torch.tensor([new for new, _ in rows]).cumsum(0).tolist()
     positions = [p for new, length in rows for p in range(length - new, length)]
     meta = dict(query_start=torch.tensor(starts), seq_lens=torch.tensor([n for _, n in rows]),
-                positions=torch.tensor(positions, device=run.dev),
+                positions=torch.tensor(positions, dtype=torch.int32, device=run.dev),
                 page_table=table.to(run.dev), page_size=page, scale=dim**-0.5)
     q = torch.randn(starts[-1], heads, dim, device=run.dev, generator=run.gen)
     bytes_per_key = kv_heads * dim // 32 * (FORMATS[k_name].bytes_per_block
