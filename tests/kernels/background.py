@@ -1,8 +1,8 @@
 """Slow subprocess checks started in the background as soon as their tests are collected
 and awaited by them, so that they overlap the interpreter tests:
 
-- "aot": `python -m kernels.aot --quick`, every kernel built for both targets (tens of
-  seconds on one core), in an environment without TRITON_INTERPRET (it compiles);
+- "aot": `python -m kernels.aot --quick`, every kernel built for both targets (about a
+  minute of one core when Triton's cache is cold), without TRITON_INTERPRET;
 - "smoke": bench/gpu/kernels_check.py --smoke under TRITON_INTERPRET=1 with gguf-py made
   unimportable, as on the device machine.
 """
