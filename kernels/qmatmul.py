@@ -72,12 +72,14 @@ def default_config(
     """The launch config for a (m, k) x (n, k)^T product on `backend` ("cuda" or "hip").
 
     Only block_m depends on m (see the module docstring). On gfx1151 one pipeline stage
-    and 64-column steps keep every type's tile in registers (no VGPR spills in the AOT
-    build); on CUDA, K is split while the N tiles alone would leave SMs idle.
+    and 64-column steps keep the skinny path's tiles in registers (the AOT build spills no
+    VGPR; the tiled Q5_0, Q6_K and MXFP4 builds still spill, `python -m kernels.aot`
+    reports it, and need tuning on the box); on CUDA, K is split while the N tiles alone
+    would leave SMs idle.
     """
     step = GEOMETRY[ggml_type][2]
     hip = backend == "hip"
-    block_k = step if step == 128 else (128 if step == 64 and not hip else 64)
+    block_k = 128 if step == 128 or (step == 64 and not hip) else 64
     block_k = block_k if k % block_k == 0 else step
     block_n = 32
     split_k = 1

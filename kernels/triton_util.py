@@ -14,9 +14,7 @@ Three ways a kernel runs:
 Helpers called from inside kernels are declared with `helper` rather than `triton.jit`:
 the interpreter resolves a nested call through the module's globals, where a plain
 JITFunction refuses to run on the host; `helper` objects are JITFunctions to the compiler
-and interpreted functions when the interpreter calls them. Kernels loop with
-`range` over constexpr bounds or bounds computed in the kernel, both of which the
-interpreter handles.
+and interpreted functions when the interpreter calls them.
 """
 
 from __future__ import annotations
