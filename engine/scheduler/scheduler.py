@@ -180,14 +180,8 @@ class Scheduler:
         if choice is None:
             return None
         victim, client = choice
-        self._evict_resident(victim)
-        plan.drop(victim)
-        victim.phase = Phase.PREEMPTED
-        victim.num_computed = 0
-        victim.num_preemptions += 1
-        self.num_preemptions += 1
+        self._release_slot(victim, plan)
         self.queue.push_front(victim)
-        plan.preempted.append(victim.request_id)
         plan.note(self.fair_share.name, f"{victim.request_id} ({victim.request.client_id}) "
                   f"yields its slot to client {client}")
         return self.queue.pop_client(client)
@@ -282,13 +276,16 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Free its pages, keep its tokens; it is recomputed after re-admission."""
+        self._release_slot(seq, plan)
+        self.requeued.append(seq)
+
+    def _release_slot(self, seq: Sequence, plan: StepPlan) -> None:
         self._evict_resident(seq)
         plan.drop(seq)
         seq.phase = Phase.PREEMPTED
         seq.num_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.requeued.append(seq)
         plan.preempted.append(seq.request_id)
 
     def _evict_resident(self, seq: Sequence) -> None:
