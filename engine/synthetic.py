@@ -101,7 +101,11 @@ def _tensor_type(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> int:
 
 def copy_vocabulary(writer: gguf.GGUFWriter, vocab_path: str | os.PathLike) -> int:
     """Copy every tokenizer.* key of another GGUF; returns the vocabulary size."""
-    reader = gguf.GGUFReader(vocab_path)
+    from engine.gguf import scan_file
+    from engine.gguf.reader import MappedReader  # the stock reader takes ~10 s per vocab
+
+    scan_file(vocab_path)  # the bounded pre-scan first, as for any model file
+    reader = MappedReader(vocab_path)
     size = 0
     for key, fld in reader.fields.items():
         if not key.startswith("tokenizer."):
