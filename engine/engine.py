@@ -74,15 +74,10 @@ class Engine:
         self.add(request, lambda item: loop.call_soon_threadsafe(chunks.put_nowait, item))
         finished = False
         try:
-            while True:
+            while not finished:
                 item = await chunks.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finish_reason is not None
-                yield item
-                if finished:
-                    return
+                finished = isinstance(item, BaseException) or item.finish_reason is not None
+                yield _checked(item)
         finally:
             if not finished:
                 self.abort(request.id)
@@ -92,15 +87,10 @@ class Engine:
         self.add(request, chunks.put)
         finished = False
         try:
-            while True:
+            while not finished:
                 item = chunks.get(timeout=timeout)
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finish_reason is not None
-                yield item
-                if finished:
-                    return
+                finished = isinstance(item, BaseException) or item.finish_reason is not None
+                yield _checked(item)
         finally:
             if not finished:
                 self.abort(request.id)
@@ -163,3 +153,10 @@ class Engine:
         for sink in [*self._sinks.values(), *(p[1] for k, p in late if k == "add")]:
             sink(stopped)
         self._sinks.clear()
+
+
+def _checked(item: OutputChunk | BaseException) -> OutputChunk:
+    """A chunk, or the error the loop sent instead (the request is over: no abort)."""
+    if isinstance(item, BaseException):
+        raise item
+    return item

@@ -59,8 +59,6 @@ class KVFormat(ABC):
     def decode(self, planes: dict[str, torch.Tensor]) -> torch.Tensor:
         """Planes with leading dims (n, kv_heads) -> (n, kv_heads, head_dim) float32."""
 
-    def bytes_per_element_row(self, head_dim: int) -> int:
-        return head_dim // 32 * self.bytes_per_block
 
 
 class F16Format(KVFormat):

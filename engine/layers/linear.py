@@ -21,6 +21,3 @@ class Linear:
         """x (n, in) float32 -> (n, out) float32."""
         y = torch.matmul(x.to(self.weight.dtype), self.weight.t()).float()
         return y if self.bias is None else y + self.bias
-
-    def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
