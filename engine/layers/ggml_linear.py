@@ -1,0 +1,113 @@
+"""A linear layer that keeps its weight in the file's GGML blocks (the GPU layout).
+
+The blocks of a (out, in) weight are a uint8 (out, row_bytes) tensor on the device and
+each call runs kernels/qmatmul.py's fused dequant-matmul (the Triton kernel on a GPU, its
+reference elsewhere, or when MBUFO_KERNELS=torch). Rows of one GGML type concatenate
+block-row-wise, so a fused q/k/v or gate/up of one type is one launch; parts of other
+types (Q4_K_M files keep attn_v and ffn_down in Q6_K) are separate launches whose outputs
+are concatenated. Types without a qmatmul kernel (F16, BF16, F32, ...) are held dense in
+bf16 and go through torch.matmul.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from engine.errors import GGUFFormatError
+from engine.kernel_select import use_triton
+from kernels.dequant import block_geometry, dequantize
+from kernels.qmatmul import SUPPORTED_TYPES, qmatmul, qmatmul_reference
+
+__all__ = ["GGMLLinear", "GGMLPart"]
+
+
+class GGMLPart(NamedTuple):
+    """Consecutive output rows held one way."""
+
+    out_features: int
+    ggml_type: int | None  # None: `weight` is a dense (out, in) matrix
+    weight: torch.Tensor  # uint8 (out, row_bytes) blocks, or dense (out, in) bf16/f32
+
+
+class GGMLLinear:
+    """y = x @ W.T (+ b); the call contract of engine/layers/linear.py's Linear."""
+
+    def __init__(self, parts: Sequence[GGMLPart], in_features: int,
+                 bias: torch.Tensor | None = None) -> None:
+        if not parts:
+            raise ValueError("GGMLLinear needs at least one part")
+        self.parts = tuple(parts)
+        self.in_features = int(in_features)
+        self.out_features = sum(p.out_features for p in self.parts)
+        self.bias = None if bias is None else bias.float()
+
+    @classmethod
+    def from_raw(cls, raw: torch.Tensor, ggml_type: int, shape: tuple[int, int],
+                 bias: torch.Tensor | None = None, *, name: str = "tensor",
+                 dense_dtype: torch.dtype = torch.bfloat16) -> GGMLLinear:
+        """raw: the tensor's GGUF bytes (flat uint8, on the target device)."""
+        out_features, in_features = (int(s) for s in shape)
+        if int(ggml_type) in SUPPORTED_TYPES:
+            block, type_size = block_geometry(ggml_type)
+            if in_features % block or raw.numel() != out_features * (in_features // block) * \
+                    type_size:
+                raise GGUFFormatError(f"{name}: {raw.numel()} bytes do not hold GGML type "
+                                      f"{ggml_type} of shape {tuple(shape)}")
+            blocks = raw.reshape(out_features, in_features // block * type_size).contiguous()
+            part = GGMLPart(out_features, int(ggml_type), blocks)
+        else:
+            part = GGMLPart(out_features, None,
+                            dequantize(raw, ggml_type, shape, out_dtype=dense_dtype, name=name))
+        return cls([part], in_features, bias)
+
+    @classmethod
+    def fuse(cls, linears: Sequence[GGMLLinear]) -> GGMLLinear:
+        """One layer whose rows are `linears`' rows in order (all with the same input);
+        neighbouring parts of one GGML type merge into one block matrix (one launch)."""
+        in_features = linears[0].in_features
+        if any(lin.in_features != in_features for lin in linears):
+            raise ValueError("fused linears must share in_features")
+        parts: list[GGMLPart] = []
+        for part in (p for lin in linears for p in lin.parts):
+            last = parts[-1] if parts else None
+            if last is not None and last.ggml_type == part.ggml_type and \
+                    last.weight.dtype == part.weight.dtype:
+                parts[-1] = GGMLPart(last.out_features + part.out_features, part.ggml_type,
+                                     torch.cat([last.weight, part.weight]))
+            else:
+                parts.append(part)
+        bias = None
+        if any(lin.bias is not None for lin in linears):
+            bias = torch.cat([lin.bias if lin.bias is not None else
+                              torch.zeros(lin.out_features, device=lin.parts[0].weight.device)
+                              for lin in linears])
+        return cls(parts, in_features, bias)
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].weight.device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.weight.numel() * p.weight.element_size() for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (n, in) float32 -> (n, out) float32."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        triton = use_triton(x.device)
+        outs = [self._part(part, x, triton) for part in self.parts]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return y if self.bias is None else y + self.bias
+
+    def _part(self, part: GGMLPart, x: torch.Tensor, triton: bool) -> torch.Tensor:
+        if part.ggml_type is None:
+            w = part.weight
+            return torch.matmul(x.to(w.dtype), w.t()).float()
+        shape = (part.out_features, self.in_features)
+        if triton:
+            return qmatmul(x, part.weight, part.ggml_type, shape)
+        return qmatmul_reference(x, part.weight, part.ggml_type, shape).float()

@@ -1,0 +1,107 @@
+"""GGMLLinear against gguf-py's dequantize @ x in float64, on fresh random GGUF blocks.
+
+The Triton path runs in the interpreter worker (MBUFO_KERNELS=triton there); the torch
+path (the CPU default) in this process. Q4_K_M-style fusions mix types: q|k in Q4_K, v in
+Q6_K, so the fused layer is two launches whose outputs are concatenated.
+Bound: weights and x are rounded to bf16 in the kernel (2^-9 relative each), sums in
+f32: |y - ref| <= 2^-7 (|W| @ |x|) is asserted; a wrong row order or part is off by far more.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+
+from engine.errors import GGUFFormatError
+from engine.layers.ggml_linear import GGMLLinear
+
+F16_FIELDS = {T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}
+
+
+def random_raw(qtype: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Flat uint8 GGUF bytes of an (n, k) weight: random codes, finite random f16 scales."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    if qtype == T.F16:
+        return rng.standard_normal((n, k)).astype(np.float16).view(np.uint8).reshape(-1)
+    raw = rng.integers(0, 256, (n * k // block, size), dtype=np.uint8)
+    for offset in F16_FIELDS[qtype]:
+        raw[:, offset:offset + 2] = (rng.standard_normal((len(raw), 1)) * 0.1).astype(
+            np.float16).view(np.uint8)
+    return raw.reshape(-1)
+
+
+def dense64(raw: np.ndarray, qtype: T, n: int, k: int) -> torch.Tensor:
+    if qtype == T.F16:
+        return torch.from_numpy(raw.view(np.float16).astype(np.float64).reshape(n, k))
+    return torch.from_numpy(gguf_dequantize(raw.reshape(n, -1), qtype).astype(np.float64))
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
+
+
+def build(rng, parts: list[tuple[T, int]], k: int, with_bias: bool):
+    """Fused layer of `parts` (type, rows) -> (layer, float64 weight, float64 bias or None)."""
+    linears, dense, biases = [], [], []
+    for i, (qtype, n) in enumerate(parts):
+        raw = random_raw(qtype, n, k, rng)
+        bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32)) if with_bias and \
+            i != 1 else None
+        linears.append(GGMLLinear.from_raw(torch.from_numpy(raw), int(qtype), (n, k), bias))
+        dense.append(dense64(raw, qtype, n, k))
+        biases.append(bias.double() if bias is not None else torch.zeros(n, dtype=torch.float64))
+    bias = torch.cat(biases) if with_bias else None
+    return GGMLLinear.fuse(linears), torch.cat(dense), bias
+
+
+def check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    ref = x.double() @ w.T
+    bound = x.double().abs() @ w.abs().T
+    if bias is not None:
+        ref = ref + bias
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    err = (y.double() - ref).abs()
+    assert (err <= 2**-7 * bound + 1e-6).all(), float((err / bound).max())
+
+
+QKV = [(T.Q4_K, 64), (T.Q4_K, 32), (T.Q6_K, 32)]  # q | k in Q4_K, v in Q6_K
+
+
+@pytest.mark.parametrize("m", [1, 5, 17])
+def test_triton_path_matches_gguf(triton_worker, rng, m):
+    k = 256
+    layer, w, bias = build(rng, QKV, k, with_bias=True)
+    assert [p.ggml_type for p in layer.parts] == [T.Q4_K, T.Q6_K]  # q|k merged: one launch
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    check(triton_worker.call("operator:call", layer, x), x, w, bias)
+
+
+def test_triton_path_with_dense_part_and_strided_x(triton_worker, rng):
+    k = 128
+    layer, w, _ = build(rng, [(T.Q8_0, 48), (T.F16, 16), (T.Q8_0, 40)], k, with_bias=False)
+    assert [p.ggml_type for p in layer.parts] == [T.Q8_0, None, T.Q8_0]
+    x = torch.from_numpy(rng.standard_normal((3, 2 * k)).astype(np.float32))[:, ::2]
+    check(triton_worker.call("operator:call", layer, x), x, w, None)
+
+
+def test_torch_path_matches_gguf(rng):
+    k = 256
+    layer, w, bias = build(rng, QKV, k, with_bias=True)
+    x = torch.from_numpy(rng.standard_normal((4, k)).astype(np.float32))
+    check(operator.call(layer, x), x, w, bias)
+    assert (layer.out_features, layer.in_features) == (128, k)
+
+
+def test_wrong_byte_count_is_a_format_error(rng):
+    raw = torch.from_numpy(random_raw(T.Q4_K, 8, 256, rng))
+    with pytest.raises(GGUFFormatError, match="blk.0.attn_q"):
+        GGMLLinear.from_raw(raw[:-1], int(T.Q4_K), (8, 256), name="blk.0.attn_q.weight")
