@@ -1,10 +1,11 @@
-"""Scheduler: each step, every due decoder plus at most one bounded prefill chunk.
+"""Scheduler: each step, every due decoder plus prefill chunks within one bounded budget.
 
 Guarantees (DESIGN.md, each with a test in tests/engine/scheduler/):
 1. a due decoder never waits behind a prefill: decoders are planned first, the prefill
-   chunk rides in the same batch (mixed) or in the gaps (`mixed_batch=False` alternates);
+   chunks ride in the same batch (mixed) or in the gaps (`mixed_batch=False` alternates);
 2. after every merged or prefill step all resident decoders are due again;
-3. a chunk is bounded by `prefill_chunk` (and the ITL target);
+3. a step's prefill tokens, however many prompts share them (engine/scheduler/prefill.py
+   packs them), are bounded by `prefill_chunk` (and the ITL target);
 4. the decode queue rotates: with a cap on decode rows, equal sessions take turns;
 5. per-client pending limit at submit, admission rotating over clients;
 6. every layer degrades on its own (a verify row falls back to a plain decode row).
@@ -22,13 +23,15 @@ from engine.errors import OutOfKVPages
 from engine.kv.pool import RECURRENT, SLIDING, KVPool, SeqPages
 from engine.kv.radix import RadixCache
 from engine.scheduler.plan import Row, RowKind, StepPlan
+from engine.scheduler.policies.aging import PrefillAging
 from engine.scheduler.policies.client_rr import ClientRoundRobin
 from engine.scheduler.policies.fair_share import FairShare
-from engine.scheduler.policies.itl_target import ItlTarget
+from engine.scheduler.policies.itl_target import NO_PREFILL, ItlTarget
 from engine.scheduler.policies.near_done import NearDoneGate
 from engine.scheduler.policies.preempt import EvictAndRecompute
 from engine.scheduler.policies.speculative import SpeculativeRows
 from engine.scheduler.policies.srtf import ShortestRemainingFirst
+from engine.scheduler.prefill import PrefillPacker, prefill_load
 from engine.scheduler.sequence import Phase, Sequence
 
 
@@ -68,6 +71,9 @@ class Scheduler:
         self.near_done = NearDoneGate()
         fixed = config.itl_target_ms
         self.itl = ItlTarget(None if fixed in (None, "auto") else float(fixed) / 1e3)
+        self.aging = PrefillAging()
+        self.packer = PrefillPacker(config.prefill_chunk, self.srtf, self.aging, self.itl,
+                                    self.near_done)
         self.kv = EvictAndRecompute(radix)
         self.speculative = speculative
         self.seqs: dict[str, Sequence] = {}  # every live sequence by request id
@@ -76,7 +82,7 @@ class Scheduler:
         self.decode_queue: deque[Sequence] = deque()  # resident decoders, rotating
         self.last_plan: StepPlan | None = None
         self.num_preemptions = 0
-        self._prefill_start = 0
+        self._prefill_load = NO_PREFILL  # the last plan's, for the ITL cost model
         self._last_decode_only = False
 
     # -- queue ---------------------------------------------------------------------------
@@ -141,6 +147,7 @@ class Scheduler:
             if not (alternate and plan.rows):
                 self._plan_prefill(plan)
         self._last_decode_only = bool(plan.rows) and plan.prefill_row is None
+        self._prefill_load = prefill_load(plan)
         self.last_plan = plan
         return plan
 
@@ -213,34 +220,10 @@ class Scheduler:
 
     def _plan_prefill(self, plan: StepPlan) -> None:
         prefills = [s for s in self.running if s.phase is Phase.PREFILL]
-        if not prefills:
-            return
-        yielded = False
-        for rank, seq in enumerate(self.srtf.order(prefills)):
-            if seq.phase is not Phase.PREFILL:
-                continue  # preempted for an earlier candidate
-            chunk = self.config.prefill_chunk
-            if self.decode_queue:  # with no stream to keep smooth, a chunk runs at full size
-                chunk, why = self.itl.chunk_limit(plan.num_decode_tokens, chunk,
-                                                  seq.num_computed)
-                if why:
-                    plan.note(self.itl.name, why)
-            num = min(chunk, seq.num_uncomputed)
-            self._prefill_start = seq.num_computed  # the cost model's context for this step
-            reason = self.near_done.should_yield(num, self.decode_queue, self.num_waiting)
-            if reason:
-                plan.note(self.near_done.name, f"{seq.request_id}: {reason}")
-                yielded = True
-                continue
-            if self.kv.allocate(seq, seq.num_computed + num, self.running,
-                                self._preempter(plan), plan):
-                plan.rows.append(Row(seq, num, RowKind.PREFILL))
-                if rank == 0 and len(prefills) > 1:
-                    plan.note(self.srtf.name, f"{seq.request_id} first: "
-                              f"{seq.num_uncomputed} tokens left of {len(prefills)} prefills")
-                break
-            plan.note(self.kv.name, f"no pages for {seq.request_id}'s chunk: it waits")
-        self.near_done.record(yielded, plan.prefill_row is not None)
+        if prefills:
+            self.packer.pack(plan, prefills, self.decode_queue, self.num_waiting,
+                             lambda seq, num: self.kv.allocate(
+                                 seq, num, self.running, self._preempter(plan), plan))
 
     # -- after the forward ---------------------------------------------------------------
     def update(self, plan: StepPlan) -> None:
@@ -262,8 +245,7 @@ class Scheduler:
 
     def observe(self, plan: StepPlan, seconds: float) -> None:
         """A step's measured time, for the ITL target's cost model."""
-        self.itl.observe(plan.num_decode_tokens, plan.num_prefill_tokens, seconds,
-                         self._prefill_start)
+        self.itl.observe_load(plan.num_decode_tokens, self._prefill_load, seconds)
 
     def finish(self, seq: Sequence) -> None:
         self._evict_resident(seq)

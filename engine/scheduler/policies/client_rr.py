@@ -3,13 +3,15 @@
 Each client has its own FIFO; admission takes the head of the client whose turn it is and
 moves that client to the back of the turn order. A client with 20 queued requests and three
 clients with one each: the three are admitted within the first four slots, not after the
-twenty. A client may hold at most `max_pending` requests in the queue (ClientQuotaExceeded
+twenty. The same turn-taking orders prefills that share a step's budget (`interleave`). A
+client may hold at most `max_pending` requests in the queue (ClientQuotaExceeded
 at submit, code `client_quota`); `set_limit` overrides it per client (API-key quotas).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable
 
 from engine.errors import ClientQuotaExceeded
 from engine.scheduler.sequence import Sequence
@@ -83,3 +85,17 @@ class ClientRoundRobin:
     def waiting(self) -> list[tuple[str, list[Sequence]]]:
         """(client id, its queue) in turn order, for stats."""
         return [(c, list(q)) for c, q in self._queues.items()]
+
+
+def interleave(seqs: Iterable[Sequence]) -> list[Sequence]:
+    """Clients take turns: every client's first sequence, then every client's second, ...,
+    clients in the order they first appear, each client's own order kept."""
+    turn: Counter[str] = Counter()
+    first: dict[str, int] = {}
+    keyed = []
+    for seq in seqs:
+        client = seq.request.client_id
+        first.setdefault(client, len(first))
+        keyed.append((turn[client], first[client], seq))
+        turn[client] += 1
+    return [seq for _, _, seq in sorted(keyed, key=lambda k: (k[0], k[1]))]

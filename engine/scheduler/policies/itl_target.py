@@ -15,14 +15,39 @@ value instead of collapsing.
 
 The chunk is the largest n whose modelled step fits the target, clamped to
 [min_chunk, prefill_chunk]: prefill always progresses, even when the decoders alone exceed
-the target. Until a step with prefill tokens has been measured, a chunk beside streaming
-decoders is a small probe (`probe_chunk`), so the first measurement never costs a stall.
+the target. Beside streaming decoders the model never extrapolates far: a step's prefill
+tokens stay within `growth` times the most measured in one step so far (at least
+`probe_chunk`; before any measurement, that small probe), so a model fitted on small
+steps (a few short prompts) cannot allow a chunk many times larger and cause a stall; the
+allowed size doubles step by step as larger steps are measured.
+
+A step may carry several prefill rows (engine/scheduler/prefill.py packs them): their
+tokens and attended keys add up (`PrefillLoad`), and each further row gets the largest
+chunk that still fits beside what the step already carries; only the step's first row is
+clamped up to `min_chunk`.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 # Features are scaled to O(1) so that one prior strength suits every term.
 _SCALES = (1.0, 8.0, 256.0, 256.0 * 2048.0)
+
+
+class PrefillLoad(NamedTuple):
+    """The prefill rows of one step: their tokens and the keys their attention reads."""
+
+    tokens: int = 0
+    attended: float = 0.0
+
+    def plus(self, num: int, start: int) -> PrefillLoad:
+        """With one more row of `num` tokens starting at position `start`: its token at
+        position p reads p + 1 keys, ~ num * (start + num / 2) in all."""
+        return PrefillLoad(self.tokens + num, self.attended + num * (start + num / 2))
+
+
+NO_PREFILL = PrefillLoad()
 
 
 class StepCostModel:
@@ -35,23 +60,28 @@ class StepCostModel:
         self._theta = [0.0] * n  # in scaled units
         self.num_observations = 0
         self.num_prefill_observations = 0
+        self.max_prefill_tokens = 0  # the most prefill tokens one observed step carried
 
     @staticmethod
-    def features(decode_rows: int, prefill_tokens: int, start: int) -> list[float]:
-        attended = prefill_tokens * (start + prefill_tokens / 2)
-        raw = (1.0, decode_rows, prefill_tokens, attended)
+    def features(decode_rows: int, load: PrefillLoad) -> list[float]:
+        raw = (1.0, decode_rows, load.tokens, load.attended)
         return [v / s for v, s in zip(raw, _SCALES, strict=True)]
 
     def observe(self, decode_rows: int, prefill_tokens: int, seconds: float,
                 start: int = 0) -> None:
-        x = self.features(decode_rows, prefill_tokens, start)
+        """A step with one prefill row of `prefill_tokens` starting at `start`."""
+        self.observe_load(decode_rows, NO_PREFILL.plus(prefill_tokens, start), seconds)
+
+    def observe_load(self, decode_rows: int, load: PrefillLoad, seconds: float) -> None:
+        x = self.features(decode_rows, load)
         n = len(x)
         for i in range(n):
             self._h[i] = self.decay * self._h[i] + x[i] * seconds
             for j in range(n):
                 self._g[i][j] = self.decay * self._g[i][j] + x[i] * x[j]
         self.num_observations += 1
-        self.num_prefill_observations += prefill_tokens > 0
+        self.num_prefill_observations += load.tokens > 0
+        self.max_prefill_tokens = max(self.max_prefill_tokens, load.tokens)
         # (G + p I) theta = h + p theta_prev: ridge towards the last estimate.
         m = [[self._g[i][j] + (self.prior if i == j else 0.0) for j in range(n)]
              for i in range(n)]
@@ -67,7 +97,10 @@ class StepCostModel:
         return tuple(t / s for t, s in zip(self._theta, _SCALES, strict=True))
 
     def predict(self, decode_rows: int, prefill_tokens: int, start: int = 0) -> float:
-        x = self.features(decode_rows, prefill_tokens, start)
+        return self.predict_load(decode_rows, NO_PREFILL.plus(prefill_tokens, start))
+
+    def predict_load(self, decode_rows: int, load: PrefillLoad) -> float:
+        x = self.features(decode_rows, load)
         return sum(t * v for t, v in zip(self._theta, x, strict=True))
 
 
@@ -92,34 +125,52 @@ class ItlTarget:
     name = "itl_target"
 
     def __init__(self, target_s: float | None, min_chunk: int = 16,
-                 probe_chunk: int = 64) -> None:
+                 probe_chunk: int = 64, growth: int = 2) -> None:
         self.target_s = target_s  # None: off (the core sets it each step in "auto" mode)
         self.min_chunk = min_chunk
         self.probe_chunk = probe_chunk
+        self.growth = growth
         self.model = StepCostModel()
 
     def observe(self, decode_rows: int, prefill_tokens: int, seconds: float,
                 start: int = 0) -> None:
         self.model.observe(decode_rows, prefill_tokens, seconds, start)
 
-    def chunk_limit(self, decode_rows: int, chunk: int,
-                    start: int = 0) -> tuple[int, str | None]:
+    def observe_load(self, decode_rows: int, load: PrefillLoad, seconds: float) -> None:
+        self.model.observe_load(decode_rows, load, seconds)
+
+    def ceiling(self) -> int:
+        """The most prefill tokens a step beside streaming decoders may carry: `growth`
+        times the most measured so far (the probe before any measurement)."""
+        return max(self.probe_chunk, self.growth * self.model.max_prefill_tokens)
+
+    def chunk_limit(self, decode_rows: int, chunk: int, start: int = 0,
+                    load: PrefillLoad = NO_PREFILL) -> tuple[int, str | None]:
         """The largest chunk (<= `chunk`) starting at position `start` that keeps the
-        modelled step within the target, and why it was cut (None when it was not)."""
+        modelled step, beside the prefill rows already in it (`load`), within the target,
+        and why it was cut (None when it was not). The step's first row gets at least
+        `min_chunk`; a further row may get 0 (the step is full)."""
         if self.target_s is None:
             return chunk, None
+        room = max(0, min(chunk, self.ceiling() - load.tokens))
         if not self.model.is_ready:
-            probe = min(chunk, self.probe_chunk)
-            return probe, (None if probe == chunk else f"chunk {chunk} -> {probe}: probe")
-        lo, hi = min(self.min_chunk, chunk), chunk
-        if self.model.predict(decode_rows, hi, start) <= self.target_s:
-            return chunk, None
+            return room, (None if room == chunk else f"chunk {chunk} -> {room}: probe")
+        why = None if room == chunk else (
+            f"chunk {chunk} -> {room}: at most {self.ceiling()} prefill tokens a step "
+            f"({self.growth}x the most measured)")
+
+        def cost(n: int) -> float:
+            return self.model.predict_load(decode_rows, load.plus(n, start))
+
+        if cost(room) <= self.target_s:
+            return room, why
+        lo, hi = (min(self.min_chunk, room) if load.tokens == 0 else 0), room
         while lo < hi:  # the modelled time grows with the chunk: bisect for the largest fit
             mid = (lo + hi + 1) // 2
-            if self.model.predict(decode_rows, mid, start) <= self.target_s:
+            if cost(mid) <= self.target_s:
                 lo = mid
             else:
                 hi = mid - 1
         return lo, (f"chunk {chunk} -> {lo}: target {self.target_s * 1e3:.2f} ms, "
-                    f"{decode_rows} rows, modelled "
-                    f"{self.model.predict(decode_rows, lo, start) * 1e3:.2f} ms")
+                    f"{decode_rows} rows, {load.tokens} prefill tokens before, "
+                    f"modelled {cost(lo) * 1e3:.2f} ms")

@@ -74,9 +74,8 @@ def test_itl_target_keeps_modelled_step_under_target_while_prefill_progresses(
     clock = FakeClock()
     core, runner = make_core(num_pages=1024, clock=clock, max_sessions=5, prefill_chunk=512,
                              itl_target_ms=target_ms)
-    for i in range(4):
+    for i in range(4):  # one at a time: the model sees steps of 0..4 decode rows
         core.add(req(f"d{i}", prompt_of(i, 4), greedy(100)))
-    while len(core.scheduler.decode_queue) < 4:
         core.step()
     core.add(req("long", prompt_of(9, 1000), greedy(1)))
     out = run_all(core)
@@ -85,10 +84,14 @@ def test_itl_target_keeps_modelled_step_under_target_while_prefill_progresses(
              and sum(len(t) == 1 for t, _ in b.spans) == 4]
     chunks = [max(len(t) for t, _ in b.spans) for b in mixed]
     steps_ms = [(A + 4 * B + C * n) * 1e3 for n in chunks]
-    assert sum(chunks) >= 1000 - 64  # the first chunk (nothing measured) is a probe
+    assert sum(chunks) >= 1000 - 64
     if target_ms == 10.0:
-        assert all(ms <= target_ms + 1e-9 for ms in steps_ms[1:])
-        assert 76 <= max(chunks[1:]) <= 80  # uses the room it has (80 = exact fit)
+        # Only 4-token prefills measured so far: the first chunk is a probe of 64 (at most
+        # 2x the most measured), not the whole 512-token budget (a 3x stall).
+        assert chunks[0] == 64
+        assert all(ms <= target_ms * 1.01 for ms in steps_ms)  # 2nd: fitted on one probe
+        assert all(ms <= target_ms + 1e-9 for ms in steps_ms[2:])
+        assert 76 <= max(chunks[2:]) <= 80  # uses the room it has (80 = exact fit)
     else:
         assert set(chunks[1:-1]) == {16}  # impossible target: minimum chunk, still moving
 

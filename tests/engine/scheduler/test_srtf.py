@@ -24,7 +24,8 @@ def test_short_prompt_overtakes_long_prefill() -> None:
     core.step()
     core.add(req("short", prompt_of(2, 20), greedy(1)))
     (chunk,) = core.step()
-    assert plan_rows(core) == [("short", "prefill", 20)]  # not the long one's next chunk
+    # The short prompt first and whole; the long one's chunk only fills what is left.
+    assert plan_rows(core) == [("short", "prefill", 20), ("long", "prefill", 12)]
     assert chunk.request_id == "short" and chunk.finish_reason == "length"
     assert chunk.token_ids == tuple(reference_tokens(prompt_of(2, 20), greedy(1), 1))
     out = run_all(core)
