@@ -67,7 +67,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--itl-target-ms", type=_itl_target, default="auto",
                    help="auto (default), off, or milliseconds")
     g.add_argument("--kv-quant", choices=KV_CHOICES, default="f16")
-    g.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+    g.add_argument("--dtype", choices=("bf16", "f32", "int8"), default="bf16")
 
 
 def _target_args(p: argparse.ArgumentParser, peers: bool = False) -> None:
@@ -109,6 +109,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = bsub.add_parser("fairness", help="N streams, a long prompt injected, then a short one")
     _target_args(p)
+    p.add_argument("--peer", choices=("llama-cpp-server",), help="first run the scenario on "
+                   "`python -m llama_cpp.server` started on MODEL's file (serial: requests queue)")
     p.add_argument("--streams", type=_positive, default=2)
     p.add_argument("--scenario", choices=("A", "B"), default="A",
                    help="A: long prompt 2048 tokens, B: 4096")
@@ -138,7 +140,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context-tokens", type=_positive, default=400)
     p.add_argument("--teacher", choices=("prefill", "decode"), default="prefill",
                    help="feed the 98 tokens as one chunk (default) or one per forward")
-    p.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+    p.add_argument("--dtype", choices=("bf16", "f32", "int8"), default="bf16")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_kv_quality)
 
@@ -178,7 +180,7 @@ def _check_source(args: argparse.Namespace) -> None:
     if (args.model is None) == (args.url is None):
         raise InvalidRequest("give either MODEL (in-process) or --url URL, not both")
     if getattr(args, "peer", None) and args.model is None:
-        raise InvalidRequest("--peer llama-cpp runs on MODEL's file: give MODEL")
+        raise InvalidRequest(f"--peer {args.peer} runs on MODEL's file: give MODEL")
 
 
 async def _open_targets(args: argparse.Namespace, options: Any, loaded: Any = None) -> list:
@@ -329,7 +331,8 @@ def cmd_fairness(args: argparse.Namespace) -> int:
     long_tokens = args.long_tokens or SCENARIO_LONG_TOKENS[args.scenario]
     loaded: dict[str, Any] = {}
     rows = []
-    for label, cargs in fairness_configs(args):
+    peers = [(args.peer, args)] if args.peer else []  # first: ours stays the last line
+    for label, cargs in peers + fairness_configs(args):
         out = asyncio.run(_fairness_one(cargs, label, long_tokens, seed, loaded))
         rows.append(out)
         if args.json:
@@ -351,7 +354,12 @@ async def _fairness_one(args: argparse.Namespace, label: str, long_tokens: int, 
 
         loaded[args.dtype] = await asyncio.to_thread(load, args.model, DTYPES[args.dtype])
     _progress(f"fairness: configuration {label}")
-    target = (await _open_targets(args, options, loaded.get(args.dtype)))[0]
+    if label == getattr(args, "peer", None):  # on MODEL's file, with the engine's threads
+        from engine.bench.peer_server import open_llama_cpp_server
+
+        target = await open_llama_cpp_server(loaded[args.dtype].path, n_ctx=options.context)
+    else:
+        target = (await _open_targets(args, options, loaded.get(args.dtype)))[0]
     try:
         spec = FairnessSpec(streams=args.streams, long_tokens=long_tokens,
                             short_tokens=args.short_tokens, stream_tokens=args.stream_tokens,

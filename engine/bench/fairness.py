@@ -19,6 +19,14 @@ hit on the solo, short or long request fails the run. Reported:
 The stream length is estimated from a warm-up request so that the streams outlast the
 injection; if they still finish before the long and short prompts have their first token,
 the loaded run is repeated with twice as many stream tokens (up to the context).
+
+A target that declares itself serial (`is_serial`: one request at a time, the others
+queue, e.g. llama-cpp-python's server) runs the same requests at the same moments: the
+injection counts from the first stream's first token (the others wait in its queue), the
+baseline comes from the streams that started before the injection, and the streams are
+not required to outlast it (they cannot: the injected prompts queue behind them). Its
+ITL then shows no stall, and the short request's TTFT includes the queued streams.
+A target that runs requests one after another without declaring it is refused.
 """
 
 from __future__ import annotations
@@ -75,7 +83,9 @@ class LoadedRun:
 def summarize_fairness(solo: Sequence[RequestResult], run: LoadedRun) -> dict[str, Any]:
     t_inject = run.long.sent
     t_long_first = run.long.first_token_time
-    steady_from = max(s.first_token_time for s in run.streams)
+    # the streams that had started before the injection (all of them unless the target is
+    # serial, where the others wait in its queue)
+    steady_from = max(t for t in (s.first_token_time for s in run.streams) if t <= t_inject)
     baseline = [end - start for s in run.streams for start, end in s.intervals()
                 if start >= steady_from and end <= t_inject]
     during = [end - start for s in run.streams for start, end in s.intervals()
@@ -137,7 +147,10 @@ async def _loaded_run(target: Target, factory: PromptFactory, spec: FairnessSpec
                                                      first_token=e))
                for i, (p, e) in enumerate(zip(stream_prompts, started, strict=True))]
     try:
-        await _all_started(streams, started)
+        if target.is_serial:  # the other streams wait in the target's queue
+            await _all_started(streams[:1], started[:1])
+        else:
+            await _all_started(streams, started)
         await sleep(spec.inject_after_s)  # of steady decoding by all N streams
         long = asyncio.ensure_future(target.complete(long_prompt, 1, client="long"))
         await sleep(spec.short_after_s)
@@ -176,7 +189,7 @@ async def run_fairness(target: Target, factory: PromptFactory, spec: FairnessSpe
                  f"long prompt {spec.long_tokens} tokens after {spec.inject_after_s} s")
         run = await _loaded_run(target, factory, spec, stream_tokens, sleep)
         _check_streams_ran_out(run, stream_tokens)
-        if run.streams_outlast():
+        if run.streams_outlast() or target.is_serial:
             break
         if stream_tokens >= spec.max_stream_tokens:
             raise EngineError(
