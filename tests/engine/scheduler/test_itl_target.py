@@ -8,7 +8,7 @@ import math
 import pytest
 from sched_fakes import FakeClock, greedy, make_core, prompt_of, reference_tokens, req, run_all
 
-from engine.scheduler.policies.itl_target import ItlTarget, StepCostModel
+from engine.scheduler.policies.itl_target import NO_PREFILL, ItlTarget, StepCostModel
 
 A, B, C = 2e-3, 1e-3, 5e-5  # the fake runner's default costs
 
@@ -66,6 +66,28 @@ def test_chunk_limit() -> None:
     assert policy.chunk_limit(4, 512)[0] == 16
     policy.target_s = 1.0
     assert policy.chunk_limit(4, 512) == (512, None)
+
+
+def test_chunk_limit_beside_rows_already_in_the_step() -> None:
+    """Packed rows: each further row gets what still fits beside the ones before it (their
+    tokens and attended keys add up); the first row alone is clamped up to min_chunk."""
+    D = 2e-8
+
+    def cost(rows: int, spans: list[tuple[int, int]]) -> float:  # spans: (tokens, start)
+        return A + B * rows + sum(C * n + D * n * (s + n / 2) for n, s in spans)
+
+    policy = ItlTarget(20e-3, min_chunk=16)
+    for rows, n, start in [(0, 512, 0), (4, 0, 0), (2, 100, 3000), (8, 300, 1000),
+                           (4, 64, 8000), (1, 256, 500)] * 4:
+        policy.observe(rows, n, cost(rows, [(n, start)]), start)
+    load = NO_PREFILL.plus(100, 0).plus(50, 2000)  # two rows already in the step
+    n, why = policy.chunk_limit(4, 512, 6000, load)
+    spans = [(100, 0), (50, 2000)]
+    assert why and cost(4, [*spans, (n, 6000)]) <= 20e-3 < cost(4, [*spans, (n + 1, 6000)])
+    full = NO_PREFILL.plus(300, 0)  # ~21.9 ms: no room for another row of any size
+    assert cost(4, [(300, 0)]) > 20e-3
+    assert policy.chunk_limit(4, 512, 4000, full)[0] == 0
+    assert policy.chunk_limit(4, 512, 4000)[0] >= 16  # alone it still progresses
 
 
 @pytest.mark.parametrize("target_ms", [10.0, 3.0])
