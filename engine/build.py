@@ -28,6 +28,10 @@ class EngineOptions:
     max_pending_per_client: int | None = 16
     prefix_cache_fraction: float = 0.5  # extra full-layer pages for cached prefixes
     device: str = "auto"  # auto: the GPU when present
+    cuda_graphs: bool = True  # replay captured decode steps on a GPU (never on the CPU)
+    # Weight layout: ggml keeps the file's blocks (fused dequant kernels), bf16 dense
+    # matrices in `dtype`; auto is ggml on a GPU, dense on the CPU.
+    weights: str = "auto"
 
 
 def pages_per_group(cfg: ModelConfig, opts: EngineOptions) -> dict[str, int]:
@@ -44,7 +48,8 @@ def pages_per_group(cfg: ModelConfig, opts: EngineOptions) -> dict[str, int]:
 def build_core(loaded: LoadedModel, opts: EngineOptions) -> EngineCore:
     cfg = loaded.config
     context = min(opts.context, cfg.context_length)
-    runner = ModelRunner(loaded.model, pages_per_group(cfg, opts), PAGE_SIZE, opts.kv_quant)
+    runner = ModelRunner(loaded.model, pages_per_group(cfg, opts), PAGE_SIZE, opts.kv_quant,
+                         cuda_graphs=opts.cuda_graphs, max_context=context)
     sched = SchedulerConfig(max_sessions=opts.sessions, context=context,
                             prefill_chunk=opts.prefill_chunk, mixed_batch=opts.mixed_batch,
                             itl_target_ms=opts.itl_target_ms,

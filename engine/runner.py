@@ -1,25 +1,57 @@
-"""ModelRunner: ForwardBatch -> one forward over the weights -> logits of the requested rows."""
+"""ModelRunner: ForwardBatch -> one forward over the weights -> logits of the requested rows.
+
+On a GPU with the Triton kernels (engine/kernel_select.py) every step gets its attention
+plans here, before the model runs: decode-only steps on the device (and, with
+`cuda_graphs`, by replaying a captured graph, engine/graphs.py), other steps on the host
+from the batch's CPU tensors. The CPU path runs the model on the batch as it is.
+"""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from engine.batch import ForwardBatch
+from engine.graphs import Capturer, DecodeGraphs, is_decode_only
+from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache
 from engine.kv.pool import KVPool
+from engine.layers.attention import decode_splits, group_layers, plan_batch, plan_decode
 from engine.models.common import DecoderModel
 
 __all__ = ["ForwardBatch", "ModelRunner"]
 
+log = logging.getLogger(__name__)
+
 
 class ModelRunner:
+    """`max_context`: the most tokens a sequence may hold (it sizes decode plans and the
+    graphs' page tables); default, the largest group's pages. `capture` replaces CUDA
+    graph capture (tests use a fake to run the graph path on the CPU)."""
+
     def __init__(self, model: DecoderModel, num_pages: int | dict[str, int],
-                 page_size: int = 16, kv_quant: str = "f16") -> None:
+                 page_size: int = 16, kv_quant: str = "f16", *, cuda_graphs: bool = False,
+                 max_context: int | None = None, capture: Capturer | None = None) -> None:
         self.model = model
+        device = torch.device(model.device)
         groups = {spec.group for spec in model.kv_layers() if spec is not None}
         pages = {g: num_pages[g] if isinstance(num_pages, dict) else num_pages for g in groups}
         self.pool = KVPool(pages, page_size, model.windows())
-        self.kv = KVCache(model.kv_layers(), pages, page_size, kv_quant, model.device)
+        self.triton = use_triton(device)
+        graphs = cuda_graphs and (capture is not None or device.type == "cuda" and self.triton)
+        if cuda_graphs and not graphs:
+            log.info("CUDA graphs off: they need a GPU and the Triton kernels (%s)", device)
+        # With graphs, page `pages[g]` of each group is the padding rows' scratch page:
+        # the pool never hands it out.
+        kv_pages = {g: n + 1 for g, n in pages.items()} if graphs else pages
+        self.kv = KVCache(model.kv_layers(), kv_pages, page_size, kv_quant, device)
+        self.max_context = max_context or max(pages.values(), default=1) * page_size
+        self._layers = group_layers((blk.attn for blk in model.blocks), self.kv)
+        self._splits = {g: decode_splits(layer, self.max_context, device)
+                        for g, layer in self._layers.items()}
+        self.graphs = DecodeGraphs(self._decode_forward, sorted(pages), pages, page_size,
+                                   self.max_context, device, capture) if graphs else None
 
     @property
     def page_size(self) -> int:
@@ -28,5 +60,23 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> (len(batch.logits_rows), vocab) float32."""
-        batch = batch.to(self.model.device)
-        return self.model.logits(self.model.forward(batch, self.kv))
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.run(batch)
+        return self.forward_eager(batch)
+
+    @torch.inference_mode()
+    def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
+        """The same logits without graphs (graph replays are checked against this)."""
+        on_device = batch.to(self.model.device)
+        if not self.triton:
+            return self.model.logits(self.model.forward(on_device, self.kv))
+        if is_decode_only(batch) and int(batch.seq_lens.max()) <= self.max_context:
+            return self._decode_forward(on_device)
+        host = batch.to(torch.device("cpu"))
+        planned = plan_batch(host, on_device, self._layers, self.page_size)
+        return self.model.logits(self.model.forward(planned, self.kv))
+
+    def _decode_forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """A decode-only batch on the device -> logits, with no host synchronisation."""
+        planned = plan_decode(batch, self._layers, self.page_size, self._splits)
+        return self.model.logits(self.model.forward(planned, self.kv))

@@ -2,16 +2,30 @@
 
 The new tokens' K/V are stored first and then read back with the context, so a row sees
 exactly what later steps will see (quantized KV included), whatever the chunking.
+
+Two backends behind one switch (engine/kernel_select.py): on a GPU the Triton paged
+attention (kernels/paged_attention.py, every row in one launch per layer), elsewhere the
+torch reference below. The Triton kernel runs a plan (work items) per layer group, which
+the runner makes once per step (`plan_batch`, on the host, for any batch; `plan_decode`,
+on the device, for decode-only batches) and passes in a PlannedBatch. `plan_decode` gives
+every row the same number of key splits, the unused ones empty (their partials merge as
+exact zeros), so a decode step has fixed grid sizes and no host synchronisation: it can
+be captured in a CUDA graph (engine/graphs.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from engine.batch import ForwardBatch
+from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache
+from kernels.paged_attention import AttnConfig, AttnPlan, paged_attention, plan_attention
+from kernels.paged_attention_plan import WORK_FIELDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +40,21 @@ class AttnLayer:
     softcap: float | None = None
 
 
+class GroupInputs(NamedTuple):
+    """The Triton attention's inputs for one layer group and one step."""
+
+    plan: AttnPlan
+    page_table: torch.Tensor  # (rows, max_pages) int32
+    positions: torch.Tensor  # (tokens,) int32
+
+
+@dataclass(slots=True)
+class PlannedBatch(ForwardBatch):
+    """A ForwardBatch on the device with each layer group's attention inputs."""
+
+    attn: dict[str, GroupInputs] = field(default_factory=dict)
+
+
 def attend(
     layer: AttnLayer,
     q: torch.Tensor,
@@ -37,7 +66,119 @@ def attend(
     """q (T, H, D), k (T, KVH, D), v (T, KVH, Dv) float32 -> (T, H * Dv) float32."""
     group = kv.group_of(layer.index)
     kv.write(layer.index, batch.write_slots(group, kv.page_size), k, v)
+    if use_triton(q.device):
+        return attend_triton(layer, q, batch, kv, group)
     return attend_reference(layer, q, batch, kv, group)
+
+
+def attend_triton(
+    layer: AttnLayer, q: torch.Tensor, batch: ForwardBatch, kv: KVCache, group: str
+) -> torch.Tensor:
+    """One paged-attention launch for every row; without a PlannedBatch the plan is made
+    here from the batch (a host synchronisation per layer)."""
+    inputs = batch.attn.get(group) if isinstance(batch, PlannedBatch) else None
+    k_planes, v_planes = kv.k[layer.index], kv.v[layer.index]
+    assert k_planes is not None and v_planes is not None
+    return paged_attention(
+        q, k_planes, v_planes, kv.k_format.name, kv.v_format.name,
+        query_start=batch.query_start, seq_lens=batch.seq_lens,
+        positions=batch.positions if inputs is None else inputs.positions,
+        page_table=batch.page_tables[group] if inputs is None else inputs.page_table,
+        page_size=kv.page_size, scale=layer.scale, window=layer.window,
+        softcap=layer.softcap, plan=None if inputs is None else inputs.plan,
+        config=attn_config(layer, q.device))
+
+
+def attn_config(layer: AttnLayer, device: torch.device) -> AttnConfig:
+    """The kernel config of `layer` (what paged_attention would choose itself)."""
+    backend = "hip" if device.type == "cuda" and torch.version.hip else "cuda"
+    return AttnConfig.default(layer.num_heads // layer.num_kv_heads, layer.head_dim,
+                              layer.head_dim_v, backend)
+
+
+def group_layers(layers: Iterable[AttnLayer], kv: KVCache) -> dict[str, AttnLayer]:
+    """One layer per KV group; one plan serves a group, so its layers must agree."""
+    out: dict[str, AttnLayer] = {}
+    for layer in layers:
+        first = out.setdefault(kv.group_of(layer.index), layer)
+        if _plan_key(first) != _plan_key(layer):
+            raise ValueError(f"layers {first.index} and {layer.index} share a KV group but "
+                             f"not the attention shape or window")
+    return out
+
+
+def _plan_key(layer: AttnLayer) -> tuple:
+    return layer.window, layer.num_heads // layer.num_kv_heads, layer.head_dim, layer.head_dim_v
+
+
+def plan_batch(host: ForwardBatch, batch: ForwardBatch, layers: dict[str, AttnLayer],
+               page_size: int) -> PlannedBatch:
+    """Any batch (prefill, mixed, verify): plans and write slots computed on the host from
+    `host` (the CPU copy of `batch`), then copied to `batch`'s device."""
+    dev = batch.input_ids.device
+    positions = batch.positions.to(torch.int32)
+    attn, slots = {}, {}
+    for group, layer in layers.items():
+        plan = plan_attention(host.query_start, host.seq_lens,
+                              group=layer.num_heads // layer.num_kv_heads, window=layer.window,
+                              config=attn_config(layer, dev), device=dev)
+        attn[group] = GroupInputs(plan, batch.page_tables[group].to(torch.int32), positions)
+        slots[group] = host.write_slots(group, page_size).to(dev)
+    return _planned(batch, attn, slots)
+
+
+def decode_splits(layer: AttnLayer, max_context: int, device: torch.device) -> int:
+    """Key splits a decode row of at most `max_context` tokens can need (plan_decode)."""
+    split_keys = attn_config(layer, device).split_keys
+    splits = -(-max_context // split_keys)
+    if layer.window is not None:  # keys (pos - window, pos] touch at most this many
+        splits = min(splits, -(-layer.window // split_keys) + 1)
+    return max(1, splits)
+
+
+def plan_decode(batch: ForwardBatch, layers: dict[str, AttnLayer], page_size: int,
+                splits: dict[str, int]) -> PlannedBatch:
+    """A decode-only batch (one new token per row, at position seq_len - 1) on the device:
+    write slots and plans by device ops only, `splits[group]` work items per row."""
+    rows = batch.positions.shape[0]
+    dev = batch.positions.device
+    positions = batch.positions.to(torch.int32)
+    row_ids = torch.arange(rows, dtype=torch.int32, device=dev)
+    attn, slots = {}, {}
+    for group, layer in layers.items():
+        table = batch.page_tables[group]  # (rows, max_pages) int64
+        page = table.gather(1, (batch.positions // page_size)[:, None]).squeeze(1)
+        slots[group] = page * page_size + batch.positions % page_size
+        plan = _decode_plan(batch.seq_lens, layer.window, attn_config(layer, dev).split_keys,
+                            splits[group], row_ids)
+        attn[group] = GroupInputs(plan, table.to(torch.int32), positions)
+    return _planned(batch, attn, slots)
+
+
+def _decode_plan(seq_lens: torch.Tensor, window: int | None, split_keys: int, num_splits: int,
+                 row_ids: torch.Tensor) -> AttnPlan:
+    """kernels/paged_attention_plan.py's items for one-token rows, padded to `num_splits`
+    per row: row r's split s covers keys [max(lo, (f + s) * K), min(len, (f + s + 1) * K))
+    with lo its first visible key and f = lo // K; past the last key a range is empty."""
+    lens = seq_lens.to(torch.int32)  # (R,)
+    lo = (lens - window).clamp_(min=0) if window is not None else torch.zeros_like(lens)
+    split = torch.arange(num_splits, dtype=torch.int32, device=lens.device)  # (S,)
+    first = (lo // split_keys)[:, None] + split[None, :]  # (R, S) aligned split index
+    key_hi = torch.minimum(lens[:, None], (first + 1) * split_keys)
+    key_lo = torch.minimum(torch.maximum(lo[:, None], first * split_keys), key_hi)
+    rows = row_ids[:, None].expand_as(key_lo)
+    work = torch.stack([rows, rows, torch.ones_like(rows), key_lo, key_hi,
+                        split[None, :].expand_as(key_lo)], dim=-1)  # (R, S, WORK_FIELDS)
+    num_rows = lens.shape[0]
+    return AttnPlan(work.reshape(num_rows * num_splits, WORK_FIELDS).contiguous(),
+                    row_ids * num_splits, torch.full_like(lens, num_splits),
+                    num_rows * num_splits, num_rows)
+
+
+def _planned(batch: ForwardBatch, attn: dict[str, GroupInputs],
+             slots: dict[str, torch.Tensor]) -> PlannedBatch:
+    return PlannedBatch(batch.input_ids, batch.positions, batch.query_start, batch.seq_lens,
+                        batch.page_tables, batch.logits_rows, slots, attn)
 
 
 def attend_reference(

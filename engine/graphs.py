@@ -1,0 +1,180 @@
+"""Graph capture of decode-only steps (CUDA graphs; HIP graphs on ROCm, same torch API).
+
+A decode step launches a few hundred small kernels, and at batch 1 launching them from
+Python costs more than running them. A captured graph launches them all in one call.
+
+Graphs are captured lazily, one per bucket of row counts (BUCKETS). A step whose rows are
+all one-token decodes and whose row count fits a bucket copies its inputs into static
+buffers (one host-to-device copy), padded to the bucket, and replays that bucket's graph;
+prefill and mixed steps, and larger decode steps, run eagerly. A padding row decodes
+token 0 at position 0 of the scratch page, a page of each group that no sequence owns
+(the runner allocates it beyond the pool), so its K/V land where no real row reads.
+
+Nothing in the captured forward synchronises with the host: the runner's decode forward
+computes write slots and attention plans on the device from the static buffers
+(engine/layers/attention.py's plan_decode). Graphs in one memory pool never run at once
+(one engine thread), so they may share it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from engine.batch import ForwardBatch
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+WARMUP_RUNS = 2  # eager runs before a capture: Triton compiles, lazy device caches fill
+_FIXED = 3  # columns of a staged row before its page tables: token id, position, seq_len
+
+Replay = Callable[[], None]
+
+
+class Capturer(Protocol):
+    def __call__(self, fn: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:
+        """Capture `fn`; -> (replay, the output tensor that every replay overwrites)."""
+        ...
+
+
+class CudaGraphCapturer:
+    """torch.cuda.CUDAGraph capture; all graphs share one memory pool."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def __call__(self, fn: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                fn()
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads (HTTP, callers) may touch CUDA while this one captures
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = fn()
+        return graph.replay, out
+
+
+def is_decode_only(batch: ForwardBatch) -> bool:
+    """Every row has one new token and needs its logits (host tensors only)."""
+    n = batch.num_rows
+    if batch.input_ids.device.type != "cpu" or n < 1 or batch.num_tokens != n:
+        return False
+    rows = np.arange(n + 1)
+    return bool(np.array_equal(batch.query_start.numpy(), rows)
+                and np.array_equal(batch.logits_rows.numpy(), rows[:n]))
+
+
+def bucket_for(num_rows: int, buckets: tuple[int, ...] = BUCKETS) -> int | None:
+    """The smallest bucket that holds `num_rows`, None past the largest."""
+    return next((b for b in buckets if b >= num_rows), None)
+
+
+class DecodeGraphs:
+    """Captured decode forwards by bucket, their static inputs, and the padding rule.
+
+    `step` maps a decode-only ForwardBatch on the device to its logits (rows, vocab); it
+    is called on views of the static buffers (during capture and warm-up only).
+    """
+
+    def __init__(self, step: Callable[[ForwardBatch], torch.Tensor], groups: list[str],
+                 scratch_pages: dict[str, int], page_size: int, max_context: int,
+                 device: torch.device, capture: Capturer | None = None,
+                 buckets: tuple[int, ...] = BUCKETS) -> None:
+        self.step = step
+        self.groups = list(groups)
+        self.scratch_pages = dict(scratch_pages)
+        self.max_context = max_context
+        self.buckets = tuple(sorted(buckets))
+        self.width = -(-max_context // page_size)  # page-table columns
+        rows, cols = self.buckets[-1], _FIXED + len(self.groups) * self.width
+        # A step's rows, staged in (pinned) host memory, then copied in one transfer.
+        pin = device.type == "cuda"
+        self._host = torch.zeros(rows, cols, dtype=torch.int64, pin_memory=pin)
+        self._staged = self._host.numpy()
+        self._dev = torch.zeros(rows, cols, dtype=torch.int64, device=device)
+        self._copied = torch.cuda.Event() if pin else None
+        self._query_start = torch.arange(rows + 1, device=device)
+        self._capture = capture or CudaGraphCapturer(device)
+        self._graphs: dict[int, tuple[Replay, torch.Tensor]] = {}
+        self.num_replays = 0
+
+    @property
+    def captured(self) -> tuple[int, ...]:
+        return tuple(sorted(self._graphs))
+
+    def fits(self, batch: ForwardBatch) -> bool:
+        """A decode-only host batch within the largest bucket and the static page tables."""
+        return (is_decode_only(batch) and batch.num_rows <= self.buckets[-1]
+                and all(batch.page_tables[g].shape[1] <= self.width for g in self.groups)
+                and int(batch.seq_lens.max()) <= self.max_context)
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits (rows, vocab) of a batch that `fits`, from its bucket's graph."""
+        n = batch.num_rows
+        bucket = bucket_for(n, self.buckets)
+        assert bucket is not None and self.fits(batch)
+        entry = self._graphs.get(bucket)
+        if entry is None:
+            entry = self._capture_bucket(bucket)
+        self._stage(batch, bucket)
+        self._upload(bucket)
+        replay, out = entry
+        replay()
+        self.num_replays += 1
+        return out[:n].clone()  # the next replay overwrites `out`
+
+    def static_batch(self, bucket: int) -> ForwardBatch:
+        """The first `bucket` rows of the static buffers as a ForwardBatch."""
+        dev = self._dev[:bucket]
+        tables = {g: dev[:, _FIXED + i * self.width:_FIXED + (i + 1) * self.width]
+                  for i, g in enumerate(self.groups)}
+        return ForwardBatch(dev[:, 0], dev[:, 1], self._query_start[:bucket + 1], dev[:, 2],
+                            tables, self._query_start[:bucket])
+
+    def _capture_bucket(self, bucket: int) -> tuple[Replay, torch.Tensor]:
+        log.info("capturing the decode graph for %d rows", bucket)
+        self._stage_padding(0, bucket)  # warm-up runs write K/V: scratch pages only
+        self._upload(bucket)
+        batch = self.static_batch(bucket)
+        entry = self._capture(lambda: self.step(batch))
+        self._graphs[bucket] = entry
+        return entry
+
+    def _stage(self, batch: ForwardBatch, bucket: int) -> None:
+        n, staged = batch.num_rows, self._staged
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous upload has left the staging rows
+        staged[:n, 0] = batch.input_ids.numpy()
+        staged[:n, 1] = batch.positions.numpy()
+        staged[:n, 2] = batch.seq_lens.numpy()
+        for i, g in enumerate(self.groups):
+            table = batch.page_tables[g].numpy()
+            lo = _FIXED + i * self.width
+            staged[:n, lo:lo + table.shape[1]] = table
+            staged[:n, lo + table.shape[1]:lo + self.width] = -1
+        self._stage_padding(n, bucket)
+
+    def _stage_padding(self, lo: int, hi: int) -> None:
+        """Rows lo..hi-1: token 0 at position 0 (seq_len 1) in the scratch page."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        rows = self._staged[lo:hi]
+        rows[:, :_FIXED] = (0, 0, 1)
+        rows[:, _FIXED:] = -1
+        for i, g in enumerate(self.groups):
+            rows[:, _FIXED + i * self.width] = self.scratch_pages[g]
+
+    def _upload(self, bucket: int) -> None:
+        self._dev[:bucket].copy_(self._host[:bucket], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()

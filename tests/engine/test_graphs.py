@@ -1,0 +1,137 @@
+"""Decode-graph bookkeeping on the CPU, with a fake capture that runs the captured function
+eagerly: bucket choice, static buffers and padding (padding rows write K/V only to the
+scratch page, which the pool never hands out), capture once per bucket, eager fallback for
+mixed steps. Logits are checked against a runner without graphs on the same tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from engine.batch import ForwardBatch
+from engine.graphs import bucket_for, is_decode_only
+from engine.kv.pool import SeqPages
+from engine.loader import load
+from engine.runner import ModelRunner
+from engine.synthetic import SyntheticSpec, write_synthetic_gguf
+
+PAGES, CONTEXT = 24, 96
+
+
+class FakeCapture:
+    """Runs `fn` as CudaGraphCapturer does (warm-ups, then the captured run); replay runs
+    it again into the same output tensor."""
+
+    def __init__(self, on_warmed=None) -> None:
+        self.captures = 0
+        self.on_warmed = on_warmed
+
+    def __call__(self, fn):
+        self.captures += 1
+        fn()
+        if self.on_warmed is not None:
+            self.on_warmed()
+        out = fn()
+        return (lambda: out.copy_(fn())), out
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, vocab_dir):
+    # gemma3 with a window: a full and a sliding group, so two page tables per row
+    spec = SyntheticSpec("gemma3", num_layers=6, hidden_size=64, num_heads=4, num_kv_heads=2,
+                         head_dim=32, ffn_size=128, sliding_window=24, default_type=T.F32)
+    path = tmp_path_factory.mktemp("graphs") / "tiny.gguf"
+    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-spm.gguf", seed=3)
+    return load(path, torch.float32, "cpu").model
+
+
+def planes(runner: ModelRunner) -> list[torch.Tensor]:
+    return [p.clone() for side in (runner.kv.k, runner.kv.v) for layer in side
+            for p in layer.values()]
+
+
+def step(runners, seqs, spans):
+    """One forward on each runner; spans: per row (sequence index, new token ids)."""
+    out = []
+    for runner, pages in zip(runners, seqs, strict=True):
+        rows, tables = [], {g: [] for g in runner.pool.groups}
+        for i, ids in spans:
+            start = pages[i].num_tokens
+            pages[i].ensure(start + len(ids))
+            rows.append((ids, start))
+            for g in tables:
+                tables[g].append(pages[i].table(g))
+        out.append(runner.forward(ForwardBatch.build(rows, tables)))
+    return out
+
+
+def test_buckets_and_decode_only():
+    assert [bucket_for(n) for n in (1, 2, 3, 5, 16, 17, 64)] == [1, 2, 4, 8, 16, 32, 64]
+    assert bucket_for(65) is None
+    tables = {"full": [[0], [1]]}
+    assert is_decode_only(ForwardBatch.build([([5], 3), ([6], 0)], tables))
+    assert not is_decode_only(ForwardBatch.build([([5, 6], 3), ([6], 0)], tables))
+    assert not is_decode_only(ForwardBatch.build([([5], 3), ([6], 0)], tables, [1]))
+
+
+def test_graph_path_matches_eager_and_pads_into_scratch(model):
+    warmed = []
+    fake = FakeCapture(on_warmed=lambda: warmed.append(planes(graphed)))
+    graphed = ModelRunner(model, PAGES, 16, "f16", cuda_graphs=True, max_context=CONTEXT,
+                          capture=fake)
+    plain = ModelRunner(model, PAGES, 16, "f16", max_context=CONTEXT)
+    assert plain.graphs is None and graphed.graphs is not None
+    scratch = graphed.graphs.scratch_pages
+    assert scratch == {"full": PAGES, "sliding": PAGES}  # one page past the pool's own
+    runners = (graphed, plain)
+    seqs = [[SeqPages(r.pool) for _ in range(5)] for r in runners]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (5, 30, 11, 17, 2)]
+    a, b = step(runners, seqs, [(i, p) for i, p in enumerate(prompts[:4])])  # mixed: eager
+    assert fake.captures == 0 and torch.equal(a, b)
+    before = planes(graphed)
+    for rows in (4, 4, 3):  # bucket 4, then 3 rows and one padding row
+        ids = a.argmax(-1).tolist()
+        a, b = step(runners, seqs, [(i, [ids[i]]) for i in range(rows)])
+        assert a.shape == b.shape == (rows, model.cfg.vocab_size)
+        if rows == 4:  # the same shapes as eager: the same numbers
+            assert torch.equal(a, b)
+        else:  # CPU matmuls round a row differently with 3 or 4 rows
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert fake.captures == 1 and graphed.graphs.captured == (4,)
+    assert graphed.graphs.num_replays == 3
+    # The warm-ups before the capture wrote K/V into the scratch pages only.
+    ps = graphed.page_size
+    for old, new in zip(before, warmed[0], strict=True):
+        assert torch.equal(old[:PAGES * ps], new[:PAGES * ps])
+        assert new[PAGES * ps].abs().sum() > 0
+    # The real rows' K/V agree with the runner without graphs (its pool has no scratch).
+    for old, new in zip(planes(plain), planes(graphed), strict=True):
+        torch.testing.assert_close(new[:PAGES * ps].float(), old.float(), rtol=1e-3, atol=1e-3)
+    owned = {p for s in seqs[0] for g in ("full", "sliding") for p in s.table(g)}
+    assert PAGES not in owned
+
+
+def test_other_buckets_and_fallbacks(model):
+    fake = FakeCapture()
+    graphed = ModelRunner(model, PAGES, 16, "f16", cuda_graphs=True, max_context=CONTEXT,
+                          capture=fake)
+    plain = ModelRunner(model, PAGES, 16, "f16", max_context=CONTEXT)
+    runners = (graphed, plain)
+    seqs = [[SeqPages(r.pool) for _ in range(5)] for r in runners]
+    a, b = step(runners, seqs, [(i, [10 + i] * (i + 2)) for i in range(5)])
+    for spans, bucket in (([(0, [7])], 1), ([(i, [8]) for i in range(5)], 8),
+                          ([(1, [9]), (3, [9])], 2)):
+        a, b = step(runners, seqs, spans)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert bucket in graphed.graphs.captured
+    replays = graphed.graphs.num_replays
+    a, b = step(runners, seqs, [(0, [5]), (1, [5, 6])])  # mixed step: eager
+    assert torch.equal(a, b)
+    assert graphed.graphs.num_replays == replays and fake.captures == 3
+    long = SeqPages(graphed.pool)  # past max_context: eager, whatever the row count
+    long.ensure(CONTEXT + 1)
+    batch = ForwardBatch.build([([4], CONTEXT)], {g: [long.table(g)] for g in graphed.pool.groups})
+    assert not graphed.graphs.fits(batch)
