@@ -22,7 +22,7 @@ from engine.sampler import Sampler, SamplerState, SamplingParams
 from engine.stop import StopChecker
 from engine.tokenizer.detok import IncrementalDetokenizer
 
-DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "int8": torch.int8}
 
 
 @dataclass(frozen=True, slots=True)

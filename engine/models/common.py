@@ -15,7 +15,7 @@ from engine.batch import ForwardBatch
 from engine.kv.cache import KVCache, LayerKVSpec
 from engine.layers.activation import ACTIVATIONS
 from engine.layers.attention import AttnLayer, attend
-from engine.layers.linear import Linear
+from engine.layers.linear import Int8Linear, Linear
 from engine.layers.norm import rms_norm
 from engine.layers.rope import Rope
 from engine.models.config import ModelConfig
@@ -26,11 +26,11 @@ from engine.models.weights import WeightLoader
 class Block:
     attn: AttnLayer
     attn_norm: torch.Tensor
-    qkv: Linear  # fused q, k, v rows
-    out: Linear
+    qkv: Linear | Int8Linear  # fused q, k, v rows
+    out: Linear | Int8Linear
     ffn_norm: torch.Tensor
-    gate_up: Linear  # fused gate, up rows
-    down: Linear
+    gate_up: Linear | Int8Linear  # fused gate, up rows
+    down: Linear | Int8Linear
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     post_attn_norm: torch.Tensor | None = None
@@ -42,13 +42,10 @@ class DecoderModel:
 
     def __init__(self, cfg: ModelConfig, weights: WeightLoader) -> None:
         self.cfg = cfg
-        self.embedding = weights.matrix("token_embd.weight", (cfg.vocab_size, cfg.hidden_size))
+        table = (cfg.vocab_size, cfg.hidden_size)
+        self.embedding = weights.embedding("token_embd.weight", table)
         self.output_norm = weights.vector("output_norm.weight", cfg.hidden_size)
-        if weights.has("output.weight"):
-            head = weights.matrix("output.weight", (cfg.vocab_size, cfg.hidden_size))
-        else:
-            head = self.embedding  # tied
-        self.head = Linear(head)
+        self.head = weights.head("output.weight", table, self.embedding)  # tied when absent
         factors = weights.vector("rope_freqs.weight", cfg.head_dim // 2) if weights.has(
             "rope_freqs.weight") else None
         self.rope = Rope(cfg.head_dim, cfg.rope_base, cfg.rope_neox, cfg.rope_freq_scale, factors)
@@ -94,7 +91,7 @@ class DecoderModel:
         return {"sliding": self.cfg.sliding_window} if self.cfg.sliding_window else {}
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embedding[ids].float()
+        x = self.embedding(ids)
         return x * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else x
 
     @torch.inference_mode()

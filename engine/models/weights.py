@@ -1,8 +1,9 @@
 """Weight loading: GGUF tensors by name -> torch tensors, with shape checks.
 
-On CPU the GGML blocks are dequantized at load into `dtype` (bf16 default, f32 for
-parity tests); norms and biases stay float32. Fusions happen here, so the forward never
-sees the file layout.
+On CPU the GGML blocks are dequantized at load into `dtype`: bf16, f32 (parity tests) or
+int8 (per-row int8 codes, engine/layers/linear.py); norms and biases stay float32. The
+embedding lookup reads the file's blocks directly when the table is not kept dense.
+Fusions happen here, so the forward never sees the file layout.
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ import warnings
 
 import torch
 
-from engine.errors import GGUFFormatError
+from engine.errors import GGUFFormatError, InvalidRequest
 from engine.gguf import ModelFile
-from engine.layers.linear import Linear
+from engine.layers.embedding import Embedding
+from engine.layers.linear import Int8Linear, Linear, quantize_rows_int8
 from kernels.dequant import dequantize
+
+INT8_SLICE_ROWS = 8192  # rows dequantized at a time when re-quantizing to int8
 
 
 class WeightLoader:
@@ -23,11 +27,18 @@ class WeightLoader:
         self.file = model_file
         self.dtype = dtype
         self.device = torch.device(device)
+        if dtype == torch.int8 and self.device.type != "cpu":
+            raise InvalidRequest("the int8 weight layout runs on the CPU only")
 
     def has(self, name: str) -> bool:
         return name in self.file.tensors
 
-    def load(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    @property
+    def int8(self) -> bool:
+        return self.dtype == torch.int8
+
+    def raw(self, name: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, int]:
+        """-> (the tensor's GGML bytes, flat uint8 on the loader's device, its ggml type)."""
         info = self.file.tensors.get(name)
         if info is None:
             raise GGUFFormatError(f"tensor '{name}' is missing")
@@ -36,10 +47,29 @@ class WeightLoader:
                 f"tensor '{name}' has shape {tuple(info.shape)}, expected {tuple(shape)}")
         with warnings.catch_warnings():  # the mmap is read-only; nothing writes to `raw`
             warnings.simplefilter("ignore", UserWarning)
-            raw = torch.from_numpy(self.file.tensor_data(name))
+            raw = torch.from_numpy(self.file.tensor_data(name)).reshape(-1)
         if self.device.type != "cpu":  # ship the blocks, dequantize on the device
             raw = raw.to(self.device, non_blocking=False)
-        return dequantize(raw, info.ggml_type, tuple(info.shape), out_dtype=dtype, name=name)
+        return raw, info.ggml_type
+
+    def load(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        raw, ggml_type = self.raw(name, shape)
+        return dequantize(raw, ggml_type, tuple(shape), out_dtype=dtype, name=name)
+
+    def load_int8(self, name: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (codes int8 (out, in), scales bf16 (out,)), re-quantized a slice of rows at a
+        time so the float32 copy never exceeds INT8_SLICE_ROWS rows."""
+        raw, ggml_type = self.raw(name, shape)
+        rows, cols = shape
+        by_row = raw.view(rows, -1) if rows else raw.view(0, 0)
+        codes = torch.empty(shape, dtype=torch.int8)
+        scales = torch.empty(rows, dtype=torch.bfloat16)
+        for lo in range(0, rows, INT8_SLICE_ROWS):
+            part = by_row[lo:lo + INT8_SLICE_ROWS]
+            dense = dequantize(part.reshape(-1), ggml_type, (part.shape[0], cols), name=name)
+            codes[lo:lo + part.shape[0]], scales[lo:lo + part.shape[0]] = quantize_rows_int8(
+                dense)
+        return codes, scales
 
     def vector(self, name: str, size: int) -> torch.Tensor:
         return self.load(name, (size,), torch.float32)
@@ -47,20 +77,44 @@ class WeightLoader:
     def matrix(self, name: str, shape: tuple[int, int]) -> torch.Tensor:
         return self.load(name, shape, self.dtype)
 
-    def linear(self, prefix: str, shape: tuple[int, int]) -> Linear:
+    def embedding(self, name: str, shape: tuple[int, int]) -> Embedding:
+        """The token table: dense in `dtype`, or (int8 layout) read from the blocks per lookup."""
+        if self.int8:
+            raw, ggml_type = self.raw(name, shape)
+            return Embedding(None, raw, ggml_type, shape, name)
+        return Embedding(self.matrix(name, shape))
+
+    def head(self, name: str, shape: tuple[int, int], embedding: Embedding) -> Linear | Int8Linear:
+        """The output projection `name`, or the tied token table when the file has none."""
+        if self.has(name):
+            return self._linear(name, shape, None)
+        if embedding.table is not None:
+            return Linear(embedding.table)
+        return self._linear(embedding.name, shape, None)
+
+    def _linear(self, name: str, shape: tuple[int, int],
+                bias: torch.Tensor | None) -> Linear | Int8Linear:
+        if self.int8:
+            return Int8Linear(*self.load_int8(name, shape), bias)
+        return Linear(self.matrix(name, shape), bias)
+
+    def linear(self, prefix: str, shape: tuple[int, int]) -> Linear | Int8Linear:
         bias = None
         if self.has(prefix + ".bias"):
             bias = self.vector(prefix + ".bias", shape[0])
-        return Linear(self.matrix(prefix + ".weight", shape), bias)
+        return self._linear(prefix + ".weight", shape, bias)
 
-    def fused(self, prefixes: list[str], out_sizes: list[int], in_size: int) -> Linear:
+    def fused(self, prefixes: list[str], out_sizes: list[int],
+              in_size: int) -> Linear | Int8Linear:
         """Stack several linears with the same input into one (rows in `prefixes` order)."""
         parts = [self.linear(p, (o, in_size)) for p, o in zip(prefixes, out_sizes, strict=True)]
-        weight = torch.cat([p.weight for p in parts])
         biases = [p.bias for p in parts]
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat([b if b is not None else torch.zeros(p.out_features,
                                                                   device=self.device)
                               for b, p in zip(biases, parts, strict=True)])
-        return Linear(weight, bias)
+        if self.int8:  # per-row scales stack with their rows
+            return Int8Linear(torch.cat([p.codes for p in parts]),
+                              torch.cat([p.scales for p in parts]), bias)
+        return Linear(torch.cat([p.weight for p in parts]), bias)
