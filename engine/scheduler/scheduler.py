@@ -39,8 +39,8 @@ from engine.scheduler.sequence import Phase, Sequence
 class SchedulerConfig:
     max_sessions: int = 4  # resident sequences (--sessions)
     context: int = 4096  # tokens per session (-c): prompt + max_tokens
-    prefill_chunk: int = 512  # tokens of one prefill chunk (--prefill-chunk)
-    mixed_batch: bool = True  # False: a step is all decodes or one prefill chunk
+    prefill_chunk: int = 512  # prefill tokens a step, all prompts together (--prefill-chunk)
+    mixed_batch: bool = True  # False: a step is all decodes or all prefill chunks
     itl_target_ms: float | str | None = "auto"  # None = off, "auto" = 3x decode-only step
     max_pending_per_client: int | None = None  # queued requests per client (None: no limit)
     max_decode_rows: int | None = None  # decode rows per step (None: every decoder)
