@@ -3,15 +3,28 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 from engine.core import EngineCore
 from engine.engine import Engine
+from engine.gguf import ModelFile
 from engine.llm import DTYPES
-from engine.loader import LoadedModel, load
+from engine.loader import (
+    LoadedModel,
+    chat_template_for,
+    configure_cpu_threads,
+    load,
+    resolve_device,
+    resolve_model_path,
+)
+from engine.models.common import DecoderModel
 from engine.models.config import ModelConfig
+from engine.models.registry import read_config
+from engine.models.weights import WeightLoader
 from engine.runner import ModelRunner
 from engine.scheduler.scheduler import SchedulerConfig
+from engine.tokenizer import Tokenizer
 
 PAGE_SIZE = 16
 
@@ -57,9 +70,26 @@ def build_core(loaded: LoadedModel, opts: EngineOptions) -> EngineCore:
     return EngineCore(runner, loaded.tokenizer, sched, vocab_size=cfg.vocab_size)
 
 
+def load_for(model: str | os.PathLike, opts: EngineOptions) -> LoadedModel:
+    """engine.loader.load with the options' dtype, device and weight layout."""
+    if opts.weights == "auto":
+        return load(model, DTYPES[opts.dtype], opts.device)
+    start = time.perf_counter()  # as load() does, with the layout passed to the weights
+    device = resolve_device(opts.device)
+    if device.type == "cpu":
+        configure_cpu_threads(int(os.environ.get("MBUFO_CPU_THREADS", "0")) or None)
+    path = resolve_model_path(model)
+    mf = ModelFile.open(path)
+    cfg = read_config(mf)
+    tokenizer = Tokenizer.from_metadata(mf.metadata)
+    decoder = DecoderModel(cfg, WeightLoader(mf, DTYPES[opts.dtype], device, opts.weights))
+    return LoadedModel(path, mf, cfg, decoder, tokenizer, chat_template_for(mf, tokenizer),
+                       time.perf_counter() - start)
+
+
 def build_engine(model: str | os.PathLike, opts: EngineOptions | None = None,
                  loaded: LoadedModel | None = None) -> Engine:
     """Load `model` (a path or 'default') unless `loaded` is given; returns a started Engine."""
     opts = opts or EngineOptions()
-    loaded = loaded or load(model, DTYPES[opts.dtype], opts.device)
+    loaded = loaded or load_for(model, opts)
     return Engine(build_core(loaded, opts), name=loaded.path.stem, loaded=loaded).start()

@@ -2,40 +2,60 @@
 
 Run on the device machine (see bench/RESULTS.md for the command):
     python bench/gpu/engine_bench.py --synthetic llama-3.1-8b:Q4_K_M --vocab VOCAB.gguf
-Writes a JSON summary to $OUT/engine_bench.json (or --out) and prints a table last.
-Weights are dequantized to bf16 on the device (torch matmuls); attention is the torch
-reference. Decode uses fixed output lengths with ignore_eos.
+One invocation measures several variants (`--variants`, default: GGML blocks and dense
+bf16 weights, each with and without CUDA graphs). Per variant: the forward step alone
+(runner.forward timed with a device sync, decode batches of each concurrency), engine
+decode at each concurrency (fixed output length, ignore_eos) with a per-step breakdown
+(schedule + batch building, forward launch, sampling including the wait for the device),
+prefill of each prompt length, and optionally a profile of one eager decode step (kernel
+count, top kernels by device time). A variant or a measurement that fails is recorded
+with its error and the run goes on; the JSON ($OUT/engine_bench.json or --out) is
+rewritten after every variant, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from engine.build import EngineOptions, build_engine  # noqa: E402
+from engine.batch import ForwardBatch  # noqa: E402
+from engine.build import EngineOptions, build_core, load_for  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.kv.pool import SeqPages  # noqa: E402
 from engine.sampler import SamplingParams  # noqa: E402
 from engine.scheduler.request import Request  # noqa: E402
 from engine.synthetic import synthetic_spec, write_synthetic_gguf  # noqa: E402
 
+VARIANTS = "ggml+graphs,ggml,bf16+graphs,bf16"
 
-def run_batch(engine, prompts: list[tuple[int, ...]], max_tokens: int) -> dict:
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_batch(engine: Engine, prompts: list[tuple[int, ...]], max_tokens: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     times: dict[int, list[float]] = {}
     start = time.perf_counter()
 
     def one(i: int) -> None:
         stamps = []
-        for chunk in engine.stream(Request(f"r{i}-{start}", prompts[i], params), timeout=900):
+        for chunk in engine.stream(Request(f"r{i}-{start}", prompts[i], params), timeout=300):
             stamps.extend([time.perf_counter()] * len(chunk.token_ids))
         times[i] = stamps
 
@@ -44,6 +64,9 @@ def run_batch(engine, prompts: list[tuple[int, ...]], max_tokens: int) -> dict:
         t.start()
     for t in threads:
         t.join()
+    if len(times) != len(prompts):
+        raise RuntimeError(f"{len(prompts) - len(times)} streams failed (engine error: "
+                           f"{engine.error!r})")
     first = [s[0] for s in times.values()]
     last = max(s[-1] for s in times.values())
     decoded = sum(len(s) - 1 for s in times.values())
@@ -55,13 +78,215 @@ def run_batch(engine, prompts: list[tuple[int, ...]], max_tokens: int) -> dict:
             "steady_tok_s": in_steady / (last - steady_from) if last > steady_from else None}
 
 
+class StepTimer:
+    """Wraps a core's runner.forward and sampler.sample (instance attributes) and step()."""
+
+    def __init__(self, core) -> None:
+        self.acc: dict[str, float] = {"step": 0.0, "forward": 0.0, "sample": 0.0}
+        self.steps = 0
+        for obj, name, key in ((core, "step", "step"), (core.runner, "forward", "forward"),
+                               (core.sampler, "sample", "sample")):
+            setattr(obj, name, self._timed(getattr(obj, name), key))
+
+    def _timed(self, fn, key: str):
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.acc[key] += time.perf_counter() - t
+                self.steps += key == "step"
+        return wrapper
+
+    def reset(self) -> None:
+        self.acc = dict.fromkeys(self.acc, 0.0)
+        self.steps = 0
+
+    def per_step_ms(self) -> dict[str, float]:
+        n = max(1, self.steps)
+        out = {k: round(v / n * 1e3, 3) for k, v in self.acc.items()}
+        out["other"] = round(out["step"] - out["forward"] - out["sample"], 3)
+        out["steps"] = self.steps
+        return out
+
+
+def decode_batch(runner, rows: int, context: int) -> tuple[ForwardBatch, list[SeqPages]]:
+    """`rows` decode rows at position context - 1 over pages of (unwritten) context."""
+    seqs = [SeqPages(runner.pool) for _ in range(rows)]
+    for s in seqs:
+        s.ensure(context)
+    tables = {g: [s.table(g) for s in seqs] for g in runner.pool.groups}
+    return ForwardBatch.build([([1000 + i], context - 1) for i in range(rows)], tables), seqs
+
+
+def forward_ms(runner, rows: int, context: int, iters: int = 20) -> dict:
+    """Mean wall time of runner.forward + sync for one decode batch (graph replay when on)."""
+    batch, seqs = decode_batch(runner, rows, context)
+    try:
+        for _ in range(3):
+            runner.forward(batch)
+        sync()
+        t = time.perf_counter()
+        for _ in range(iters):
+            runner.forward(batch)
+        sync()
+        ms = (time.perf_counter() - t) / iters * 1e3
+        return {"rows": rows, "ms": round(ms, 3), "tok_s": round(rows / ms * 1e3, 1)}
+    finally:
+        for s in seqs:
+            s.free()
+
+
+def profile_decode(runner, rows: int, context: int, steps: int = 3, top: int = 10) -> dict:
+    """Kernels of eager decode steps: launches per step, device time per step, the top ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch, seqs = decode_batch(runner, rows, context)
+    try:
+        runner.forward_eager(batch)
+        sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                runner.forward_eager(batch)
+            sync()
+    finally:
+        for s in seqs:
+            s.free()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: -e.device_time_total)
+    return {"rows": rows,
+            "kernels_per_step": sum(e.count for e in kernels) / steps,
+            "device_ms_per_step": sum(e.device_time_total for e in kernels) / steps / 1e3,
+            "top": [{"name": e.key[:80], "per_step": e.count / steps,
+                     "ms_per_step": round(e.device_time_total / steps / 1e3, 4)}
+                    for e in kernels[:top]]}
+
+
+SAVE: list = []  # main's callback that rewrites the JSON file
+
+
+def attempt(record: dict, key: str, fn, *args):
+    """fn(*args) stored under record[key]; an exception is recorded there instead. The
+    JSON is rewritten after each figure."""
+    try:
+        record[key] = fn(*args)
+    except Exception as exc:  # one failing figure must not lose the others
+        record[key] = {"error": repr(exc), "traceback": traceback.format_exc(limit=8)}
+        print(f"  {key}: FAILED {exc!r}", flush=True)
+    for save in SAVE:
+        save()
+    return record[key]
+
+
+def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[int],
+                out: dict) -> None:
+    """Fills `out` as it goes (a failure keeps what was measured before it)."""
+    weights, graphs = name.split("+")[0], name.endswith("+graphs")
+    context = max(lengths) + args.tokens + 64
+    opts = EngineOptions(sessions=max(levels), context=context, prefill_chunk=512,
+                         device=args.device, max_pending_per_client=None, cuda_graphs=graphs,
+                         weights=weights)
+    out.update({"weights": weights, "cuda_graphs": graphs})
+    t0 = time.perf_counter()
+    loaded = load_for(str(path), opts)
+    core = build_core(loaded, opts)
+    out["load_s"] = round(time.perf_counter() - t0, 1)
+    out["gpu_gb"] = round(torch.cuda.memory_allocated() / 1e9, 2) if args.device == "cuda" else 0
+    print(f"[{name}] loaded in {out['load_s']} s, {out['gpu_gb']} GB", flush=True)
+    runner, gen = core.runner, torch.Generator().manual_seed(0)
+    out["forward_ms"] = {}
+    for rows in levels:
+        attempt(out["forward_ms"], str(rows), forward_ms, runner, rows, 256)
+    if args.profile:
+        out["profile"] = {}
+        for rows in sorted({1, max(levels)}):
+            attempt(out["profile"], str(rows), profile_decode, runner, rows, 256)
+    timer = StepTimer(core)
+    engine = Engine(core, name=path.stem, loaded=loaded).start()
+    vocab = loaded.config.vocab_size
+
+    def prompts(c: int, n: int = 32) -> list[tuple[int, ...]]:
+        return [tuple(torch.randint(1000, vocab, (n,), generator=gen).tolist())
+                for _ in range(c)]
+
+    try:
+        out["decode"], out["prefill"] = {}, {}
+        for c in levels:  # warm-up: compiles, captures the buckets the runs will use
+            attempt(out, "warmup", run_batch, engine, prompts(c), 4)
+        for c in levels:
+            timer.reset()
+            row = attempt(out["decode"], str(c), run_batch, engine, prompts(c), args.tokens)
+            if "error" not in row:
+                row["per_step_ms"] = timer.per_step_ms()
+            print(f"[{name}] decode {c}: {row}", flush=True)
+        for n in lengths:
+            def prefill(n: int = n) -> dict:
+                t = time.perf_counter()
+                params = SamplingParams(temperature=0.0, max_tokens=1)
+                list(engine.stream(Request(f"p{n}-{name}", prompts(1, n)[0], params),
+                                   timeout=300))
+                dt = time.perf_counter() - t
+                return {"tokens": n, "seconds": round(dt, 4), "tok_s": round(n / dt, 1)}
+            print(f"[{name}] prefill {n}: {attempt(out['prefill'], str(n), prefill)}",
+                  flush=True)
+        if runner.graphs is not None:
+            out["graphs"] = {"captured": list(runner.graphs.captured),
+                             "replays": runner.graphs.num_replays}
+    finally:
+        engine.stop()
+
+
+def commit_id() -> str:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("MBUFO_COMMIT", "unknown")
+
+
+def summarize(variant: dict) -> None:
+    """The headline figures: decode_tps by concurrency, prefill_tps by length."""
+    variant["decode_tps"] = {c: r.get("total_tok_s")
+                             for c, r in variant.get("decode", {}).items()}
+    variant["prefill_tps"] = {n: r.get("tok_s") for n, r in variant.get("prefill", {}).items()}
+
+
+def print_table(results: dict, levels: list[int], lengths: list[int]) -> None:
+    cols = [f"dec@{c}" for c in levels] + [f"fwd@{c} ms" for c in levels] + \
+        [f"pre@{n}" for n in lengths]
+    print(f"{'variant':<14}" + "".join(f"{c:>12}" for c in cols))
+    for name, v in results["variants"].items():
+        if "error" in v and "decode" not in v:
+            print(f"{name:<14} FAILED: {v['error'][:100]}")
+            continue
+        cells = [v.get("decode_tps", {}).get(str(c)) for c in levels]
+        cells += [v.get("forward_ms", {}).get(str(c), {}).get("ms") for c in levels]
+        cells += [v.get("prefill_tps", {}).get(str(n)) for n in lengths]
+        print(f"{name:<14}" + "".join(f"{x:12.1f}" if isinstance(x, float | int) else
+                                      f"{'-':>12}" for x in cells))
+    for name, v in results["variants"].items():
+        for c, row in v.get("decode", {}).items():
+            if "per_step_ms" in row:
+                print(f"{name} decode@{c} per step (ms): {row['per_step_ms']}")
+        for rows, p in v.get("profile", {}).items():
+            if "top" in p:
+                print(f"{name} eager decode@{rows}: {p['kernels_per_step']:.0f} kernels, "
+                      f"{p['device_ms_per_step']:.2f} ms device time per step")
+                for k in p["top"][:6]:
+                    print(f"    {k['ms_per_step']:8.4f} ms  x{k['per_step']:<5g} {k['name']}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--synthetic", default="llama-3.1-8b:Q4_K_M")
     ap.add_argument("--vocab", required=True)
+    ap.add_argument("--variants", default=VARIANTS,
+                    help="comma list of WEIGHTS[+graphs], WEIGHTS in ggml|bf16|auto")
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prefill", default="512,4096")
+    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu for a smoke run")
     args = ap.parse_args()
@@ -73,45 +298,35 @@ def main() -> int:
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     levels = [int(c) for c in args.concurrency.split(",")]
     lengths = [int(n) for n in args.prefill.split(",")]
-    opts = EngineOptions(sessions=max(levels), context=max(lengths) + args.tokens + 64,
-                         prefill_chunk=512, device=args.device, max_pending_per_client=None)
-    t0 = time.perf_counter()
-    engine = build_engine(str(path), opts)
-    on_gpu = torch.cuda.memory_allocated() / 1e9 if args.device == "cuda" else 0.0
-    print(f"loaded in {time.perf_counter() - t0:.0f} s; {on_gpu:.1f} GB on the GPU", flush=True)
-    vocab = engine.loaded.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    results = {"model": args.synthetic, "device": device_name,
-               "decode": [], "prefill": []}
-    try:
-        run_batch(engine, [tuple(torch.randint(1000, vocab, (32,), generator=gen).tolist())],
-                  4)  # warm-up
-        for c in levels:
-            prompts = [tuple(torch.randint(1000, vocab, (32,), generator=gen).tolist())
-                       for _ in range(c)]
-            row = run_batch(engine, prompts, args.tokens)
-            results["decode"].append(row)
-            print("decode", row, flush=True)
-        for n in lengths:
-            prompt = tuple(torch.randint(1000, vocab, (n,), generator=gen).tolist())
-            t = time.perf_counter()
-            list(engine.stream(Request(f"p{n}", prompt,
-                                       SamplingParams(temperature=0.0, max_tokens=1)),
-                               timeout=900))
-            dt = time.perf_counter() - t
-            results["prefill"].append({"tokens": n, "seconds": dt, "tok_s": n / dt})
-            print("prefill", results["prefill"][-1], flush=True)
-    finally:
-        engine.stop()
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "engine_bench.json").write_text(json.dumps(results, indent=1))
-    print(f"{'rows':>5} {'total tok/s':>12} {'steady tok/s':>13} {'TTFT ms':>9}")
-    for r in results["decode"]:
-        print(f"{r['concurrency']:5d} {r['total_tok_s']:12.1f} "
-              f"{(r['steady_tok_s'] or 0):13.1f} {r['ttft_ms_median']:9.1f}")
-    for r in results["prefill"]:
-        print(f"prefill {r['tokens']:6d} tokens: {r['tok_s']:9.0f} tok/s")
+    on_gpu = args.device == "cuda" and torch.cuda.is_available()
+    results = {"model": args.synthetic.partition(":")[0],
+               "quant": args.synthetic.partition(":")[2] or "Q4_K_M",
+               "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+               "commit": commit_id(),
+               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+               "tokens_per_stream": args.tokens, "variants": {}}
+    out_file = Path(args.out) / "engine_bench.json"
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        for variant in results["variants"].values():
+            summarize(variant)
+        out_file.write_text(json.dumps(results, indent=1))
+
+    SAVE.append(save)
+    for name in args.variants.split(","):
+        record: dict = {}
+        results["variants"][name] = record
+        try:
+            run_variant(path, name, args, levels, lengths, record)
+        except Exception as exc:  # keep the other variants' figures
+            record.update({"error": repr(exc), "traceback": traceback.format_exc(limit=12)})
+            print(f"[{name}] FAILED {exc!r}", flush=True)
+        gc.collect()
+        if on_gpu:
+            torch.cuda.empty_cache()
+        save()
+    print_table(results, levels, lengths)
     return 0
 
 

@@ -3,6 +3,7 @@
 On CPU the GGML blocks are dequantized at load into `dtype`: bf16, f32 (parity tests) or
 int8 (per-row int8 codes, engine/layers/linear.py); norms and biases stay float32. The
 embedding lookup reads the file's blocks directly when the table is not kept dense.
+On a GPU the `ggml` layout keeps the linears' blocks (engine/layers/ggml_linear.py).
 Fusions happen here, so the forward never sees the file layout.
 """
 
@@ -15,20 +16,28 @@ import torch
 from engine.errors import GGUFFormatError, InvalidRequest
 from engine.gguf import ModelFile
 from engine.layers.embedding import Embedding
+from engine.layers.ggml_linear import GGMLLinear
 from engine.layers.linear import Int8Linear, Linear, quantize_rows_int8
 from kernels.dequant import dequantize
 
 INT8_SLICE_ROWS = 8192  # rows dequantized at a time when re-quantizing to int8
+# Linear weights: ggml (the file's blocks, fused dequant kernels), bf16 (dense in `dtype`),
+# auto (ggml on a GPU unless dtype asks for exact f32, dense on the CPU).
+LAYOUTS = ("auto", "ggml", "bf16")
 
 
 class WeightLoader:
     def __init__(self, model_file: ModelFile, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", layout: str = "auto") -> None:
         self.file = model_file
         self.dtype = dtype
         self.device = torch.device(device)
         if dtype == torch.int8 and self.device.type != "cpu":
             raise InvalidRequest("the int8 weight layout runs on the CPU only")
+        if layout not in LAYOUTS:
+            raise InvalidRequest(f"weight layout {layout!r}: expected one of {LAYOUTS}")
+        self.ggml = layout == "ggml" or (layout == "auto" and self.device.type != "cpu"
+                                         and dtype == torch.bfloat16)
 
     def has(self, name: str) -> bool:
         return name in self.file.tensors
@@ -88,12 +97,16 @@ class WeightLoader:
         """The output projection `name`, or the tied token table when the file has none."""
         if self.has(name):
             return self._linear(name, shape, None)
-        if embedding.table is not None:
+        if embedding.table is not None and not self.ggml:  # ggml: the tied table's blocks
             return Linear(embedding.table)
         return self._linear(embedding.name, shape, None)
 
     def _linear(self, name: str, shape: tuple[int, int],
-                bias: torch.Tensor | None) -> Linear | Int8Linear:
+                bias: torch.Tensor | None) -> Linear | Int8Linear | GGMLLinear:
+        if self.ggml:
+            raw, ggml_type = self.raw(name, shape)
+            dense = self.dtype if self.dtype.is_floating_point else torch.bfloat16
+            return GGMLLinear.from_raw(raw, ggml_type, shape, bias, name=name, dense_dtype=dense)
         if self.int8:
             return Int8Linear(*self.load_int8(name, shape), bias)
         return Linear(self.matrix(name, shape), bias)
@@ -108,6 +121,8 @@ class WeightLoader:
               in_size: int) -> Linear | Int8Linear:
         """Stack several linears with the same input into one (rows in `prefixes` order)."""
         parts = [self.linear(p, (o, in_size)) for p, o in zip(prefixes, out_sizes, strict=True)]
+        if self.ggml:
+            return GGMLLinear.fuse(parts)
         biases = [p.bias for p in parts]
         bias = None
         if any(b is not None for b in biases):

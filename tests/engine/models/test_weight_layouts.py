@@ -1,0 +1,65 @@
+"""Weight layouts: `ggml` keeps the file's blocks (GGMLLinear, q|k|v and gate|up fused by
+type), `bf16` dense matrices, `auto` dense on the CPU. On the CPU the ggml layout runs the
+qmatmul reference (dequantize in f32, then matmul), so its logits must match the dense f32
+model to float32 rounding; a mis-fused or mis-ordered part would not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from engine.build import EngineOptions, load_for
+from engine.errors import InvalidRequest
+from engine.gguf import ModelFile
+from engine.kv.pool import SeqPages
+from engine.layers.ggml_linear import GGMLLinear
+from engine.layers.linear import Linear
+from engine.models.weights import WeightLoader
+from engine.runner import ForwardBatch, ModelRunner
+from engine.synthetic import SyntheticSpec, write_synthetic_gguf
+
+MIXED = {"attn_q.weight": T.Q4_K, "attn_k.weight": T.Q4_K, "attn_v.weight": T.Q6_K,
+         "attn_output.weight": T.Q8_0, "ffn_gate.weight": T.Q4_K, "ffn_up.weight": T.Q4_K,
+         "ffn_down.weight": T.Q6_K, "token_embd.weight": T.Q8_0}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, vocab_dir):
+    spec = SyntheticSpec("qwen2", hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                         ffn_size=256, num_layers=2, types=MIXED)  # q/k/v biases, tied head
+    path = tmp_path_factory.mktemp("layouts") / "tiny.gguf"
+    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-spm.gguf", seed=11)
+    return path
+
+
+def test_ggml_layout_matches_dense_f32(tiny):
+    ggml = load_for(tiny, EngineOptions(device="cpu", dtype="f32", weights="ggml")).model
+    dense = load_for(tiny, EngineOptions(device="cpu", dtype="f32", weights="bf16")).model
+    blk = ggml.blocks[0]
+    assert isinstance(blk.qkv, GGMLLinear) and isinstance(ggml.head, GGMLLinear)
+    assert [p.ggml_type for p in blk.qkv.parts] == [T.Q4_K, T.Q6_K]  # q|k merged, v apart
+    assert [p.ggml_type for p in blk.gate_up.parts] == [T.Q4_K]
+    assert blk.qkv.bias is not None and isinstance(dense.blocks[0].qkv, Linear)
+    x = torch.randn(3, 256)
+    for a, b in ((blk.qkv, dense.blocks[0].qkv), (blk.down, dense.blocks[0].down),
+                 (ggml.head, dense.head)):
+        torch.testing.assert_close(a(x), b(x), rtol=1e-5, atol=1e-5)
+    ids = torch.tensor([5, 17, 300, 2])
+    outs = []
+    for model in (ggml, dense):
+        runner = ModelRunner(model, 8)
+        seq = SeqPages(runner.pool)
+        seq.ensure(len(ids))
+        batch = ForwardBatch.build([(ids.tolist(), 0)], {"full": [seq.table("full")]},
+                                   list(range(len(ids))))
+        outs.append(runner.forward(batch))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+
+
+def test_auto_is_dense_on_cpu_and_unknown_layouts_fail(tiny):
+    mf = ModelFile.open(tiny)
+    assert not WeightLoader(mf, torch.bfloat16, "cpu").ggml
+    assert WeightLoader(mf, torch.bfloat16, "cpu", "ggml").ggml
+    with pytest.raises(InvalidRequest, match="layout"):
+        WeightLoader(mf, torch.bfloat16, "cpu", "q4")
