@@ -38,7 +38,7 @@ from engine.engine import Engine  # noqa: E402
 from engine.kv.pool import SeqPages  # noqa: E402
 from engine.sampler import SamplingParams  # noqa: E402
 from engine.scheduler.request import Request  # noqa: E402
-from engine.synthetic import synthetic_spec, write_synthetic_gguf  # noqa: E402
+from engine.synthetic import ensure_synthetic  # noqa: E402
 
 VARIANTS = "ggml+graphs,ggml,bf16+graphs,bf16"
 
@@ -112,9 +112,15 @@ class StepTimer:
 
 def decode_batch(runner, rows: int, context: int) -> tuple[ForwardBatch, list[SeqPages]]:
     """`rows` decode rows at position context - 1 over pages of (unwritten) context."""
-    seqs = [SeqPages(runner.pool) for _ in range(rows)]
-    for s in seqs:
-        s.ensure(context)
+    seqs: list[SeqPages] = []
+    try:
+        for _ in range(rows):
+            seqs.append(SeqPages(runner.pool))
+            seqs[-1].ensure(context)
+    except Exception:
+        for s in seqs:
+            s.free()
+        raise
     tables = {g: [s.table(g) for s in seqs] for g in runner.pool.groups}
     return ForwardBatch.build([([1000 + i], context - 1) for i in range(rows)], tables), seqs
 
@@ -145,7 +151,10 @@ def profile_decode(runner, rows: int, context: int, steps: int = 3, top: int = 1
     try:
         runner.forward_eager(batch)
         sync()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+        with profile(activities=activities) as prof:
             for _ in range(steps):
                 runner.forward_eager(batch)
             sync()
@@ -194,13 +203,14 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
     out["gpu_gb"] = round(torch.cuda.memory_allocated() / 1e9, 2) if args.device == "cuda" else 0
     print(f"[{name}] loaded in {out['load_s']} s, {out['gpu_gb']} GB", flush=True)
     runner, gen = core.runner, torch.Generator().manual_seed(0)
+    ctx = min(256, context)  # the decode rows' context in the forward-only figures
     out["forward_ms"] = {}
     for rows in levels:
-        attempt(out["forward_ms"], str(rows), forward_ms, runner, rows, 256)
+        attempt(out["forward_ms"], str(rows), forward_ms, runner, rows, ctx)
     if args.profile:
         out["profile"] = {}
         for rows in sorted({1, max(levels)}):
-            attempt(out["profile"], str(rows), profile_decode, runner, rows, 256)
+            attempt(out["profile"], str(rows), profile_decode, runner, rows, ctx)
     timer = StepTimer(core)
     engine = Engine(core, name=path.stem, loaded=loaded).start()
     vocab = loaded.config.vocab_size
@@ -210,9 +220,9 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
                 for _ in range(c)]
 
     try:
-        out["decode"], out["prefill"] = {}, {}
+        out["decode"], out["prefill"], out["warmup"] = {}, {}, {}
         for c in levels:  # warm-up: compiles, captures the buckets the runs will use
-            attempt(out, "warmup", run_batch, engine, prompts(c), 4)
+            attempt(out["warmup"], str(c), run_batch, engine, prompts(c), 4)
         for c in levels:
             timer.reset()
             row = attempt(out["decode"], str(c), run_batch, engine, prompts(c), args.tokens)
@@ -290,10 +300,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu for a smoke run")
     args = ap.parse_args()
-    path = Path("/tmp") / (args.synthetic.replace(":", "_") + ".gguf")
     t0 = time.perf_counter()
-    if not path.exists():
-        write_synthetic_gguf(path, synthetic_spec(args.synthetic), args.vocab, seed=0)
+    path = ensure_synthetic(args.synthetic, args.vocab, "/tmp")  # written once, atomically
     print(f"synthetic file {path.stat().st_size / 1e9:.2f} GB in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     levels = [int(c) for c in args.concurrency.split(",")]
