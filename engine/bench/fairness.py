@@ -178,7 +178,9 @@ async def run_fairness(target: Target, factory: PromptFactory, spec: FairnessSpe
                        ) -> dict[str, Any]:
     slack = target.cache_slack
     await target.complete(factory.make(8), 2, client="warmup")
-    warm = await target.complete(factory.make(min(256, spec.long_tokens)), 16, client="warmup")
+    warm_prompt = factory.make(min(256, spec.long_tokens))
+    warm = await target.complete(warm_prompt, 16, client="warmup")
+    warm.prompt_tokens = await prompt_tokens(target, warm_prompt, warm)  # usage-less streams
     solo = []
     for i in range(spec.solo_runs):
         solo.append(await target.complete(factory.make(spec.short_tokens), 4, client="short"))

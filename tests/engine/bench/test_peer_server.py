@@ -128,3 +128,16 @@ def test_a_declared_serial_target_is_measured():
     assert out["stream_tokens"] == 300 and len(target.calls["stream-1"]) == 1
     assert out["cache_check"].startswith("unknown")
 
+
+
+def test_stream_tokens_are_estimated_without_usage():
+    """A server that streams no usage: the warm-up prompt's size comes from the target
+    (256 tokens here), not 1. Warm-up TTFT 256 ms, ITL 11 ms: the window is
+    0.001 + 0.001 + 2 * 0.256 * 2048 / 256 + 1 + 0.256 = 5.354 s, x1.25 / 0.011 -> 609."""
+    script = _serial_script()
+    script["warmup"][1].prompt_tokens = None
+    target = DeclaredSerialTarget(script)
+    spec = FairnessSpec(inject_after_s=0.001, short_after_s=0.001)
+    out = asyncio.run(run_fairness(target, PromptFactory(7, target.tokenizer), spec,
+                                   progress=lambda _m: None))
+    assert out["stream_tokens"] == 609
