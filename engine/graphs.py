@@ -3,9 +3,11 @@
 A decode step launches a few hundred small kernels, and at batch 1 launching them from
 Python costs more than running them. A captured graph launches them all in one call.
 
-Graphs are captured lazily, one per bucket of row counts (BUCKETS). A step whose rows are
-all one-token decodes and whose row count fits a bucket copies its inputs into static
-buffers (one host-to-device copy), padded to the bucket, and replays that bucket's graph;
+Graphs are captured lazily, one per bucket of row counts (BUCKETS) and number of key
+splits per row (a power of two that covers the step's longest row, so short contexts do
+not pay for the longest one). A step whose rows are all one-token decodes and whose row
+count fits a bucket copies its inputs into static buffers (one host-to-device copy),
+padded to the bucket, and replays that bucket's graph;
 prefill and mixed steps, and larger decode steps, run eagerly. A padding row decodes
 token 0 at position 0 of the scratch page, a page of each group that no sequence owns
 (the runner allocates it beyond the pool), so its K/V land where no real row reads.
@@ -79,14 +81,16 @@ def bucket_for(num_rows: int, buckets: tuple[int, ...] = BUCKETS) -> int | None:
     return next((b for b in buckets if b >= num_rows), None)
 
 
-class DecodeGraphs:
-    """Captured decode forwards by bucket, their static inputs, and the padding rule.
+Splits = dict[str, int]  # key splits per decode row, by layer group
 
-    `step` maps a decode-only ForwardBatch on the device to its logits (rows, vocab); it
-    is called on views of the static buffers (during capture and warm-up only).
+
+class DecodeGraphs:
+    """Captured decode forwards by (bucket, splits), their static inputs, and the padding
+    rule. `step(batch, splits)` maps a decode-only ForwardBatch on the device to its logits
+    (rows, vocab); it is called on views of the static buffers (capture and warm-up only).
     """
 
-    def __init__(self, step: Callable[[ForwardBatch], torch.Tensor], groups: list[str],
+    def __init__(self, step: Callable[[ForwardBatch, Splits], torch.Tensor], groups: list[str],
                  scratch_pages: dict[str, int], page_size: int, max_context: int,
                  device: torch.device, capture: Capturer | None = None,
                  buckets: tuple[int, ...] = BUCKETS) -> None:
@@ -105,12 +109,17 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event() if pin else None
         self._query_start = torch.arange(rows + 1, device=device)
         self._capture = capture or CudaGraphCapturer(device)
-        self._graphs: dict[int, tuple[Replay, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, tuple], tuple[Replay, torch.Tensor]] = {}
         self.num_replays = 0
 
     @property
     def captured(self) -> tuple[int, ...]:
-        return tuple(sorted(self._graphs))
+        """The buckets with at least one graph."""
+        return tuple(sorted({bucket for bucket, _ in self._graphs}))
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
 
     def fits(self, batch: ForwardBatch) -> bool:
         """A decode-only host batch within the largest bucket and the static page tables."""
@@ -118,14 +127,17 @@ class DecodeGraphs:
                 and all(batch.page_tables[g].shape[1] <= self.width for g in self.groups)
                 and int(batch.seq_lens.max()) <= self.max_context)
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits (rows, vocab) of a batch that `fits`, from its bucket's graph."""
+    def run(self, batch: ForwardBatch, splits: Splits) -> torch.Tensor:
+        """Logits (rows, vocab) of a batch that `fits`, from its bucket's graph for `splits`
+        (enough for its longest row)."""
         n = batch.num_rows
         bucket = bucket_for(n, self.buckets)
         assert bucket is not None and self.fits(batch)
-        entry = self._graphs.get(bucket)
+        key = (bucket, tuple(sorted(splits.items())))
+        entry = self._graphs.get(key)
         if entry is None:
-            entry = self._capture_bucket(bucket)
+            entry = self._capture_graph(bucket, splits)
+            self._graphs[key] = entry
         self._stage(batch, bucket)
         self._upload(bucket)
         replay, out = entry
@@ -141,14 +153,12 @@ class DecodeGraphs:
         return ForwardBatch(dev[:, 0], dev[:, 1], self._query_start[:bucket + 1], dev[:, 2],
                             tables, self._query_start[:bucket])
 
-    def _capture_bucket(self, bucket: int) -> tuple[Replay, torch.Tensor]:
-        log.info("capturing the decode graph for %d rows", bucket)
+    def _capture_graph(self, bucket: int, splits: Splits) -> tuple[Replay, torch.Tensor]:
+        log.info("capturing the decode graph for %d rows, key splits %s", bucket, splits)
         self._stage_padding(0, bucket)  # warm-up runs write K/V: scratch pages only
         self._upload(bucket)
         batch = self.static_batch(bucket)
-        entry = self._capture(lambda: self.step(batch))
-        self._graphs[bucket] = entry
-        return entry
+        return self._capture(lambda: self.step(batch, splits))
 
     def _stage(self, batch: ForwardBatch, bucket: int) -> None:
         n, staged = batch.num_rows, self._staged

@@ -19,6 +19,7 @@ from engine.kv.cache import KVCache
 from engine.kv.pool import KVPool
 from engine.layers.attention import decode_splits, group_layers, plan_batch, plan_decode
 from engine.models.common import DecoderModel
+from kernels.triton_util import next_pow2
 
 __all__ = ["ForwardBatch", "ModelRunner"]
 
@@ -48,8 +49,8 @@ class ModelRunner:
         self.kv = KVCache(model.kv_layers(), kv_pages, page_size, kv_quant, device)
         self.max_context = max_context or max(pages.values(), default=1) * page_size
         self._layers = group_layers((blk.attn for blk in model.blocks), self.kv)
-        self._splits = {g: decode_splits(layer, self.max_context, device)
-                        for g, layer in self._layers.items()}
+        self._max_splits = {g: decode_splits(layer, self.max_context, device)
+                            for g, layer in self._layers.items()}
         self.graphs = DecodeGraphs(self._decode_forward, sorted(pages), pages, page_size,
                                    self.max_context, device, capture) if graphs else None
 
@@ -61,7 +62,7 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> (len(batch.logits_rows), vocab) float32."""
         if self.graphs is not None and self.graphs.fits(batch):
-            return self.graphs.run(batch)
+            return self.graphs.run(batch, self._decode_splits(batch))
         return self.forward_eager(batch)
 
     @torch.inference_mode()
@@ -71,12 +72,20 @@ class ModelRunner:
         if not self.triton:
             return self.model.logits(self.model.forward(on_device, self.kv))
         if is_decode_only(batch) and int(batch.seq_lens.max()) <= self.max_context:
-            return self._decode_forward(on_device)
+            return self._decode_forward(on_device, self._decode_splits(batch))
         host = batch.to(torch.device("cpu"))
         planned = plan_batch(host, on_device, self._layers, self.page_size)
         return self.model.logits(self.model.forward(planned, self.kv))
 
-    def _decode_forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def _decode_splits(self, batch: ForwardBatch) -> dict[str, int]:
+        """Key splits per row for a decode-only host batch: a power of two that covers its
+        longest row (few distinct graphs), at most what `max_context` needs."""
+        longest = int(batch.seq_lens.max())
+        device = torch.device(self.model.device)
+        return {g: min(next_pow2(decode_splits(layer, longest, device)), self._max_splits[g])
+                for g, layer in self._layers.items()}
+
+    def _decode_forward(self, batch: ForwardBatch, splits: dict[str, int]) -> torch.Tensor:
         """A decode-only batch on the device -> logits, with no host synchronisation."""
-        planned = plan_decode(batch, self._layers, self.page_size, self._splits)
+        planned = plan_decode(batch, self._layers, self.page_size, splits)
         return self.model.logits(self.model.forward(planned, self.kv))

@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from engine.batch import ForwardBatch
-from engine.graphs import bucket_for, is_decode_only
+from engine.graphs import DecodeGraphs, bucket_for, is_decode_only
 from engine.kv.pool import SeqPages
 from engine.loader import load
 from engine.runner import ModelRunner
@@ -135,3 +135,33 @@ def test_other_buckets_and_fallbacks(model):
     long.ensure(CONTEXT + 1)
     batch = ForwardBatch.build([([4], CONTEXT)], {g: [long.table(g)] for g in graphed.pool.groups})
     assert not graphed.graphs.fits(batch)
+
+
+def test_static_buffers_padding_and_keys():
+    """A fake step that returns its static inputs: what a captured forward would read."""
+    seen = []
+
+    def fake_step(batch: ForwardBatch, splits):
+        seen.append(dict(splits))
+        cols = [batch.input_ids, batch.positions, batch.seq_lens, batch.logits_rows]
+        return torch.stack(cols + [t[:, 0] for t in batch.page_tables.values()], 1).float()
+
+    graphs = DecodeGraphs(fake_step, ["full", "sliding"], {"full": 40, "sliding": 50},
+                          page_size=16, max_context=64, device=torch.device("cpu"),
+                          capture=FakeCapture())
+    batch = ForwardBatch.build([([11], 20), ([12], 3), ([13], 33)],
+                               {"full": [[1, 2], [3], [4, 5, 6]],
+                                "sliding": [[-1, 7], [8], [-1, -1, 9]]})
+    out = graphs.run(batch, {"full": 1, "sliding": 1})
+    assert out.tolist() == [[11, 20, 21, 0, 1, -1], [12, 3, 4, 1, 3, 8], [13, 33, 34, 2, 4, -1]]
+    static = graphs.static_batch(4)
+    assert static.input_ids[3] == 0 and static.positions[3] == 0 and static.seq_lens[3] == 1
+    assert static.page_tables["full"][3].tolist() == [40, -1, -1, -1]
+    assert static.page_tables["sliding"][3].tolist() == [50, -1, -1, -1]
+    assert static.page_tables["full"][1].tolist() == [3, -1, -1, -1]  # stale columns cleared
+    graphs.run(batch, {"full": 2, "sliding": 1})  # more key splits: another graph
+    graphs.run(batch, {"full": 1, "sliding": 1})
+    assert graphs.num_graphs == 2 and graphs.captured == (4,) and graphs.num_replays == 3
+    assert {"full": 2, "sliding": 1} in seen and seen[-1] == {"full": 1, "sliding": 1}
+    too_wide = ForwardBatch.build([([1], 70)], {"full": [[0] * 5], "sliding": [[0] * 5]})
+    assert not graphs.fits(too_wide)  # 5 pages > max_context 64 / 16
