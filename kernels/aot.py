@@ -39,15 +39,17 @@ class KernelSpec(NamedTuple):
     uses_dot: bool  # expects tensor-core instructions in the output
     backend: str | None = None  # "hip" or "cuda": the config is that backend's; None: both
     num_stages: int | None = None
+    divisible: tuple[str, ...] = ()  # arguments assumed 16-divisible, as the JIT specializes
 
 
 def kernel_specs(quick: bool = False) -> list[KernelSpec]:
-    """Every kernel at the configurations its wrapper launches. `quick` (CI) builds qmatmul
-    at its tiled block size only, plus Q4_K at the skinny one: the two differ in BLOCK_M
-    alone, and comparing their instructions checks the batch-invariance premise."""
-    from kernels import paged_attention, qmatmul
+    """Every kernel at the configurations its wrapper launches. `quick` (CI) builds qmatmul's
+    tiled kernel for every type, plus Q4_K's skinny one (kernels/qgemv.py): comparing
+    their instructions checks the batch-invariance premise."""
+    from kernels import paged_attention, qgemv, qmatmul
 
-    specs = [*qmatmul.aot_specs(KernelSpec), *paged_attention.aot_specs(KernelSpec)]
+    specs = [*qgemv.aot_specs(KernelSpec), *qmatmul.aot_specs(KernelSpec),
+             *paged_attention.aot_specs(KernelSpec)]
     if quick:  # q8 K and q4 V are each built in their own pair
         specs = [s for s in specs if not (s.name.endswith("_m16") and "Q4_K" not in s.name)
                  and s.name != "paged_attention_kq8_vq4"]
@@ -63,7 +65,9 @@ def _target(name: str) -> Any:
 
 def build(spec: KernelSpec, target: str) -> Any:
     """The CompiledKernel of `spec` for `target` (every stage, to the binary)."""
-    src = triton.compiler.ASTSource(compiled(spec.kernel), spec.signature, spec.constexprs)
+    names = list(spec.signature)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in spec.divisible}
+    src = triton.compiler.ASTSource(compiled(spec.kernel), spec.signature, spec.constexprs, attrs)
     options: dict[str, int] = {"num_warps": spec.num_warps}
     if spec.num_stages is not None:
         options["num_stages"] = spec.num_stages

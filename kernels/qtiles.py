@@ -1,16 +1,30 @@
-"""Device functions that decode one weight tile of a GGML block type, for kernels/qmatmul.py.
+"""Device functions that decode one weight tile of a GGML block type, for the qmatmul kernels.
 
-A tile is `(BN, BK)` float32 values of BN weight rows (`rows`: (BN,) pointers to each
-row's first byte, in the GGUF bytes) over the BK columns starting at `k0`. Bytes are read
-in their natural order and expanded with `tl.join`, so a tile's columns come out in a
-type-specific order; `tile_kmap` gives, for each tile column, its offset from `k0`, and the
-matmul loads x in that same order (a dot product does not care about the order of its
-terms, and permuting the small x tile is cheaper than permuting the weight tile).
+A tile is `(BN, BK)` float32 values of BN weight rows (`row_off`: (BN,) byte offsets of
+each row in the GGUF bytes at `w_ptr`) over the BK columns `k0 .. k0 + BK`, in column
+order. The kernels in kernels/qmatmul.py (tiled) and kernels/qgemv.py (skinny) share these
+functions, so a weight element has the same bits, at the same place in the K order, on
+every path (the batch-invariance premise, see qmatmul.py).
 
-The float32 operations follow gguf-py's order (scale * sub-block scale first, then the
-code, then the min), see kernels/dequant_kquants.py for the layouts. BK is a multiple of
-the type's step: 32 for 32-element blocks and IQ4_XS, 64 for Q4_K/Q5_K, exactly 128 for
-Q6_K. Every f16 field is read as two bytes, so no load assumes more than byte alignment.
+How the bytes are read: each field of a block is loaded as one contiguous run per (row,
+block) (the 128 code bytes of a Q4_K super-block are one 16-byte aligned run, so the
+compiler issues 16-byte loads or async copies); the two nibbles of a byte are split,
+scaled, joined on a new minor axis and transposed back to column order (a register
+relabelling). Scales are decoded once per (row, sub-block) and broadcast. f16 fields are
+read as aligned u16 (each sits at an even offset; the kernels require 16-byte aligned
+blocks). Q6_K's 210-byte super-blocks are only 2-byte aligned: they are read as aligned
+u32 words (halves of two words joined where needed) and decoded four codes per word. The
+16-entry code books of IQ4_XS and MXFP4 are gathered from on-chip copies.
+Codes are converted to float as unsigned 32-bit integers (I2FP.U32 on sm_90, one
+instruction; a signed or 8-bit source compiles to the slower I2F): a signed code is offset
+into an unsigned one and the offset is taken back in the fma.
+
+The float32 operations follow gguf-py's formulas; an offset code is scaled as
+`fma(d, q, -o * d)`, which is exact where gguf-py rounds `d * (q - o)` once (o is a power
+of two, so o * d is exact), and the K-quants' `dl * q - ml` is one fma (gguf-py rounds
+twice: at most one float32 ulp apart, far below the bf16 rounding that follows).
+BK is a multiple of the type's step: 32 for the 32-element blocks and IQ4_XS, 64 for
+Q4_K/Q5_K, 128 for Q6_K (see GEOMETRY).
 """
 
 from __future__ import annotations
@@ -30,140 +44,206 @@ NAMES = {Q4_0: "Q4_0", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
 
 
 @helper
-def _f16(p):
-    """Pointers to little-endian f16 fields -> float32 (two byte loads, any alignment)."""
-    lo = tl.load(p).to(tl.uint16)
-    hi = tl.load(p + 1).to(tl.uint16)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+def _u16(p):
+    """u8 pointers at even addresses -> the little-endian u16 there, as int32."""
+    return tl.load(p.to(tl.pointer_type(tl.uint16), bitcast=True)).to(tl.int32)
 
 
 @helper
-def _u32(p):
-    b0 = tl.load(p).to(tl.uint32)
-    b1 = tl.load(p + 1).to(tl.uint32)
-    b2 = tl.load(p + 2).to(tl.uint32)
-    b3 = tl.load(p + 3).to(tl.uint32)
-    return b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+def _f16(p):
+    """u8 pointers at even addresses -> the f16 there, as float32."""
+    h = tl.load(p.to(tl.pointer_type(tl.uint16), bitcast=True))
+    return h.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@helper
+def _float(u):
+    """uint32 codes (< 2^24) -> float32, exactly."""
+    return u.to(tl.float32)
+
+
+@helper
+def _lookup(lut, idx):
+    """Code-book values lut[idx] for int idx in 0..15 (any shape): a gather from the 16
+    values held on chip (a shared-memory read per element), not one global load each."""
+    table = tl.load(lut + tl.arange(0, 16))
+    flat = tl.gather(table, tl.reshape(idx, (idx.numel,)), 0)
+    return tl.reshape(flat, idx.shape)
+
+
+@helper
+def _columns(lo, hi, BN: tl.constexpr, BK: tl.constexpr):
+    """(BN, NB, T) values of the low and the high nibbles of each block's T bytes ->
+    (BN, BK) in column order: per block, the T low-nibble elements, then the T high."""
+    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)), (BN, BK))
 
 
 @helper
 def _blocks32(rows, k0, TS: tl.constexpr, BK: tl.constexpr):
-    """(BN, BK // 32, 1) pointers to the 32-element blocks of the tile."""
-    b = (k0 // 32 + tl.arange(0, BK // 32)) * TS
-    return rows[:, None, None] + b[None, :, None]
+    """(BN, BK // 32) pointers to the 32-element blocks of the tile."""
+    return rows[:, None] + ((k0 // 32 + tl.arange(0, BK // 32)) * TS)[None, :]
 
 
 @helper
 def _tile_q8_0(rows, k0, BN: tl.constexpr, BK: tl.constexpr):
     base = _blocks32(rows, k0, 34, BK)
-    q = tl.load(base + 2 + tl.arange(0, 32)[None, None, :]).to(tl.int8, bitcast=True)
-    return tl.reshape(_f16(base) * q.to(tl.float32), (BN, BK))
+    q = tl.load(base[:, :, None] + 2 + tl.arange(0, 32)[None, None, :])  # (BN, NB, 32) u8
+    d = _f16(base)[:, :, None]
+    # int8 code c = u - 128 with u = byte ^ 0x80: d * c == fma(d, u, -128 d) exactly.
+    return tl.reshape(tl.fma(d, _float((q ^ 0x80).to(tl.uint32)), -128.0 * d), (BN, BK))
 
 
 @helper
 def _tile_q4_0(rows, k0, BN: tl.constexpr, BK: tl.constexpr):
     base = _blocks32(rows, k0, 18, BK)
-    byte = tl.load(base + 2 + tl.arange(0, 16)[None, None, :])  # (BN, NB, 16)
-    q = tl.join(byte & 15, byte >> 4).to(tl.float32) - 8.0  # (BN, NB, 16, 2)
-    return tl.reshape(_f16(base)[:, :, :, None] * q, (BN, BK))
+    byte = tl.load(base[:, :, None] + 2 + tl.arange(0, 16)[None, None, :])  # (BN, NB, 16)
+    d = _f16(base)[:, :, None]
+    byte = byte.to(tl.uint32)
+    lo = tl.fma(d, _float(byte & 15), -8.0 * d)
+    hi = tl.fma(d, _float(byte >> 4), -8.0 * d)
+    return _columns(lo, hi, BN, BK)
 
 
 @helper
 def _tile_q5_0(rows, k0, BN: tl.constexpr, BK: tl.constexpr):
     base = _blocks32(rows, k0, 22, BK)
     t = tl.arange(0, 16)[None, None, :]
-    byte = tl.load(base + 6 + t).to(tl.uint32)  # (BN, NB, 16)
-    qh = _u32(base + 2)  # (BN, NB, 1): bit j is the 5th bit of element j
+    byte = tl.load(base[:, :, None] + 6 + t).to(tl.uint32)  # (BN, NB, 16)
+    qh = (_u16(base + 2) | (_u16(base + 4) << 16))[:, :, None]  # bit j: 5th bit of elem j
     lo = (byte & 15) | (((qh >> t) & 1) << 4)
     hi = (byte >> 4) | (((qh >> (t + 16)) & 1) << 4)
-    q = tl.join(lo, hi).to(tl.float32) - 16.0
-    return tl.reshape(_f16(base)[:, :, :, None] * q, (BN, BK))
+    d = _f16(base)[:, :, None]
+    return _columns(tl.fma(d, _float(lo), -16.0 * d), tl.fma(d, _float(hi), -16.0 * d), BN, BK)
 
 
 @helper
 def _tile_mxfp4(rows, k0, lut, BN: tl.constexpr, BK: tl.constexpr):
     base = _blocks32(rows, k0, 17, BK)
-    byte = tl.load(base + 1 + tl.arange(0, 16)[None, None, :])
-    v = tl.load(lut + tl.join(byte & 15, byte >> 4))  # (BN, NB, 16, 2) doubled E2M1 values
+    byte = tl.load(base[:, :, None] + 1 + tl.arange(0, 16)[None, None, :]).to(tl.int32)
     e = tl.load(base).to(tl.int32)  # e8m0 exponent; 2**(e - 128), subnormal below 2
-    bits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
-    scale = bits.to(tl.float32, bitcast=True)
-    return tl.reshape(scale[:, :, :, None] * v, (BN, BK))
+    scale = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+    scale = scale[:, :, None]  # halves the doubled E2M1 values of the code book
+    return _columns(scale * _lookup(lut, byte & 15), scale * _lookup(lut, byte >> 4), BN, BK)
 
 
 @helper
 def _tile_iq4_xs(rows, k0, lut, BN: tl.constexpr, BK: tl.constexpr):
     sg = k0 // 32 + tl.arange(0, BK // 32)  # global 32-element sub-block index
-    s = sg % 8
+    s = (sg % 8)[None, :]
     blk = rows[:, None] + ((sg // 8) * 136)[None, :]  # (BN, NS)
-    byte = tl.load(blk[:, :, None] + 8 + (s * 16)[None, :, None] + tl.arange(0, 16)[None, None, :])
-    v = tl.load(lut + tl.join(byte & 15, byte >> 4))  # (BN, NS, 16, 2)
-    low = (tl.load(blk + 4 + s[None, :] // 2).to(tl.int32) >> (4 * (s[None, :] % 2))) & 15
-    high = (_u32(blk + 2) >> (2 * s[None, :]).to(tl.uint32)) & 3  # u16 read as u32: bits < 16
-    dl = _f16(blk) * ((low | (high.to(tl.int32) << 4)) - 32).to(tl.float32)  # (BN, NS)
-    return tl.reshape(dl[:, :, None, None] * v, (BN, BK))
+    byte = tl.load((blk + 8 + s * 16)[:, :, None] + tl.arange(0, 16)[None, None, :])
+    low = (tl.load(blk + 4 + s // 2).to(tl.int32) >> (4 * (s % 2))) & 15
+    high = (_u16(blk + 2) >> (2 * s)) & 3
+    d = _f16(blk)
+    dl = tl.fma(d, _float((low | (high << 4)).to(tl.uint32)), -32.0 * d)[:, :, None]
+    byte = byte.to(tl.int32)
+    lo = dl * _lookup(lut, byte & 15)
+    hi = dl * _lookup(lut, byte >> 4)
+    return _columns(lo, hi, BN, BK)
 
 
 @helper
-def _scale_min_k4(p, s):
-    """Q4_K/Q5_K 6-bit scale and min of sub-blocks `s` (0..7); `p` points at scales[0]."""
-    a = tl.load(p + s)
-    b = tl.load(p + s + 4)
-    c = tl.load(p + s % 4)
-    lo = s < 4
-    sc = tl.where(lo, a & 63, (b & 15) | ((c >> 6) << 4))
-    mn = tl.where(lo, b & 63, (b >> 4) | ((a >> 6) << 4))
-    return sc.to(tl.float32), mn.to(tl.float32)
+def _scales_k4(blk, g4):
+    """Q4_K/Q5_K: (d * sc, dmin * m) of sub-blocks 2 g4 and 2 g4 + 1 (g4: 64-column group
+    in its super-block, 0..3), from the 6-bit fields in scales[12] at byte 4 (each
+    (BN, G)). Sub-blocks 0-3: sc = scales[s] & 63, m = scales[s + 4] & 63; 4-7: the low
+    nibbles of scales[s + 4], the top two bits from scales[s - 4] and scales[s]."""
+    a = _u16(blk + 4 + 2 * g4)  # scales[2 g4], scales[2 g4 + 1]
+    b = _u16(blk + 8 + 2 * g4)  # scales[2 g4 + 4], scales[2 g4 + 5]
+    c = _u16(blk + 4 + 2 * (g4 % 2))  # scales[2 g4 - 4], scales[2 g4 - 3] when g4 >= 2
+    upper = g4 >= 2
+    sc0 = tl.where(upper, (b & 15) | ((c >> 2) & 48), a & 63)
+    sc1 = tl.where(upper, ((b >> 8) & 15) | ((c >> 10) & 48), (a >> 8) & 63)
+    mn0 = tl.where(upper, ((b >> 4) & 15) | ((a >> 2) & 48), b & 63)
+    mn1 = tl.where(upper, ((b >> 12) & 15) | ((a >> 10) & 48), (b >> 8) & 63)
+    d = _f16(blk)
+    dmin = _f16(blk + 2)
+    return (d * _float(sc0.to(tl.uint32)), dmin * _float(mn0.to(tl.uint32)),
+            d * _float(sc1.to(tl.uint32)), dmin * _float(mn1.to(tl.uint32)))
 
 
 @helper
 def _tile_k4(rows, k0, HAS_QH: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Q4_K (HAS_QH false, 144-byte blocks) and Q5_K (176-byte blocks with qh)."""
+    """Q4_K (144-byte blocks) and Q5_K (176 bytes, with qh). Per 64-column group g of a
+    super-block: 32 code bytes, low nibbles = sub-block 2g, high nibbles = 2g + 1."""
     TS: tl.constexpr = 176 if HAS_QH else 144
-    gg = k0 // 64 + tl.arange(0, BK // 64)  # global 64-element group: sub-blocks 2g, 2g + 1
-    g4 = (gg % 4)[None, :, None]
-    blk = (rows[:, None] + ((gg // 4) * TS)[None, :])[:, :, None]  # (BN, NG, 1)
+    gg = k0 // 64 + tl.arange(0, BK // 64)  # global 64-column group
+    g4 = (gg % 4)[None, :]
+    blk = rows[:, None] + ((gg // 4) * TS)[None, :]  # (BN, G)
     t = tl.arange(0, 32)[None, None, :]
-    byte = tl.load(blk + (48 if HAS_QH else 16) + g4 * 32 + t)  # (BN, NG, 32)
+    byte = tl.load((blk + (48 if HAS_QH else 16) + g4 * 32)[:, :, None] + t).to(tl.uint32)
     lo = byte & 15
     hi = byte >> 4
-    if HAS_QH:
-        qh = tl.load(blk + 16 + t)  # bit s of qh[t]: 5th bit of sub-block s, element t
-        lo = lo | (((qh >> (2 * g4)) & 1) << 4).to(tl.uint8)
-        hi = hi | (((qh >> (2 * g4 + 1)) & 1) << 4).to(tl.uint8)
-    s = 2 * g4 + tl.arange(0, 2)[None, None, :]  # (1, NG, 2)
-    sc, mn = _scale_min_k4(blk + 4, s)  # (BN, NG, 2)
-    dl = _f16(blk) * sc
-    ml = _f16(blk + 2) * mn
-    q = tl.join(lo, hi).to(tl.float32)  # (BN, NG, 32, 2)
-    return tl.reshape(dl[:, :, None, :] * q - ml[:, :, None, :], (BN, BK))
+    if HAS_QH:  # bit s of qh[t]: the 5th bit of sub-block s, element t
+        qh = tl.load((blk + 16)[:, :, None] + t).to(tl.uint32) >> (2 * g4)[:, :, None]
+        lo = lo | ((qh & 1) << 4)
+        hi = hi | ((qh & 2) << 3)
+    dl0, ml0, dl1, ml1 = _scales_k4(blk, g4)
+    w0 = tl.fma(dl0[:, :, None], _float(lo), -ml0[:, :, None])
+    w1 = tl.fma(dl1[:, :, None], _float(hi), -ml1[:, :, None])
+    return _columns(w0, w1, BN, BK)
 
 
 @helper
-def _tile_q6_k(rows, k0, BN: tl.constexpr):
-    """128 columns (half a super-block); tile dims (BN, pl, tq, tr, nib), t = tq * 16 + tr."""
-    h = (k0 // 128) % 2
-    blk = rows + (k0 // 256) * 210
-    pl = tl.arange(0, 2)[:, None, None]
-    t = tl.arange(0, 2)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]  # (1, 2, 16)
-    p4 = blk[:, None, None, None]
-    ql = tl.load(p4 + h * 64 + pl * 32 + t).to(tl.int32)  # (BN, 2, 2, 16)
-    qh = tl.load(p4 + 128 + h * 32 + t).to(tl.int32)  # (BN, 1, 2, 16)
-    lo = (ql & 15) | (((qh >> (2 * pl)) & 3) << 4)  # plane p = pl
-    hi = (ql >> 4) | (((qh >> (2 * pl + 4)) & 3) << 4)  # plane p = pl + 2
-    q = tl.join(lo, hi).to(tl.float32) - 32.0  # (BN, 2, 2, 16, 2)
-    # Scale of 16 elements: index h * 8 + p * 2 + tq with p = pl + 2 * nib.
-    nib = tl.arange(0, 2)[None, None, None, :]
-    sidx = h * 8 + (tl.arange(0, 2)[:, None, None, None] + 2 * nib) * 2
-    sidx = sidx + tl.arange(0, 2)[None, :, None, None]  # (2, 2, 1, 2)
-    sc = tl.load(p4[:, :, :, :, None] + 192 + sidx[None]).to(tl.int8, bitcast=True)
-    dl = _f16(blk + 208)[:, None, None, None, None] * sc.to(tl.float32)
-    return tl.reshape(dl * q, (BN, 128))
+def _words(p, shifted):
+    """u32 words at u32 pointers `p`, or (where `shifted`) the word 2 bytes further on,
+    joined from the halves of two aligned words (for fields at offsets 2 mod 4)."""
+    w0 = tl.load(p)
+    w1 = tl.load(p + 1, mask=shifted, other=0)
+    return tl.where(shifted, (w0 >> 16) | (w1 << 16), w0)
 
 
 @helper
-def dequant_tile(QTYPE: tl.constexpr, rows, k0, lut, BN: tl.constexpr, BK: tl.constexpr):
-    """(BN, BK) float32 weights; column j is k0 + tile_kmap(QTYPE, BK)[j]."""
+def _bytes(w):
+    """(..., W) u32 words -> (..., W * 4) their bytes in memory order, as uint32."""
+    half = tl.join(w & 0xFFFF, w >> 16)
+    b = tl.join(half & 255, half >> 8)  # (..., W, 2, 2)
+    return tl.reshape(b, b.shape[:-3] + (b.shape[-3] * 4,))
+
+
+@helper
+def _tile_q6_k(w_ptr, row_off, k0, BN: tl.constexpr, BK: tl.constexpr):
+    """128-column halves of 210-byte super-blocks (only 2-byte aligned: read as u32 words,
+    see _words). In half h, element p * 32 + t (plane p = 0..3) has its low 4 bits in
+    nibble p // 2 of ql[64 h + 32 (p % 2) + t] and its top 2 bits at bit 2 p of
+    qh[32 h + t]; its 16-element sub-block 8 h + (p * 32 + t) // 16 has scale i8
+    scales[...]. Four codes are assembled per word: byte j of word i holds t = 4 i + j."""
+    NH: tl.constexpr = BK // 128
+    if NH % 2 == 0:  # whole super-blocks: k0 // 128 is even, the halves alternate
+        hg = (k0 // 256) * 2 + tl.arange(0, NH)  # global half index
+    else:
+        hg = k0 // 128 + tl.arange(0, NH)
+    sb = row_off[:, None] + ((hg // 2) * 210)[None, :]  # (BN, NH) super-block offsets
+    h = (hg % 2)[None, :]
+    # u32 pointer to the aligned word at or before each super-block, and whether the
+    # super-block starts 2 bytes into it (w_ptr is 16-byte aligned, offsets are even).
+    p32 = w_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + sb // 4
+    shifted = (sb % 4) != 0
+    pl = tl.arange(0, 2)[None, None, :, None]
+    i = tl.arange(0, 8)[None, None, None, :]
+    p4 = p32[:, :, None, None]  # (BN, NH, 2 planes, 8 words)
+    s4 = shifted[:, :, None, None]
+    wl = _words(p4 + (h * 16)[:, :, None, None] + pl * 8 + i, s4)  # ql[64 h + 32 pl + 4 i]
+    wh = _words(p4 + (32 + h * 8)[:, :, None, None] + i, s4)  # qh[32 h + 4 i]
+    c_lo = (wl & 0x0F0F0F0F) | (((wh >> (2 * pl)) & 0x03030303) << 4)  # plane pl
+    c_hi = ((wl >> 4) & 0x0F0F0F0F) | (((wh >> (2 * pl + 4)) & 0x03030303) << 4)  # pl + 2
+    c = tl.permute(tl.join(c_lo, c_hi), (0, 1, 4, 2, 3))  # (BN, NH, nibble, pl, word)
+    q = tl.reshape(_float(_bytes(c)), (BN, NH, 8, 16))  # 16-element sub-blocks in order
+    sw = p32[:, :, None] + (48 + h * 2)[:, :, None] + tl.arange(0, 2)[None, None, :]
+    sc = _bytes(_words(sw, shifted[:, :, None]))  # (BN, NH, 8): scales[8 h ...]
+    d = _f16(w_ptr + sb + 208)[:, :, None]
+    dl = tl.fma(d, _float(sc ^ 0x80), -128.0 * d)  # d * (i8 scale), exactly
+    ndl = -32.0 * dl  # codes are q - 32
+    return tl.reshape(tl.fma(dl[:, :, :, None], q, ndl[:, :, :, None]), (BN, BK))
+
+
+@helper
+def dequant_tile(QTYPE: tl.constexpr, w_ptr, row_off, k0, lut, BN: tl.constexpr,
+                 BK: tl.constexpr):
+    """(BN, BK) float32 weights of columns k0 .. k0 + BK of the rows at byte offsets
+    `row_off` ((BN,) int64) from w_ptr (`lut`: the code book of IQ4_XS and MXFP4 as
+    float32, unused by the other types)."""
+    rows = w_ptr + row_off
     if QTYPE == 8:
         w = _tile_q8_0(rows, k0, BN, BK)
     elif QTYPE == 2:
@@ -180,20 +260,5 @@ def dequant_tile(QTYPE: tl.constexpr, rows, k0, lut, BN: tl.constexpr, BK: tl.co
         w = _tile_k4(rows, k0, True, BN, BK)
     else:
         tl.static_assert(QTYPE == 14, "unsupported GGML type")
-        w = _tile_q6_k(rows, k0, BN)
+        w = _tile_q6_k(w_ptr, row_off, k0, BN, BK)
     return w
-
-
-@helper
-def tile_kmap(QTYPE: tl.constexpr, BK: tl.constexpr):
-    """(BK,) offset from k0 of each tile column (the order dequant_tile emits)."""
-    j = tl.arange(0, BK)
-    if QTYPE == 8:
-        k = j
-    elif QTYPE == 14:  # (pl, tq, tr, nib) -> (pl + 2 * nib) * 32 + tq * 16 + tr
-        k = (j // 64 + 2 * (j % 2)) * 32 + (j % 64) // 2
-    elif QTYPE == 12 or QTYPE == 13:  # (group, t, nib) -> group * 64 + nib * 32 + t
-        k = (j // 64) * 64 + (j % 2) * 32 + (j % 64) // 2
-    else:  # (block, t, nib) -> block * 32 + nib * 16 + t
-        k = (j // 32) * 32 + (j % 2) * 16 + (j % 32) // 2
-    return k

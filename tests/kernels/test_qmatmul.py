@@ -1,5 +1,6 @@
-"""qmatmul's Triton kernel (interpreted on the CPU) against gguf-py's dequantize @ x in
-float64, on fresh random GGUF blocks of every supported type.
+"""qmatmul's Triton kernels (skinny and tiled, interpreted on the CPU) against gguf-py's
+dequantize @ x in float64, on fresh random GGUF blocks of every supported type; outputs
+and split partials start as NaN (kernel_worker.py), so an element left unwritten fails.
 
 Bound per element: the kernel rounds each weight and each x to bf16 (relative 2^-9 each)
 and accumulates in f32, so |y - ref| <= 2^-8 (|W| @ |x|) up to f32 noise; 2^-7 is asserted.
@@ -16,13 +17,24 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
 from engine.errors import InvalidRequest, UnsupportedTensorType
-from kernels.qmatmul import SUPPORTED_TYPES, QMMConfig, default_config, qmatmul, qmatmul_triton
+from kernels.qgemv import k_plan
+from kernels.qmatmul import (
+    _LUTS,
+    SUPPORTED_TYPES,
+    QMMConfig,
+    default_config,
+    qmatmul,
+    qmatmul_triton,
+)
+from kernels.qtiles import GEOMETRY
 
 TYPES = sorted(T(t) for t in SUPPORTED_TYPES)
 # Byte offsets of each type's f16 fields (block_* structs in ggml-common.h).
 F16_FIELDS = {T.Q4_0: (0,), T.Q5_0: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2),
               T.Q6_K: (208,), T.IQ4_XS: (0,), T.MXFP4: ()}
 KERNEL = "kernels.qmatmul:qmatmul_triton"
+SKINNY = "kernels.qgemv:qgemv_triton"  # (x, blocks, type, n, code book, config, ticket=)
+LUT = {T(t): torch.tensor(v, dtype=torch.float32) for t, v in _LUTS.items()}
 
 
 def random_weight(qtype: T, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
@@ -60,45 +72,77 @@ def randn(rng: np.random.Generator, *shape: int) -> torch.Tensor:
     return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))
 
 
-CASES = [(1, 96, 512), (3, 32, 256), (17, 96, 256)]
+CASES = [(1, 96, 512), (3, 40, 256), (16, 96, 512), (17, 96, 256)]
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m,n,k", CASES, ids=lambda v: str(v))
 def test_kernel_matches_gguf(interp, rng, qtype, m, n, k):
+    """The default config: the skinny kernel up to 16 rows, the tiled one beyond; N is
+    never a multiple of the 64-row tile in two of the cases."""
     blocks = random_weight(qtype, n, k, rng)
     x = randn(rng, m, k)
     cfg = default_config(qtype, m, n, k)
+    assert (cfg.block_m == 16) == (m <= 16)
     check(interp.call(KERNEL, x, blocks, int(qtype), (n, k), cfg), x, blocks, qtype)
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q6_K, T.IQ4_XS], ids=lambda t: t.name)
 def test_configs_split_k_and_bf16_x(interp, rng, qtype):
-    """Other tile sizes, split-K with its ordered sum, bf16 x with a row stride > in."""
-    n, k = 40, 512
+    """Other tile sizes, split-K (ticket sum and second-kernel sum), bf16 x with a row
+    stride > in, on both paths."""
+    n, k = 40, 1024
     blocks = random_weight(qtype, n, k, rng)
     x = randn(rng, 5, k + 64).to(torch.bfloat16)[:, :k]  # strided rows
     step = 128 if qtype == T.Q6_K else 64
-    for cfg in (QMMConfig(16, 16, step, 2), QMMConfig(64, 64, min(2 * step, 128), 2, 8)):
+    for cfg in (QMMConfig(16, 16, step, 4), QMMConfig(16, 128, 256, 2, 8),
+                QMMConfig(64, 64, 2 * step, 2, 8)):
         check(interp.call(KERNEL, x, blocks, int(qtype), (n, k), cfg), x.float(), blocks, qtype)
+    lut = LUT.get(qtype, torch.zeros(1))
+    y = interp.call(SKINNY, x, blocks, int(qtype), n, lut, QMMConfig(16, 32, step, 4), ticket=False)
+    check(y, x.float(), blocks, qtype)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_K, T.Q6_K, T.MXFP4], ids=lambda t: t.name)
 def test_batch_invariance(interp, rng, qtype):
-    """A row's result is bit-equal alone, in a skinny batch and in a tiled batch: every
-    config field but block_m depends on (type, N, K) only."""
-    n, k = 32, 512
+    """A row's result is bit-equal alone, in skinny batches of 3 and 16 rows (other tile
+    shapes and warps, as the per-M table may pick), with the split partials summed by
+    ticket or by the second kernel, and in a tiled batch: only block_k and split_k reach
+    a row's bits, and they depend on (type, N, K) alone."""
+    n, k = 72, 1024
     blocks = random_weight(qtype, n, k, rng)
     x = randn(rng, 33, k)
-    split = 2
-    configs = {m: default_config(qtype, m, n, k)._replace(split_k=split) for m in (1, 3, 33)}
-    assert configs[1].block_m == 16 and configs[33].block_m == 64
-    assert configs[1]._replace(block_m=64) == configs[33]
-    alone = interp.call(KERNEL, x[5:6], blocks, int(qtype), (n, k), configs[1])
-    skinny = interp.call(KERNEL, x[3:6], blocks, int(qtype), (n, k), configs[3])
-    tiled = interp.call(KERNEL, x, blocks, int(qtype), (n, k), configs[33])
-    assert torch.equal(alone[0], skinny[2]) and torch.equal(alone[0], tiled[5])
+    plan = k_plan(int(qtype), n, k, "cuda", 0)
+    assert all(default_config(qtype, m, n, k)[2:4] == plan for m in (1, 3, 16, 17, 33, 512))
+    block_k, split = 256, 4  # as tuned plans may set them
+    alone = interp.call(KERNEL, x[5:6], blocks, int(qtype), (n, k),
+                        QMMConfig(16, 64, block_k, split, 4))
+    three = interp.call(KERNEL, x[3:6], blocks, int(qtype), (n, k),
+                        QMMConfig(16, 128, block_k, split, 8))
+    sixteen = interp.call(SKINNY, x[:16], blocks, int(qtype), n, LUT.get(qtype, torch.zeros(1)),
+                          QMMConfig(16, 32, block_k, split, 2), ticket=False)
+    tiled = interp.call(KERNEL, x, blocks, int(qtype), (n, k), QMMConfig(64, 64, block_k, split))
+    assert torch.equal(alone[0], three[2]) and torch.equal(alone[0], sixteen[5])
+    assert torch.equal(alone[0], tiled[5])
     check(tiled, x, blocks, qtype)
+    # The ticket counters are left at zero for the next launch.
+    assert not interp.call("kernels.qgemv:_tickets", torch.device("cpu")).any()
+
+
+def test_default_configs_keep_one_instruction_family():
+    """On sm_90 every launched config has block_n a multiple of 64 and 4 or 8 warps (wgmma on
+    both paths); block_k and split_k are the same for every M and fit K."""
+    for qtype in TYPES:
+        step = GEOMETRY[int(qtype)][2]
+        for n, k in ((4096, 4096), (1024, 4096), (128256, 4096), (4096, 14336), (40, 96 * step)):
+            for backend, sms in (("cuda", 132), ("hip", 40), ("cuda", 0)):
+                cfgs = [default_config(qtype, m, n, k, backend=backend, num_sms=sms)
+                        for m in (1, 2, 4, 8, 16, 17, 64, 4096)]
+                assert len({c[2:4] for c in cfgs}) == 1
+                block_k, split = cfgs[0][2:4]
+                assert block_k % step == 0 and k % (block_k * split) == 0
+                if backend == "cuda":
+                    assert all(c.block_n % 64 == 0 and c.num_warps in (4, 8) for c in cfgs)
 
 
 def test_checks_inputs():
@@ -115,8 +159,14 @@ def test_checks_inputs():
     with pytest.raises(InvalidRequest):
         qmatmul(x.t().contiguous().t(), blocks, int(T.Q8_0), (32, 256))  # column-major x
     q6 = torch.zeros(32, 210, dtype=torch.uint8)
-    with pytest.raises(InvalidRequest):  # Q6_K tiles are 128 columns wide
-        qmatmul_triton(x, q6, int(T.Q6_K), (32, 256), QMMConfig(16, 32, 256, 1))
+    with pytest.raises(InvalidRequest):  # Q6_K tiles are multiples of 128 columns
+        qmatmul_triton(x, q6, int(T.Q6_K), (32, 256), QMMConfig(16, 64, 64, 1))
+    with pytest.raises(InvalidRequest):  # the skinny kernel covers all rows in one block_m
+        qmatmul_triton(torch.randn(12, 256), q6, int(T.Q6_K), (32, 256),
+                       QMMConfig(8, 64, 128, 1))
+    unaligned = torch.zeros(32 * 210 + 2, dtype=torch.uint8)[2:].view(32, 210)
+    with pytest.raises(InvalidRequest):  # fields are read as aligned words
+        qmatmul_triton(x, unaligned, int(T.Q6_K), (32, 256))
 
 
 def test_cpu_path_is_the_reference(rng):

@@ -1,0 +1,207 @@
+"""The skinny (decode) path of the fused dequant-matmul: y = x @ W.T for M <= 16 rows of x,
+W kept in its GGML blocks; and the launch configs of both qmatmul paths.
+
+Decode is a GEMV: every weight byte is read once per step, so the kernel is built for
+memory bandwidth. A program owns BLOCK_N weight rows and one of SPLIT_K equal K ranges;
+per BLOCK_K step it decodes the (BLOCK_N, BLOCK_K) tile from whole GGML blocks
+(kernels/qtiles.py: contiguous runs per block, scales once per sub-block) and multiplies
+it with all of x's rows at once (BLOCK_M = 16, the smallest matrix-unit tile; the rows past
+M are masked), `acc (BN, 16) += dot(W_tile, x_tile.T)` in float32. Splitting K fills the
+device when N alone gives too few programs.
+
+Split partials are summed in a fixed order (split 0, 1, 2, ...) by the last program of
+each N tile to arrive (a per-tile ticket counter, reset by that program), so the result
+does not depend on which programs finish first and no second launch is needed.
+
+Batch invariance (DESIGN.md): the tiled path (kernels/qmatmul.py, M > 16) decodes with the
+same functions, runs the same matrix instruction over the same K order and sums the same
+splits in the same order; `k_plan` (block_k, split_k) depends on (type, N, K, backend)
+only, never on M. So a row's bits are the same alone, in a skinny and in a tiled batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from kernels import qtiles
+from kernels.qtiles import GEOMETRY
+from kernels.triton_util import HAS_TRITON, jit, launcher, tl
+
+__all__ = ["SKINNY_MAX_M", "QMMConfig", "aot_specs", "default_config", "k_plan",
+           "qgemv_triton"]
+
+SKINNY_MAX_M = 16
+# Tuned on the device by bench/gpu/qmatmul_bench.py (it prints these dicts), keyed by
+# (backend, GGML type, N, K) -> (block_k, split_k), the fields a row's bits depend on,
+# and (backend, type, M bucket, N, K) -> (block_n, num_warps, num_stages) for M <= 16.
+K_PLANS: dict[tuple[str, int, int, int], tuple[int, int]] = {}
+SKINNY_TILES: dict[tuple[str, int, int, int, int], tuple[int, int, int | None]] = {}
+M_BUCKETS = (1, 4, 16)
+# gfx1151 (RDNA 3.5, 256 VGPRs per wave): columns per step that keep a tile in registers.
+_HIP_MAX_BLOCK_K = 128
+
+
+class QMMConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int  # K is cut into split_k equal ranges, each a multiple of block_k
+    num_warps: int = 4
+    num_stages: int | None = None  # software pipelining depth; None: Triton's default
+
+
+@functools.lru_cache(maxsize=4096)
+def k_plan(ggml_type: int, n: int, k: int, backend: str, num_sms: int) -> tuple[int, int]:
+    """(block_k, split_k) of a (n, k) weight: the largest step of at most 256 columns
+    (128 on gfx1151) that divides K, and K split while the N tiles of 64 rows alone would
+    give fewer than 4 programs per compute unit (num_sms 0: no split)."""
+    tuned = K_PLANS.get((backend, ggml_type, n, k))
+    if tuned is not None:
+        return tuned
+    step = GEOMETRY[ggml_type][2]
+    cap = max(step, _HIP_MAX_BLOCK_K if backend == "hip" else 256)
+    block_k = next((b for b in (256, 128, 64, 32) if b <= cap and b % step == 0 and k % b == 0),
+                   step)
+    split = 1
+    tiles = -(-n // 64)
+    while tiles * split < 4 * num_sms and k % (4 * split * block_k) == 0 and split < 8:
+        split *= 2
+    return block_k, split
+
+
+def default_config(
+    ggml_type: int, m: int, n: int, k: int, *, backend: str = "cuda", num_sms: int = 0
+) -> QMMConfig:
+    """The launch config for a (m, k) x (n, k)^T product on `backend` ("cuda" or "hip").
+
+    Only tile shapes, warps and stages depend on m (see the module docstring). Both
+    paths keep the matrix unit's instruction family: on sm_90 block_n is a multiple of 64
+    with 4 or 8 warps (wgmma m64nNk16 for both), on gfx1151 it is always WMMA 16x16x16.
+    gfx1151 runs one pipeline stage and, tiled, 32-row tiles: the AOT build then spills
+    no VGPR but Q5_0's tiled kernel (one), `python -m kernels.aot` reports it.
+    """
+    block_k, split_k = k_plan(int(ggml_type), int(n), int(k), backend, int(num_sms))
+    hip = backend == "hip"
+    if m > SKINNY_MAX_M:
+        return QMMConfig(64, 32 if hip else 64, block_k, split_k, 4, 1 if hip else None)
+    bucket = next(b for b in M_BUCKETS if m <= b)
+    tiles = SKINNY_TILES.get((backend, int(ggml_type), bucket, int(n), int(k)))
+    if tiles is None:
+        tiles = (64, 4, 1) if hip else (64, 4, None)
+    return QMMConfig(16, tiles[0], block_k, split_k, tiles[1], tiles[2])
+
+
+if HAS_TRITON:
+
+    @jit
+    def _qgemv_kernel(
+        x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, lut_ptr, M, N, row_bytes, k_per_split,
+        stride_xm, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, TICKET: tl.constexpr,
+        DOT_F64: tl.constexpr,
+    ):
+        """y[m, n] = sum over k of x[m, k] * W[n, k] for the M (<= BLOCK_M) rows of x;
+        grid (N tiles, SPLIT_K). With SPLIT_K > 1 each program writes its partial to
+        part[split]; with TICKET the last program of the tile to arrive sums them into y."""
+        pid_n = tl.program_id(0)
+        split = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        m_ok = rm < M
+        # Rows past N read row 0 (valid memory); their results are never stored.
+        row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
+        x_rows = x_ptr + rm.to(tl.int64)[None, :] * stride_xm  # (1, BM)
+        acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+        k_begin = split * k_per_split
+        for kk in range(0, k_per_split, BLOCK_K):
+            k0 = k_begin + kk
+            w = qtiles.dequant_tile(QTYPE, w_ptr, row_off, k0, lut_ptr, BLOCK_N, BLOCK_K)
+            xt = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[:, None], mask=m_ok[None, :],
+                         other=0.0)  # (BK, BM)
+            if DOT_F64:  # interpreter: its bf16 dot is wrong and numpy's float32 matmul
+                # sums in an order that depends on the tile shape; bf16 products have 16
+                # significant bits, so float64 sums them exactly, in any order.
+                w64 = w.to(tl.bfloat16).to(tl.float64)
+                acc += tl.dot(w64, xt.to(tl.bfloat16).to(tl.float64)).to(tl.float32)
+            else:
+                acc += tl.dot(w.to(tl.bfloat16), xt.to(tl.bfloat16))
+        offs = rm.to(tl.int64)[None, :] * N + rn[:, None]  # (BN, BM) in y (M, N)
+        mask = m_ok[None, :] & (rn < N)[:, None]
+        if SPLIT_K == 1:
+            tl.store(y_ptr + offs, acc, mask=mask)
+        else:
+            tl.store(part_ptr + split.to(tl.int64) * M * N + offs, acc, mask=mask)
+            if TICKET:
+                tl.debug_barrier()  # every thread's partial is written before the ticket
+                arrived = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+                if arrived == SPLIT_K - 1:
+                    total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                    for s in tl.static_range(1, SPLIT_K):
+                        total += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0,
+                                         cache_modifier=".cg")
+                    tl.store(y_ptr + offs, total, mask=mask)
+                    tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+_TICKETS = 1 << 16  # N tiles one launch can count (N up to 4M rows at block_n 64)
+
+
+@functools.lru_cache(maxsize=16)
+def _tickets(device: torch.device) -> torch.Tensor:
+    """Per-device zeroed ticket counters; each launch leaves them zero again. Launches on
+    one stream (or one graph) take turns; concurrent streams would need their own."""
+    return torch.zeros(_TICKETS, dtype=torch.int32, device=device)
+
+
+def qgemv_triton(
+    x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, n: int, lut: torch.Tensor,
+    cfg: QMMConfig, *, ticket: bool = True,
+) -> torch.Tensor:
+    """The skinny kernel on checked inputs (kernels/qmatmul.py checks and dispatches);
+    `ticket` False sums the split partials with qmatmul's second kernel instead."""
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    tiles = -(-n // cfg.block_n)
+    ticket = ticket and tiles <= _TICKETS
+    part = y if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32,
+                                                  device=x.device)
+    counters = _tickets(x.device) if cfg.split_k > 1 and ticket else y
+    launcher(_qgemv_kernel, x.device)[(tiles, cfg.split_k)](
+        x, blocks, y, part, counters, lut, m, n, blocks.shape[1], k // cfg.split_k,
+        x.stride(0), QTYPE=int(ggml_type), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, TICKET=ticket,
+        DOT_F64=x.device.type == "cpu", num_warps=cfg.num_warps,
+        **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
+    )
+    if cfg.split_k > 1 and not ticket:
+        from kernels.qmatmul import sum_splits
+
+        sum_splits(part, y)
+    return y
+
+
+def aot_specs(spec: type) -> list:
+    """kernels/aot.py: the skinny kernel of each type (bf16 x, K split in 4 with the ticket
+    sum) with the config each backend launches at M = 1 (named `qmatmul_<type>_m16`)."""
+    if not HAS_TRITON:
+        return []
+    sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "y_ptr": "*fp32", "part_ptr": "*fp32",
+           "ticket_ptr": "*i32", "lut_ptr": "*fp32", "M": "i32", "N": "i32", "row_bytes": "i32",
+           "k_per_split": "i32", "stride_xm": "i32"}
+    divisible = ("x_ptr", "w_ptr", "y_ptr", "part_ptr", "ticket_ptr", "lut_ptr", "row_bytes",
+                 "k_per_split", "stride_xm")
+    out = []
+    for qtype in sorted(GEOMETRY):
+        for backend in ("hip", "cuda"):
+            cfg = default_config(qtype, 1, 4096, 4096, backend=backend)
+            consts = {"QTYPE": qtype, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                      "BLOCK_K": cfg.block_k, "SPLIT_K": 4, "TICKET": True, "DOT_F64": False}
+            signature = {**sig, **{k: "constexpr" for k in consts}}
+            out.append(spec(f"qmatmul_{qtiles.NAMES[qtype]}_m16", _qgemv_kernel, signature,
+                            consts, cfg.num_warps, True, backend, cfg.num_stages, divisible))
+    return out
