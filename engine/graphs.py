@@ -127,20 +127,27 @@ class DecodeGraphs:
                 and all(batch.page_tables[g].shape[1] <= self.width for g in self.groups)
                 and int(batch.seq_lens.max()) <= self.max_context)
 
+    def capture(self, bucket: int, splits: Splits) -> None:
+        """Capture the graph of `bucket` rows for `splits` unless it exists (a capture's
+        warm-up runs write K/V to the scratch pages only)."""
+        key = (bucket, tuple(sorted(splits.items())))
+        if key not in self._graphs:
+            log.info("capturing the decode graph for %d rows, key splits %s", bucket, splits)
+            self._stage_padding(0, bucket)
+            self._upload(bucket)
+            batch = self.static_batch(bucket)
+            self._graphs[key] = self._capture(lambda: self.step(batch, splits))
+
     def run(self, batch: ForwardBatch, splits: Splits) -> torch.Tensor:
         """Logits (rows, vocab) of a batch that `fits`, from its bucket's graph for `splits`
-        (enough for its longest row)."""
+        (enough for its longest row), captured first if need be."""
         n = batch.num_rows
         bucket = bucket_for(n, self.buckets)
         assert bucket is not None and self.fits(batch)
-        key = (bucket, tuple(sorted(splits.items())))
-        entry = self._graphs.get(key)
-        if entry is None:
-            entry = self._capture_graph(bucket, splits)
-            self._graphs[key] = entry
+        self.capture(bucket, splits)
+        replay, out = self._graphs[(bucket, tuple(sorted(splits.items())))]
         self._stage(batch, bucket)
         self._upload(bucket)
-        replay, out = entry
         replay()
         self.num_replays += 1
         return out[:n].clone()  # the next replay overwrites `out`
@@ -152,13 +159,6 @@ class DecodeGraphs:
                   for i, g in enumerate(self.groups)}
         return ForwardBatch(dev[:, 0], dev[:, 1], self._query_start[:bucket + 1], dev[:, 2],
                             tables, self._query_start[:bucket])
-
-    def _capture_graph(self, bucket: int, splits: Splits) -> tuple[Replay, torch.Tensor]:
-        log.info("capturing the decode graph for %d rows, key splits %s", bucket, splits)
-        self._stage_padding(0, bucket)  # warm-up runs write K/V: scratch pages only
-        self._upload(bucket)
-        batch = self.static_batch(bucket)
-        return self._capture(lambda: self.step(batch, splits))
 
     def _stage(self, batch: ForwardBatch, bucket: int) -> None:
         n, staged = batch.num_rows, self._staged

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from engine.batch import ForwardBatch
-from engine.graphs import Capturer, DecodeGraphs, is_decode_only
+from engine.graphs import Capturer, DecodeGraphs, bucket_for, is_decode_only
 from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache
 from engine.kv.pool import KVPool
@@ -62,8 +62,34 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> (len(batch.logits_rows), vocab) float32."""
         if self.graphs is not None and self.graphs.fits(batch):
-            return self.graphs.run(batch, self._decode_splits(batch))
+            splits = self._decode_splits(batch)
+            if self._captured(bucket_for(batch.num_rows, self.graphs.buckets), splits):
+                return self.graphs.run(batch, splits)
         return self.forward_eager(batch)
+
+    @torch.inference_mode()
+    def prepare_graphs(self, context: int = 1) -> int:
+        """Capture every bucket's decode graph for rows of up to `context` tokens now rather
+        than at first use (a capture stalls its step); -> graphs held."""
+        if self.graphs is None:
+            return 0
+        splits = self._splits_for(context)
+        for bucket in self.graphs.buckets:
+            if not self._captured(bucket, splits):
+                break
+        return 0 if self.graphs is None else self.graphs.num_graphs
+
+    def _captured(self, bucket: int | None, splits: dict[str, int]) -> bool:
+        """Whether a graph of `bucket` for `splits` is ready; a failed capture turns
+        graphs off (decode steps then run eagerly) instead of failing the step."""
+        assert self.graphs is not None and bucket is not None
+        try:
+            self.graphs.capture(bucket, splits)
+            return True
+        except RuntimeError:
+            log.exception("decode graph capture failed: decode steps run eagerly from now on")
+            self.graphs = None
+            return False
 
     @torch.inference_mode()
     def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
@@ -78,9 +104,11 @@ class ModelRunner:
         return self.model.logits(self.model.forward(planned, self.kv))
 
     def _decode_splits(self, batch: ForwardBatch) -> dict[str, int]:
-        """Key splits per row for a decode-only host batch: a power of two that covers its
-        longest row (few distinct graphs), at most what `max_context` needs."""
-        longest = int(batch.seq_lens.max())
+        return self._splits_for(int(batch.seq_lens.max()))
+
+    def _splits_for(self, longest: int) -> dict[str, int]:
+        """Key splits per decode row when the longest row holds `longest` tokens: a power
+        of two (few distinct graphs), at most what `max_context` needs."""
         device = torch.device(self.model.device)
         return {g: min(next_pow2(decode_splits(layer, longest, device)), self._max_splits[g])
                 for g, layer in self._layers.items()}

@@ -204,6 +204,10 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
     print(f"[{name}] loaded in {out['load_s']} s, {out['gpu_gb']} GB", flush=True)
     runner, gen = core.runner, torch.Generator().manual_seed(0)
     ctx = min(256, context)  # the decode rows' context in the forward-only figures
+    if graphs:  # every bucket now: capture time apart from the figures below
+        t0 = time.perf_counter()
+        attempt(out, "graphs_prepared", runner.prepare_graphs, ctx)
+        out["graph_prepare_s"] = round(time.perf_counter() - t0, 2)
     out["forward_ms"] = {}
     for rows in levels:
         attempt(out["forward_ms"], str(rows), forward_ms, runner, rows, ctx)
@@ -240,8 +244,11 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
             print(f"[{name}] prefill {n}: {attempt(out['prefill'], str(n), prefill)}",
                   flush=True)
         if runner.graphs is not None:
-            out["graphs"] = {"captured": list(runner.graphs.captured),
+            out["graphs"] = {"buckets": list(runner.graphs.captured),
+                             "graphs": runner.graphs.num_graphs,
                              "replays": runner.graphs.num_replays}
+        elif graphs:
+            out["graphs"] = {"error": "graphs off (a capture failed: see the log)"}
     finally:
         engine.stop()
 

@@ -165,3 +165,21 @@ def test_static_buffers_padding_and_keys():
     assert {"full": 2, "sliding": 1} in seen and seen[-1] == {"full": 1, "sliding": 1}
     too_wide = ForwardBatch.build([([1], 70)], {"full": [[0] * 5], "sliding": [[0] * 5]})
     assert not graphs.fits(too_wide)  # 5 pages > max_context 64 / 16
+
+
+def test_prepare_and_a_failed_capture(model):
+    fake = FakeCapture()
+    runner = ModelRunner(model, PAGES, 16, "f16", cuda_graphs=True, max_context=CONTEXT,
+                         capture=fake)
+    assert runner.prepare_graphs() == 7 and runner.graphs.captured == (1, 2, 4, 8, 16, 32, 64)
+
+    def broken(fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    failing = ModelRunner(model, PAGES, 16, "f16", cuda_graphs=True, max_context=CONTEXT,
+                          capture=broken)
+    plain = ModelRunner(model, PAGES, 16, "f16", max_context=CONTEXT)
+    seqs = [[SeqPages(r.pool)] for r in (failing, plain)]
+    step((failing, plain), seqs, [(0, [3, 4, 5])])
+    a, b = step((failing, plain), seqs, [(0, [6])])  # the capture fails: eager, graphs off
+    assert failing.graphs is None and torch.equal(a, b)
