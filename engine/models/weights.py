@@ -15,6 +15,7 @@ import torch
 
 from engine.errors import GGUFFormatError, InvalidRequest
 from engine.gguf import ModelFile
+from engine.kernel_select import use_triton
 from engine.layers.embedding import Embedding
 from engine.layers.ggml_linear import GGMLLinear
 from engine.layers.linear import Int8Linear, Linear, quantize_rows_int8
@@ -22,7 +23,7 @@ from kernels.dequant import dequantize
 
 INT8_SLICE_ROWS = 8192  # rows dequantized at a time when re-quantizing to int8
 # Linear weights: ggml (the file's blocks, fused dequant kernels), bf16 (dense in `dtype`),
-# auto (ggml on a GPU unless dtype asks for exact f32, dense on the CPU).
+# auto (ggml on a GPU with the Triton kernels unless dtype asks for exact f32, else dense).
 LAYOUTS = ("auto", "ggml", "bf16")
 
 
@@ -37,7 +38,7 @@ class WeightLoader:
         if layout not in LAYOUTS:
             raise InvalidRequest(f"weight layout {layout!r}: expected one of {LAYOUTS}")
         self.ggml = layout == "ggml" or (layout == "auto" and self.device.type != "cpu"
-                                         and dtype == torch.bfloat16)
+                                         and dtype == torch.bfloat16 and use_triton(self.device))
 
     def has(self, name: str) -> bool:
         return name in self.file.tensors
