@@ -12,7 +12,7 @@ The server is started with the flags that make it comparable to the in-process e
   leading piece);
 - `--verbose True`: its log (a temporary file) records each prefix reuse
   ("N prefix-match hit"), reported as `max_prefix_reuse_tokens` since the stream carries
-  no usage.
+  no usage (prompts are counted with /extras/tokenize/count, which reuses nothing).
 
 Requests carry what makes the server greedy and EOS-blind like llama-server's
 `ignore_eos`: `repeat_penalty` 1 (its default is 1.1) and a -1e9 logit bias on every
@@ -183,6 +183,15 @@ class LlamaCppServerTarget(HttpTarget):
         body["repeat_penalty"] = 1.0
         body["logit_bias"] = {str(i): EOG_BIAS for i in self.eog_ids}
         return body
+
+    async def count_tokens(self, text: str) -> int:
+        """The server's own count, BOS included, as its completions tokenize prompts; unlike
+        a 1-token completion it leaves llama.cpp's KV (and the prefix reuse it logs) alone."""
+        resp = await self._client.post(f"{self.base}/extras/tokenize/count",
+                                       json={"input": text})
+        if resp.status_code != 200:
+            raise EngineError(f"{self.base} answered {resp.status_code}: {resp.text[:300]}")
+        return int(resp.json()["count"])
 
     def describe(self) -> dict[str, Any]:
         import llama_cpp

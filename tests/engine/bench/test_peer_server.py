@@ -44,6 +44,7 @@ def test_peer_server_answers_like_llama_cpp_in_process(default_model_path):
     llm = llama_cpp.Llama(str(default_model_path), n_ctx=256, n_threads=1, verbose=False)
     expected = llm.create_completion(PROMPT, max_tokens=8, temperature=0.0,
                                      repeat_penalty=1.0)["choices"][0]["text"]
+    llm_ids = llm.tokenize(PROMPT.encode(), add_bos=True, special=True)
     llm.close()
 
     async def run():
@@ -53,19 +54,22 @@ def test_peer_server_answers_like_llama_cpp_in_process(default_model_path):
             streamed = await target.complete(Prompt(PROMPT), 8, first_token=asyncio.Event())
             body = await target._body(PROMPT, 8, stream=False)
             resp = await target._client.post(f"{target.base}/v1/completions", json=body)
+            counted = await target.count_tokens(PROMPT)
             described = target.describe()
         finally:
             await target.aclose()
-        return server, streamed, body, resp.json(), described, target.eog_ids
+        return server, streamed, body, resp.json(), described, target.eog_ids, counted
 
-    server, streamed, body, answer, described, eog_ids = asyncio.run(run())
+    server, streamed, body, answer, described, eog_ids, counted = asyncio.run(run())
     assert streamed.completion_tokens == 8 and streamed.finish_reason == "length"
     assert streamed.token_times == sorted(streamed.token_times) and streamed.ttft_s > 0
     assert answer["choices"][0]["text"] == expected  # greedy, no repeat penalty
+    assert counted == answer["usage"]["prompt_tokens"] == len(llm_ids)
+    # the same prompt twice: llama.cpp reuses all but the last token of the first
+    assert described["max_prefix_reuse_tokens"] == len(llm_ids) - 1
     assert body["repeat_penalty"] == 1.0 and body["ignore_eos"] is True
     assert set(body["logit_bias"]) == {str(i) for i in eog_ids}
     assert described["serial"] and described["n_threads"] == 1
-    assert described["max_prefix_reuse_tokens"] >= 0
     assert server.process is None and not server.log_path.exists()
     assert _refuses(server.config.host, server.port)
 
