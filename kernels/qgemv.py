@@ -28,17 +28,21 @@ import torch
 
 from kernels import qtiles
 from kernels.qtiles import GEOMETRY
-from kernels.triton_util import HAS_TRITON, jit, launcher, tl
+from kernels.triton_util import HAS_TRITON, launcher, tl, triton
 
 __all__ = ["SKINNY_MAX_M", "QMMConfig", "aot_specs", "default_config", "k_plan",
            "qgemv_triton"]
 
 SKINNY_MAX_M = 16
 # Tuned on the device by bench/gpu/qmatmul_bench.py (it prints these dicts), keyed by
-# (backend, GGML type, N, K) -> (block_k, split_k), the fields a row's bits depend on,
-# and (backend, type, M bucket, N, K) -> (block_n, num_warps, num_stages) for M <= 16.
+# (backend, GGML type, N, K) -> (block_k, split_k), the fields a row's bits depend on
+# (block_k only in the interpreter: on a GPU the matrix unit chains the same 16-column
+# steps whatever the tile), and (backend, type, M bucket, N, K) -> (block_n, num_warps,
+# num_stages) for M <= 16.
 K_PLANS: dict[tuple[str, int, int, int], tuple[int, int]] = {}
 SKINNY_TILES: dict[tuple[str, int, int, int, int], tuple[int, int, int | None]] = {}
+# (backend, type, N, K) -> (block_m, block_n, num_warps, num_stages) for M > 16.
+TILED_TILES: dict[tuple[str, int, int, int], tuple[int, int, int, int | None]] = {}
 M_BUCKETS = (1, 4, 16)
 # gfx1151 (RDNA 3.5, 256 VGPRs per wave): columns per step that keep a tile in registers.
 _HIP_MAX_BLOCK_K = 128
@@ -86,7 +90,10 @@ def default_config(
     block_k, split_k = k_plan(int(ggml_type), int(n), int(k), backend, int(num_sms))
     hip = backend == "hip"
     if m > SKINNY_MAX_M:
-        return QMMConfig(64, 32 if hip else 64, block_k, split_k, 4, 1 if hip else None)
+        tiled = TILED_TILES.get((backend, int(ggml_type), int(n), int(k)))
+        if tiled is None:
+            tiled = (64, 32, 4, 1) if hip else (64, 64, 4, None)
+        return QMMConfig(tiled[0], tiled[1], block_k, split_k, tiled[2], tiled[3])
     bucket = next(b for b in M_BUCKETS if m <= b)
     tiles = SKINNY_TILES.get((backend, int(ggml_type), bucket, int(n), int(k)))
     if tiles is None:
@@ -96,16 +103,17 @@ def default_config(
 
 if HAS_TRITON:
 
-    @jit
+    # M, N and the split count are plain arguments (not specialized on their values): one
+    # build serves every batch of up to 16 rows and every split but 1.
+    @triton.jit(do_not_specialize=["M", "N"])
     def _qgemv_kernel(
         x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, lut_ptr, M, N, row_bytes, k_per_split,
-        stride_xm, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, TICKET: tl.constexpr,
-        DOT_F64: tl.constexpr,
+        stride_xm, split_k, ticket, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F64: tl.constexpr,
     ):
         """y[m, n] = sum over k of x[m, k] * W[n, k] for the M (<= BLOCK_M) rows of x;
-        grid (N tiles, SPLIT_K). With SPLIT_K > 1 each program writes its partial to
-        part[split]; with TICKET the last program of the tile to arrive sums them into y."""
+        grid (N tiles, split_k). With split_k > 1 each program writes its partial to
+        part[split]; with `ticket` the last program of the tile to arrive sums them into y."""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -130,17 +138,18 @@ if HAS_TRITON:
                 acc += tl.dot(w.to(tl.bfloat16), xt.to(tl.bfloat16))
         offs = rm.to(tl.int64)[None, :] * N + rn[:, None]  # (BN, BM) in y (M, N)
         mask = m_ok[None, :] & (rn < N)[:, None]
-        if SPLIT_K == 1:
+        if split_k == 1:
             tl.store(y_ptr + offs, acc, mask=mask)
         else:
-            tl.store(part_ptr + split.to(tl.int64) * M * N + offs, acc, mask=mask)
-            if TICKET:
+            plane = M.to(tl.int64) * N  # elements per split in part (split_k, M, N)
+            tl.store(part_ptr + split * plane + offs, acc, mask=mask)
+            if ticket != 0:
                 tl.debug_barrier()  # every thread's partial is written before the ticket
                 arrived = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-                if arrived == SPLIT_K - 1:
+                if arrived == split_k - 1:  # the last: sum in split order, re-arm the counter
                     total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                    for s in tl.static_range(1, SPLIT_K):
-                        total += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0,
+                    for s in range(1, split_k):
+                        total += tl.load(part_ptr + s * plane + offs, mask=mask, other=0.0,
                                          cache_modifier=".cg")
                     tl.store(y_ptr + offs, total, mask=mask)
                     tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
@@ -170,12 +179,11 @@ def qgemv_triton(
     ticket = ticket and tiles <= _TICKETS
     part = y if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32,
                                                   device=x.device)
-    counters = _tickets(x.device) if cfg.split_k > 1 and ticket else y
     launcher(_qgemv_kernel, x.device)[(tiles, cfg.split_k)](
-        x, blocks, y, part, counters, lut, m, n, blocks.shape[1], k // cfg.split_k,
-        x.stride(0), QTYPE=int(ggml_type), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, TICKET=ticket,
-        DOT_F64=x.device.type == "cpu", num_warps=cfg.num_warps,
+        x, blocks, y, part, _tickets(x.device), lut, m, n, blocks.shape[1], k // cfg.split_k,
+        x.stride(0), cfg.split_k, int(ticket), QTYPE=int(ggml_type), BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F64=x.device.type == "cpu",
+        num_warps=cfg.num_warps,
         **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
     )
     if cfg.split_k > 1 and not ticket:
@@ -186,13 +194,14 @@ def qgemv_triton(
 
 
 def aot_specs(spec: type) -> list:
-    """kernels/aot.py: the skinny kernel of each type (bf16 x, K split in 4 with the ticket
-    sum) with the config each backend launches at M = 1 (named `qmatmul_<type>_m16`)."""
+    """kernels/aot.py: the skinny kernel of each type (bf16 x; split_k a plain argument, so
+    the ticket sum is built too) with the config each backend launches at M = 1 (named
+    `qmatmul_<type>_m16`)."""
     if not HAS_TRITON:
         return []
     sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "y_ptr": "*fp32", "part_ptr": "*fp32",
            "ticket_ptr": "*i32", "lut_ptr": "*fp32", "M": "i32", "N": "i32", "row_bytes": "i32",
-           "k_per_split": "i32", "stride_xm": "i32"}
+           "k_per_split": "i32", "stride_xm": "i32", "split_k": "i32", "ticket": "i32"}
     divisible = ("x_ptr", "w_ptr", "y_ptr", "part_ptr", "ticket_ptr", "lut_ptr", "row_bytes",
                  "k_per_split", "stride_xm")
     out = []
@@ -200,7 +209,7 @@ def aot_specs(spec: type) -> list:
         for backend in ("hip", "cuda"):
             cfg = default_config(qtype, 1, 4096, 4096, backend=backend)
             consts = {"QTYPE": qtype, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                      "BLOCK_K": cfg.block_k, "SPLIT_K": 4, "TICKET": True, "DOT_F64": False}
+                      "BLOCK_K": cfg.block_k, "DOT_F64": False}
             signature = {**sig, **{k: "constexpr" for k in consts}}
             out.append(spec(f"qmatmul_{qtiles.NAMES[qtype]}_m16", _qgemv_kernel, signature,
                             consts, cfg.num_warps, True, backend, cfg.num_stages, divisible))

@@ -4,7 +4,8 @@ and awaited by them, so that they overlap the interpreter tests:
 - "aot": `python -m kernels.aot --quick`, every kernel built for both targets (about a
   minute of one core when Triton's cache is cold), without TRITON_INTERPRET;
 - "smoke": bench/gpu/kernels_check.py --smoke under TRITON_INTERPRET=1 with gguf-py made
-  unimportable, as on the device machine.
+  unimportable, as on the device machine;
+- "qbench": bench/gpu/qmatmul_bench.py --smoke (two types) the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu" / "kernels_check.py"
+QBENCH = ROOT / "bench" / "gpu" / "qmatmul_bench.py"
 # Runs the script as __main__ with `import gguf` raising ImportError.
 _NO_GGUF = ("import runpy, sys; sys.modules['gguf'] = None; sys.argv = sys.argv[1:]; "
             "runpy.run_path(sys.argv[0], run_name='__main__')")
@@ -38,9 +40,11 @@ def _command(name: str, out_dir: Path) -> tuple[list[str], dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if name == "aot":
         return [sys.executable, "-m", "kernels.aot", "--quick"], env
-    assert name == "smoke", name
+    assert name in ("smoke", "qbench"), name
     env["TRITON_INTERPRET"] = "1"
-    return [sys.executable, "-c", _NO_GGUF, str(SCRIPT), "--smoke", "--out", str(out_dir)], env
+    script, extra = (SCRIPT, []) if name == "smoke" else (QBENCH, ["--types", "Q4_K,Q6_K"])
+    return [sys.executable, "-c", _NO_GGUF, str(script), "--smoke", "--out", str(out_dir),
+            *extra], env
 
 
 def start(name: str) -> None:

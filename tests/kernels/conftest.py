@@ -24,7 +24,8 @@ def interp() -> InterpreterWorker:
 
 
 # Test file -> the background check it awaits.
-BACKGROUND = {"test_aot.py": "aot", "test_kernels_check.py": "smoke"}
+BACKGROUND = {"test_aot.py": "aot", "test_kernels_check.py": "smoke",
+              "test_qmatmul_bench.py": "qbench"}
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
