@@ -58,7 +58,7 @@ def skinny_variants(name: str, m: int, n: int, k: int, plan: tuple[int, int],
     """(config, ticket) for M <= 16: at M = 1 every tile x block_k x split (WIDE types) or
     a few tiles x splits; at M = 4 and 16 the tiles at the plan's and M = 1's best split."""
     step = GEOMETRY[GGML_TYPES[name]][2]
-    tiles = [(64, 4), (128, 8), (32, 2)] + ([(64, 2), (16, 1)] if name in WIDE else [])
+    tiles = [(64, 4), (128, 8), (32, 2)] + ([(128, 4), (256, 8)] if name in WIDE else [])
     ks = [b for b in (256, 128) if b % step == 0 and k % b == 0] if name in WIDE else [plan[0]]
     out = [(QMMConfig(16, 64, *plan, 4), True)]  # the default first
     if m == 1:
