@@ -7,16 +7,18 @@ decoded to float32, rounded to bf16, and multiplied with the x tile on the matri
 `acc (BN, BM) += dot(W_tile (BN, BK), x_tile.T (BK, BM))` in float32):
 - skinny (M <= 16, kernels/qgemv.py): one program per (N tile, K split) covers every row
   of x, so each weight byte is read once; built for memory bandwidth (decode);
-- tiled (M > 16, here): a grid over (M tiles, N tiles, K splits), M fastest so the M tiles
-  that share a weight tile run together and read it from L2 (prefill).
+- tiled (M > 16, here): a grid over (M tiles, N tiles), M fastest so the M tiles that
+  share a weight tile run together and read it from L2 (prefill); the K splits are summed
+  in the program (no partials) unless the tiles alone leave compute units idle.
 
 Batch invariance (DESIGN.md): a row's result must not depend on M. The K order of the
-products, block_k and split_k depend on (type, N, K, backend) only (qgemv.k_plan); split
-partials are summed in split order on both paths; and both paths run the same matrix
-instruction family (WMMA 16x16x16 bf16 on gfx1151; wgmma m64nNk16 on sm_90, block_n a
-multiple of 64 with 4 or 8 warps, checked in the AOT build). So a row is bit-equal alone,
-in a skinny batch and in a tiled one (tested in the interpreter; on the GPU by
-bench/gpu/qmatmul_bench.py, which also checks it for every config it times).
+products, block_k and split_k depend on (type, N, K, backend) only (qgemv.k_plan); each
+split's sum starts from zero and the split sums are added in split order on both paths,
+wherever they are computed; and both paths run the same matrix instruction family (WMMA
+16x16x16 bf16 on gfx1151; wgmma m64nNk16 on sm_90, block_n a multiple of 64 with 4 or 8
+warps, checked in the AOT build). So a row is bit-equal alone, in a skinny batch and in a
+tiled one (tested in the interpreter; on the GPU by bench/gpu/qmatmul_bench.py, which
+checks it for every config it times).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from kernels.qtiles import GEOMETRY, IQ4_XS, MXFP4, NAMES
 from kernels.triton_util import HAS_TRITON, interpreter_active, jit, launcher, tl
 
 __all__ = ["QMMConfig", "SUPPORTED_TYPES", "default_config", "qmatmul", "qmatmul_reference",
-           "qmatmul_triton", "sum_splits"]
+           "qmatmul_tiled", "qmatmul_triton", "sum_splits"]
 
 SUPPORTED_TYPES = frozenset(GEOMETRY)
 # Code books of the non-linear types (kernels/dequant_simple.py, ggml-common.h).
@@ -66,36 +68,41 @@ if HAS_TRITON:
 
     @jit
     def _qmm_kernel(
-        x_ptr, w_ptr, out_ptr, lut_ptr, M, N, row_bytes, k_per_split, stride_xm,
-        QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        x_ptr, w_ptr, out_ptr, lut_ptr, M, N, row_bytes, k_per_split, splits_per_program,
+        stride_xm, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, DOT_F64: tl.constexpr,
     ):
-        """out[s, m, n] = sum over split s's K range of x[m, k] * W[n, k]."""
+        """out[z, m, n] = the sum, in split order, of each split's own K-range sum of
+        x[m, k] * W[n, k], over the `splits_per_program` splits of grid z (either all of
+        them, or one: a program sums consecutive splits exactly as the split sum would)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        split = tl.program_id(2)
+        z = tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = rm < M
         # Out-of-range rows read row 0 (valid memory); their results are never stored.
         row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
         x_rows = x_ptr + rm.to(tl.int64)[None, :] * stride_xm  # (1, BM)
-        acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
-        k_begin = split * k_per_split
-        for kk in range(0, k_per_split, BLOCK_K):
-            k0 = k_begin + kk
-            w = qtiles.dequant_tile(QTYPE, w_ptr, row_off, k0, lut_ptr, BLOCK_N, BLOCK_K)
-            xt = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[:, None], mask=m_ok[None, :],
-                         other=0.0)  # (BK, BM)
-            if DOT_F64:  # interpreter: its bf16 dot is wrong and numpy's float32 matmul
-                # sums in an order that depends on the tile shape; bf16 products have 16
-                # significant bits, so float64 sums them exactly, in any order.
-                w64 = w.to(tl.bfloat16).to(tl.float64)
-                acc += tl.dot(w64, xt.to(tl.bfloat16).to(tl.float64)).to(tl.float32)
-            else:
-                acc += tl.dot(w.to(tl.bfloat16), xt.to(tl.bfloat16))
-        out = out_ptr + split.to(tl.int64) * M * N + rm.to(tl.int64)[None, :] * N + rn[:, None]
-        tl.store(out, acc, mask=m_ok[None, :] & (rn < N)[:, None])
+        total = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+        for v in range(0, splits_per_program):
+            acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)  # each split starts at 0
+            k_begin = (z * splits_per_program + v) * k_per_split
+            for kk in range(0, k_per_split, BLOCK_K):
+                k0 = k_begin + kk
+                w = qtiles.dequant_tile(QTYPE, w_ptr, row_off, k0, lut_ptr, BLOCK_N, BLOCK_K)
+                xt = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[:, None],
+                             mask=m_ok[None, :], other=0.0)  # (BK, BM)
+                if DOT_F64:  # interpreter: its bf16 dot is wrong and numpy's float32 matmul
+                    # sums in an order that depends on the tile shape; bf16 products have 16
+                    # significant bits, so float64 sums them exactly, in any order.
+                    w64 = w.to(tl.bfloat16).to(tl.float64)
+                    acc += tl.dot(w64, xt.to(tl.bfloat16).to(tl.float64)).to(tl.float32)
+                else:
+                    acc += tl.dot(w.to(tl.bfloat16), xt.to(tl.bfloat16))
+            total = tl.where(v == 0, acc, total + acc)  # (p0 + p1) + p2 ..., as split sums
+        out = out_ptr + z.to(tl.int64) * M * N + rm.to(tl.int64)[None, :] * N + rn[:, None]
+        tl.store(out, total, mask=m_ok[None, :] & (rn < N)[:, None])
 
     @jit
     def _sum_splits_kernel(part_ptr, y_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
@@ -167,19 +174,32 @@ def qmatmul_triton(
     lut = _lut(int(ggml_type), x.device)
     if m <= SKINNY_MAX_M:
         return qgemv_triton(x, blocks, int(ggml_type), n, lut, cfg)
+    return qmatmul_tiled(x, blocks, int(ggml_type), n, lut, cfg, sms)
+
+
+def qmatmul_tiled(
+    x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, n: int, lut: torch.Tensor,
+    cfg: QMMConfig, num_sms: int,
+) -> torch.Tensor:
+    """The tiled kernel on checked inputs. The K splits of cfg run as programs of their
+    own (partials, then the split sum) while the (M, N) tiles alone would leave compute
+    units idle, else all in each program (no partials): the same sums in the same order."""
+    m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if n == 0:
         return y
-    part = y if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32,
-                                                  device=x.device)
-    grid = (-(-m // cfg.block_m), -(-n // cfg.block_n), cfg.split_k)
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    programs = cfg.split_k if cfg.split_k > 1 and tiles < num_sms else 1
+    part = y if programs == 1 else torch.empty(programs, m, n, dtype=torch.float32,
+                                               device=x.device)
+    grid = (-(-m // cfg.block_m), -(-n // cfg.block_n), programs)
     launcher(_qmm_kernel, x.device)[grid](
-        x, blocks, part, lut, m, n, blocks.shape[1], k // cfg.split_k, x.stride(0),
-        QTYPE=int(ggml_type), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_F64=x.device.type == "cpu", num_warps=cfg.num_warps,
+        x, blocks, part, lut, m, n, blocks.shape[1], k // cfg.split_k, cfg.split_k // programs,
+        x.stride(0), QTYPE=ggml_type, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, DOT_F64=x.device.type == "cpu", num_warps=cfg.num_warps,
         **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
     )
-    if cfg.split_k > 1:
+    if programs > 1:
         sum_splits(part, y)
     return y
 
@@ -205,7 +225,8 @@ def aot_specs(spec: type) -> list:
     if not HAS_TRITON:
         return []
     sig = {"x_ptr": "*fp32", "w_ptr": "*u8", "out_ptr": "*fp32", "lut_ptr": "*fp32",
-           "M": "i32", "N": "i32", "row_bytes": "i32", "k_per_split": "i32", "stride_xm": "i32"}
+           "M": "i32", "N": "i32", "row_bytes": "i32", "k_per_split": "i32",
+           "splits_per_program": "i32", "stride_xm": "i32"}
     divisible = ("x_ptr", "w_ptr", "out_ptr", "lut_ptr", "row_bytes", "k_per_split",
                  "stride_xm")
     out = []

@@ -34,6 +34,7 @@ F16_FIELDS = {T.Q4_0: (0,), T.Q5_0: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: 
               T.Q6_K: (208,), T.IQ4_XS: (0,), T.MXFP4: ()}
 KERNEL = "kernels.qmatmul:qmatmul_triton"
 SKINNY = "kernels.qgemv:qgemv_triton"  # (x, blocks, type, n, code book, config, ticket=)
+TILED = "kernels.qmatmul:qmatmul_tiled"  # (x, blocks, type, n, code book, config, num_sms)
 LUT = {T(t): torch.tensor(v, dtype=torch.float32) for t, v in _LUTS.items()}
 
 
@@ -107,8 +108,9 @@ def test_configs_split_k_and_bf16_x(interp, rng, qtype):
 def test_batch_invariance(interp, rng, qtype):
     """A row's result is bit-equal alone, in skinny batches of 3 and 16 rows (other tile
     shapes and warps, as the per-M table may pick), with the split partials summed by
-    ticket or by the second kernel, and in a tiled batch: only block_k and split_k reach
-    a row's bits, and they depend on (type, N, K) alone."""
+    ticket or by the second kernel, and in tiled batches (splits summed in one program or
+    as partials): only block_k and split_k reach a row's bits, and they depend on
+    (type, N, K) alone."""
     n, k = 72, 1024
     blocks = random_weight(qtype, n, k, rng)
     x = randn(rng, 33, k)
@@ -122,8 +124,11 @@ def test_batch_invariance(interp, rng, qtype):
     sixteen = interp.call(SKINNY, x[:16], blocks, int(qtype), n, LUT.get(qtype, torch.zeros(1)),
                           QMMConfig(16, 32, block_k, split, 2), ticket=False)
     tiled = interp.call(KERNEL, x, blocks, int(qtype), (n, k), QMMConfig(64, 64, block_k, split))
+    # The tiled kernel with the splits as programs of their own (partials, then the sum).
+    spread = interp.call(TILED, x, blocks, int(qtype), n, LUT.get(qtype, torch.zeros(1)),
+                         QMMConfig(32, 64, block_k, split), 10**6)
     assert torch.equal(alone[0], three[2]) and torch.equal(alone[0], sixteen[5])
-    assert torch.equal(alone[0], tiled[5])
+    assert torch.equal(alone[0], tiled[5]) and torch.equal(alone[0], spread[5])
     check(tiled, x, blocks, qtype)
     # The ticket counters are left at zero for the next launch.
     assert not interp.call("kernels.qgemv:_tickets", torch.device("cpu")).any()
