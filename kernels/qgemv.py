@@ -2,7 +2,7 @@
 W kept in its GGML blocks; and the launch configs of both qmatmul paths.
 
 Decode is a GEMV: every weight byte is read once per step, so the kernel is built for
-memory bandwidth. A program owns BLOCK_N weight rows and one of SPLIT_K equal K ranges;
+memory bandwidth. A program owns BLOCK_N weight rows and one of split_k equal K ranges;
 per BLOCK_K step it decodes the (BLOCK_N, BLOCK_K) tile from whole GGML blocks
 (kernels/qtiles.py: contiguous runs per block, scales once per sub-block) and multiplies
 it with all of x's rows at once (BLOCK_M = 16, the smallest matrix-unit tile; the rows past
@@ -84,8 +84,9 @@ def default_config(
     Only tile shapes, warps and stages depend on m (see the module docstring). Both
     paths keep the matrix unit's instruction family: on sm_90 block_n is a multiple of 64
     with 4 or 8 warps (wgmma m64nNk16 for both), on gfx1151 it is always WMMA 16x16x16.
-    gfx1151 runs one pipeline stage and, tiled, 32-row tiles: the AOT build then spills
-    no VGPR but Q5_0's tiled kernel (one), `python -m kernels.aot` reports it.
+    gfx1151 runs one pipeline stage and, tiled, 32-row tiles: no skinny build spills a
+    VGPR; the tiled builds of Q5_0, Q6_K, IQ4_XS and MXFP4 still spill a few (reported by
+    `python -m kernels.aot`), to be tuned on the box.
     """
     block_k, split_k = k_plan(int(ggml_type), int(n), int(k), backend, int(num_sms))
     hip = backend == "hip"

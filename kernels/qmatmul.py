@@ -165,8 +165,8 @@ def qmatmul_triton(
     """The kernel path (interpreted when the tensors are on the CPU): the skinny kernel
     for M <= 16, else the tiled one."""
     _check(x, blocks, ggml_type, shape)
-    if blocks.data_ptr() % 16:  # fields are read as aligned u16/u32 words (qtiles)
-        raise InvalidRequest("qmatmul: blocks must start at a 16-byte aligned address")
+    if blocks.data_ptr() % 4:  # fields are read as aligned u16/u32 words (qtiles)
+        raise InvalidRequest("qmatmul: blocks must start at a 4-byte aligned address")
     m, (n, k) = x.shape[0], (int(s) for s in shape)
     backend, sms = _device_info(x.device)
     cfg = config or default_config(int(ggml_type), m, n, k, backend=backend, num_sms=sms)

@@ -11,10 +11,11 @@ block) (the 128 code bytes of a Q4_K super-block are one 16-byte aligned run, so
 compiler issues 16-byte loads or async copies); the two nibbles of a byte are split,
 scaled, joined on a new minor axis and transposed back to column order (a register
 relabelling). Scales are decoded once per (row, sub-block) and broadcast. f16 fields are
-read as aligned u16 (each sits at an even offset; the kernels require 16-byte aligned
-blocks). Q6_K's 210-byte super-blocks are only 2-byte aligned: they are read as aligned
-u32 words (halves of two words joined where needed) and decoded four codes per word. The
-16-entry code books of IQ4_XS and MXFP4 are gathered from on-chip copies.
+read as aligned u16 (each sits at an even offset; the kernels require 4-byte aligned
+blocks, and issue wider loads where the launch finds more). Q6_K's 210-byte super-blocks
+are only 2-byte aligned: they are read as aligned u32 words (halves of two words joined
+where needed) and decoded four codes per word. The 16-entry code books of IQ4_XS and
+MXFP4 are gathered from on-chip copies.
 Codes are converted to float as unsigned 32-bit integers (I2FP.U32 on sm_90, one
 instruction; a signed or 8-bit source compiles to the slower I2F): a signed code is offset
 into an unsigned one and the offset is taken back in the fma.
@@ -216,7 +217,7 @@ def _tile_q6_k(w_ptr, row_off, k0, BN: tl.constexpr, BK: tl.constexpr):
     sb = row_off[:, None] + ((hg // 2) * 210)[None, :]  # (BN, NH) super-block offsets
     h = (hg % 2)[None, :]
     # u32 pointer to the aligned word at or before each super-block, and whether the
-    # super-block starts 2 bytes into it (w_ptr is 16-byte aligned, offsets are even).
+    # super-block starts 2 bytes into it (w_ptr is 4-byte aligned, offsets are even).
     p32 = w_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + sb // 4
     shifted = (sb % 4) != 0
     pl = tl.arange(0, 2)[None, None, :, None]
