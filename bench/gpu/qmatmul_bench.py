@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, wait
 from functools import partial
 from pathlib import Path
 
@@ -203,13 +203,14 @@ def precompile(run: Run, args: argparse.Namespace) -> None:
         if args.old:
             c = tuple(args.old.default_config(GGML_TYPES[name], m, n, k, num_sms=run.sms))
             tasks[("old", name, m, c)] = ("old", name, n, k, m, c, True)
-    work = [t + (args.old_rev, args.old_src) for t in tasks.values()]
-    start = time.perf_counter()
-    workers = max(1, min(16, (os.cpu_count() or 2) - 1))
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        failed = [e for e in pool.map(_warm, work) if e]
-    run.out["precompile"] = {"tasks": len(work), "seconds": time.perf_counter() - start,
-                             "failed": failed}
+    start, workers = time.perf_counter(), max(1, min(16, (os.cpu_count() or 2) - 1))
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    jobs = [pool.submit(_warm, t + (args.old_rev, args.old_src)) for t in tasks.values()]
+    done, late = wait(jobs, timeout=run.left() / 2)  # what is left builds when first run
+    pool.shutdown(wait=True, cancel_futures=True)
+    run.out["precompile"] = {"tasks": len(jobs), "late": len(late), "seconds":
+                             time.perf_counter() - start, "failed": [e for j in done
+                                                                      if (e := j.result())]}
     print("precompiled", run.out["precompile"], flush=True)
 
 
@@ -226,8 +227,7 @@ class Shape:
         w = dequantize_reference(self.blocks.view(-1), self.qtype, (n, k), torch.float64)
         self.ref = self.x.double() @ w.T  # (64, N)
         self.bound = self.x.double().abs() @ w.abs().T
-        self.w16 = w.to(torch.bfloat16)
-        del w
+        self.w16 = w.to(torch.bfloat16)  # w (float64) is freed on return
         self.lut = torch.tensor(_LUTS.get(self.qtype, (0,)), device=run.dev).float()
         self.row0: dict[int, torch.Tensor] = {}  # split_k -> row 0 of the first M=1 run
 
