@@ -38,7 +38,7 @@ class Settings:
     prefill_chunk: int = 512
     mixed_batch: bool = True
     itl_target_ms: str = "auto"  # "auto" | "off" | a number
-    dtype: str = "bf16"
+    dtype: str = "auto"
     memory_gb: float | None = None  # budget for loaded models (weights + KV); None = no limit
     no_auth: bool = False  # only allowed on a loopback host
     cors_origins: tuple[str, ...] = ()

@@ -37,7 +37,7 @@ class EngineOptions:
     mixed_batch: bool = True
     itl_target_ms: float | str | None = "auto"
     kv_quant: str = "f16"
-    dtype: str = "bf16"
+    dtype: str = "auto"  # weights: auto (int8 on CPU, bf16 on GPU), bf16, f32, int8
     max_pending_per_client: int | None = 16
     prefix_cache_fraction: float = 0.5  # extra full-layer pages for cached prefixes
     device: str = "auto"  # auto: the GPU when present

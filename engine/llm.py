@@ -22,7 +22,9 @@ from engine.sampler import Sampler, SamplerState, SamplingParams
 from engine.stop import StopChecker
 from engine.tokenizer.detok import IncrementalDetokenizer
 
-DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "int8": torch.int8}
+# Weight dtypes by name; auto (None) is int8 on the CPU, bf16 on a GPU (engine/models/weights.py)
+DTYPES: dict[str, torch.dtype | None] = {"auto": None, "bf16": torch.bfloat16,
+                                         "f32": torch.float32, "int8": torch.int8}
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +43,12 @@ class PerplexityResult:
 
 
 class LLM:
-    def __init__(self, model: str | os.PathLike = "default", *, dtype: str = "bf16",
+    def __init__(self, model: str | os.PathLike = "default", *, dtype: str = "auto",
                  context: int | None = None, kv_quant: str = "f16",
                  prefill_chunk: int = 512, device: str = "auto") -> None:
         if dtype not in DTYPES:
             raise InvalidRequest(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        self.dtype = dtype
         self.loaded: LoadedModel = load(model, DTYPES[dtype], device)
         cfg = self.loaded.config
         self.context = min(context or cfg.context_length, cfg.context_length)

@@ -66,7 +66,7 @@ def configure_cpu_threads(threads: int | None = None) -> int:
     return n
 
 
-def load(name: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
+def load(name: str | os.PathLike, dtype: torch.dtype | None = None,
          device: str | torch.device = "cpu") -> LoadedModel:
     start = time.perf_counter()
     if resolve_device(str(device)).type == "cpu":

@@ -67,7 +67,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--itl-target-ms", type=_itl_target, default="auto",
                    help="auto (default), off, or milliseconds")
     g.add_argument("--kv-quant", choices=KV_CHOICES, default="f16")
-    g.add_argument("--dtype", choices=("bf16", "f32", "int8"), default="bf16")
+    g.add_argument("--dtype", choices=("auto", "bf16", "f32", "int8"), default="auto")
 
 
 def _target_args(p: argparse.ArgumentParser, peers: bool = False) -> None:
@@ -140,7 +140,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context-tokens", type=_positive, default=400)
     p.add_argument("--teacher", choices=("prefill", "decode"), default="prefill",
                    help="feed the 98 tokens as one chunk (default) or one per forward")
-    p.add_argument("--dtype", choices=("bf16", "f32", "int8"), default="bf16")
+    p.add_argument("--dtype", choices=("auto", "bf16", "f32", "int8"), default="auto")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_kv_quality)
 

@@ -35,8 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="GGUF path or 'default' (Gemma 3 270M Q4_K_M, embedded)")
-    p.add_argument("--dtype", choices=("bf16", "f32", "int8"), default="bf16",
-                   help="CPU weight dtype (default bf16; f32 for parity checks)")
+    p.add_argument("--dtype", choices=("auto", "bf16", "f32", "int8"), default="auto",
+                   help="weights: auto (int8 on CPU, bf16 on GPU; default), bf16, "
+                   "f32 (exact, parity checks), int8 (per-row int8 codes, CPU)")
     p.add_argument("-c", "--context", type=int, default=4096, help="context tokens (default 4096)")
     p.add_argument("--kv-quant", choices=("f16", "q8", "k8v4", "k4v8", "k4v4"), default="f16")
     p.add_argument("--device", default="auto", help="auto (GPU when present, default), cpu, cuda")

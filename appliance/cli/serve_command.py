@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-chunk", type=int, help="prefill chunk tokens (default 512)")
     p.add_argument("--mixed-batch", choices=("on", "off"))
     p.add_argument("--itl-target-ms", help="auto | off | milliseconds")
-    p.add_argument("--dtype", choices=("bf16", "f32", "int8"))
+    p.add_argument("--dtype", choices=("auto", "bf16", "f32", "int8"))
     p.add_argument("--memory-gb", type=float, help="memory budget for loaded models")
     p.add_argument("--no-auth", action="store_const", const=True,
                    help="no API keys (loopback hosts only)")

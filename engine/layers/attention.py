@@ -24,6 +24,7 @@ import torch
 from engine.batch import ForwardBatch
 from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache
+from engine.layers.attention_cpu import attend_cpu
 from kernels.paged_attention import AttnConfig, AttnPlan, paged_attention, plan_attention
 from kernels.paged_attention_plan import WORK_FIELDS
 
@@ -68,6 +69,8 @@ def attend(
     kv.write(layer.index, batch.write_slots(group, kv.page_size), k, v)
     if use_triton(q.device):
         return attend_triton(layer, q, batch, kv, group)
+    if q.device.type == "cpu":
+        return attend_cpu(layer, q, batch, kv, group)
     return attend_reference(layer, q, batch, kv, group)
 
 
@@ -184,6 +187,15 @@ def _planned(batch: ForwardBatch, attn: dict[str, GroupInputs],
 def attend_reference(
     layer: AttnLayer, q: torch.Tensor, batch: ForwardBatch, kv: KVCache, group: str
 ) -> torch.Tensor:
+    """The reference: every row on its own (q (T, H, D) -> (T, H * Dv) float32)."""
+    return attend_rows(layer, q, batch, kv, group, range(batch.num_rows))
+
+
+def attend_rows(
+    layer: AttnLayer, q: torch.Tensor, batch: ForwardBatch, kv: KVCache, group: str,
+    rows: Iterable[int],
+) -> torch.Tensor:
+    """(T, H * Dv) float32 with the tokens of `rows` filled (the others left unset)."""
     num_tokens = q.shape[0]
     out = torch.empty(num_tokens, layer.num_heads * layer.head_dim_v, dtype=torch.float32,
                       device=q.device)
@@ -191,7 +203,7 @@ def attend_reference(
     starts = batch.query_start.tolist()
     seq_lens = batch.seq_lens.tolist()
     first_pos = batch.positions[batch.query_start[:-1]].tolist()
-    for row in range(batch.num_rows):
+    for row in rows:
         qs, qe = starts[row], starts[row + 1]
         q_pos = batch.positions[qs:qe]  # (ql,)
         lo = 0

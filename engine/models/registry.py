@@ -30,6 +30,6 @@ def read_config(mf: ModelFile) -> ModelConfig:
     return reader(mf)
 
 
-def load_model(mf: ModelFile, dtype: torch.dtype = torch.bfloat16,
+def load_model(mf: ModelFile, dtype: torch.dtype | None = None,
                device: torch.device | str = "cpu") -> DecoderModel:
     return DecoderModel(read_config(mf), WeightLoader(mf, dtype, device))

@@ -27,12 +27,18 @@ INT8_SLICE_ROWS = 8192  # rows dequantized at a time when re-quantizing to int8
 LAYOUTS = ("auto", "ggml", "bf16")
 
 
+def default_weight_dtype(device: torch.device) -> torch.dtype:
+    """int8 on the CPU (half the bytes of bf16, batches well; its logits stay as close to
+    exact f32 as llama.cpp's: bench/RESULTS.md), bf16 elsewhere."""
+    return torch.int8 if device.type == "cpu" else torch.bfloat16
+
+
 class WeightLoader:
-    def __init__(self, model_file: ModelFile, dtype: torch.dtype = torch.bfloat16,
+    def __init__(self, model_file: ModelFile, dtype: torch.dtype | None = None,
                  device: torch.device | str = "cpu", layout: str = "auto") -> None:
         self.file = model_file
-        self.dtype = dtype
         self.device = torch.device(device)
+        self.dtype = dtype = default_weight_dtype(self.device) if dtype is None else dtype
         if dtype == torch.int8 and self.device.type != "cpu":
             raise InvalidRequest("the int8 weight layout runs on the CPU only")
         if layout not in LAYOUTS:

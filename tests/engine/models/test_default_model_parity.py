@@ -3,7 +3,8 @@
 Judged where llama.cpp is decisive: llama.cpp disagrees with itself (flash attention on
 or off) at near-ties, so argmax agreement counts positions whose top-1/top-2 logprob gap
 is >= 0.3 nats, and a greedy continuation may first differ only at such a near-tie.
-Our default numerics (bf16 weights, f32 norms/softmax/accumulation) are what is tested.
+Both CPU weight layouts are tested: bf16 (the GGML values rounded to bf16) and int8 (per-row
+int8 codes re-quantized from them; the CPU default), with f32 norms/softmax/accumulation.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from engine.llm import LLM
 from engine.sampler import SamplingParams
@@ -37,9 +39,9 @@ def reference(default_model_path: Path):
                            logits_all=True, verbose=False, n_threads=2, seed=0)
 
 
-@pytest.fixture(scope="module")
-def ours() -> LLM:
-    return LLM("default", context=1024)
+@pytest.fixture(scope="module", params=["bf16", "int8"])
+def ours(request) -> LLM:
+    return LLM("default", dtype=request.param, context=1024)
 
 
 def _gaps(logits: np.ndarray) -> np.ndarray:
@@ -58,7 +60,9 @@ def test_teacher_forced_agreement_and_nll(reference, ours: LLM):
     got = ours.prompt_logits(ids).double().numpy()
     decisive = _gaps(want[:-1]) >= GAP
     agree = (got[:-1].argmax(-1) == want[:-1].argmax(-1))[decisive].mean()
-    assert agree >= 0.99, f"argmax agreement {agree:.4f} over {decisive.sum()} decisive positions"
+    # int8 re-quantizes each row, one more rounding than bf16's (see the KL test below)
+    want_agree = 0.99 if ours.dtype == "bf16" else 0.98
+    assert agree >= want_agree, f"argmax agreement {agree:.4f} over {decisive.sum()} positions"
 
     def mean_nll(logits: np.ndarray) -> float:
         logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
@@ -69,6 +73,28 @@ def test_teacher_forced_agreement_and_nll(reference, ours: LLM):
     result = ours.perplexity(text)  # the CLI's path gives the same numbers
     assert result.num_tokens == len(ids)
     assert abs(result.mean_nll - ours_nll) < 1e-3
+
+
+def test_int8_deviates_from_exact_math_no_more_than_llama_cpp(reference, ours: LLM):
+    """The int8 layout's distance from exact f32 math (our f32 path, itself within 8e-4 of
+    llama.cpp on all-F32 files) is at most that of llama.cpp, which rounds activations to
+    8 bits: mean KL over a 450-token text."""
+    if ours.dtype != "int8":
+        pytest.skip("the KL budget applies to the int8 layout")
+    text = (Path(__file__).parents[2] / "data" / "parity_text.txt").read_text()
+    ids = ours.encode(text)
+    exact = LLM("default", dtype="f32", context=1024).prompt_logits(ids).double()
+    reference.reset()
+    reference.eval(ids)
+    llama = torch.tensor(np.array(reference.scores[: len(ids)]), dtype=torch.float64)
+    got = ours.prompt_logits(ids).double()
+
+    def mean_kl(logits: torch.Tensor) -> float:
+        p = exact.log_softmax(-1)
+        return float((p.exp() * (p - logits.log_softmax(-1))).sum(-1).mean())
+
+    ours_kl, llama_kl = mean_kl(got), mean_kl(llama)
+    assert ours_kl <= 1.2 * llama_kl, (ours_kl, llama_kl)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
