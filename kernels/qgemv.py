@@ -84,16 +84,15 @@ def default_config(
     Only tile shapes, warps and stages depend on m (see the module docstring). Both
     paths keep the matrix unit's instruction family: on sm_90 block_n is a multiple of 64
     with 4 or 8 warps (wgmma m64nNk16 for both), on gfx1151 it is always WMMA 16x16x16.
-    gfx1151 runs one pipeline stage and, tiled, 32-row tiles: no skinny build spills a
-    VGPR; the tiled builds of Q5_0, Q6_K, IQ4_XS and MXFP4 still spill a few (reported by
-    `python -m kernels.aot`), to be tuned on the box.
+    gfx1151 runs one pipeline stage and, tiled, 32-row tiles with 8 waves: no build spills
+    a VGPR there (`python -m kernels.aot` reports spills); speed is to be tuned on the box.
     """
     block_k, split_k = k_plan(int(ggml_type), int(n), int(k), backend, int(num_sms))
     hip = backend == "hip"
     if m > SKINNY_MAX_M:
         tiled = TILED_TILES.get((backend, int(ggml_type), int(n), int(k)))
         if tiled is None:
-            tiled = (64, 32, 4, 1) if hip else (64, 64, 4, None)
+            tiled = (64, 32, 8, 1) if hip else (64, 64, 4, None)
         return QMMConfig(tiled[0], tiled[1], block_k, split_k, tiled[2], tiled[3])
     bucket = next(b for b in M_BUCKETS if m <= b)
     tiles = SKINNY_TILES.get((backend, int(ggml_type), bucket, int(n), int(k)))
