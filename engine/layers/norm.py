@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x (..., dim) -> float32 x / rms(x) * weight. GGUF norm weights already hold Gemma's +1."""
+    """x (..., dim) -> float32 x / rms(x) * weight. GGUF norm weights already hold Gemma's +1.
+
+    torch's fused rms_norm: one kernel instead of five, each row on its own (batch-invariant).
+    """
     x = x.float()
-    out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return out if weight is None else out * weight
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
