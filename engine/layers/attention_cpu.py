@@ -9,7 +9,8 @@ with several query tokens (prefill chunks, verify rows) run the reference's per-
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import threading
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -22,6 +23,18 @@ if TYPE_CHECKING:
 KEY_BUCKET = 64  # keys per decode row are padded to a multiple of this
 
 
+_memo = threading.local()  # the last step's decode plans, per engine thread
+
+
+class _Bucket(NamedTuple):
+    """Decode rows whose keys pad to the same width, with their gather slots."""
+
+    tokens: torch.Tensor  # (R,) token index of each row in the step
+    slots: torch.Tensor  # (R * width,) KV slots, padded keys re-read the row's last key
+    valid: torch.Tensor  # (R, 1, 1, width) bool
+    width: int
+
+
 def attend_cpu(
     layer: AttnLayer, q: torch.Tensor, batch: ForwardBatch, kv: KVCache, group: str
 ) -> torch.Tensor:
@@ -29,7 +42,6 @@ def attend_cpu(
     from engine.layers.attention import attend_rows  # the per-row reference path
 
     starts = batch.query_start.tolist()
-    seq_lens = batch.seq_lens.tolist()
     decode = [r for r in range(batch.num_rows) if starts[r + 1] - starts[r] == 1]
     if not decode:
         return attend_rows(layer, q, batch, kv, group, range(batch.num_rows))
@@ -39,31 +51,49 @@ def attend_cpu(
         part = attend_rows(layer, q, batch, kv, group, others)
         for r in others:
             out[starts[r]:starts[r + 1]] = part[starts[r]:starts[r + 1]]
-    buckets: dict[int, list[tuple[int, int, int]]] = {}  # bucket -> [(row, first key, keys)]
-    for r in decode:
-        lo = 0 if layer.window is None else max(0, seq_lens[r] - layer.window)
-        n = seq_lens[r] - lo
-        buckets.setdefault(-(-n // KEY_BUCKET) * KEY_BUCKET, []).append((r, lo, n))
-    for width, rows in buckets.items():
-        token = torch.tensor([starts[r] for r, _, _ in rows])
-        out[token] = _decode_bucket(layer, q[token], batch, kv, group, rows, width)
+    for bucket in _plan(batch, kv, group, layer.window, decode, starts):
+        out[bucket.tokens] = _decode_bucket(layer, q[bucket.tokens], kv, bucket)
     return out
 
 
-def _decode_bucket(layer: AttnLayer, q: torch.Tensor, batch: ForwardBatch, kv: KVCache,
-                   group: str, rows: list[tuple[int, int, int]], width: int) -> torch.Tensor:
-    """q (R, H, D) of R decode rows whose keys fit `width` -> (R, H * Dv)."""
-    num_rows, groups = len(rows), layer.num_heads // layer.num_kv_heads
+def _plan(batch: ForwardBatch, kv: KVCache, group: str, window: int | None,
+          decode: list[int], starts: list[int]) -> list[_Bucket]:
+    """The decode rows' buckets for one (group, window): made once per step, shared by
+    every layer of the group."""
+    if getattr(_memo, "batch", None) is not batch:
+        _memo.batch, _memo.plans = batch, {}
+    plans = _memo.plans
+    key = (group, window)
+    if key not in plans:
+        seq_lens = batch.seq_lens.tolist()
+        by_width: dict[int, list[tuple[int, int, int]]] = {}  # width -> [(row, lo, keys)]
+        for r in decode:
+            lo = 0 if window is None else max(0, seq_lens[r] - window)
+            n = seq_lens[r] - lo
+            by_width.setdefault(-(-n // KEY_BUCKET) * KEY_BUCKET, []).append((r, lo, n))
+        plans[key] = [_bucket(batch, kv, group, rows, width, starts)
+                      for width, rows in by_width.items()]
+    return plans[key]
+
+
+def _bucket(batch: ForwardBatch, kv: KVCache, group: str, rows: list[tuple[int, int, int]],
+            width: int, starts: list[int]) -> _Bucket:
     row_ids = torch.tensor([r for r, _, _ in rows])
     first = torch.tensor([lo for _, lo, _ in rows])
     count = torch.tensor([n for _, _, n in rows])
     offset = torch.arange(width)
-    valid = offset[None, :] < count[:, None]  # (R, width)
-    # padded keys re-read the row's last key (always a real slot); the mask drops them
     k_pos = first[:, None] + torch.minimum(offset[None, :], count[:, None] - 1)
     pages = batch.page_tables[group][row_ids[:, None], k_pos // kv.page_size]
-    slots = pages * kv.page_size + k_pos % kv.page_size
-    keys, values = kv.read(layer.index, slots.reshape(-1))
+    slots = (pages * kv.page_size + k_pos % kv.page_size).reshape(-1)
+    valid = (offset[None, :] < count[:, None])[:, None, None, :]
+    return _Bucket(torch.tensor([starts[r] for r, _, _ in rows]), slots, valid, width)
+
+
+def _decode_bucket(layer: AttnLayer, q: torch.Tensor, kv: KVCache,
+                   bucket: _Bucket) -> torch.Tensor:
+    """q (R, H, D) of one bucket's decode rows -> (R, H * Dv)."""
+    num_rows, groups, width = q.shape[0], layer.num_heads // layer.num_kv_heads, bucket.width
+    keys, values = kv.read(layer.index, bucket.slots)
     keys = keys.view(num_rows, width, layer.num_kv_heads, layer.head_dim)
     values = values.view(num_rows, width, layer.num_kv_heads, layer.head_dim_v)
     qr = q.view(num_rows, layer.num_kv_heads, groups, layer.head_dim)
@@ -72,7 +102,7 @@ def _decode_bucket(layer: AttnLayer, q: torch.Tensor, batch: ForwardBatch, kv: K
     scores = torch.matmul(qr, keys_t) * layer.scale  # (R, KVH, G, width)
     if layer.softcap is not None:
         scores = torch.tanh(scores / layer.softcap) * layer.softcap
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    scores = scores.masked_fill(~bucket.valid, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     rows_out = torch.matmul(probs, values.transpose(1, 2).contiguous())  # (R, KVH, G, Dv)
     return rows_out.reshape(num_rows, -1)
