@@ -1,0 +1,196 @@
+"""Host (Python) cost of one engine decode step at 1 / 16 / 64 rows, the forward excluded.
+
+    python bench/scripts/host_overhead.py [--rows 1,16,64] [--steps 150] [--prompt 32]
+        [--modes greedy,topp,full] [--engine] [--profile greedy:64] [--json]
+
+A tiny synthetic Llama with a real vocabulary (ggml-vocab-llama-bpe.gguf from the
+llama-cpp-python sdist; by default the copy the tests unpack into ~/.cache/mbufo-tests)
+runs through the real EngineCore, Scheduler, ModelRunner with decode graphs on, Sampler,
+detokenizer and stop checks. Only the model is replaced: the "graph" that the runner
+captures and replays returns fixed random logits (`--width` columns, ids below it are
+real tokens of the vocabulary), and eager steps (prefill) return the same. So a decode step
+costs exactly its host work: planning, batch building, graph staging, sampling (small
+tensor ops, as cheap here as their launches are on a GPU), detokenization, stop checks and
+output chunks. The figure per step is the median over `--repeats` runs of `--steps`
+decode-only steps each; `stats` is EngineStats (Engine calls it after every step).
+
+Modes: greedy (temperature 0); topp (temperature 0.8, top_p 0.95, a seed per request);
+full (topp + repetition/frequency penalties, 5 logprobs and a stop string).
+`--engine` also runs the Engine thread with one consuming thread per stream (as
+bench/gpu/engine_bench.py does) and reports its decode steps per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from engine.core import EngineCore  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.loader import load  # noqa: E402
+from engine.runner import ModelRunner  # noqa: E402
+from engine.sampler import SamplingParams  # noqa: E402
+from engine.scheduler.request import Request  # noqa: E402
+from engine.scheduler.scheduler import SchedulerConfig  # noqa: E402
+from engine.synthetic import SyntheticSpec, write_synthetic_gguf  # noqa: E402
+
+VOCAB = (Path.home() / ".cache" / "mbufo-tests" / "llama_cpp_python-0.3.36" / "vendor"
+         / "llama.cpp" / "models" / "ggml-vocab-llama-bpe.gguf")
+PAGE_SIZE = 16
+MODES = {
+    "greedy": dict(temperature=0.0),
+    "topp": dict(temperature=0.8, top_p=0.95),
+    "full": dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1, frequency_penalty=0.2,
+                 logprobs=5, stop=("\n\n\n\n\n",)),
+}
+
+
+class StaticGraph:
+    """Stands in for CUDA graph capture: the captured step is run once (it returns fixed
+    logits, see `make_core`) and a replay does nothing."""
+
+    def __call__(self, fn):
+        out = fn()
+        return (lambda: None), out
+
+
+def make_core(path: Path, rows: int, context: int, width: int) -> EngineCore:
+    loaded = load(path, torch.float32, "cpu")
+    pages = rows * -(-context // PAGE_SIZE) + 8
+    runner = ModelRunner(loaded.model, pages, PAGE_SIZE, cuda_graphs=True, max_context=context,
+                         capture=StaticGraph())
+    logits = torch.randn(64, width, generator=torch.Generator().manual_seed(0)) * 3
+    assert runner.graphs is not None
+    runner.graphs.step = lambda batch, splits: logits[:batch.num_rows]
+    runner.forward_eager = lambda batch: logits[:len(batch.logits_rows)].clone()
+    config = SchedulerConfig(max_sessions=rows, context=context, prefill_chunk=512,
+                             itl_target_ms=None, prefix_cache=False)
+    return EngineCore(runner, loaded.tokenizer, config, vocab_size=width)
+
+
+def requests(rows: int, mode: str, prompt: int, max_tokens: int, width: int,
+             tag: str) -> list[Request]:
+    g = torch.Generator().manual_seed(rows)
+    out = []
+    for i in range(rows):
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i, **MODES[mode])
+        ids = tuple(torch.randint(1, width, (prompt,), generator=g).tolist())
+        out.append(Request(f"{tag}-{i}", ids, params))
+    return out
+
+
+def decode_ms(core: EngineCore, rows: int, mode: str, args, tag: str) -> tuple[float, float]:
+    """(step ms, stats ms) per decode-only step, all `rows` rows decoding."""
+    for r in requests(rows, mode, args.prompt, args.steps + 8, args.width, tag):
+        core.add(r)
+    while len(core.scheduler.decode_queue) < rows:  # prefill (and the first token)
+        core.step()
+    for _ in range(3):  # captures, first-use caches
+        core.step()
+    step_s = stats_s = 0.0
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        core.step()
+        t1 = time.perf_counter()
+        core.stats()
+        step_s += t1 - t0
+        stats_s += time.perf_counter() - t1
+    for r in list(core.scheduler.seqs):
+        core.abort(r)
+    while core.has_work():
+        core.step()
+    return step_s / args.steps * 1e3, stats_s / args.steps * 1e3
+
+
+def engine_steps_per_s(path: Path, rows: int, mode: str, args) -> float:
+    """Decode steps per second of the Engine thread with one consumer thread per stream."""
+    core = make_core(path, rows, args.prompt + args.steps + 64, args.width)
+    engine = Engine(core, "host-overhead").start()
+    marks: list[tuple[float, int]] = []
+
+    def consume(req: Request) -> None:
+        for chunk in engine.stream(req, timeout=120):
+            if chunk.request_id.endswith("-0"):
+                marks.append((time.perf_counter(), core.num_steps))
+
+    threads = [threading.Thread(target=consume, args=(r,))
+               for r in requests(rows, mode, args.prompt, args.steps, args.width, "eng")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    engine.stop()
+    (t0, s0), (t1, s1) = marks[len(marks) // 4], marks[-2]  # all rows decoding
+    return (s1 - s0) / (t1 - t0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,16,64")
+    ap.add_argument("--modes", default="greedy,topp,full")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per stream")
+    ap.add_argument("--width", type=int, default=1024, help="logits columns")
+    ap.add_argument("--vocab", default=str(VOCAB))
+    ap.add_argument("--engine", action="store_true", help="also time the Engine thread")
+    ap.add_argument("--profile", default=None, help="MODE:ROWS: cProfile one run, top 25")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if not Path(args.vocab).exists():
+        sys.exit(f"no vocabulary at {args.vocab}: run the tokenizer tests once (they unpack "
+                 "the llama-cpp-python sdist) or pass --vocab")
+    torch.set_num_threads(1)
+    spec = SyntheticSpec("llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                         head_dim=16, ffn_size=128)
+    path = Path(tempfile.gettempdir()) / f"host_overhead_{os.getuid()}.gguf"
+    if not path.exists():
+        write_synthetic_gguf(path, spec, args.vocab, seed=0)
+    levels = [int(r) for r in args.rows.split(",")]
+    context = args.prompt + args.steps + 64
+    result: dict = {"steps": args.steps, "prompt": args.prompt, "width": args.width}
+    if args.profile:
+        mode, rows = args.profile.split(":")
+        core = make_core(path, int(rows), context, args.width)
+        prof = cProfile.Profile()
+        prof.enable()
+        decode_ms(core, int(rows), mode, args, "prof")
+        prof.disable()
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+    for mode in args.modes.split(","):
+        for rows in levels:
+            core = make_core(path, rows, context, args.width)
+            runs = [decode_ms(core, rows, mode, args, f"{mode}{rows}-{k}")
+                    for k in range(args.repeats)]
+            step = statistics.median(r[0] for r in runs)
+            stats = statistics.median(r[1] for r in runs)
+            result[f"{mode}@{rows}"] = {"step_ms": round(step, 3), "stats_ms": round(stats, 3)}
+            print(f"{mode:>6} @ {rows:>2} rows: step {step:7.3f} ms  stats {stats:6.3f} ms  "
+                  f"({step / rows * 1e3:6.1f} us per row)", file=sys.stderr, flush=True)
+    if args.engine:
+        for rows in levels:
+            sps = engine_steps_per_s(path, rows, "greedy", args)
+            result[f"engine@{rows}"] = {"steps_per_s": round(sps, 1),
+                                        "ms_per_step": round(1e3 / sps, 3)}
+            print(f"engine greedy @ {rows:>2} rows: {sps:7.1f} steps/s ({1e3 / sps:6.3f} ms "
+                  f"per step, {rows} consumer threads)", file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
