@@ -155,6 +155,50 @@ if HAS_TRITON:
                     tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
+    @triton.jit(do_not_specialize=["M", "N"])
+    def _qgemv_fma_kernel(
+        x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, lut_ptr, M, N, row_bytes, k_per_split,
+        stride_xm, split_k, ticket, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """The same product without the matrix unit (an experiment for decode): float32
+        weights times x in per-thread fma chains, (BM, BN, BK) partial sums reduced over K
+        once at the end. Not bit-equal to the matrix-unit kernels."""
+        pid_n = tl.program_id(0)
+        split = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        m_ok = rm < M
+        row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
+        x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm  # (BM, 1)
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
+        k_begin = split * k_per_split
+        for kk in range(0, k_per_split, BLOCK_K):
+            k0 = k_begin + kk
+            w = qtiles.dequant_tile(QTYPE, w_ptr, row_off, k0, lut_ptr, BLOCK_N, BLOCK_K)
+            xk = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=m_ok[:, None],
+                         other=0.0).to(tl.float32)  # (BM, BK)
+            acc += w[None, :, :] * xk[:, None, :]
+        total = tl.sum(acc, axis=2)  # (BM, BN)
+        offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
+        mask = m_ok[:, None] & (rn < N)[None, :]
+        if split_k == 1:
+            tl.store(y_ptr + offs, total, mask=mask)
+        else:
+            plane = M.to(tl.int64) * N
+            tl.store(part_ptr + split * plane + offs, total, mask=mask)
+            if ticket != 0:
+                tl.debug_barrier()
+                arrived = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+                if arrived == split_k - 1:
+                    total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                    for s in range(1, split_k):
+                        total += tl.load(part_ptr + s * plane + offs, mask=mask, other=0.0,
+                                         cache_modifier=".cg")
+                    tl.store(y_ptr + offs, total, mask=mask)
+                    tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
 _TICKETS = 1 << 16  # N tiles one launch can count (N up to 4M rows at block_n 64)
 
 
@@ -167,10 +211,12 @@ def _tickets(device: torch.device) -> torch.Tensor:
 
 def qgemv_triton(
     x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, n: int, lut: torch.Tensor,
-    cfg: QMMConfig, *, ticket: bool = True,
+    cfg: QMMConfig, *, ticket: bool = True, fma: bool = False,
 ) -> torch.Tensor:
     """The skinny kernel on checked inputs (kernels/qmatmul.py checks and dispatches);
-    `ticket` False sums the split partials with qmatmul's second kernel instead."""
+    `ticket` False sums the split partials with qmatmul's second kernel instead; `fma`
+    runs the experimental kernel without the matrix unit (cfg.block_m >= M rows, any
+    power of two; its bits differ from the matrix-unit kernels')."""
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
@@ -179,11 +225,12 @@ def qgemv_triton(
     ticket = ticket and tiles <= _TICKETS
     part = y if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32,
                                                   device=x.device)
-    launcher(_qgemv_kernel, x.device)[(tiles, cfg.split_k)](
+    kernel, extra = ((_qgemv_fma_kernel, {}) if fma else
+                     (_qgemv_kernel, {"DOT_F64": x.device.type == "cpu"}))
+    launcher(kernel, x.device)[(tiles, cfg.split_k)](
         x, blocks, y, part, _tickets(x.device), lut, m, n, blocks.shape[1], k // cfg.split_k,
         x.stride(0), cfg.split_k, int(ticket), QTYPE=int(ggml_type), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F64=x.device.type == "cpu",
-        num_warps=cfg.num_warps,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **extra,
         **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
     )
     if cfg.split_k > 1 and not ticket:
@@ -196,7 +243,7 @@ def qgemv_triton(
 def aot_specs(spec: type) -> list:
     """kernels/aot.py: the skinny kernel of each type (bf16 x; split_k a plain argument, so
     the ticket sum is built too) with the config each backend launches at M = 1 (named
-    `qmatmul_<type>_m16`)."""
+    `qmatmul_<type>_m16`), and the experimental kernel without the matrix unit."""
     if not HAS_TRITON:
         return []
     sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "y_ptr": "*fp32", "part_ptr": "*fp32",
@@ -213,4 +260,8 @@ def aot_specs(spec: type) -> list:
             signature = {**sig, **{k: "constexpr" for k in consts}}
             out.append(spec(f"qmatmul_{qtiles.NAMES[qtype]}_m16", _qgemv_kernel, signature,
                             consts, cfg.num_warps, True, backend, cfg.num_stages, divisible))
+        consts = {"QTYPE": qtype, "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 256}
+        out.append(spec(f"qgemv_fma_{qtiles.NAMES[qtype]}", _qgemv_fma_kernel,
+                        {**sig, **{k: "constexpr" for k in consts}}, consts, 4, False, None,
+                        None, divisible))
     return out

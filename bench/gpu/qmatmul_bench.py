@@ -10,8 +10,9 @@ product of kernels.dequant's reference (within 2^-7 |x| |W|) and its row 0 again
 at the same split, bit for bit (batch invariance). Times: CUDA graph replays of launches
 over enough weight copies to miss the L2, as decode reads each weight once per step; the
 ceiling is a 1 GiB device copy, the baselines torch bf16 matmul on dequantized weights and
-the previous kernel (git --old-rev or --old-src, else its recorded 2026-11-29 times).
-Writes $OUT/qmatmul_bench.json; prints the table and the config dicts last.
+the previous kernel (git --old-rev or --old-src). "fma" rows: the experimental skinny
+kernel without the matrix unit (its bits differ from the others'). Writes
+$OUT/qmatmul_bench.json; prints the table and the config dicts last.
 """
 
 from __future__ import annotations
@@ -40,16 +41,13 @@ from kernels_check import GGML_TYPES, random_blocks  # noqa: E402
 
 from kernels import qgemv  # noqa: E402
 from kernels.dequant import dequantize_reference  # noqa: E402
-from kernels.qmatmul import _LUTS, QMMConfig, qmatmul_tiled, qmatmul_triton  # noqa: E402
+from kernels.qmatmul import QMMConfig, _lut, qmatmul_tiled, qmatmul_triton  # noqa: E402
 from kernels.qtiles import GEOMETRY  # noqa: E402
 
-TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K", "Q5_0", "IQ4_XS", "MXFP4"]
-WIDE = ("Q4_K", "Q6_K")
+TYPES, WIDE = ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K", "Q5_0", "IQ4_XS", "MXFP4"], ("Q4_K", "Q6_K")
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
 MS = (1, 4, 16, 64)
 OLD_REV = "ea7adbd"  # the last revision of the first kernels (bench/RESULTS.md 2026-11-29)
-RECORDED_OLD = ROOT / "bench" / "results" / "2026-11-29-h200-kernels.json"
-RECORDED_SHAPES = {(4096, 4096): "o", (4096, 14336): "down", (128256, 4096): "head"}
 L2_MISS_BYTES = 256 << 20  # weight copies per timing: 5x the H200's L2
 
 
@@ -58,15 +56,14 @@ def skinny_variants(name: str, m: int, n: int, k: int, plan: tuple[int, int],
     """(config, ticket) for M <= 16: at M = 1 every tile x block_k x split (WIDE types) or
     a few tiles x splits; at M = 4 and 16 the tiles at the plan's and M = 1's best split."""
     step = GEOMETRY[GGML_TYPES[name]][2]
-    tiles = [(64, 4), (128, 8), (32, 2)] + ([(128, 4), (256, 8)] if name in WIDE else [])
+    tiles = [(64, 4), (32, 2)] + ([(128, 4), (128, 8)] if name in WIDE else [])
     ks = [b for b in (256, 128) if b % step == 0 and k % b == 0] if name in WIDE else [plan[0]]
     out = [(QMMConfig(16, 64, *plan, 4), True)]  # the default first
     if m == 1:
         out += [(QMMConfig(16, bn, bk, s, w), True) for bn, w in tiles for bk in ks
                 for s in (1, 2, 4, 8)]
-        if name in WIDE:
-            out += [(QMMConfig(16, 64, *plan, 4, st), True) for st in (2, 4)]
-            out += [(QMMConfig(16, 64, *plan, 4), False)]  # second-kernel split sum
+        if name in WIDE:  # pipeline depths, and the split sum by a second kernel
+            out += [(QMMConfig(16, 64, *plan, 4, st or None), st > 0) for st in (2, 4, 0)]
     else:
         out += [(QMMConfig(16, bn, bk, s, w), True) for bn, w in tiles
                 for bk, s in sorted({plan, best or plan})]
@@ -80,25 +77,30 @@ def tiled_variants(name: str, k: int, plan: tuple[int, int], best: tuple[int, in
     return [(c, t) for c, t in out if k % (c.block_k * c.split_k) == 0]
 
 
-def label(cfg: QMMConfig, ticket: bool = True) -> str:
-    return (f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} s{cfg.split_k} w{cfg.num_warps}"
-            + ("" if cfg.num_stages is None else f" st{cfg.num_stages}")
-            + ("" if ticket or cfg.split_k == 1 else " sum2"))
+def fma_variants(name: str, m: int, k: int) -> list[tuple[QMMConfig, bool]]:
+    """The kernel without the matrix unit (M = 1 and 4): tiles x block_k x warps x split."""
+    tiles = [(16, 256, 4), (32, 256, 4)] + ([(16, 512, 4), (8, 256, 2), (16, 128, 2)]
+                                            if name in WIDE else [])
+    out = [(QMMConfig(1 if m == 1 else 4, bn, bk, s, w), True) for bn, bk, w in tiles
+           for s in (1, 2, 4, 8)]
+    return [(c, t) for c, t in out if k % (c.block_k * c.split_k) == 0]
+
+
+def label(c: QMMConfig, ticket: bool = True) -> str:
+    return (f"bm{c.block_m} bn{c.block_n} bk{c.block_k} s{c.split_k} w{c.num_warps}" + (
+        "" if c.num_stages is None else f" st{c.num_stages}") + ("" if ticket else " sum2"))
 
 
 class Run:
     def __init__(self, args: argparse.Namespace) -> None:
-        self.smoke = args.smoke
+        self.smoke, seed = args.smoke, int(time.time())
         self.dev = torch.device("cpu" if args.smoke else "cuda")
         self.deadline = time.perf_counter() + args.budget_s
-        seed = int(time.time())
         self.gen = torch.Generator(self.dev).manual_seed(seed)
         self.sms = 0 if args.smoke else torch.cuda.get_device_properties(0).multi_processor_count
-        self.out: dict = {"seed": seed, "rows": [], "errors": [], "skipped": [],
-                          "method": "CUDA graph replay of launches over distinct weight copies "
-                                    f"(>= {L2_MISS_BYTES >> 20} MiB per replay), us per launch"}
+        self.out: dict = {"seed": seed, "rows": [], "errors": [], "skipped": []}
 
-    def left(self) -> float:
+    def left(self) -> float:  # seconds
         return self.deadline - time.perf_counter()
 
     def attempt(self, what: str, fn):
@@ -135,11 +137,11 @@ class Run:
 
 
 def ceilings(run: Run) -> dict:
-    n = 1 << (20 if run.smoke else 30)
-    src = torch.empty(n, dtype=torch.uint8, device=run.dev).random_(generator=run.gen)
+    """Read + write GB/s of an SM copy kernel over 1 GiB (not a copy-engine memcpy node)."""
+    src = torch.rand(1 << (18 if run.smoke else 28), device=run.dev, generator=run.gen)
     dst = torch.empty_like(src)
-    return {"copy_gb_s": 2 * n / run.time_us([lambda: dst.copy_(src)]) / 1e3,
-            "datasheet_gb_s": 4800.0}
+    return {"copy_gb_s": 8 * src.numel() / run.time_us([partial(torch.mul, src, 1.0, out=dst)])
+            / 1e3}
 
 
 def load_old(args: argparse.Namespace):
@@ -167,15 +169,16 @@ def _warm(task: tuple) -> str:
     kind, name, n, k, m, cfg, ticket, old_rev, old_src = task
     try:
         qtype, dev = GGML_TYPES[name], torch.device("cuda")
-        block, size, _ = GEOMETRY[qtype]
-        blocks = torch.zeros(n, k // block * size, dtype=torch.uint8, device=dev)
+        blocks = torch.zeros(n, k // GEOMETRY[qtype][0] * GEOMETRY[qtype][1], dtype=torch.uint8,
+                             device=dev)
         x = torch.zeros(m, k, dtype=torch.bfloat16, device=dev)
-        lut = torch.tensor(_LUTS.get(qtype, (0,)), device=dev).float()
+        lut = _lut(qtype, dev)
         if kind == "old":
-            args = argparse.Namespace(old_src=old_src, old_rev=old_rev)
-            load_old(args).qmatmul_triton(x, blocks, qtype, (n, k))
-        elif kind == "skinny":
-            qgemv.qgemv_triton(x, blocks, qtype, n, lut, QMMConfig(*cfg), ticket=ticket)
+            load_old(argparse.Namespace(old_src=old_src, old_rev=old_rev)).qmatmul_triton(
+                x, blocks, qtype, (n, k))
+        elif kind in ("skinny", "fma"):
+            qgemv.qgemv_triton(x, blocks, qtype, n, lut, QMMConfig(*cfg), ticket=ticket,
+                               fma=kind == "fma")
         else:  # splits summed in the program, and spread over programs
             for sms in (0, 1 << 20):
                 qmatmul_tiled(x, blocks, qtype, n, lut, QMMConfig(*cfg), sms)
@@ -194,9 +197,11 @@ def precompile(run: Run, args: argparse.Namespace) -> None:
                             for m in MS):
         plan = qgemv.k_plan(GGML_TYPES[name], n, k, "cuda", run.sms)
         if m <= 16:
-            for cfg, ticket in skinny_variants(name, m, n, k, plan, None):
+            fmas = [("fma", c, t) for c, t in fma_variants(name, m, k)] if m in (1, 4) else []
+            for kind, cfg, ticket in [("skinny", c, t) for c, t in skinny_variants(
+                    name, m, n, k, plan, None)] + fmas:
                 for c in {tuple(cfg._replace(split_k=1)), tuple(cfg._replace(split_k=2))}:
-                    tasks[("skinny", name, c, ticket)] = ("skinny", name, 128, 4096, 1, c, ticket)
+                    tasks[(kind, name, c, ticket)] = (kind, name, 128, 4096, c[0], c, ticket)
         else:
             for cfg, _ in tiled_variants(name, k, plan, (128, plan[1])):
                 tasks[("tiled", name, tuple(cfg))] = ("tiled", name, 128, 4096, m, tuple(cfg), 1)
@@ -208,9 +213,8 @@ def precompile(run: Run, args: argparse.Namespace) -> None:
     jobs = [pool.submit(_warm, t + (args.old_rev, args.old_src)) for t in tasks.values()]
     done, late = wait(jobs, timeout=run.left() / 2)  # what is left builds when first run
     pool.shutdown(wait=True, cancel_futures=True)
-    run.out["precompile"] = {"tasks": len(jobs), "late": len(late), "seconds":
-                             time.perf_counter() - start, "failed": [e for j in done
-                                                                      if (e := j.result())]}
+    run.out["precompile"] = {"tasks": len(jobs), "late": len(late), "seconds": time.perf_counter()
+                             - start, "failed": [e for j in done if (e := j.result())]}
     print("precompiled", run.out["precompile"], flush=True)
 
 
@@ -227,25 +231,27 @@ class Shape:
         w = dequantize_reference(self.blocks.view(-1), self.qtype, (n, k), torch.float64)
         self.ref = self.x.double() @ w.T  # (64, N)
         self.bound = self.x.double().abs() @ w.abs().T
-        self.w16 = w.to(torch.bfloat16)  # w (float64) is freed on return
-        self.lut = torch.tensor(_LUTS.get(self.qtype, (0,)), device=run.dev).float()
-        self.row0: dict[int, torch.Tensor] = {}  # split_k -> row 0 of the first M=1 run
+        self.w16, self.lut = w.to(torch.bfloat16), _lut(self.qtype, run.dev)
+        self.row0: dict = {}  # (fma, split_k) -> row 0 of the first M=1 run
 
 
-def measure(run: Run, sh: Shape, m: int, cfg: QMMConfig, ticket: bool, ceil: dict) -> dict:
+def measure(run: Run, sh: Shape, m: int, cfg: QMMConfig, ticket: bool, kind: str,
+            ceil: dict) -> dict:
+    """One variant ("skinny", "tiled" or "fma"): checked, compared bit for bit with its
+    kernel's first M=1 run at the same split, timed."""
     x = sh.x[:m]
     call = partial(qgemv.qgemv_triton, x, n=sh.n, ggml_type=sh.qtype, lut=sh.lut, cfg=cfg,
-                   ticket=ticket) if m <= 16 else partial(qmatmul_triton, x, ggml_type=sh.qtype,
-                                                          shape=(sh.n, sh.k), config=cfg)
-    row = {"type": sh.name, "n": sh.n, "k": sh.k, "m": m, "kind": "skinny" if m <= 16 else
-           "tiled", "config": label(cfg, ticket), "cfg": list(cfg), "ticket": ticket, "ok": False}
-    what = f"{sh.name} ({sh.n},{sh.k}) M={m} {label(cfg, ticket)}"
+                   ticket=ticket, fma=kind == "fma") if m <= 16 else partial(
+        qmatmul_triton, x, ggml_type=sh.qtype, shape=(sh.n, sh.k), config=cfg)
+    row = {"type": sh.name, "n": sh.n, "k": sh.k, "m": m, "kind": kind, "ok": False,
+           "config": label(cfg, ticket), "cfg": list(cfg), "ticket": ticket}
+    what = f"{sh.name} ({sh.n},{sh.k}) M={m} {kind} {label(cfg, ticket)}"
     if (y := run.attempt(what, lambda: call(blocks=sh.blocks))) is None:
         return row
     err = float(((y.double() - sh.ref[:m]).abs() / sh.bound[:m]).max())
     row.update(max_err_over_bound=err, ok=bool(torch.isfinite(y).all()) and err <= 2**-7)
-    first = sh.row0.setdefault(cfg.split_k, y[0].clone()) if m == 1 else sh.row0.get(
-        cfg.split_k)
+    key = (kind == "fma", cfg.split_k)
+    first = sh.row0.setdefault(key, y[0].clone()) if m == 1 else sh.row0.get(key)
     row["bits_equal_m1"] = None if first is None else bool(torch.equal(y[0], first))
     us = run.attempt(what, lambda: run.time_us([partial(call, blocks=w) for w in sh.copies]))
     if us is not None:
@@ -263,18 +269,12 @@ def baselines(run: Run, sh: Shape, m: int, old, ceil: dict) -> list[dict]:
         [partial(torch.matmul, x, w.t()) for w in w16s]))
     out = [] if us is None else [{**base, "kind": "torch_bf16", "us": us,
                                   "gb_s": 2 * sh.w16.numel() / us / 1e3}]
-    if old is not None:
+    if old is not None:  # the previous kernel, its default config
         call = partial(old.qmatmul_triton, x, ggml_type=sh.qtype, shape=(sh.n, sh.k))
         us = run.attempt(f"old {sh.name} M={m}", lambda: call(blocks=sh.blocks) is not None
                          and run.time_us([partial(call, blocks=w) for w in sh.copies]))
-        source = "run"
-    else:  # its default config's time in the 2026-11-29 run (bench/RESULTS.md)
-        old_rows = json.loads(RECORDED_OLD.read_text())["qmatmul_bench"]
-        shape, source = RECORDED_SHAPES.get((sh.n, sh.k)), "recorded 2026-11-29"
-        us = next((r["us"] for r in old_rows if (r["type"], r["shape"], r["m"], r["default"])
-                   == (sh.name, shape, m, True)), None)
-    return out + ([{**base, "kind": "old", "us": us, "gb_s": sh.nbytes / us / 1e3,
-                    "source": source}] if us else [])
+        out += [{**base, "kind": "old", "us": us, "gb_s": sh.nbytes / us / 1e3}] if us else []
+    return out
 
 
 def best_row(rows: list[dict], **match) -> dict | None:
@@ -289,21 +289,20 @@ def bench_type_shape(run: Run, args: argparse.Namespace, name: str, n: int, k: i
     sh, rows, best = Shape(run, name, n, k), run.out["rows"], None
     plan = qgemv.k_plan(sh.qtype, n, k, "cuda", run.sms)  # the default's (block_k, split)
     for m in args.ms:
-        variants = (skinny_variants(name, m, n, k, plan, best) if m <= 16 else
-                    tiled_variants(name, k, plan, best))
-        for cfg, ticket in variants[:2 if run.smoke else None]:
-            if run.left() < 10:  # what is left out is listed
-                run.out["skipped"].append(f"{name} ({n},{k}) M={m} {label(cfg, ticket)}")
-                continue
-            rows.append(measure(run, sh, m, cfg, ticket, ceil))
-            rows[-1]["default"] = cfg == variants[0][0] and ticket
-        if m == 1 and (pick := best_row(rows, type=name, n=n, k=k, m=1)) is not None:
+        mma = (skinny_variants(name, m, n, k, plan, best) if m <= 16 else
+               tiled_variants(name, k, plan, best))
+        fma = fma_variants(name, m, k) if m in (1, 4) else []
+        for kind, variants in (("skinny" if m <= 16 else "tiled", mma), ("fma", fma)):
+            for cfg, ticket in variants[:2 if run.smoke else None]:
+                if run.left() < 10:  # what is left out is listed
+                    run.out["skipped"].append(f"{name} ({n},{k}) M={m} {label(cfg, ticket)}")
+                    continue
+                rows.append(measure(run, sh, m, cfg, ticket, kind, ceil))
+                rows[-1]["default"] = kind != "fma" and cfg == variants[0][0] and ticket
+        if m == 1 and (pick := best_row(rows, type=name, n=n, k=k, m=1, kind="skinny")):
             best = tuple(pick["cfg"][2:4])
         rows += baselines(run, sh, m, args.old, ceil)
     print(f"{name} ({n},{k}) done, {run.left():.0f}s left", flush=True)
-    del sh
-    if not run.smoke:
-        torch.cuda.empty_cache()
 
 
 def config_tables(rows: list[dict]) -> dict[str, list[str]]:
@@ -312,7 +311,8 @@ def config_tables(rows: list[dict]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {"K_PLANS": [], "SKINNY_TILES": [], "TILED_TILES": []}
     for name, n, k in sorted({(r["type"], r["n"], r["k"]) for r in rows if "cfg" in r},
                              key=lambda t: (TYPES.index(t[0]), t[1], t[2])):
-        mine = [r for r in rows if "cfg" in r and (r["type"], r["n"], r["k"]) == (name, n, k)]
+        mine = [r for r in rows if r["kind"] in ("skinny", "tiled")
+                and (r["type"], r["n"], r["k"]) == (name, n, k)]
         if (m1 := best_row(mine, m=1)) is None:
             continue
         qt, plan = GGML_TYPES[name], m1["cfg"][2:4]
@@ -336,8 +336,8 @@ def table(out: dict) -> str:
     lines = [f"{out['device']}: copy {out['ceilings']['copy_gb_s']:.0f} GB/s (read + write); "
              "GB/s = weight bytes / time; torch reads bf16 weights (4x Q4_K's bytes)",
              f"{'type':6} {'N':>6} {'K':>5} {'M':>3} | {'def us':>7} {'GB/s':>5} {'%cp':>3} | "
-             f"{'best us':>7} {'GB/s':>5} {'%cp':>3} {'best config':29}| {'torch':>7} "
-             f"{'old':>7} | ok, bits differ"]
+             f"{'best us':>7} {'GB/s':>5} {'%cp':>3} {'best config':29}| {'fma GB/s':>8} "
+             f"{'torch':>7} {'old':>7} | ok, bits differ"]
 
     def cell(r):
         return f"{r['us']:7.1f} {r['gb_s']:5.0f} {r['pct_copy']:3.0f}" if r.get("us") else \
@@ -346,11 +346,14 @@ def table(out: dict) -> str:
     for key in sorted({(r["type"], r["n"], r["k"], r["m"]) for r in rows if "cfg" in r},
                       key=lambda t: (TYPES.index(t[0]), *t[1:])):
         at = [r for r in rows if (r["type"], r["n"], r["k"], r["m"]) == key]
-        mine = [r for r in at if "cfg" in r]
-        d = next((r for r in mine if r.get("default")), mine[0])
-        b, base = best_row(mine) or d, {r["kind"]: r.get("us", 0) for r in at if "cfg" not in r}
+        mine, base = [r for r in at if "cfg" in r], {r["kind"]: r["us"] for r in at
+                                                       if "cfg" not in r}
+        mma = [r for r in mine if r["kind"] != "fma"] or mine
+        d = next((r for r in mma if r.get("default")), mma[0])
+        b, f = best_row(mma) or d, best_row([r for r in mine if r["kind"] == "fma"])
         lines.append(f"{key[0]:6} {key[1]:6} {key[2]:5} {key[3]:3} | {cell(d)} | {cell(b)} "
-                     f"{b['config']:29}| {base.get('torch_bf16', 0):7.1f} {base.get('old', 0):7.1f}"
+                     f"{b['config']:29}| {f['gb_s'] if f else 0:8.0f} "
+                     f"{base.get('torch_bf16', 0):7.1f} {base.get('old', 0):7.1f}"
                      f" | {sum(r['ok'] for r in mine)}/{len(mine)}, "
                      f"{sum(r.get('bits_equal_m1') is False for r in mine)}")
     lines.append(f"correctness failures: {sum(not r['ok'] for r in rows)}; rows whose bits "
@@ -365,8 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--budget-s", type=float, default=270.0,
-                    help="variants past this many seconds are skipped (and listed)")
+    ap.add_argument("--budget-s", type=float, default=270.0, help="then skip (and list)")
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--old-rev", default=OLD_REV, help="git revision of the previous kernel")
     ap.add_argument("--old-src", help="a folder with the previous qmatmul.py and qtiles.py")
@@ -377,19 +379,17 @@ def main(argv: list[str] | None = None) -> int:
     run.out.update(device="cpu (interpreter)" if args.smoke else torch.cuda.get_device_name(),
                    versions=[torch.__version__, __import__("triton").__version__])
     args.old = run.attempt("old kernel", lambda: load_old(args))
-    run.out["old_kernel"] = "run" if args.old else "recorded"
-    run.out["ceilings"] = ceilings(run)
-    print("ceilings", run.out["ceilings"], flush=True)
+    print("ceilings", run.out.setdefault("ceilings", ceilings(run)), flush=True)
     if not args.smoke:
         precompile(run, args)
     for name, (n, k) in ((t, shape) for t in args.types for shape in args.shapes):
-        if run.left() < 20:
+        if run.left() < 20:  # listed as skipped
             run.out["skipped"].append(f"{name} ({n},{k})")
-            continue
-        run.attempt(f"{name} ({n},{k})", partial(bench_type_shape, run, args, name, n, k,
-                                                 run.out["ceilings"]))
-    run.out["tables"] = config_tables(run.out["rows"])
-    run.out["elapsed_s"] = time.perf_counter() - (run.deadline - args.budget_s)
+        else:
+                run.attempt(f"{name} ({n},{k})", partial(bench_type_shape, run, args, name, n, k,
+                                                     run.out["ceilings"]))
+    run.out.update(tables=config_tables(run.out["rows"]), elapsed_s=time.perf_counter()
+                   - (run.deadline - args.budget_s))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "qmatmul_bench.json").write_text(json.dumps(run.out, indent=1))
     print(table(run.out))

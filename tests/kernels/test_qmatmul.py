@@ -134,6 +134,19 @@ def test_batch_invariance(interp, rng, qtype):
     assert not interp.call("kernels.qgemv:_tickets", torch.device("cpu")).any()
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_0, T.MXFP4], ids=lambda t: t.name)
+def test_kernel_without_matrix_unit(interp, rng, qtype):
+    """The experimental decode kernel without the matrix unit: 1 and 3 rows, K split with
+    the ticket sum, N not a multiple of the tile."""
+    n, k = 40, 1024
+    blocks = random_weight(qtype, n, k, rng)
+    x = randn(rng, 3, k)
+    lut = LUT.get(qtype, torch.zeros(1))
+    for m, cfg in ((1, QMMConfig(1, 16, 256, 4, 4)), (3, QMMConfig(4, 32, 512, 2, 2))):
+        y = interp.call(SKINNY, x[:m], blocks, int(qtype), n, lut, cfg, fma=True)
+        check(y, x[:m], blocks, qtype)
+
+
 def test_default_configs_keep_one_instruction_family():
     """On sm_90 every launched config has block_n a multiple of 64 and 4 or 8 warps (wgmma on
     both paths); block_k and split_k are the same for every M and fit K."""

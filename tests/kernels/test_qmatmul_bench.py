@@ -29,7 +29,8 @@ def test_every_variant_is_checked_and_timed(smoke):
     mine = [r for r in rows if "cfg" in r]
     assert {r["type"] for r in mine} == {"Q4_K", "Q6_K"}
     assert {r["m"] for r in mine} == {1, 4, 17}
-    assert {r["kind"] for r in mine} == {"skinny", "tiled"}
+    assert {r["kind"] for r in mine} == {"skinny", "tiled", "fma"}
+    assert {r["m"] for r in mine if r["kind"] == "fma"} == {1, 4}
     assert all(r["ok"] and r["us"] > 0 and r["max_err_over_bound"] <= 2**-7 for r in mine)
     assert all(r["bits_equal_m1"] is True for r in mine if r["m"] > 1)
     assert any(r["kind"] == "torch_bf16" for r in rows)
