@@ -188,6 +188,11 @@ def qmatmul_tiled(
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if n == 0:
         return y
+    if x.dtype == torch.float32 and x.device.type != "cpu":
+        # The kernel rounds x to bf16 (round to nearest even, as torch does): the same bits
+        # from half the shared memory per pipeline stage (float32 tiles of 64 rows overflow
+        # the 227 KiB of sm_90 for Q6_K).
+        x = x.to(torch.bfloat16)
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
     programs = cfg.split_k if cfg.split_k > 1 and tiles < num_sms else 1
     part = y if programs == 1 else torch.empty(programs, m, n, dtype=torch.float32,
