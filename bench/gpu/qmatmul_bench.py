@@ -47,7 +47,7 @@ from kernels.qtiles import GEOMETRY  # noqa: E402
 TYPES, WIDE = ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K", "Q5_0", "IQ4_XS", "MXFP4"], ("Q4_K", "Q6_K")
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
 MS = (1, 4, 16, 64)
-OLD_REV = "ea7adbd"  # the last revision of the first kernels (bench/RESULTS.md 2026-11-29)
+OLD_REV = "ea7adbd"  # the first kernels (bench/RESULTS.md 2026-11-29); d18f10e: first qgemv
 L2_MISS_BYTES = 256 << 20  # weight copies per timing: 5x the H200's L2
 
 
@@ -122,8 +122,7 @@ class Run:
         with torch.cuda.stream(side):
             calls[0]()
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph := torch.cuda.CUDAGraph()):
             for call in calls:
                 call()
         graph.replay()  # uploads the graph
@@ -145,18 +144,19 @@ def ceilings(run: Run) -> dict:
 
 
 def load_old(args: argparse.Namespace):
-    """The previous qmatmul module, from --old-src or git (raises when neither is there)."""
-    # One path for every process, so that Triton's cache serves the precompiled builds.
+    """--old-rev's (git) or --old-src's qmatmul, qtiles and qgemv as old_*, importing each
+    other; one path for every process, so that Triton's cache serves precompiled builds."""
     src = Path(args.old_src or Path(tempfile.gettempdir()) / f"mbufo-old-qmm-{args.old_rev}")
-    for f in ("qmatmul.py", "qtiles.py"):  # as old_<f>, importing each other
+    for f in ("qmatmul.py", "qtiles.py", "qgemv.py"):
         if not (src / f"old_{f}").exists():  # written once, by the main process
-            text = (src / f).read_text() if args.old_src else subprocess.run(
+            text = (src / f).read_text() if (src / f).exists() else subprocess.run(
                 ["git", "-C", str(ROOT), "show", f"{args.old_rev}:kernels/{f}"],
-                capture_output=True, text=True, check=True).stdout
+                capture_output=True, text=True, check=f != "qgemv.py").stdout  # may be absent
+            for mod in ("qmatmul", "qtiles", "qgemv"):
+                text = text.replace(f"from kernels import {mod}", f"import old_{mod} as {mod}")
+                text = text.replace(f"kernels.{mod} import", f"old_{mod} import")
             src.mkdir(exist_ok=True)
-            (src / f"old_{f}").write_text(text.replace("from kernels import qtiles", "import "
-                                          "old_qtiles as qtiles").replace("kernels.qtiles",
-                                                                          "old_qtiles"))
+            (src / f"old_{f}").write_text(text)
     sys.path.insert(0, str(src))
     import old_qmatmul
 
