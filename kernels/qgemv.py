@@ -17,6 +17,10 @@ Batch invariance (DESIGN.md): the tiled path (kernels/qmatmul.py, M > 16) decode
 same functions, runs the same matrix instruction over the same K order and sums the same
 splits in the same order; `k_plan` (block_k, split_k) depends on (type, N, K, backend)
 only, never on M. So a row's bits are the same alone, in a skinny and in a tiled batch.
+On the H200 (bench/RESULTS.md, 2026-11-29) wgmma m64n16k16 rows matched m64n64k16 ones
+bit for bit, and mma.sync configs (fewer than 4 warps) did not: configs keep block_n a
+multiple of 64 and 4 or 8 warps. `_qgemv_fma_kernel` is an experiment without the matrix
+unit (other bits; the bench times it), not used by qmatmul.
 """
 
 from __future__ import annotations
