@@ -131,6 +131,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-tokens", type=_positive, default=128)
     p.add_argument("--tokens", type=_positive, default=16, help="light requests' max_tokens")
     p.add_argument("--heavy-tokens", type=_positive, default=64)
+    p.add_argument("--light-gap-s", type=float, help="seconds between light arrivals "
+                   "(default 2x the solo TTFT; 0: all at once)")
     p.set_defaults(handler=cmd_clients)
 
     p = bsub.add_parser("kv-quality", help="KL and argmax agreement of each KV format")
@@ -295,7 +297,7 @@ def cmd_clients(args: argparse.Namespace) -> int:
                                        light_clients=args.light_clients,
                                        prompt_tokens=args.prompt_tokens,
                                        max_tokens=args.tokens, heavy_tokens=args.heavy_tokens,
-                                       progress=_progress)
+                                       light_gap_s=args.light_gap_s, progress=_progress)
         finally:
             await target.aclose()
         return {"bench": "clients", "seed": seed, "target": target.describe(), **result}
