@@ -9,7 +9,9 @@ Page tables index logical pages by position: page `p` of a row holds positions
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
+import numpy as np
 import torch
 
 
@@ -69,24 +71,49 @@ class ForwardBatch:
         """spans: per row (new token ids, position of the first one). page_tables: per group,
         per row, the page ids (rows padded with -1). logits_rows: default, each row's last token.
         """
-        ids, pos, starts, lens = [], [], [0], []
-        for tokens, start in spans:
-            ids.extend(tokens)
-            pos.extend(range(start, start + len(tokens)))
-            starts.append(starts[-1] + len(tokens))
-            lens.append(start + len(tokens))
-        if logits_rows is None:
-            logits_rows = [s - 1 for s in starts[1:]]
-        tables = {}
-        for group, rows in page_tables.items():
-            width = max(1, max(len(r) for r in rows))
-            tables[group] = torch.tensor([r + [-1] * (width - len(r)) for r in rows],
-                                         dtype=torch.int64)
-        return cls(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(pos, dtype=torch.int64),
-            query_start=torch.tensor(starts, dtype=torch.int64),
-            seq_lens=torch.tensor(lens, dtype=torch.int64),
-            page_tables=tables,
-            logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
+        n = len(spans)
+        return cls.from_rows(
+            list(chain.from_iterable(t for t, _ in spans)),
+            np.fromiter((s for _, s in spans), np.int64, n),
+            np.fromiter((len(t) for t, _ in spans), np.int64, n),
+            {g: pad_tables(rows) for g, rows in page_tables.items()},
+            None if logits_rows is None else np.asarray(logits_rows, dtype=np.int64),
         )
+
+    @classmethod
+    def from_rows(
+        cls,
+        input_ids: list[int],
+        starts: np.ndarray,
+        num_new: np.ndarray,
+        page_tables: dict[str, np.ndarray],
+        logits_rows: np.ndarray | None = None,
+    ) -> ForwardBatch:
+        """input_ids: every row's new tokens, concatenated; starts (rows,) the position of
+        each row's first new token; num_new (rows,) its count; page_tables per group
+        (rows, max_pages) int64. The tensors share the arrays' memory (no copy)."""
+        query_start = np.zeros(len(num_new) + 1, dtype=np.int64)
+        np.cumsum(num_new, out=query_start[1:])
+        # token t of row r sits at starts[r] + (t - query_start[r])
+        positions = np.arange(query_start[-1], dtype=np.int64) + \
+            np.repeat(starts - query_start[:-1], num_new)
+        if logits_rows is None:
+            logits_rows = query_start[1:] - 1
+        return cls(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=torch.from_numpy(positions),
+            query_start=torch.from_numpy(query_start),
+            seq_lens=torch.from_numpy(starts + num_new),
+            page_tables={g: torch.from_numpy(t) for g, t in page_tables.items()},
+            logits_rows=torch.from_numpy(np.ascontiguousarray(logits_rows, dtype=np.int64)),
+        )
+
+
+def pad_tables(rows: list[list[int]]) -> np.ndarray:
+    """Per-row page id lists -> (rows, max(1, longest)) int64, padded with -1."""
+    lens = np.fromiter((len(r) for r in rows), np.int64, len(rows))
+    table = np.full((len(rows), max(1, int(lens.max(initial=0)))), -1, dtype=np.int64)
+    # row-major boolean assignment: each row's first len(r) cells, in order
+    table[np.arange(table.shape[1]) < lens[:, None]] = np.fromiter(
+        chain.from_iterable(rows), np.int64, int(lens.sum()))
+    return table

@@ -16,9 +16,10 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
 import torch
 
-from engine.batch import ForwardBatch
+from engine.batch import ForwardBatch, pad_tables
 from engine.errors import ContextOverflow, InvalidRequest
 from engine.kv.pool import RECURRENT, KVPool
 from engine.kv.radix import RadixCache
@@ -170,8 +171,11 @@ class EngineCore:
                 pending.append([row, offset, 0])
             offset += num
         while pending:
-            index = torch.tensor([first + i for _, first, i in pending], dtype=torch.long)
-            out = self.sampler.sample(logits[index], [p[0].seq.sampler for p in pending])
+            index = [first + i for _, first, i in pending]
+            # Decode-only steps need every logits row in order: no gather.
+            rows = logits if index == list(range(logits.shape[0])) else \
+                logits[torch.tensor(index, dtype=torch.long)]
+            out = self.sampler.sample(rows, [p[0].seq.sampler for p in pending])
             accepted = []
             for p, token, logprob in zip(pending, out.token_ids, out.logprobs, strict=True):
                 row, _, i = p
@@ -226,17 +230,34 @@ def _session_stats(seq: Sequence) -> SessionStats:
 def build_batch(plan: StepPlan, groups: list[str]) -> ForwardBatch:
     """One ForwardBatch for the plan's rows: each row's new tokens from its first
     uncomputed position, its page table per group, and the logits rows it needs."""
-    spans: list[tuple[list[int], int]] = []
+    rows = plan.rows
+    n = len(rows)
+    ids: list[int] = []
+    starts = np.empty(n, dtype=np.int64)
+    num_new = np.empty(n, dtype=np.int64)
+    num_logits = np.empty(n, dtype=np.int64)
     tables: dict[str, list[list[int]]] = {g: [] for g in groups}
-    logits_rows: list[int] = []
-    offset = 0
-    for row in plan.rows:
-        ids = row.token_ids()
-        spans.append((ids, row.start))
-        assert row.seq.pages is not None
-        for g in groups:
-            tables[g].append(row.seq.pages.table(g))
-        end = offset + len(ids)
-        logits_rows.extend(range(end - row.num_logits, end))
-        offset = end
-    return ForwardBatch.build(spans, tables, logits_rows)
+    lists = [(tables[g].append, g) for g in groups]
+    for i, row in enumerate(rows):
+        seq = row.seq
+        start = seq.num_computed
+        if row.kind is RowKind.PREFILL:
+            count = row.num_new_tokens
+            ids += seq.token_ids[start:start + count]
+            num_logits[i] = start + count == len(seq.token_ids)  # the chunk completes it
+        else:  # the last sampled token, then the drafts; every one needs its logits
+            ids.append(seq.token_ids[-1])
+            ids += row.draft_ids
+            count = num_logits[i] = 1 + len(row.draft_ids)
+        starts[i], num_new[i] = start, count
+        pages = seq.pages
+        assert pages is not None
+        for append, g in lists:
+            append(pages.table(g))
+    ends = np.cumsum(num_new)
+    # row i's logits rows: its last num_logits[i] tokens, ends[i] - num_logits[i] .. ends[i] - 1
+    taken = np.cumsum(num_logits)
+    logits_rows = np.arange(taken[-1] if n else 0, dtype=np.int64) + \
+        np.repeat(ends - taken, num_logits)
+    return ForwardBatch.from_rows(ids, starts, num_new,
+                                  {g: pad_tables(t) for g, t in tables.items()}, logits_rows)

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -22,6 +23,25 @@ from engine.scheduler.request import OutputChunk, Request
 log = logging.getLogger(__name__)
 
 Sink = Callable[[OutputChunk | BaseException], None]
+STATS_INTERVAL_S = 0.05  # EngineStats at most this often while steps run (and when idle)
+
+
+class _AsyncSink:
+    """Hands items to an asyncio queue on its loop. The loop thread gives a step's chunks
+    for one event loop to it in one call (one wake-up of that loop, not one per stream)."""
+
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, chunks: asyncio.Queue) -> None:
+        self.loop, self.queue = loop, chunks
+
+    def __call__(self, item: OutputChunk | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, OutputChunk]]) -> None:
+    for chunks, item in items:
+        chunks.put_nowait(item)
 
 
 class Engine:
@@ -35,6 +55,8 @@ class Engine:
         self._running = False
         self._thread: threading.Thread | None = None
         self._stats: Any = None
+        self._stats_due = 0.0  # time.monotonic() after which the next step refreshes it
+        self._stats_seqs = -1  # live sequences at the last refresh
         self.error: BaseException | None = None
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -71,7 +93,7 @@ class Engine:
     async def submit(self, request: Request) -> AsyncIterator[OutputChunk]:
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[OutputChunk | BaseException] = asyncio.Queue()
-        self.add(request, lambda item: loop.call_soon_threadsafe(chunks.put_nowait, item))
+        self.add(request, _AsyncSink(loop, chunks))
         finished = False
         try:
             while not finished:
@@ -96,7 +118,9 @@ class Engine:
                 self.abort(request.id)
 
     def stats(self) -> Any:
-        """The core's EngineStats as of the last step (safe to read from any thread)."""
+        """The core's EngineStats (safe to read from any thread): as of the last step when
+        sequences came or went, or the engine went idle; otherwise at most STATS_INTERVAL_S
+        old (building it every step would cost as much as a step's own host work)."""
         return self._stats
 
     # ---- loop thread -----------------------------------------------------------------
@@ -117,13 +141,25 @@ class Engine:
                 self.core.abort(payload)
 
     def _deliver(self, chunks: list[OutputChunk]) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, OutputChunk]]] = {}
         for chunk in chunks:
             sink = self._sinks.get(chunk.request_id)
             if sink is None:
                 continue
             if chunk.finish_reason is not None:
                 del self._sinks[chunk.request_id]
-            sink(chunk)
+            if isinstance(sink, _AsyncSink):
+                batches.setdefault(sink.loop, []).append((sink.queue, chunk))
+            else:
+                sink(chunk)
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+    def _refresh_stats(self) -> None:
+        now, num_seqs = time.monotonic(), len(self.core.scheduler.seqs)
+        if now >= self._stats_due or num_seqs != self._stats_seqs or not self.core.has_work():
+            self._stats = self.core.stats()
+            self._stats_due, self._stats_seqs = now + STATS_INTERVAL_S, num_seqs
 
     def _loop(self) -> None:
         try:
@@ -133,7 +169,7 @@ class Engine:
                     break
                 if self.core.has_work():
                     self._deliver(self.core.step())
-                    self._stats = self.core.stats()
+                    self._refresh_stats()
         except BaseException as exc:  # a bug in a step: fail every caller, loudly
             log.exception("engine '%s' loop crashed", self.name)
             self.error = exc

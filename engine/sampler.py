@@ -82,6 +82,10 @@ class SamplerState:
     pending_ids: list[int] = field(default_factory=list)  # recorded, not yet in output_counts
     uniforms: list[float] = field(default_factory=list)  # drawn ahead, consumed from the end
     num_output_tokens: int = 0
+    # The parameter table's row (_T.._PRES), fixed for the request: built once, not per step.
+    table_row: tuple[float, ...] = ()
+    # Nothing but the raw logits' argmax: greedy, no penalties, no grammar (no float64 copy).
+    is_plain_greedy: bool = False
 
     @classmethod
     def create(
@@ -94,6 +98,10 @@ class SamplerState:
         else:
             generator.manual_seed(params.seed % 2**64)
         state = cls(params, generator, vocab_size)
+        top_k = params.top_k if 0 < params.top_k < vocab_size else vocab_size
+        state.table_row = (params.temperature, top_k, params.top_p, params.min_p,
+                           params.repetition_penalty, params.frequency_penalty,
+                           params.presence_penalty)
         # Kept on the device across steps and updated by the recorded ids only (one
         # index_add_ per step), never rebuilt from the history. The output side of
         # "seen" for repetition_penalty is output_counts > 0.
@@ -104,6 +112,8 @@ class SamplerState:
         if state.has_penalties:
             # float32 holds counts exactly up to 2**24 and has atomic adds everywhere.
             state.output_counts = torch.zeros(vocab_size, dtype=torch.float32)
+        state.is_plain_greedy = params.is_greedy and not state.has_penalties \
+            and params.grammar is None
         return state
 
     @property
@@ -145,6 +155,22 @@ class Sampler:
         """
         if not states:
             return SampleOutput([], [])
+        if all(s.is_plain_greedy for s in states):
+            _check_shape(logits, states)
+            # The float64 copy would change no order (the conversion is exact): argmax of the
+            # raw logits, first maximum, so ties go to the lowest id.
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._draw(logits, states)
+        tokens, logprobs = _to_host(logits, states, token_ids)
+        if record:
+            for state, token in zip(states, tokens, strict=True):
+                state.record(token)
+        return SampleOutput(tokens, logprobs)
+
+    def _draw(self, logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
+        """(rows,) token ids on the logits' device: greedy rows by argmax, the others by
+        inverse CDF at their sequence's next uniform."""
         rand = [i for i, s in enumerate(states) if not s.params.is_greedy]
         uniforms = [0.0] * len(states)
         for i in rand:
@@ -162,12 +188,7 @@ class Sampler:
             picked = torch.searchsorted(cdf, target, right=True).squeeze(-1)
             picked = picked.clamp_(max=x.shape[-1] - 1)
             token_ids = picked if rows.is_all else token_ids.index_copy(0, rows.index, picked)
-        logprobs = _logprobs(logits, states, token_ids)
-        tokens = token_ids.tolist()
-        if record:
-            for state, token in zip(states, tokens, strict=True):
-                state.record(token)
-        return SampleOutput(tokens, logprobs)
+        return token_ids
 
     def probs(self, logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
         """(num_rows, vocab) float64: the distribution sample() draws from (one-hot if greedy).
@@ -188,11 +209,7 @@ class Sampler:
         self, logits: torch.Tensor, states: Sequence[SamplerState], uniforms: list[float]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw logits -> (float64 copy with penalties and grammar masks, parameter table)."""
-        if logits.dim() != 2 or logits.shape[0] != len(states):
-            raise ValueError(f"logits {tuple(logits.shape)} for {len(states)} sequences")
-        for state in states:
-            if state.vocab_size != logits.shape[-1]:
-                raise ValueError(f"logits width {logits.shape[-1]} != vocab {state.vocab_size}")
+        _check_shape(logits, states)
         table = _param_table(states, uniforms, logits.shape[-1], logits.device)
         x = logits.to(torch.float64, copy=True)
         _apply_penalties(x, table, states)
@@ -208,13 +225,17 @@ def _param_table(
     states: Sequence[SamplerState], uniforms: list[float], vocab: int, device: torch.device
 ) -> torch.Tensor:
     """(rows, 8) float64; top_k as a count (vocab when off), u the row's uniform draw."""
-    rows = []
-    for state, u in zip(states, uniforms, strict=True):
-        p = state.params
-        top_k = p.top_k if 0 < p.top_k < vocab else vocab
-        rows.append([p.temperature, top_k, p.top_p, p.min_p, p.repetition_penalty,
-                     p.frequency_penalty, p.presence_penalty, u])
+    rows = [(*state.table_row, u) for state, u in zip(states, uniforms, strict=True)]
     return torch.tensor(rows, dtype=torch.float64).reshape(-1, 8).to(device)
+
+
+def _check_shape(logits: torch.Tensor, states: Sequence[SamplerState]) -> None:
+    if logits.dim() != 2 or logits.shape[0] != len(states):
+        raise ValueError(f"logits {tuple(logits.shape)} for {len(states)} sequences")
+    width = logits.shape[-1]
+    for state in states:
+        if state.vocab_size != width:
+            raise ValueError(f"logits width {width} != vocab {state.vocab_size}")
 
 
 class _Rows:
@@ -319,26 +340,31 @@ def _top_k_top_p(w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     return torch.zeros_like(w).scatter_(-1, order, sorted_w)
 
 
-def _logprobs(
+def _to_host(
     logits: torch.Tensor, states: Sequence[SamplerState], token_ids: torch.Tensor
-) -> list[TokenLogprobs | None]:
-    """From the raw logits; token_ids (rows,) on the logits' device."""
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Token ids (rows,) on the logits' device -> (ids, logprobs) on the host, in one
+    device->host copy. Logprobs come from the raw logits."""
     out: list[TokenLogprobs | None] = [None] * len(states)
     wanted = [i for i, s in enumerate(states) if s.params.logprobs is not None]
     if not wanted:
-        return out
+        return token_ids.tolist(), out
     rows = _Rows(wanted, len(states), logits.device)
     lp = torch.log_softmax(rows.of(logits).to(torch.float32), dim=-1)  # (r, vocab)
     chosen_ids = rows.of(token_ids).unsqueeze(-1)
     chosen = lp.gather(-1, chosen_ids).squeeze(-1)
     k_max = max(states[i].params.logprobs or 0 for i in wanted)
     top_vals, top_ids = lp.topk(k_max, dim=-1)  # (r, k_max), most likely first
-    # One device->host copy: chosen id, its logprob, then the top pairs.
-    packed = torch.cat([chosen_ids.double(), chosen.double().unsqueeze(-1),
-                        top_ids.double(), top_vals.double()], dim=-1).tolist()
-    for row, i in zip(packed, wanted, strict=True):
+    # Every row's token id, then per wanted row: its logprob and the top pairs (float64
+    # holds the ids exactly).
+    packed = torch.cat([chosen.double().unsqueeze(-1), top_ids.double(), top_vals.double()],
+                       dim=-1)  # (r, 1 + 2 k_max)
+    flat = torch.cat([token_ids.double(), packed.flatten()]).tolist()
+    n, width = len(states), 1 + 2 * k_max
+    for j, i in enumerate(wanted):
+        row = flat[n + j * width : n + (j + 1) * width]
         k = states[i].params.logprobs or 0
-        ids, vals = row[2 : 2 + k], row[2 + k_max : 2 + k_max + k]
-        top = tuple((int(t), v) for t, v in zip(ids, vals, strict=True))
-        out[i] = TokenLogprobs(int(row[0]), row[1], top)
-    return out
+        top = tuple((int(t), v) for t, v in zip(row[1 : 1 + k], row[1 + k_max : 1 + k_max + k],
+                                                strict=True))
+        out[i] = TokenLogprobs(int(flat[i]), row[0], top)
+    return [int(t) for t in flat[:n]], out

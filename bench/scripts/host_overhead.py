@@ -12,7 +12,8 @@ real tokens of the vocabulary), and eager steps (prefill) return the same. So a 
 costs exactly its host work: planning, batch building, graph staging, sampling (small
 tensor ops, as cheap here as their launches are on a GPU), detokenization, stop checks and
 output chunks. The figure per step is the median over `--repeats` runs of `--steps`
-decode-only steps each; `stats` is EngineStats (Engine calls it after every step).
+decode-only steps each, in the thread's CPU time (other processes on a busy machine count
+less); `stats` is EngineStats (Engine calls it after every step).
 
 Modes: greedy (temperature 0); topp (temperature 0.8, top_p 0.95, a seed per request);
 full (topp + repetition/frequency penalties, 5 logprobs and a stop string).
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
+import engine.core  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.loader import load  # noqa: E402
@@ -50,6 +52,9 @@ from engine.synthetic import SyntheticSpec, write_synthetic_gguf  # noqa: E402
 VOCAB = (Path.home() / ".cache" / "mbufo-tests" / "llama_cpp_python-0.3.36" / "vendor"
          / "llama.cpp" / "models" / "ggml-vocab-llama-bpe.gguf")
 PAGE_SIZE = 16
+# This thread's CPU time: other processes on a busy machine do not count (the work timed is
+# all on this thread, with one torch thread).
+CLOCK = time.thread_time
 MODES = {
     "greedy": dict(temperature=0.0),
     "topp": dict(temperature=0.8, top_p=0.95),
@@ -92,27 +97,62 @@ def requests(rows: int, mode: str, prompt: int, max_tokens: int, width: int,
     return out
 
 
-def decode_ms(core: EngineCore, rows: int, mode: str, args, tag: str) -> tuple[float, float]:
-    """(step ms, stats ms) per decode-only step, all `rows` rows decoding."""
+class Breakdown:
+    """Thread CPU time inside the step's parts (mean per step), by wrapping them."""
+
+    PARTS = (("scheduler", "schedule"), ("build", "build_batch"), ("runner", "forward"),
+             ("sampler", "sample"), ("scheduler", "update"), ("scheduler", "observe"))
+
+    def __init__(self, core: EngineCore) -> None:
+        self.acc = {name: 0.0 for _, name in self.PARTS}
+        self.on = False
+        self.build = engine.core  # build_batch is looked up in the core's module
+        for owner, name in self.PARTS:
+            obj = getattr(core, owner, None) if owner != "build" else self.build
+            setattr(obj, name, self._timed(getattr(obj, name), name))
+
+    def _timed(self, fn, name: str):
+        def wrapper(*args, **kwargs):
+            t = CLOCK()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.on:
+                    self.acc[name] += CLOCK() - t
+        return wrapper
+
+    def per_step_ms(self, steps: int, step_ms: float) -> dict[str, float]:
+        out = {k: round(v / steps * 1e3, 3) for k, v in self.acc.items()}
+        out["rest"] = round(step_ms - sum(out.values()), 3)  # postprocess loop, outputs
+        return out
+
+
+def decode_times(core: EngineCore, rows: int, mode: str, args, tag: str,
+                 parts: Breakdown | None = None) -> tuple[list[float], list[float]]:
+    """Per decode-only step, all `rows` rows decoding: (step seconds, stats seconds)."""
     for r in requests(rows, mode, args.prompt, args.steps + 8, args.width, tag):
         core.add(r)
     while len(core.scheduler.decode_queue) < rows:  # prefill (and the first token)
         core.step()
     for _ in range(3):  # captures, first-use caches
         core.step()
-    step_s = stats_s = 0.0
+    steps, stats = [], []
+    if parts is not None:
+        parts.on = True
     for _ in range(args.steps):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         core.step()
-        t1 = time.perf_counter()
+        t1 = CLOCK()
         core.stats()
-        step_s += t1 - t0
-        stats_s += time.perf_counter() - t1
+        steps.append(t1 - t0)
+        stats.append(CLOCK() - t1)
+    if parts is not None:
+        parts.on = False
     for r in list(core.scheduler.seqs):
         core.abort(r)
     while core.has_work():
         core.step()
-    return step_s / args.steps * 1e3, stats_s / args.steps * 1e3
+    return steps, stats
 
 
 def engine_steps_per_s(path: Path, rows: int, mode: str, args) -> float:
@@ -142,11 +182,12 @@ def main() -> int:
     ap.add_argument("--rows", default="1,16,64")
     ap.add_argument("--modes", default="greedy,topp,full")
     ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per stream")
     ap.add_argument("--width", type=int, default=1024, help="logits columns")
     ap.add_argument("--vocab", default=str(VOCAB))
     ap.add_argument("--engine", action="store_true", help="also time the Engine thread")
+    ap.add_argument("--breakdown", action="store_true", help="CPU time per part of a step")
     ap.add_argument("--profile", default=None, help="MODE:ROWS: cProfile one run, top 25")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -167,19 +208,26 @@ def main() -> int:
         core = make_core(path, int(rows), context, args.width)
         prof = cProfile.Profile()
         prof.enable()
-        decode_ms(core, int(rows), mode, args, "prof")
+        decode_times(core, int(rows), mode, args, "prof")
         prof.disable()
         pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
     for mode in args.modes.split(","):
         for rows in levels:
             core = make_core(path, rows, context, args.width)
-            runs = [decode_ms(core, rows, mode, args, f"{mode}{rows}-{k}")
-                    for k in range(args.repeats)]
-            step = statistics.median(r[0] for r in runs)
-            stats = statistics.median(r[1] for r in runs)
+            parts = Breakdown(core) if args.breakdown else None
+            steps, stats_s = [], []
+            for k in range(args.repeats):
+                a, b = decode_times(core, rows, mode, args, f"{mode}{rows}-{k}", parts)
+                steps += a
+                stats_s += b
+            step, stats = statistics.median(steps) * 1e3, statistics.median(stats_s) * 1e3
             result[f"{mode}@{rows}"] = {"step_ms": round(step, 3), "stats_ms": round(stats, 3)}
             print(f"{mode:>6} @ {rows:>2} rows: step {step:7.3f} ms  stats {stats:6.3f} ms  "
                   f"({step / rows * 1e3:6.1f} us per row)", file=sys.stderr, flush=True)
+            if parts is not None:
+                mean = statistics.fmean(steps) * 1e3
+                result[f"{mode}@{rows}"]["parts_ms"] = split = parts.per_step_ms(len(steps), mean)
+                print(f"        mean {mean:.3f} ms: {split}", file=sys.stderr, flush=True)
     if args.engine:
         for rows in levels:
             sps = engine_steps_per_s(path, rows, "greedy", args)

@@ -200,6 +200,17 @@ class Scheduler:
         chosen = list(islice(queue, num))
         queue.rotate(-num)  # the next step starts after the last one taken
         rows: dict[int, Row] = {}
+        size, recurrent = self.pool.page_size, RECURRENT in self.pool.groups
+        if self.speculative is None and all(_has_page_for_next(s, size, recurrent)
+                                            for s in chosen):
+            # The common step: no decoder crosses a page boundary, so none allocates or
+            # preempts and the order below does not matter.
+            for seq in chosen:
+                if seq.phase is Phase.DECODE and not seq.is_finished:
+                    assert seq.pages is not None
+                    seq.pages.ensure(seq.num_computed + 1)  # allocates nothing
+                    plan.rows.append(Row(seq, 1, RowKind.DECODE))
+            return
         # Pages go to the best-ranked first: a victim is never one already served here.
         for seq in sorted(chosen, key=lambda s: s.rank, reverse=True):
             if seq.phase is not Phase.DECODE:
@@ -241,7 +252,8 @@ class Scheduler:
                 # while this one decodes, and sliding groups still hold the window before
                 # the boundary that the same prompt would match (its last token excluded).
                 self._cache_prefix(seq, seq.num_computed - 1)
-            seq.pages.release_out_of_window(seq.num_computed)
+            if self.pool.windows:  # only sliding groups release pages
+                seq.pages.release_out_of_window(seq.num_computed)
 
     def observe(self, plan: StepPlan, seconds: float) -> None:
         """A step's measured time, for the ITL target's cost model."""
@@ -290,3 +302,15 @@ class Scheduler:
         if self.radix is not None and seq.pages is not None and \
                 num_tokens >= self.pool.page_size:
             self.radix.insert(seq.token_ids[:num_tokens], seq.pages.prefix_pages(num_tokens))
+
+
+def _has_page_for_next(seq: Sequence, page_size: int, recurrent: bool) -> bool:
+    """Whether the decoder's pages already hold the position of its next token, so that
+    `EvictAndRecompute.allocate` would allocate nothing: positions [0, num_tokens) are
+    covered by whole pages (SeqPages), i.e. up to the end of the last one, and the
+    recurrent group has its live slot."""
+    pages = seq.pages
+    if pages is None:
+        return False
+    capacity = -(-pages.num_tokens // page_size) * page_size
+    return seq.num_computed < capacity and not (recurrent and not pages.table(RECURRENT))
