@@ -24,6 +24,9 @@ class ForwardBatch:
     page_tables: dict[str, torch.Tensor]  # per layer group: (num_rows, max_pages) int64
     logits_rows: torch.Tensor  # indices into input_ids whose hidden states are needed
     _write_slots: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    # Host facts the runner asks for on every step, computed once (None: not yet).
+    _decode_only: bool | None = field(default=None, repr=False)
+    _max_seq_len: int | None = field(default=None, repr=False)
 
     @property
     def num_rows(self) -> int:
@@ -32,6 +35,26 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    def is_decode_only(self) -> bool:
+        """Every row has one new token and needs its logits (host tensors only: a batch
+        on a device answers False rather than synchronising)."""
+        if self._decode_only is None:
+            n = self.num_rows
+            if self.input_ids.device.type != "cpu" or n < 1 or self.num_tokens != n:
+                self._decode_only = False
+            else:
+                rows = np.arange(n + 1)
+                self._decode_only = bool(
+                    np.array_equal(self.query_start.numpy(), rows)
+                    and np.array_equal(self.logits_rows.numpy(), rows[:n]))
+        return self._decode_only
+
+    def max_seq_len(self) -> int:
+        """The longest row's context after this step (0 without rows)."""
+        if self._max_seq_len is None:
+            self._max_seq_len = int(self.seq_lens.max()) if self.seq_lens.numel() else 0
+        return self._max_seq_len
 
     def write_slots(self, group: str, page_size: int) -> torch.Tensor:
         """(num_tokens,) KV slot of each new token in `group`'s pages; computed once per batch."""
@@ -81,6 +104,16 @@ class ForwardBatch:
         )
 
     @classmethod
+    def decode(cls, input_ids: list[int], starts: np.ndarray,
+               page_tables: dict[str, np.ndarray]) -> ForwardBatch:
+        """Decode rows only: row r's one new token input_ids[r] at position starts[r]."""
+        rows = np.arange(len(input_ids) + 1, dtype=np.int64)
+        return cls(torch.tensor(input_ids, dtype=torch.int64), torch.from_numpy(starts),
+                   torch.from_numpy(rows), torch.from_numpy(starts + 1),
+                   {g: torch.from_numpy(t) for g, t in page_tables.items()},
+                   torch.from_numpy(rows[:-1]), _decode_only=len(input_ids) > 0)
+
+    @classmethod
     def from_rows(
         cls,
         input_ids: list[int],
@@ -111,9 +144,10 @@ class ForwardBatch:
 
 def pad_tables(rows: list[list[int]]) -> np.ndarray:
     """Per-row page id lists -> (rows, max(1, longest)) int64, padded with -1."""
-    lens = np.fromiter((len(r) for r in rows), np.int64, len(rows))
-    table = np.full((len(rows), max(1, int(lens.max(initial=0)))), -1, dtype=np.int64)
-    # row-major boolean assignment: each row's first len(r) cells, in order
-    table[np.arange(table.shape[1]) < lens[:, None]] = np.fromiter(
-        chain.from_iterable(rows), np.int64, int(lens.sum()))
-    return table
+    width = max(1, max(map(len, rows), default=0))
+    flat: list[int] = []
+    for r in rows:  # one conversion below; lists extend at C speed
+        flat += r
+        if len(r) < width:
+            flat += [-1] * (width - len(r))
+    return np.array(flat, dtype=np.int64).reshape(len(rows), width)

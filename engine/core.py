@@ -231,6 +231,8 @@ def build_batch(plan: StepPlan, groups: list[str]) -> ForwardBatch:
     """One ForwardBatch for the plan's rows: each row's new tokens from its first
     uncomputed position, its page table per group, and the logits rows it needs."""
     rows = plan.rows
+    if all(r.kind is RowKind.DECODE and not r.draft_ids for r in rows):
+        return _decode_batch([r.seq for r in rows], groups)
     n = len(rows)
     ids: list[int] = []
     starts = np.empty(n, dtype=np.int64)
@@ -261,3 +263,16 @@ def build_batch(plan: StepPlan, groups: list[str]) -> ForwardBatch:
         np.repeat(ends - taken, num_logits)
     return ForwardBatch.from_rows(ids, starts, num_new,
                                   {g: pad_tables(t) for g, t in tables.items()}, logits_rows)
+
+
+def _decode_batch(seqs: list[Sequence], groups: list[str]) -> ForwardBatch:
+    """The steady step: one row per decoder, its last sampled token at num_computed."""
+    tables: dict[str, list[list[int]]] = {g: [] for g in groups}
+    for seq in seqs:
+        pages = seq.pages
+        assert pages is not None
+        for g in groups:
+            tables[g].append(pages.table(g))
+    starts = np.fromiter((s.num_computed for s in seqs), np.int64, len(seqs))
+    return ForwardBatch.decode([s.token_ids[-1] for s in seqs], starts,
+                               {g: pad_tables(t) for g, t in tables.items()})

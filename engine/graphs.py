@@ -24,7 +24,6 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from engine.batch import ForwardBatch
@@ -68,12 +67,7 @@ class CudaGraphCapturer:
 
 def is_decode_only(batch: ForwardBatch) -> bool:
     """Every row has one new token and needs its logits (host tensors only)."""
-    n = batch.num_rows
-    if batch.input_ids.device.type != "cpu" or n < 1 or batch.num_tokens != n:
-        return False
-    rows = np.arange(n + 1)
-    return bool(np.array_equal(batch.query_start.numpy(), rows)
-                and np.array_equal(batch.logits_rows.numpy(), rows[:n]))
+    return batch.is_decode_only()
 
 
 def bucket_for(num_rows: int, buckets: tuple[int, ...] = BUCKETS) -> int | None:
@@ -123,9 +117,9 @@ class DecodeGraphs:
 
     def fits(self, batch: ForwardBatch) -> bool:
         """A decode-only host batch within the largest bucket and the static page tables."""
-        return (is_decode_only(batch) and batch.num_rows <= self.buckets[-1]
+        return (batch.is_decode_only() and batch.num_rows <= self.buckets[-1]
                 and all(batch.page_tables[g].shape[1] <= self.width for g in self.groups)
-                and int(batch.seq_lens.max()) <= self.max_context)
+                and batch.max_seq_len() <= self.max_context)
 
     def capture(self, bucket: int, splits: Splits) -> None:
         """Capture the graph of `bucket` rows for `splits` unless it exists (a capture's

@@ -13,11 +13,17 @@ import logging
 import torch
 
 from engine.batch import ForwardBatch
-from engine.graphs import Capturer, DecodeGraphs, bucket_for, is_decode_only
+from engine.graphs import Capturer, DecodeGraphs, bucket_for
 from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache
 from engine.kv.pool import KVPool
-from engine.layers.attention import decode_splits, group_layers, plan_batch, plan_decode
+from engine.layers.attention import (
+    attn_config,
+    decode_splits,
+    group_layers,
+    plan_batch,
+    plan_decode,
+)
 from engine.models.common import DecoderModel
 from kernels.triton_util import next_pow2
 
@@ -51,6 +57,11 @@ class ModelRunner:
         self._layers = group_layers((blk.attn for blk in model.blocks), self.kv)
         self._max_splits = {g: decode_splits(layer, self.max_context, device)
                             for g, layer in self._layers.items()}
+        # Key positions per split: rows are planned as if their context ran to the end of
+        # its split, so one splits dict serves every length in the split (cached).
+        self._split_keys = {g: attn_config(layer, device).split_keys
+                            for g, layer in self._layers.items()}
+        self._splits_cache: dict[tuple[int, ...], dict[str, int]] = {}
         self.graphs = DecodeGraphs(self._decode_forward, sorted(pages), pages, page_size,
                                    self.max_context, device, capture) if graphs else None
 
@@ -69,15 +80,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prepare_graphs(self, context: int = 1) -> int:
-        """Capture every bucket's decode graph for rows of up to `context` tokens now rather
-        than at first use (a capture stalls its step); -> graphs held."""
+        """Capture every bucket's decode graphs for rows of up to `context` tokens now
+        (each key split count such rows can need) rather than at first use: a capture
+        stalls its step. -> graphs held."""
         if self.graphs is None:
             return 0
-        splits = self._splits_for(context)
-        for bucket in self.graphs.buckets:
-            if not self._captured(bucket, splits):
-                break
+        for splits in self._splits_up_to(min(context, self.max_context)):
+            for bucket in self.graphs.buckets:
+                if not self._captured(bucket, splits):
+                    return 0
         return 0 if self.graphs is None else self.graphs.num_graphs
+
+    def _splits_up_to(self, context: int) -> list[dict[str, int]]:
+        """Every distinct splits dict of decode steps whose longest row has at most
+        `context` tokens, fewest splits first."""
+        lengths = sorted({min(context, k << i) for k in self._split_keys.values()
+                          for i in range(max(1, context).bit_length() + 1)})
+        out: list[dict[str, int]] = []
+        for length in lengths:
+            splits = self._splits_for(length)
+            if splits not in out:
+                out.append(splits)
+        return out
 
     def _captured(self, bucket: int | None, splits: dict[str, int]) -> bool:
         """Whether a graph of `bucket` for `splits` is ready; a failed capture turns
@@ -97,21 +121,27 @@ class ModelRunner:
         on_device = batch.to(self.model.device)
         if not self.triton:
             return self.model.logits(self.model.forward(on_device, self.kv))
-        if is_decode_only(batch) and int(batch.seq_lens.max()) <= self.max_context:
+        if batch.is_decode_only() and batch.max_seq_len() <= self.max_context:
             return self._decode_forward(on_device, self._decode_splits(batch))
         host = batch.to(torch.device("cpu"))
         planned = plan_batch(host, on_device, self._layers, self.page_size)
         return self.model.logits(self.model.forward(planned, self.kv))
 
     def _decode_splits(self, batch: ForwardBatch) -> dict[str, int]:
-        return self._splits_for(int(batch.seq_lens.max()))
+        return self._splits_for(batch.max_seq_len())
 
     def _splits_for(self, longest: int) -> dict[str, int]:
         """Key splits per decode row when the longest row holds `longest` tokens: a power
-        of two (few distinct graphs), at most what `max_context` needs."""
-        device = torch.device(self.model.device)
-        return {g: min(next_pow2(decode_splits(layer, longest, device)), self._max_splits[g])
-                for g, layer in self._layers.items()}
+        of two (few distinct graphs), at most what `max_context` needs. (Do not modify the
+        dict: it is cached.)"""
+        ends = tuple(-(-max(1, longest) // k) * k for k in self._split_keys.values())
+        splits = self._splits_cache.get(ends)
+        if splits is None:
+            device = torch.device(self.model.device)
+            splits = self._splits_cache[ends] = {
+                g: min(next_pow2(decode_splits(layer, end, device)), self._max_splits[g])
+                for (g, layer), end in zip(self._layers.items(), ends, strict=True)}
+        return splits
 
     def _decode_forward(self, batch: ForwardBatch, splits: dict[str, int]) -> torch.Tensor:
         """A decode-only batch on the device -> logits, with no host synchronisation."""

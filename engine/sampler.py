@@ -125,7 +125,7 @@ class SamplerState:
     def record(self, token_id: int) -> None:
         """A token was appended to the output: count it and advance the grammar."""
         self.num_output_tokens += 1
-        if self.has_penalties:
+        if self.output_counts is not None:  # has_penalties (set at creation)
             self.pending_ids.append(token_id)
         if self.params.grammar is not None:
             self.params.grammar.accept(token_id)
@@ -187,7 +187,7 @@ class Sampler:
             # First id whose cdf exceeds the target; zero-weight ids never increase the cdf.
             picked = torch.searchsorted(cdf, target, right=True).squeeze(-1)
             picked = picked.clamp_(max=x.shape[-1] - 1)
-            token_ids = picked if rows.is_all else token_ids.index_copy(0, rows.index, picked)
+            token_ids = rows.put(token_ids, picked) if len(rand) < len(states) else picked
         return token_ids
 
     def probs(self, logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
@@ -243,10 +243,16 @@ class _Rows:
 
     def __init__(self, rows: list[int], num_rows: int, device: torch.device) -> None:
         self.is_all = len(rows) == num_rows  # rows are sorted and unique
-        self.index = torch.tensor(rows, dtype=torch.long).to(device)
+        # (a host->device copy: only for a real subset)
+        self.index = None if self.is_all else torch.tensor(rows, dtype=torch.long).to(device)
 
     def of(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.is_all else t.index_select(0, self.index)
+        """The subset's rows of t (rows, ...)."""
+        return t if self.index is None else t.index_select(0, self.index)
+
+    def put(self, t: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+        """t with the subset's rows replaced by sub (out of place)."""
+        return sub if self.index is None else t.index_copy(0, self.index, sub)
 
 
 def _sync_counts(states: Sequence[SamplerState], device: torch.device) -> list[torch.Tensor]:
@@ -292,7 +298,7 @@ def _apply_penalties(x: torch.Tensor, table: torch.Tensor, states: Sequence[Samp
     sub = rows.of(x)
     sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
     sub = sub - f * counts.to(x.dtype) - p * in_output.to(x.dtype)
-    if rows.is_all:
+    if rows.index is None:
         x.copy_(sub)
     else:
         x.index_copy_(0, rows.index, sub)

@@ -1,0 +1,77 @@
+"""Decode graphs are keyed by (row bucket, key splits): `prepare_graphs(context)` must
+capture every key that a decode step with rows of up to `context` tokens can use, so no
+such step stalls on a capture, and the runner's cached splits must be what the attention
+plan asks for (decode_splits rounded up to a power of two, capped at max_context's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from engine.batch import ForwardBatch
+from engine.kv.pool import SeqPages
+from engine.layers.attention import decode_splits
+from engine.loader import load
+from engine.runner import ModelRunner
+from engine.synthetic import SyntheticSpec, write_synthetic_gguf
+
+CONTEXT = 4096  # the attention splits keys every 1024 positions: 1, 2 or 4 splits
+
+
+class CountingCapture:
+    """Runs the captured function once; a replay runs it again into the same output."""
+
+    def __init__(self) -> None:
+        self.captures = 0
+
+    def __call__(self, fn):
+        self.captures += 1
+        out = fn()
+        return (lambda: out.copy_(fn())), out
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, vocab_dir):
+    # a full and a sliding group: the sliding one never needs more than 2 splits
+    spec = SyntheticSpec("gemma3", num_layers=6, hidden_size=32, num_heads=2, num_kv_heads=1,
+                         head_dim=16, ffn_size=64, sliding_window=24, default_type=T.F32)
+    path = tmp_path_factory.mktemp("keys") / "tiny.gguf"
+    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-spm.gguf", seed=5)
+    return load(path, torch.float32, "cpu").model
+
+
+def test_splits_follow_the_attention_plan(model):
+    runner = ModelRunner(model, 300, 16, cuda_graphs=True, max_context=CONTEXT,
+                         capture=CountingCapture())
+    layers = runner._layers
+    top = {g: decode_splits(layer, CONTEXT, torch.device("cpu")) for g, layer in layers.items()}
+    for longest in (1, 2, 1023, 1024, 1025, 2047, 2048, 2049, 3000, 4095, 4096):
+        want = {g: min(1 << (decode_splits(layer, longest, torch.device("cpu")) - 1)
+                       .bit_length(), top[g]) for g, layer in layers.items()}
+        assert runner._splits_for(longest) == want, longest
+    assert runner._splits_for(2049) == {"full": 4, "sliding": 2}
+
+
+def test_prepared_graphs_cover_every_row_length(model):
+    fake = CountingCapture()
+    runner = ModelRunner(model, 300, 16, cuda_graphs=True, max_context=CONTEXT, capture=fake)
+    assert runner.graphs is not None
+    assert runner.prepare_graphs(CONTEXT) == 3 * 7  # splits 1, 2, 4 (sliding: 1, 2, 2)
+    assert fake.captures == 21
+    replays = runner.graphs.num_replays
+    for lengths in ((5,), (1100,), (2500,), (4000,), (5, 1100, 3), (4000, 7)):
+        seqs = [SeqPages(runner.pool) for _ in lengths]
+        try:
+            for s, n in zip(seqs, lengths, strict=True):
+                s.ensure(n)
+            batch = ForwardBatch.build([([1], n - 1) for n in lengths],
+                                       {g: [s.table(g) for s in seqs] for g in runner.pool.groups})
+            assert runner.forward(batch).shape[0] == len(lengths)
+        finally:
+            for s in seqs:
+                s.free()
+    assert fake.captures == 21 and runner.graphs.num_replays == replays + 6
+    fresh = ModelRunner(model, 300, 16, cuda_graphs=True, max_context=CONTEXT,
+                        capture=CountingCapture())
+    assert fresh.prepare_graphs() == 7  # one key for short rows
