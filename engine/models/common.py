@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import ForwardBatch
+from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache, LayerKVSpec
 from engine.layers.activation import ACTIVATIONS
 from engine.layers.attention import AttnLayer, attend
@@ -20,6 +21,11 @@ from engine.layers.norm import rms_norm
 from engine.layers.rope import Rope
 from engine.models.config import ModelConfig
 from engine.models.weights import WeightLoader
+from kernels.fused_norm import add_rms_norm
+from kernels.fused_rope import rope_qk
+
+# A block output on its way into the residual stream: (output, post-norm weight or None).
+_Residual = tuple[torch.Tensor, torch.Tensor | None]
 
 
 @dataclass(slots=True)
@@ -96,44 +102,58 @@ class DecoderModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """-> (len(batch.logits_rows), hidden) float32, after the output norm."""
+        """-> (len(batch.logits_rows), hidden) float32, after the output norm.
+
+        A block's output joins the residual stream at the next norm (`_add_norm`), which on
+        the Triton path is one kernel for the add, the optional post-norm and the norm."""
         cfg = self.cfg
         x = self.embed(batch.input_ids)  # (T, hidden) f32 residual stream
+        fused = use_triton(x.device)
         cos_sin = self.rope.cos_sin(batch.positions)
         cos_sin_swa = cos_sin if self.rope_swa is self.rope else self.rope_swa.cos_sin(
             batch.positions)
         last = len(self.blocks) - 1
+        pending: _Residual | None = None  # the previous block's MLP output, not yet added
         for i, blk in enumerate(self.blocks):
             rope, cs = (self.rope_swa, cos_sin_swa) if cfg.is_sliding(i) else (self.rope, cos_sin)
-            h = self._attention(blk, rms_norm(x, blk.attn_norm, cfg.rms_eps), rope, cs, batch, kv)
+            x, h = self._add_norm(x, pending, blk.attn_norm, fused)
+            o = self._attention(blk, h, rope, cs, batch, kv, fused)
             if i == last:  # only the requested rows go through the last MLP
-                x, h = x[batch.logits_rows], h[batch.logits_rows]
-            x = x + h
-            h = rms_norm(x, blk.ffn_norm, cfg.rms_eps)
+                x, o = x[batch.logits_rows], o[batch.logits_rows]
+            x, h = self._add_norm(x, (o, blk.post_attn_norm), blk.ffn_norm, fused)
             gate, up = blk.gate_up(h).split(cfg.ffn_size, dim=-1)
-            h = blk.down(self._act(gate, up))
-            if blk.post_ffn_norm is not None:
-                h = rms_norm(h, blk.post_ffn_norm, cfg.rms_eps)
-            x = x + h
-        return rms_norm(x, self.output_norm, cfg.rms_eps)
+            pending = (blk.down(self._act(gate, up)), blk.post_ffn_norm)
+        return self._add_norm(x, pending, self.output_norm, fused)[1]
+
+    def _add_norm(self, x: torch.Tensor, residual: _Residual | None, weight: torch.Tensor,
+                  fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + post_norm(r), rms_norm(x + post_norm(r)) * weight) for residual (r, post-norm
+        weight or None); x itself and its norm without a residual."""
+        r, r_weight = residual if residual is not None else (None, None)
+        if fused:
+            return add_rms_norm(x, weight, self.cfg.rms_eps, r, r_weight)
+        if r is not None:
+            x = x + (r if r_weight is None else rms_norm(r, r_weight, self.cfg.rms_eps))
+        return x, rms_norm(x, weight, self.cfg.rms_eps)
 
     def _attention(self, blk: Block, h: torch.Tensor, rope: Rope,
                    cs: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
-                   kv: KVCache) -> torch.Tensor:
+                   kv: KVCache, fused: bool) -> torch.Tensor:
+        """-> the output projection, before the post-attention norm (see _add_norm)."""
         cfg, n = self.cfg, h.shape[0]
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q, k, v = blk.qkv(h).split([q_dim, kv_dim, cfg.num_kv_heads * cfg.head_dim_v], dim=-1)
         q = q.reshape(n, cfg.num_heads, cfg.head_dim)
         k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim_v)
-        if blk.q_norm is not None:
-            q = rms_norm(q, blk.q_norm, cfg.rms_eps)
-            k = rms_norm(k, blk.k_norm, cfg.rms_eps)
-        q, k = rope.apply(q, *cs), rope.apply(k, *cs)
-        o = blk.out(attend(blk.attn, q, k, v, batch, kv))
-        if blk.post_attn_norm is not None:
-            o = rms_norm(o, blk.post_attn_norm, cfg.rms_eps)
-        return o
+        if fused:  # q/k norm and RoPE of both in one kernel
+            q, k = rope_qk(q, k, *cs, rope.neox, blk.q_norm, blk.k_norm, cfg.rms_eps)
+        else:
+            if blk.q_norm is not None:
+                q = rms_norm(q, blk.q_norm, cfg.rms_eps)
+                k = rms_norm(k, blk.k_norm, cfg.rms_eps)
+            q, k = rope.apply(q, *cs), rope.apply(k, *cs)
+        return blk.out(attend(blk.attn, q, k, v, batch, kv))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

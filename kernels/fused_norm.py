@@ -1,0 +1,132 @@
+"""Residual add fused with RMSNorm: one launch where the decoder ran two to four kernels.
+
+    r' = rmsnorm(residual) * residual_weight    (only with a residual weight: Gemma's
+                                                 post-attention / post-FFN norms)
+    h  = x + r'                                 (only with a residual)
+    y  = rmsnorm(h) * weight,  rmsnorm(z) = z / sqrt(mean(z^2) + eps)
+
+The decoder keeps the residual stream `h` and feeds `y` to the next matmul, so a block's
+"x = x + f(...); y = norm(x)" pairs become one kernel each. Float32 in and out, one
+program per row (rows are independent, so a row's result does not depend on the batch).
+The reference is torch's F.rms_norm in float32, as engine/layers/norm.py computes it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from engine.errors import InvalidRequest
+from kernels.triton_util import HAS_TRITON, interpreter_active, jit, launcher, next_pow2, tl
+
+__all__ = ["NormOut", "add_rms_norm", "add_rms_norm_reference"]
+
+
+class NormOut(NamedTuple):
+    h: torch.Tensor  # (rows, dim) float32: the residual stream after the add
+    y: torch.Tensor  # (rows, dim) float32: rmsnorm(h) * weight
+
+
+def add_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                           residual: torch.Tensor | None = None,
+                           residual_weight: torch.Tensor | None = None) -> NormOut:
+    """x, residual (rows, dim) -> NormOut; without a residual h is x itself."""
+    x = x.float()
+    if residual is not None:
+        if residual_weight is not None:
+            residual = F.rms_norm(residual.float(), (x.shape[-1],), residual_weight, eps)
+        x = x + residual
+    return NormOut(x, F.rms_norm(x, (x.shape[-1],), weight, eps))
+
+
+if HAS_TRITON:
+
+    @jit
+    def _add_rms_norm_kernel(
+        x_ptr, r_ptr, rw_ptr, w_ptr, h_ptr, y_ptr, stride_x, stride_r, stride_h, stride_y,
+        dim, eps, HAS_RESIDUAL: tl.constexpr, HAS_RES_NORM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        """One row: h = x + rmsnorm(r) * rw (or x + r), y = rmsnorm(h) * w."""
+        row = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        ok = d < dim
+        h = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + row * stride_r + d, mask=ok, other=0.0)
+            if HAS_RES_NORM:
+                r_inv = tl.rsqrt(tl.sum(r * r, 0) / dim + eps)
+                r = r * r_inv * tl.load(rw_ptr + d, mask=ok, other=0.0)
+            h = h + r
+            tl.store(h_ptr + row * stride_h + d, h, mask=ok)
+        inv = tl.rsqrt(tl.sum(h * h, 0) / dim + eps)
+        y = h * inv * tl.load(w_ptr + d, mask=ok, other=0.0)
+        tl.store(y_ptr + row * stride_y + d, y, mask=ok)
+
+
+def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...], device) -> None:
+    if t is None:
+        return
+    if t.dtype != torch.float32 or tuple(t.shape) != shape or t.stride(-1) != 1 or \
+            t.device != device:
+        raise InvalidRequest(f"add_rms_norm: {name} must be float32 {shape} on {device} with "
+                             f"a contiguous last dim, got {t.dtype} {tuple(t.shape)} "
+                             f"on {t.device}")
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None,
+                 residual_weight: torch.Tensor | None = None) -> NormOut:
+    """x, residual (rows, dim) float32, weights (dim,) -> NormOut(h, y), one launch.
+
+    The kernel runs on a GPU (or on the CPU when the interpreter is active), else the
+    reference. A residual weight needs a residual.
+    """
+    if not (HAS_TRITON and (x.device.type != "cpu" or interpreter_active())):
+        return add_rms_norm_reference(x, weight, eps, residual, residual_weight)
+    if x.dim() != 2 or (residual is None and residual_weight is not None):
+        raise InvalidRequest(f"add_rms_norm: x must be (rows, dim), got {tuple(x.shape)}; "
+                             f"a residual weight needs a residual")
+    rows, dim = x.shape
+    _check("x", x, (rows, dim), x.device)
+    _check("residual", residual, (rows, dim), x.device)
+    for name, w in (("weight", weight), ("residual_weight", residual_weight)):
+        if w is not None and not w.is_contiguous():
+            raise InvalidRequest(f"add_rms_norm: {name} must be contiguous")
+        _check(name, w, (dim,), x.device)
+    y = torch.empty(rows, dim, dtype=torch.float32, device=x.device)
+    h = x if residual is None else torch.empty_like(y)
+    if rows:
+        block = next_pow2(dim)
+        r = x if residual is None else residual
+        launcher(_add_rms_norm_kernel, x.device)[(rows,)](
+            x, r, weight if residual_weight is None else residual_weight, weight, h, y,
+            x.stride(0), r.stride(0), h.stride(0), y.stride(0), dim, float(eps),
+            HAS_RESIDUAL=residual is not None, HAS_RES_NORM=residual_weight is not None,
+            BLOCK_D=block, num_warps=_warps(block))
+    return NormOut(h, y)
+
+
+def _warps(block: int) -> int:
+    """Enough threads that a row of `block` floats is 8 to 16 registers per thread."""
+    return max(1, min(16, block // 512))
+
+
+def aot_specs(spec: type) -> list:
+    """kernels/aot.py: Llama-8B's hidden size, with the plain, residual and Gemma-style
+    (residual norm) variants."""
+    if not HAS_TRITON:
+        return []
+    sig = {**{n: "*fp32" for n in ("x_ptr", "r_ptr", "rw_ptr", "w_ptr", "h_ptr", "y_ptr")},
+           **{n: "i32" for n in ("stride_x", "stride_r", "stride_h", "stride_y", "dim")},
+           "eps": "fp32"}
+    out = []
+    for name, res, res_norm in (("", False, False), ("_add", True, False),
+                                ("_add_norm", True, True)):
+        consts = {"HAS_RESIDUAL": res, "HAS_RES_NORM": res_norm, "BLOCK_D": 4096}
+        out.append(spec(f"add_rms_norm{name}", _add_rms_norm_kernel,
+                        {**sig, **{k: "constexpr" for k in consts}}, consts, _warps(4096),
+                        False))
+    return out

@@ -1,0 +1,163 @@
+"""RoPE on q and k in one launch, optionally after their per-head RMSNorm (Qwen3, Gemma 3).
+
+For each token t and head, with cos/sin (T, d/2) of the token's position (engine/layers/
+rope.py's Rope.cos_sin, computed once per step and shared by every layer):
+
+    x  = rmsnorm(x) * w                       (only with q/k norm weights, over the head)
+    x0, x1 = the pairs (x[i], x[i + d/2]) (neox) or (x[2i], x[2i + 1]) (original layout)
+    out0 = x0 cos - x1 sin,  out1 = x0 sin + x1 cos
+
+One program per token rotates all its q heads and then all its k heads (GQA: fewer k
+heads), reading q and k in place from the fused qkv projection (any row and head
+strides) and writing new contiguous (T, heads, d) tensors. Float32 throughout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.errors import InvalidRequest
+from kernels.triton_util import (
+    HAS_TRITON,
+    helper,
+    interpreter_active,
+    jit,
+    launcher,
+    next_pow2,
+    tl,
+)
+
+__all__ = ["rope_qk", "rope_qk_reference"]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
+    """x (T, heads, d), cos/sin (T, 1, d/2) -> rotated (T, heads, d)."""
+    half = x.shape[-1] // 2
+    if neox:
+        x0, x1 = x[..., :half], x[..., half:]
+        return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+
+def rope_qk_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      neox: bool, q_weight: torch.Tensor | None = None,
+                      k_weight: torch.Tensor | None = None,
+                      eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (T, H, d), k (T, KVH, d), cos/sin (T, d/2) or (T, 1, d/2) -> rotated q, k."""
+    cos, sin = (c.reshape(c.shape[0], 1, -1) for c in (cos, sin))
+    out = []
+    for x, w in ((q, q_weight), (k, k_weight)):
+        x = x.float()
+        if w is not None:
+            x = F.rms_norm(x, (x.shape[-1],), w, eps)
+        out.append(_rotate(x, cos, sin, neox))
+    return out[0], out[1]
+
+
+if HAS_TRITON:
+
+    @helper
+    def _rope_heads(src, stride_h, dst, cos, sin, w_ptr, eps, NH: tl.constexpr,
+                    HALF: tl.constexpr, NHP: tl.constexpr, HALFP: tl.constexpr,
+                    NEOX: tl.constexpr, HAS_NORM: tl.constexpr):
+        """All NH heads of one token: src row (heads at stride_h) -> dst row (NH, 2 HALF)."""
+        h = tl.arange(0, NHP)[:, None]
+        i = tl.arange(0, HALFP)[None, :]
+        ok = (h < NH) & (i < HALF)
+        if NEOX:
+            i0, i1 = i, i + HALF
+        else:
+            i0, i1 = 2 * i, 2 * i + 1
+        x0 = tl.load(src + h * stride_h + i0, mask=ok, other=0.0)
+        x1 = tl.load(src + h * stride_h + i1, mask=ok, other=0.0)
+        if HAS_NORM:  # per head over its 2 HALF elements
+            inv = tl.rsqrt((tl.sum(x0 * x0, 1) + tl.sum(x1 * x1, 1)) / (2 * HALF) + eps)
+            x0 = x0 * inv[:, None] * tl.load(w_ptr + i0, mask=i < HALF, other=0.0)
+            x1 = x1 * inv[:, None] * tl.load(w_ptr + i1, mask=i < HALF, other=0.0)
+        tl.store(dst + h * (2 * HALF) + i0, x0 * cos - x1 * sin, mask=ok)
+        tl.store(dst + h * (2 * HALF) + i1, x0 * sin + x1 * cos, mask=ok)
+
+    @jit
+    def _rope_qk_kernel(
+        q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st, eps,
+        H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr,
+        KVHP: tl.constexpr, HALFP: tl.constexpr, NEOX: tl.constexpr, HAS_NORM: tl.constexpr,
+    ):
+        """Token t: its q heads, then its k heads, with the token's cos/sin row."""
+        t = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, HALFP)[None, :]
+        cos = tl.load(cos_ptr + t * stride_ct + i, mask=i < HALF, other=0.0)  # (1, HALFP)
+        sin = tl.load(sin_ptr + t * stride_st + i, mask=i < HALF, other=0.0)
+        _rope_heads(q_ptr + t * stride_qt, stride_qh, qo_ptr + t * (H * 2 * HALF), cos, sin,
+                    qw_ptr, eps, H, HALF, HP, HALFP, NEOX, HAS_NORM)
+        _rope_heads(k_ptr + t * stride_kt, stride_kh, ko_ptr + t * (KVH * 2 * HALF), cos, sin,
+                    kw_ptr, eps, KVH, HALF, KVHP, HALFP, NEOX, HAS_NORM)
+
+
+def _check(q, k, cos, sin, q_weight, k_weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (T, d/2) views of cos and sin, after checking every input."""
+    ok = q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] and \
+        q.shape[2] == k.shape[2] and q.shape[2] % 2 == 0
+    tensors = [q, k, cos, sin, q_weight, k_weight]
+    ok = ok and all(t.dtype == torch.float32 and t.device == q.device and t.stride(-1) == 1
+                    for t in tensors if t is not None)
+    if not ok:
+        raise InvalidRequest(f"rope_qk: q (T, H, d) and k (T, KVH, d) float32 with contiguous "
+                             f"last dims on one device, got q {q.dtype} {tuple(q.shape)}, "
+                             f"k {k.dtype} {tuple(k.shape)}")
+    tokens, half = q.shape[0], q.shape[2] // 2
+    cos, sin = (c.reshape(c.shape[0], -1) if c.dim() == 3 else c for c in (cos, sin))
+    if cos.shape != (tokens, half) or sin.shape != (tokens, half):
+        raise InvalidRequest(f"rope_qk: cos/sin must be ({tokens}, {half}), got "
+                             f"{tuple(cos.shape)}, {tuple(sin.shape)}")
+    if (q_weight is None) != (k_weight is None) or any(
+            w is not None and tuple(w.shape) != (2 * half,) for w in (q_weight, k_weight)):
+        raise InvalidRequest("rope_qk: q and k norm weights come together, each (d,)")
+    return cos, sin
+
+
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            neox: bool, q_weight: torch.Tensor | None = None,
+            k_weight: torch.Tensor | None = None,
+            eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (T, H, d), k (T, KVH, d) float32 (any row/head strides), cos/sin (T, d/2) or
+    (T, 1, d/2) -> contiguous rotated (q, k), after their RMSNorm when weights are given.
+
+    One launch on a GPU (or on the CPU when the interpreter is active), else the reference.
+    """
+    if not (HAS_TRITON and (q.device.type != "cpu" or interpreter_active())):
+        return rope_qk_reference(q, k, cos, sin, neox, q_weight, k_weight, eps)
+    cos, sin = _check(q, k, cos, sin, q_weight, k_weight)
+    (tokens, heads, dim), kv_heads = q.shape, k.shape[1]
+    q_out = torch.empty(tokens, heads, dim, dtype=torch.float32, device=q.device)
+    k_out = torch.empty(tokens, kv_heads, dim, dtype=torch.float32, device=q.device)
+    if tokens:
+        norm = q_weight is not None
+        launcher(_rope_qk_kernel, q.device)[(tokens,)](
+            q, k, cos, sin, q_weight if norm else cos, k_weight if norm else cos, q_out, k_out,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+            float(eps), H=heads, KVH=kv_heads, HALF=dim // 2, HP=next_pow2(heads),
+            KVHP=next_pow2(kv_heads), HALFP=next_pow2(dim // 2), NEOX=bool(neox),
+            HAS_NORM=norm, num_warps=4)
+    return q_out, k_out
+
+
+def aot_specs(spec: type) -> list:
+    """kernels/aot.py: Llama 3 8B (32/8 heads of 128, original layout) and Qwen3-like
+    (neox with q/k norm, 16/8 heads of 128)."""
+    if not HAS_TRITON:
+        return []
+    sig = {**{n: "*fp32" for n in ("q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "qw_ptr", "kw_ptr",
+                                   "qo_ptr", "ko_ptr")},
+           **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh",
+                                 "stride_ct", "stride_st")}, "eps": "fp32"}
+    out = []
+    for name, heads, neox, norm in (("llama", 32, False, False), ("qk_norm", 16, True, True)):
+        consts = {"H": heads, "KVH": 8, "HALF": 64, "HP": heads, "KVHP": 8, "HALFP": 64,
+                  "NEOX": neox, "HAS_NORM": norm}
+        out.append(spec(f"rope_qk_{name}", _rope_qk_kernel,
+                        {**sig, **{k: "constexpr" for k in consts}}, consts, 4, False))
+    return out

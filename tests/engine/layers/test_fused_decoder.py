@@ -1,0 +1,89 @@
+"""The decoder's Triton path end to end on the CPU: with MBUFO_KERNELS=triton in the
+interpreter worker, a tiny model's forward runs the fused kernels (add + RMSNorm with
+Gemma's post-norms, q/k norm + RoPE, the KV store) and the paged attention, against the
+same runner on the torch path. One family per layout: llama (original RoPE pairs, Llama 3
+frequency factors), qwen3 (neox, q/k norm), gemma3 (neox, q/k norm, post-norms, sliding
+window). Weights are dense f32 on both sides; the fused kernels are float32, so the gap
+is the attention kernel's f16 dot operands (about 1e-3 relative, 1e-2 with q4 values),
+where a wrong pair layout, norm or residual is off by O(1)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from engine.batch import ForwardBatch
+from engine.kv.pool import SeqPages
+from engine.loader import load
+from engine.runner import ModelRunner
+from engine.synthetic import SyntheticSpec, write_synthetic_gguf
+
+SPECS = {
+    "llama": SyntheticSpec("llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                           head_dim=32, ffn_size=96, rope_freq_factors=True,
+                           default_type=T.F32),
+    "qwen3": SyntheticSpec("qwen3", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=1,
+                           head_dim=32, ffn_size=96, default_type=T.F32),
+    "gemma3": SyntheticSpec("gemma3", num_layers=3, hidden_size=64, num_heads=4,
+                            num_kv_heads=2, head_dim=32, ffn_size=96, sliding_window=12,
+                            default_type=T.F32),
+}
+
+
+def load_model(family: str, tmp_path, vocab_dir):
+    path = tmp_path / f"{family}.gguf"
+    write_synthetic_gguf(path, SPECS[family], vocab_dir / "ggml-vocab-llama-spm.gguf", seed=11)
+    return load(path, torch.float32, "cpu").model
+
+
+def batch_for(runner, seqs, spans) -> ForwardBatch:
+    rows, tables = [], {g: [] for g in runner.pool.groups}
+    for i, ids in spans:
+        start = seqs[i].num_tokens
+        seqs[i].ensure(start + len(ids))
+        rows.append((ids, start))
+        for g in tables:
+            tables[g].append(seqs[i].table(g))
+    return ForwardBatch.build(rows, tables)
+
+
+def on_triton(worker, runner: ModelRunner, batch: ForwardBatch):
+    """(logits, KV planes) of runner.forward(batch) in the worker, on a copy of the runner."""
+    twin = copy.copy(runner)
+    twin.triton = True  # what the runner decides on a GPU
+    return worker.call("operator:call", _forward_and_kv, twin, batch)
+
+
+def _forward_and_kv(runner: ModelRunner, batch: ForwardBatch):
+    return runner.forward(batch), (runner.kv.k, runner.kv.v)
+
+
+@pytest.mark.parametrize("family,kv_quant", [("llama", "f16"), ("qwen3", "k4v8"),
+                                             ("gemma3", "k8v4")])
+def test_fused_forward_matches_torch_path(triton_worker, tmp_path, vocab_dir, family, kv_quant):
+    model = load_model(family, tmp_path, vocab_dir)
+    runner = ModelRunner(model, 24, 16, kv_quant, max_context=96)
+    seqs = [SeqPages(runner.pool) for _ in range(3)]
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**63))
+    prompts = [rng.integers(3, 1000, n).tolist() for n in (9, 21, 3)]
+    steps = [list(enumerate(prompts)),  # prefill chunks: plan_batch
+             [(0, [5]), (1, [6]), (2, [7])],  # decode-only: plan_decode
+             [(0, [8]), (2, [11, 12, 13]), (1, [9])]]  # mixed
+    for spans in steps:
+        batch = batch_for(runner, seqs, spans)
+        got, (k_planes, v_planes) = on_triton(triton_worker, runner, batch)
+        ref = runner.forward(batch)  # the torch path; also advances the reference KV
+        assert torch.isfinite(got).all()
+        rel = (got - ref).norm() / ref.norm()
+        assert rel < (2e-3 if kv_quant == "f16" else 2e-2), float(rel)
+        top = ref.topk(2, dim=-1).values
+        clear = top[:, 0] - top[:, 1] > 0.05  # random tiny models have near ties
+        assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+        # The worker's KV (written by the kernels) replaces the reference's, so that both
+        # sides read the same context in the next step.
+        runner.kv.k, runner.kv.v = k_planes, v_planes
+    assert runner.triton is False  # the reference side really ran the torch path
