@@ -37,6 +37,7 @@ __all__ = [
 ]
 
 MAX_LOGPROBS = 20
+_CANDIDATES = 256  # top-k/top-p on the CPU: the largest weights looked at before a full sort
 _UNIFORM_BLOCK = 32
 
 
@@ -82,10 +83,8 @@ class SamplerState:
     pending_ids: list[int] = field(default_factory=list)  # recorded, not yet in output_counts
     uniforms: list[float] = field(default_factory=list)  # drawn ahead, consumed from the end
     num_output_tokens: int = 0
-    # The parameter table's row (_T.._PRES), fixed for the request: built once, not per step.
-    table_row: tuple[float, ...] = ()
-    # Nothing but the raw logits' argmax: greedy, no penalties, no grammar (no float64 copy).
-    is_plain_greedy: bool = False
+    table_row: tuple[float, ...] = ()  # its parameter table row (_T.._PRES), built once
+    is_plain_greedy: bool = False  # greedy, no penalties, no grammar: the raw logits' argmax
 
     @classmethod
     def create(
@@ -187,7 +186,8 @@ class Sampler:
             # First id whose cdf exceeds the target; zero-weight ids never increase the cdf.
             picked = torch.searchsorted(cdf, target, right=True).squeeze(-1)
             picked = picked.clamp_(max=x.shape[-1] - 1)
-            token_ids = rows.put(token_ids, picked) if len(rand) < len(states) else picked
+            token_ids = picked if rows.index is None else \
+                token_ids.index_copy(0, rows.index, picked)
         return token_ids
 
     def probs(self, logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
@@ -210,7 +210,7 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw logits -> (float64 copy with penalties and grammar masks, parameter table)."""
         _check_shape(logits, states)
-        table = _param_table(states, uniforms, logits.shape[-1], logits.device)
+        table = _param_table(states, uniforms, logits.device)
         x = logits.to(torch.float64, copy=True)
         _apply_penalties(x, table, states)
         _apply_grammar(x, states)
@@ -221,9 +221,8 @@ class Sampler:
 _T, _K, _P, _MIN_P, _REP, _FREQ, _PRES, _U = range(8)
 
 
-def _param_table(
-    states: Sequence[SamplerState], uniforms: list[float], vocab: int, device: torch.device
-) -> torch.Tensor:
+def _param_table(states: Sequence[SamplerState], uniforms: list[float],
+                 device: torch.device) -> torch.Tensor:
     """(rows, 8) float64; top_k as a count (vocab when off), u the row's uniform draw."""
     rows = [(*state.table_row, u) for state, u in zip(states, uniforms, strict=True)]
     return torch.tensor(rows, dtype=torch.float64).reshape(-1, 8).to(device)
@@ -239,20 +238,16 @@ def _check_shape(logits: torch.Tensor, states: Sequence[SamplerState]) -> None:
 
 
 class _Rows:
-    """A subset of the batch's rows; the whole batch needs no gather."""
+    """A subset of the batch's rows (sorted, unique); the whole batch needs no index (no
+    host->device copy) and no gather."""
 
     def __init__(self, rows: list[int], num_rows: int, device: torch.device) -> None:
-        self.is_all = len(rows) == num_rows  # rows are sorted and unique
-        # (a host->device copy: only for a real subset)
-        self.index = None if self.is_all else torch.tensor(rows, dtype=torch.long).to(device)
+        self.index = None if len(rows) == num_rows else \
+            torch.tensor(rows, dtype=torch.long).to(device)
 
     def of(self, t: torch.Tensor) -> torch.Tensor:
         """The subset's rows of t (rows, ...)."""
         return t if self.index is None else t.index_select(0, self.index)
-
-    def put(self, t: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
-        """t with the subset's rows replaced by sub (out of place)."""
-        return sub if self.index is None else t.index_copy(0, self.index, sub)
 
 
 def _sync_counts(states: Sequence[SamplerState], device: torch.device) -> list[torch.Tensor]:
@@ -333,17 +328,50 @@ def _filtered_weights(
     return w
 
 
-def _top_k_top_p(w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _top_k_top_p(w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 full_sort: bool = False) -> torch.Tensor:
     """w (rows, vocab) weights; top_k (rows, 1) count (vocab = off); top_p (rows, 1) (1 = off)."""
+    if not full_sort and w.device.type == "cpu" and w.shape[-1] > 4 * _CANDIDATES:
+        return _top_k_top_p_candidates(w, top_k, top_p)
     # Stable descending sort: equal weights stay in id order, so ties go to the lower id.
     sorted_w, order = w.sort(dim=-1, descending=True, stable=True)
-    rank = torch.arange(w.shape[-1], device=w.device, dtype=w.dtype)
+    return torch.zeros_like(w).scatter_(-1, order, _kept(sorted_w, top_k, top_p, None))
+
+
+def _kept(sorted_w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+          total: torch.Tensor | None) -> torch.Tensor:
+    """Weights in (weight desc, id asc) order, filtered ones zeroed; total (rows, 1): the
+    top-k mass when sorted_w is a prefix of the order (None: all of it)."""
+    rank = torch.arange(sorted_w.shape[-1], device=sorted_w.device, dtype=sorted_w.dtype)
     sorted_w = sorted_w.masked_fill(rank >= top_k, 0.0)
     cum = sorted_w.cumsum(dim=-1)
     before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)  # mass ahead
-    keep = (before < top_p * cum[:, -1:]) | (top_p >= 1.0)
-    sorted_w = sorted_w.masked_fill(~keep, 0.0)
-    return torch.zeros_like(w).scatter_(-1, order, sorted_w)
+    total = cum[:, -1:] if total is None else total
+    return sorted_w.masked_fill(~((before < top_p * total) | (top_p >= 1.0)), 0.0)
+
+
+def _top_k_top_p_candidates(w: torch.Tensor, top_k: torch.Tensor,
+                            top_p: torch.Tensor) -> torch.Tensor:
+    """_top_k_top_p among the _CANDIDATES largest weights (a CPU sorts 262K float64 in
+    ~40 ms a row): exact when a row's kept weights all exceed the smallest candidate (all
+    above it are candidates) and its top-k mass is known; other rows take the full sort."""
+    vocab, c = w.shape[-1], _CANDIDATES
+    vals, ids = w.topk(c, dim=-1)  # (rows, c) descending, equal weights in any order
+    ids, perm = ids.sort(dim=-1)
+    vals, perm = vals.gather(-1, perm).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(-1, perm)  # ties: the lower id first
+    head = vals.masked_fill(torch.arange(c, dtype=vals.dtype) >= top_k, 0.0).cumsum(-1)
+    total = torch.where(top_k >= vocab, w.sum(-1, keepdim=True),
+                        head.gather(-1, (top_k.clamp(max=c) - 1).long()))
+    kept = _kept(vals, top_k, top_p, total)
+    last = vals.gather(-1, (kept > 0).sum(-1, keepdim=True) - 1)
+    off = (top_k >= vocab) & (top_p >= 1.0)
+    exact = off | (((top_k <= c) | (top_k >= vocab)) & (last > vals[:, -1:]))
+    out = torch.where(off, w, torch.zeros_like(w).scatter_(-1, ids, kept))
+    redo = (~exact).squeeze(-1).nonzero().squeeze(-1)
+    if redo.numel():
+        out[redo] = _top_k_top_p(w[redo], top_k[redo], top_p[redo], full_sort=True)
+    return out
 
 
 def _to_host(
@@ -357,20 +385,16 @@ def _to_host(
         return token_ids.tolist(), out
     rows = _Rows(wanted, len(states), logits.device)
     lp = torch.log_softmax(rows.of(logits).to(torch.float32), dim=-1)  # (r, vocab)
-    chosen_ids = rows.of(token_ids).unsqueeze(-1)
-    chosen = lp.gather(-1, chosen_ids).squeeze(-1)
+    chosen = lp.gather(-1, rows.of(token_ids).unsqueeze(-1))  # (r, 1)
     k_max = max(states[i].params.logprobs or 0 for i in wanted)
     top_vals, top_ids = lp.topk(k_max, dim=-1)  # (r, k_max), most likely first
-    # Every row's token id, then per wanted row: its logprob and the top pairs (float64
-    # holds the ids exactly).
-    packed = torch.cat([chosen.double().unsqueeze(-1), top_ids.double(), top_vals.double()],
-                       dim=-1)  # (r, 1 + 2 k_max)
-    flat = torch.cat([token_ids.double(), packed.flatten()]).tolist()
+    # Every row's token id, then per wanted row (1 + 2 k_max): its logprob and the top pairs
+    packed = torch.cat([t.double() for t in (chosen, top_ids, top_vals)], dim=-1)
+    flat = torch.cat([token_ids.double(), packed.flatten()]).tolist()  # float64: exact ids
     n, width = len(states), 1 + 2 * k_max
     for j, i in enumerate(wanted):
         row = flat[n + j * width : n + (j + 1) * width]
         k = states[i].params.logprobs or 0
-        top = tuple((int(t), v) for t, v in zip(row[1 : 1 + k], row[1 + k_max : 1 + k_max + k],
-                                                strict=True))
-        out[i] = TokenLogprobs(int(flat[i]), row[0], top)
+        top = zip(map(int, row[1 : 1 + k]), row[1 + k_max : 1 + k_max + k], strict=True)
+        out[i] = TokenLogprobs(int(flat[i]), row[0], tuple(top))
     return [int(t) for t in flat[:n]], out

@@ -158,3 +158,44 @@ def test_one_host_transfer_per_step(monkeypatch):
     Sampler().sample(logits[:2], [SamplerState.create(SamplingParams(temperature=0.0), [],
                                                       VOCAB) for _ in range(2)])
     assert calls == ["tolist"]
+
+
+def test_cpu_candidate_filter_matches_reference_and_falls_back(monkeypatch):
+    """Vocabularies past 4 x 256 ids: top-k/top-p on the CPU look at the 256 largest
+    weights first. Rows whose support ends inside them (ties included) must match the
+    reference; rows that need more (a flat nucleus, top_k past 256, a tie straddling the
+    256th weight) take the full sort, and match it too."""
+    import engine.sampler as sampler_module
+
+    vocab = 3000
+    calls = []
+    original = sampler_module._top_k_top_p
+    monkeypatch.setattr(sampler_module, "_top_k_top_p", lambda *a, **k: calls.append(
+        k.get("full_sort", False)) or original(*a, **k))
+    rng = np.random.default_rng(23)
+    peaked = rng.standard_normal(vocab) * 4
+    flat = rng.standard_normal(vocab) * 0.05
+    medium = rng.standard_normal(vocab) * 1.5
+    ties = np.floor(rng.standard_normal(vocab) * 2) * 2  # few distinct values: wide ties
+    cases = [(peaked, SamplingParams(top_p=0.9, seed=1)),
+             (peaked, SamplingParams(top_k=40, temperature=0.7, seed=2)),
+             (peaked, SamplingParams(top_k=5, top_p=0.5, min_p=0.1, seed=3)),
+             (flat, SamplingParams(top_p=0.95, seed=4)),  # nucleus of ~2800 ids: full sort
+             (peaked, SamplingParams(top_k=700, seed=5)),  # top_k > 256: full sort
+             (medium, SamplingParams(top_k=700, top_p=0.2, seed=9)),  # its mass: full sort
+             (ties, SamplingParams(top_k=3, seed=6)),  # a tie group at the cut
+             (ties, SamplingParams(top_p=0.3, seed=7)),
+             (peaked, SamplingParams(temperature=0.9, seed=8))]  # no filter in this row
+    logits = torch.from_numpy(np.stack([c[0] for c in cases]).astype(np.float32))
+    states = [SamplerState.create(p, [], vocab) for _, p in cases]
+    probs = Sampler().probs(logits, states).numpy()
+    assert True in calls and False in calls  # both paths taken
+    for row, (_, params), got in zip(logits.numpy(), cases, probs, strict=True):
+        ref = reference_probs(row, params, (), ())
+        assert set(np.flatnonzero(got)) == set(np.flatnonzero(ref)), params
+        np.testing.assert_allclose(got, ref, atol=1e-12)
+    streams = [UniformStream(p.seed) for _, p in cases]
+    for _ in range(5):
+        out = Sampler().sample(logits, states).token_ids
+        for i, (_, params) in enumerate(cases):
+            assert out[i] == reference_token(logits[i].numpy(), params, (), [], streams[i])
