@@ -181,7 +181,7 @@ def _decode_plan(seq_lens: torch.Tensor, window: int | None, split_keys: int, nu
 def _planned(batch: ForwardBatch, attn: dict[str, GroupInputs],
              slots: dict[str, torch.Tensor]) -> PlannedBatch:
     return PlannedBatch(batch.input_ids, batch.positions, batch.query_start, batch.seq_lens,
-                        batch.page_tables, batch.logits_rows, slots, attn)
+                        batch.page_tables, batch.logits_rows, _write_slots=slots, attn=attn)
 
 
 def attend_reference(
