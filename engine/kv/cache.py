@@ -10,8 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernel_select import use_triton
 from engine.kv.formats import FORMATS, KV_QUANT_CHOICES, KVFormat
 from engine.kv.pool import PageCopy
+from kernels.kv_store import kv_store
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +59,14 @@ class KVCache:
         return spec.group
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k (n, kv_heads, head_dim_k) and v (n, kv_heads, head_dim_v) at `slots` (n,)."""
+        """Store k (n, kv_heads, head_dim_k) and v (n, kv_heads, head_dim_v) at `slots` (n,).
+
+        On the Triton path one kernel encodes and stores both (kernels/kv_store.py)."""
+        if use_triton(k.device):
+            k_planes, v_planes = self.k[layer], self.v[layer]
+            assert k_planes is not None and v_planes is not None
+            kv_store(k, v, slots, k_planes, v_planes, self.k_format.name, self.v_format.name)
+            return
         pairs = ((self.k[layer], self.k_format, k), (self.v[layer], self.v_format, v))
         for planes, fmt, x in pairs:
             assert planes is not None
