@@ -57,8 +57,9 @@ class ModelRunner:
         self._layers = group_layers((blk.attn for blk in model.blocks), self.kv)
         self._max_splits = {g: decode_splits(layer, self.max_context, device)
                             for g, layer in self._layers.items()}
-        # Key positions per split: rows are planned as if their context ran to the end of
-        # its split, so one splits dict serves every length in the split (cached).
+        # Key positions per split. A step's splits are those of a row reaching the end of
+        # the longest row's split (the same with today's decode_splits, and enough with any
+        # that grows with the length): one cached dict per split, not one per length.
         self._split_keys = {g: attn_config(layer, device).split_keys
                             for g, layer in self._layers.items()}
         self._splits_cache: dict[tuple[int, ...], dict[str, int]] = {}
