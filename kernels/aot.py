@@ -46,13 +46,13 @@ def kernel_specs(quick: bool = False) -> list[KernelSpec]:
     """Every kernel at the configurations its wrapper launches. `quick` (CI) builds qmatmul's
     tiled kernel for every type, plus Q4_K's skinny ones (kernels/qgemv.py): comparing
     their instructions checks the batch-invariance premise."""
-    from kernels import fused_norm, fused_rope, kv_store, paged_attention, qgemv, qmatmul
+    from kernels import fused_norm, fused_rope, gated_act, kv_store, paged_attention, qgemv, qmatmul
 
     specs = [*qgemv.aot_specs(KernelSpec), *qmatmul.aot_specs(KernelSpec),
              *paged_attention.aot_specs(KernelSpec)]
     if not quick:  # CI builds these in tests/kernels/test_fused_aot.py (no dots to check)
         specs += [*fused_norm.aot_specs(KernelSpec), *fused_rope.aot_specs(KernelSpec),
-                  *kv_store.aot_specs(KernelSpec)]
+                  *kv_store.aot_specs(KernelSpec), *gated_act.aot_specs(KernelSpec)]
     if quick:  # q8 K and q4 V are each built in their own pair
         specs = [s for s in specs if not ((s.name.endswith("_m16") or "_fma_" in s.name)
                                           and "Q4_K" not in s.name)

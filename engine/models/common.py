@@ -23,6 +23,7 @@ from engine.models.config import ModelConfig
 from engine.models.weights import WeightLoader
 from kernels.fused_norm import add_rms_norm
 from kernels.fused_rope import rope_qk
+from kernels.gated_act import gated_act
 
 # A block output on its way into the residual stream: (output, post-norm weight or None).
 _Residual = tuple[torch.Tensor, torch.Tensor | None]
@@ -121,9 +122,15 @@ class DecoderModel:
             if i == last:  # only the requested rows go through the last MLP
                 x, o = x[batch.logits_rows], o[batch.logits_rows]
             x, h = self._add_norm(x, (o, blk.post_attn_norm), blk.ffn_norm, fused)
-            gate, up = blk.gate_up(h).split(cfg.ffn_size, dim=-1)
-            pending = (blk.down(self._act(gate, up)), blk.post_ffn_norm)
+            pending = (blk.down(self._mlp_act(blk.gate_up(h), fused)), blk.post_ffn_norm)
         return self._add_norm(x, pending, self.output_norm, fused)[1]
+
+    def _mlp_act(self, gate_up: torch.Tensor, fused: bool) -> torch.Tensor:
+        """(T, 2 ffn) gate and up rows -> act(gate) * up (T, ffn)."""
+        if fused:
+            return gated_act(gate_up, self.cfg.activation)
+        gate, up = gate_up.split(self.cfg.ffn_size, dim=-1)
+        return self._act(gate, up)
 
     def _add_norm(self, x: torch.Tensor, residual: _Residual | None, weight: torch.Tensor,
                   fused: bool) -> tuple[torch.Tensor, torch.Tensor]:

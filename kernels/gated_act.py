@@ -1,0 +1,79 @@
+"""Gated MLP activation in one launch: act(gate) * up from the fused gate/up projection.
+
+The decoder's gate_up matmul writes (rows, 2 F): gate in the first F columns, up in the
+last F. SwiGLU (llama, qwen) is silu(g) * u with silu(g) = g / (1 + e^-g); GeGLU (gemma)
+is gelu_tanh(g) * u with gelu_tanh(g) = g / 2 * (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))
+(ggml_gelu's approximation, as engine/layers/activation.py computes it). Torch runs two
+kernels (the activation, the product); here one, float32 in and out.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.errors import InvalidRequest
+from kernels.triton_util import HAS_TRITON, interpreter_active, jit, launcher, tl
+
+__all__ = ["ACTIVATION_IDS", "gated_act", "gated_act_reference"]
+
+ACTIVATION_IDS = {"silu": 0, "gelu": 1}
+_BLOCK = 1024
+
+
+def gated_act_reference(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """gate_up (rows, 2 F) -> (rows, F) float32."""
+    if activation not in ACTIVATION_IDS:
+        raise InvalidRequest(f"gated_act: unknown activation {activation!r}")
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    return act * up
+
+
+if HAS_TRITON:
+
+    @jit
+    def _gated_act_kernel(gu_ptr, out_ptr, ffn, stride_gu, stride_out, ACT: tl.constexpr,
+                          BLOCK: tl.constexpr):
+        """Columns [BLOCK * j, BLOCK * (j + 1)) of one row."""
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = col < ffn
+        g = tl.load(gu_ptr + row * stride_gu + col, mask=ok, other=0.0)
+        u = tl.load(gu_ptr + row * stride_gu + ffn + col, mask=ok, other=0.0)
+        if ACT == 0:
+            a = g / (1.0 + tl.exp(-g))
+        else:  # tanh(z) = 1 - 2 / (e^2z + 1): exact limits +-1 where e^2z over/underflows
+            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            a = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+        tl.store(out_ptr + row * stride_out + col, a * u, mask=ok)
+
+
+def gated_act(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """gate_up (rows, 2 F) float32 (contiguous last dim) -> (rows, F) float32, one launch
+    on a GPU (or on the CPU when the interpreter is active), else the reference."""
+    if not (HAS_TRITON and (gate_up.device.type != "cpu" or interpreter_active())):
+        return gated_act_reference(gate_up, activation)
+    if activation not in ACTIVATION_IDS:
+        raise InvalidRequest(f"gated_act: unknown activation {activation!r}")
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.dtype != torch.float32 or \
+            gate_up.stride(-1) != 1:
+        raise InvalidRequest(f"gated_act: gate_up must be float32 (rows, 2 F) with a contiguous "
+                             f"last dim, got {gate_up.dtype} {tuple(gate_up.shape)}")
+    rows, ffn = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, ffn, dtype=torch.float32, device=gate_up.device)
+    if rows and ffn:
+        launcher(_gated_act_kernel, gate_up.device)[(rows, -(-ffn // _BLOCK))](
+            gate_up, out, ffn, gate_up.stride(0), out.stride(0),
+            ACT=ACTIVATION_IDS[activation], BLOCK=_BLOCK, num_warps=4)
+    return out
+
+
+def aot_specs(spec: type) -> list:
+    """kernels/aot.py: both activations."""
+    if not HAS_TRITON:
+        return []
+    sig = {"gu_ptr": "*fp32", "out_ptr": "*fp32", "ffn": "i32", "stride_gu": "i32",
+           "stride_out": "i32", "ACT": "constexpr", "BLOCK": "constexpr"}
+    return [spec(f"gated_act_{name}", _gated_act_kernel, sig, {"ACT": act, "BLOCK": _BLOCK}, 4,
+                 False) for name, act in ACTIVATION_IDS.items()]
