@@ -1,10 +1,9 @@
 """The decoder's Triton path end to end on the CPU: with MBUFO_KERNELS=triton in the
 interpreter worker, a tiny model's forward runs the fused kernels (add + RMSNorm with
 Gemma's post-norms, q/k norm + RoPE, the KV store, the gated activation) and the paged
-attention, against the
-same runner on the torch path. One family per layout: llama (original RoPE pairs, Llama 3
-frequency factors), qwen3 (neox, q/k norm), gemma3 (neox, q/k norm, post-norms, sliding
-window). Weights are dense f32 on both sides; the fused kernels are float32, so the gap
+attention, against the same runner on the torch path. One family per layout: llama
+(original RoPE pairs, Llama 3 frequency factors), qwen3 (neox, q/k norm), gemma3 (neox,
+q/k norm, post-norms, GeGLU, sliding window). Weights are dense f32 on both sides; the fused kernels are float32, so the gap
 is the attention kernel's f16 dot operands (about 1e-3 relative, 1e-2 with q4 values),
 where a wrong pair layout, norm or residual is off by O(1)."""
 
