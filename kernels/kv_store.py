@@ -18,6 +18,8 @@ that differs in its last bit would break bit-identity with the reference.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.errors import InvalidRequest
@@ -156,18 +158,23 @@ def _planes(planes: dict[str, torch.Tensor], fmt: str, x: torch.Tensor,
     if x.dtype != torch.float32 or x.stride(-1) != 1:
         raise InvalidRequest(f"kv_store: {what} must be float32 (n, heads, d) with a "
                              f"contiguous last dim, got {x.dtype} {tuple(x.shape)}")
-    want = FORMATS[fmt].allocate(0, heads, dim, "meta")
     tensors = []
-    for name, like in want.items():
+    for name, (dtype, tail) in _plane_shapes(fmt, heads, dim).items():
         p = planes.get(name)
-        if p is None or p.dtype != like.dtype or tuple(p.shape[1:]) != tuple(like.shape[1:]) \
+        if p is None or p.dtype != dtype or tuple(p.shape[1:]) != tail \
                 or not p.is_contiguous() or p.device != x.device:
             got = None if p is None else (p.dtype, tuple(p.shape), p.device)
             raise InvalidRequest(f"kv_store: {what} plane {name!r} must be contiguous "
-                                 f"{like.dtype} (slots, *{tuple(like.shape[1:])}) on "
-                                 f"{x.device}, got {got}")
+                                 f"{dtype} (slots, *{tail}) on {x.device}, got {got}")
         tensors.append(p)
     return tensors[0], tensors[-1]
+
+
+@functools.lru_cache(maxsize=64)
+def _plane_shapes(fmt: str, heads: int, dim: int) -> dict[str, tuple[torch.dtype, tuple]]:
+    """{plane: (dtype, shape after the slot dim)} of `fmt` (from its allocator, once)."""
+    return {name: (p.dtype, tuple(p.shape[1:]))
+            for name, p in FORMATS[fmt].allocate(0, heads, dim, "meta").items()}
 
 
 def kv_store(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
