@@ -19,29 +19,51 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import InvalidRequest
-from kernels.triton_util import HAS_TRITON, interpreter_active, jit, launcher, next_pow2, tl
+from kernels.triton_util import (
+    HAS_TRITON,
+    helper,
+    interpreter_active,
+    jit,
+    launcher,
+    next_pow2,
+    tl,
+)
 
-__all__ = ["NormOut", "add_rms_norm", "add_rms_norm_reference"]
+__all__ = ["OUT_DTYPES", "NormOut", "add_rms_norm", "add_rms_norm_reference", "cast_out"]
+
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class NormOut(NamedTuple):
     h: torch.Tensor  # (rows, dim) float32: the residual stream after the add
-    y: torch.Tensor  # (rows, dim) float32: rmsnorm(h) * weight
+    y: torch.Tensor  # (rows, dim) out_dtype: rmsnorm(h) * weight
 
 
 def add_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
                            residual: torch.Tensor | None = None,
-                           residual_weight: torch.Tensor | None = None) -> NormOut:
-    """x, residual (rows, dim) -> NormOut; without a residual h is x itself."""
+                           residual_weight: torch.Tensor | None = None,
+                           out_dtype: torch.dtype = torch.float32) -> NormOut:
+    """x, residual (rows, dim) -> NormOut; without a residual h is x itself. y is computed
+    in float32 and rounded to `out_dtype` (a bf16 matmul's input: no cast kernel)."""
     x = x.float()
     if residual is not None:
         if residual_weight is not None:
             residual = F.rms_norm(residual.float(), (x.shape[-1],), residual_weight, eps)
         x = x + residual
-    return NormOut(x, F.rms_norm(x, (x.shape[-1],), weight, eps))
+    return NormOut(x, F.rms_norm(x, (x.shape[-1],), weight, eps).to(out_dtype))
 
 
 if HAS_TRITON:
+
+    @helper
+    def cast_out(y, ptr):
+        """float32 y -> the element type of `ptr`, rounded to nearest even. bf16 is rounded
+        on the bits: the interpreter's float32 -> bf16 conversion truncates."""
+        if ptr.dtype.element_ty == tl.bfloat16:
+            bits = y.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return y.to(ptr.dtype.element_ty)
 
     @jit
     def _add_rms_norm_kernel(
@@ -63,7 +85,7 @@ if HAS_TRITON:
             tl.store(h_ptr + row * stride_h + d, h, mask=ok)
         inv = tl.rsqrt(tl.sum(h * h, 0) / dim + eps)
         y = h * inv * tl.load(w_ptr + d, mask=ok, other=0.0)
-        tl.store(y_ptr + row * stride_y + d, y, mask=ok)
+        tl.store(y_ptr + row * stride_y + d, cast_out(y, y_ptr), mask=ok)
 
 
 def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...], device) -> None:
@@ -78,14 +100,18 @@ def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...], device) ->
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None,
-                 residual_weight: torch.Tensor | None = None) -> NormOut:
-    """x, residual (rows, dim) float32, weights (dim,) -> NormOut(h, y), one launch.
+                 residual_weight: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.float32) -> NormOut:
+    """x, residual (rows, dim) float32, weights (dim,) -> NormOut(h, y), one launch; y in
+    `out_dtype` (float32, bfloat16 or float16).
 
     The kernel runs on a GPU (or on the CPU when the interpreter is active), else the
     reference. A residual weight needs a residual.
     """
     if not (HAS_TRITON and (x.device.type != "cpu" or interpreter_active())):
-        return add_rms_norm_reference(x, weight, eps, residual, residual_weight)
+        return add_rms_norm_reference(x, weight, eps, residual, residual_weight, out_dtype)
+    if out_dtype not in OUT_DTYPES:
+        raise InvalidRequest(f"add_rms_norm: out_dtype {out_dtype} is not one of {OUT_DTYPES}")
     if x.dim() != 2 or (residual is None and residual_weight is not None):
         raise InvalidRequest(f"add_rms_norm: x must be (rows, dim), got {tuple(x.shape)}; "
                              f"a residual weight needs a residual")
@@ -96,8 +122,8 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         if w is not None and not w.is_contiguous():
             raise InvalidRequest(f"add_rms_norm: {name} must be contiguous")
         _check(name, w, (dim,), x.device)
-    y = torch.empty(rows, dim, dtype=torch.float32, device=x.device)
-    h = x if residual is None else torch.empty_like(y)
+    y = torch.empty(rows, dim, dtype=out_dtype, device=x.device)
+    h = x if residual is None else torch.empty(rows, dim, dtype=torch.float32, device=x.device)
     if rows:
         block = next_pow2(dim)
         r = x if residual is None else residual
@@ -116,17 +142,18 @@ def _warps(block: int) -> int:
 
 def aot_specs(spec: type) -> list:
     """kernels/aot.py: Llama-8B's hidden size, with the plain, residual and Gemma-style
-    (residual norm) variants."""
+    (residual norm) variants, and a bf16 y."""
     if not HAS_TRITON:
         return []
     sig = {**{n: "*fp32" for n in ("x_ptr", "r_ptr", "rw_ptr", "w_ptr", "h_ptr", "y_ptr")},
            **{n: "i32" for n in ("stride_x", "stride_r", "stride_h", "stride_y", "dim")},
            "eps": "fp32"}
     out = []
-    for name, res, res_norm in (("", False, False), ("_add", True, False),
-                                ("_add_norm", True, True)):
+    for name, res, res_norm, y_type in (("", False, False, "*fp32"), ("_add", True, False, "*fp32"),
+                                        ("_add_norm", True, True, "*fp32"),
+                                        ("_add_bf16", True, False, "*bf16")):
         consts = {"HAS_RESIDUAL": res, "HAS_RES_NORM": res_norm, "BLOCK_D": 4096}
         out.append(spec(f"add_rms_norm{name}", _add_rms_norm_kernel,
-                        {**sig, **{k: "constexpr" for k in consts}}, consts, _warps(4096),
-                        False))
+                        {**sig, "y_ptr": y_type, **{k: "constexpr" for k in consts}}, consts,
+                        _warps(4096), False))
     return out

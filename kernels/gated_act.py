@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import InvalidRequest
+from kernels.fused_norm import OUT_DTYPES
 from kernels.triton_util import HAS_TRITON, interpreter_active, jit, launcher, tl
 
 __all__ = ["ACTIVATION_IDS", "gated_act", "gated_act_reference"]
@@ -21,16 +22,18 @@ ACTIVATION_IDS = {"silu": 0, "gelu": 1}
 _BLOCK = 1024
 
 
-def gated_act_reference(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """gate_up (rows, 2 F) -> (rows, F) float32."""
+def gated_act_reference(gate_up: torch.Tensor, activation: str,
+                        out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """gate_up (rows, 2 F) -> (rows, F), computed in float32, rounded to `out_dtype`."""
     if activation not in ACTIVATION_IDS:
         raise InvalidRequest(f"gated_act: unknown activation {activation!r}")
     gate, up = gate_up.float().chunk(2, dim=-1)
     act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
-    return act * up
+    return (act * up).to(out_dtype)
 
 
 if HAS_TRITON:
+    from kernels.fused_norm import cast_out
 
     @jit
     def _gated_act_kernel(gu_ptr, out_ptr, ffn, stride_gu, stride_out, ACT: tl.constexpr,
@@ -46,22 +49,25 @@ if HAS_TRITON:
         else:  # tanh(z) = 1 - 2 / (e^2z + 1): exact limits +-1 where e^2z over/underflows
             z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
             a = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
-        tl.store(out_ptr + row * stride_out + col, a * u, mask=ok)
+        tl.store(out_ptr + row * stride_out + col, cast_out(a * u, out_ptr), mask=ok)
 
 
-def gated_act(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """gate_up (rows, 2 F) float32 (contiguous last dim) -> (rows, F) float32, one launch
-    on a GPU (or on the CPU when the interpreter is active), else the reference."""
+def gated_act(gate_up: torch.Tensor, activation: str,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """gate_up (rows, 2 F) float32 (contiguous last dim) -> (rows, F) in `out_dtype`
+    (float32, bfloat16 or float16; a bf16 matmul's input: no cast kernel), one launch on a
+    GPU (or on the CPU when the interpreter is active), else the reference."""
     if not (HAS_TRITON and (gate_up.device.type != "cpu" or interpreter_active())):
-        return gated_act_reference(gate_up, activation)
-    if activation not in ACTIVATION_IDS:
-        raise InvalidRequest(f"gated_act: unknown activation {activation!r}")
+        return gated_act_reference(gate_up, activation, out_dtype)
+    if activation not in ACTIVATION_IDS or out_dtype not in OUT_DTYPES:
+        raise InvalidRequest(f"gated_act: unknown activation {activation!r} or out_dtype "
+                             f"{out_dtype}")
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.dtype != torch.float32 or \
             gate_up.stride(-1) != 1:
         raise InvalidRequest(f"gated_act: gate_up must be float32 (rows, 2 F) with a contiguous "
                              f"last dim, got {gate_up.dtype} {tuple(gate_up.shape)}")
     rows, ffn = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, ffn, dtype=torch.float32, device=gate_up.device)
+    out = torch.empty(rows, ffn, dtype=out_dtype, device=gate_up.device)
     if rows and ffn:
         launcher(_gated_act_kernel, gate_up.device)[(rows, -(-ffn // _BLOCK))](
             gate_up, out, ffn, gate_up.stride(0), out.stride(0),
@@ -70,10 +76,12 @@ def gated_act(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 def aot_specs(spec: type) -> list:
-    """kernels/aot.py: both activations."""
+    """kernels/aot.py: both activations, float32 and bf16 out."""
     if not HAS_TRITON:
         return []
     sig = {"gu_ptr": "*fp32", "out_ptr": "*fp32", "ffn": "i32", "stride_gu": "i32",
            "stride_out": "i32", "ACT": "constexpr", "BLOCK": "constexpr"}
-    return [spec(f"gated_act_{name}", _gated_act_kernel, sig, {"ACT": act, "BLOCK": _BLOCK}, 4,
-                 False) for name, act in ACTIVATION_IDS.items()]
+    return [spec(f"gated_act_{name}{suffix}", _gated_act_kernel, {**sig, "out_ptr": out},
+                 {"ACT": act, "BLOCK": _BLOCK}, 4, False)
+            for name, act in ACTIVATION_IDS.items()
+            for suffix, out in (("", "*fp32"), ("_bf16", "*bf16"))]

@@ -62,6 +62,12 @@ class DecoderModel:
         self.blocks = [self._load_block(weights, i) for i in range(cfg.num_layers)]
         self.device = weights.device
         self._act = ACTIVATIONS[cfg.activation]
+        # What the block matmuls read: bf16 when all are dense bf16 layers (they round x to
+        # bf16 first), so that the fused kernels write it and no cast kernel runs.
+        mats = [m for b in self.blocks for m in (b.qkv, b.gate_up, b.down)]
+        self._mm_dtype = torch.bfloat16 if all(
+            isinstance(m, Linear) and m.weight.dtype == torch.bfloat16 for m in mats) \
+            else torch.float32
 
     def _load_block(self, w: WeightLoader, i: int) -> Block:
         cfg, p = self.cfg, f"blk.{i}."
@@ -117,28 +123,31 @@ class DecoderModel:
         pending: _Residual | None = None  # the previous block's MLP output, not yet added
         for i, blk in enumerate(self.blocks):
             rope, cs = (self.rope_swa, cos_sin_swa) if cfg.is_sliding(i) else (self.rope, cos_sin)
-            x, h = self._add_norm(x, pending, blk.attn_norm, fused)
+            x, h = self._add_norm(x, pending, blk.attn_norm, fused, self._mm_dtype)
             o = self._attention(blk, h, rope, cs, batch, kv, fused)
             if i == last:  # only the requested rows go through the last MLP
                 x, o = x[batch.logits_rows], o[batch.logits_rows]
-            x, h = self._add_norm(x, (o, blk.post_attn_norm), blk.ffn_norm, fused)
+            x, h = self._add_norm(x, (o, blk.post_attn_norm), blk.ffn_norm, fused,
+                                  self._mm_dtype)
             pending = (blk.down(self._mlp_act(blk.gate_up(h), fused)), blk.post_ffn_norm)
         return self._add_norm(x, pending, self.output_norm, fused)[1]
 
     def _mlp_act(self, gate_up: torch.Tensor, fused: bool) -> torch.Tensor:
         """(T, 2 ffn) gate and up rows -> act(gate) * up (T, ffn)."""
         if fused:
-            return gated_act(gate_up, self.cfg.activation)
+            return gated_act(gate_up, self.cfg.activation, self._mm_dtype)
         gate, up = gate_up.split(self.cfg.ffn_size, dim=-1)
         return self._act(gate, up)
 
     def _add_norm(self, x: torch.Tensor, residual: _Residual | None, weight: torch.Tensor,
-                  fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  fused: bool, out_dtype: torch.dtype = torch.float32,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + post_norm(r), rms_norm(x + post_norm(r)) * weight) for residual (r, post-norm
-        weight or None); x itself and its norm without a residual."""
+        weight or None); x itself and its norm without a residual. The fused kernel writes
+        the norm in `out_dtype`; the torch path leaves that rounding to the matmul."""
         r, r_weight = residual if residual is not None else (None, None)
         if fused:
-            return add_rms_norm(x, weight, self.cfg.rms_eps, r, r_weight)
+            return add_rms_norm(x, weight, self.cfg.rms_eps, r, r_weight, out_dtype)
         if r is not None:
             x = x + (r if r_weight is None else rms_norm(r, r_weight, self.cfg.rms_eps))
         return x, rms_norm(x, weight, self.cfg.rms_eps)

@@ -35,10 +35,11 @@ def expected(x, w, residual, residual_weight) -> tuple[torch.Tensor, torch.Tenso
     return h, norm64(h, w)
 
 
-def assert_close32(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Float32 rounding of float64 values: a few ulp of the row's scale."""
+def assert_close32(got: torch.Tensor, want: torch.Tensor, rel: float = 0.0) -> None:
+    """Float32 rounding of float64 values: a few ulp of the row's scale (plus `rel` of
+    each value: a bf16 output's rounding)."""
     assert torch.isfinite(got).all(), "output not fully written"
-    tol = 4e-6 * want.abs().amax(-1, keepdim=True)
+    tol = 4e-6 * want.abs().amax(-1, keepdim=True) + rel * want.abs()
     err = (got.double() - want).abs()
     assert (err <= tol).all(), float((err / tol).max())
 
@@ -71,6 +72,17 @@ def test_reference_matches_float64(gen, residual, res_norm):
     h, y = add_rms_norm_reference(x, w, EPS, r, rw)
     want_h, want_y = expected(x, w, r, rw)
     assert_close32(y, want_y)
+    assert_close32(h, want_h)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_kernel_low_precision_output(interp, gen, out_dtype):
+    """y rounded once to the matmul's input dtype (no cast kernel after the norm)."""
+    x, w, r, rw = case(gen, 5, 300, True, False, True)
+    h, y = interp.call(KERNEL, x, w, EPS, residual=r, out_dtype=out_dtype)
+    want_h, want_y = expected(x, w, r, None)
+    assert y.dtype == out_dtype and h.dtype == torch.float32
+    assert_close32(y, want_y, rel=2.0**-8 if out_dtype == torch.bfloat16 else 2.0**-11)
     assert_close32(h, want_h)
 
 

@@ -37,14 +37,15 @@ def case(gen, rows: int, ffn: int, strided: bool) -> torch.Tensor:
     return gu[:, :2 * ffn] if strided else gu
 
 
-def assert_close32(got: torch.Tensor, gate_up: torch.Tensor, activation: str) -> None:
-    """A few ulp of the result, plus a few ulp of |g u|: 1 + tanh(z) cancels for negative
-    g in float32 (in torch as in the kernel)."""
+def assert_close32(got: torch.Tensor, gate_up: torch.Tensor, activation: str,
+                   rel: float = 4e-6) -> None:
+    """A few ulp of the result (or its bf16 rounding: `rel`), plus a few ulp of |g u|:
+    1 + tanh(z) cancels for negative g in float32 (in torch as in the kernel)."""
     assert torch.isfinite(got).all(), "output not fully written"
     want = expected(gate_up, activation)
     g, u = gate_up.double().chunk(2, dim=-1)
     err = (got.double() - want).abs()
-    tol = 4e-6 * want.abs() + 4e-7 * (g * u).abs() + 1e-30
+    tol = rel * want.abs() + 4e-7 * (g * u).abs() + 1e-30
     assert (err <= tol).all(), float((err / tol).max())
 
 
@@ -53,6 +54,14 @@ def assert_close32(got: torch.Tensor, gate_up: torch.Tensor, activation: str) ->
 def test_kernel_matches_float64(interp, gen, activation, rows, ffn, strided):
     gu = case(gen, rows, ffn, strided)
     assert_close32(interp.call(KERNEL, gu, activation), gu, activation)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_kernel_bf16_output(interp, gen, activation):
+    gu = case(gen, 3, 200, True)
+    got = interp.call(KERNEL, gu, activation, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert_close32(got, gu, activation, rel=2.0**-8 + 4e-6)
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
