@@ -19,6 +19,14 @@ Modes: greedy (temperature 0); topp (temperature 0.8, top_p 0.95, a seed per req
 full (topp + repetition/frequency penalties, 5 logprobs and a stop string).
 `--engine` also runs the Engine thread with one consuming thread per stream (as
 bench/gpu/engine_bench.py does) and reports its decode steps per second.
+
+With `--model FILE.gguf --device cuda` the real model runs (decode graphs captured ahead
+for the context used): the figures are wall-clock decode-only steps with every row
+decoding, and `--breakdown`'s `forward` includes the device time (a sync after it), so
+`step - forward` is the host work the GPU waits for. E.g. on the GPU machine, with the
+file bench/gpu/engine_bench.py writes:
+    python bench/scripts/host_overhead.py --model /tmp/llama-3.1-8b_Q4_K_M.gguf
+        --device cuda --weights bf16 --modes greedy,topp --breakdown --steps 60 --repeats 2
 """
 
 from __future__ import annotations
@@ -72,6 +80,18 @@ class StaticGraph:
         return (lambda: None), out
 
 
+def real_core(args, rows: int, context: int) -> EngineCore:
+    """The real model on args.device, graphs captured for rows of up to `context` tokens."""
+    from engine.build import EngineOptions, build_core, load_for
+
+    opts = EngineOptions(sessions=rows, context=context, prefill_chunk=512, itl_target_ms=None,
+                         max_pending_per_client=None, device=args.device, cuda_graphs=True,
+                         weights=args.weights)
+    core = build_core(load_for(args.model, opts), opts)
+    core.runner.prepare_graphs(context)  # type: ignore[attr-defined]
+    return core
+
+
 def make_core(path: Path, rows: int, context: int, width: int) -> EngineCore:
     loaded = load(path, torch.float32, "cpu")
     pages = rows * -(-context // PAGE_SIZE) + 8
@@ -103,9 +123,10 @@ class Breakdown:
     PARTS = (("scheduler", "schedule"), ("build", "build_batch"), ("runner", "forward"),
              ("sampler", "sample"), ("scheduler", "update"), ("scheduler", "observe"))
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, sync=None) -> None:
         self.acc = {name: 0.0 for _, name in self.PARTS}
         self.on = False
+        self.sync = sync  # after the forward: its device time counts as `forward`
         self.build = engine.core  # build_batch is looked up in the core's module
         for owner, name in self.PARTS:
             obj = getattr(core, owner, None) if owner != "build" else self.build
@@ -115,7 +136,10 @@ class Breakdown:
         def wrapper(*args, **kwargs):
             t = CLOCK()
             try:
-                return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
+                if name == "forward" and self.sync is not None:
+                    self.sync()
+                return out
             finally:
                 if self.on:
                     self.acc[name] += CLOCK() - t
@@ -186,20 +210,29 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per stream")
     ap.add_argument("--width", type=int, default=1024, help="logits columns")
     ap.add_argument("--vocab", default=str(VOCAB))
-    ap.add_argument("--engine", action="store_true", help="also time the Engine thread")
+    ap.add_argument("--engine", action="store_true",
+                    help="also time the Engine thread (tiny model)")
     ap.add_argument("--breakdown", action="store_true", help="CPU time per part of a step")
-    ap.add_argument("--profile", default=None, help="MODE:ROWS: cProfile one run, top 25")
+    ap.add_argument("--profile", default=None,
+                    help="MODE:ROWS: cProfile one run (tiny model), top 25")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--model", default=None, help="a GGUF whose real forward runs instead")
+    ap.add_argument("--device", default="cuda", help="with --model")
+    ap.add_argument("--weights", default="auto", help="with --model: auto, bf16 or ggml")
     args = ap.parse_args()
-    if not Path(args.vocab).exists():
-        sys.exit(f"no vocabulary at {args.vocab}: run the tokenizer tests once (they unpack "
-                 "the llama-cpp-python sdist) or pass --vocab")
-    torch.set_num_threads(1)
-    spec = SyntheticSpec("llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
-                         head_dim=16, ffn_size=128)
+    global CLOCK
+    if args.model:  # device waits are not this thread's CPU time
+        CLOCK = time.perf_counter
     path = Path(tempfile.gettempdir()) / f"host_overhead_{os.getuid()}.gguf"
-    if not path.exists():
-        write_synthetic_gguf(path, spec, args.vocab, seed=0)
+    if not args.model or args.engine or args.profile:  # these use the tiny model
+        if not Path(args.vocab).exists():
+            sys.exit(f"no vocabulary at {args.vocab}: run the tokenizer tests once (they "
+                     "unpack the llama-cpp-python sdist) or pass --vocab")
+        torch.set_num_threads(1)
+        spec = SyntheticSpec("llama", num_layers=2, hidden_size=64, num_heads=4,
+                             num_kv_heads=2, head_dim=16, ffn_size=128)
+        if not path.exists():
+            write_synthetic_gguf(path, spec, args.vocab, seed=0)
     levels = [int(r) for r in args.rows.split(",")]
     context = args.prompt + args.steps + 64
     result: dict = {"steps": args.steps, "prompt": args.prompt, "width": args.width}
@@ -211,10 +244,15 @@ def main() -> int:
         decode_times(core, int(rows), mode, args, "prof")
         prof.disable()
         pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+    sync = torch.cuda.synchronize if args.model and args.device.startswith("cuda") else None
     for mode in args.modes.split(","):
         for rows in levels:
-            core = make_core(path, rows, context, args.width)
-            parts = Breakdown(core) if args.breakdown else None
+            if args.model:
+                core = real_core(args, rows, context)
+                args.width = result["width"] = core.vocab_size
+            else:
+                core = make_core(path, rows, context, args.width)
+            parts = Breakdown(core, sync) if args.breakdown else None
             steps, stats_s = [], []
             for k in range(args.repeats):
                 a, b = decode_times(core, rows, mode, args, f"{mode}{rows}-{k}", parts)
