@@ -1,7 +1,8 @@
 """EngineCore: step() = schedule -> run -> postprocess, single-threaded, no asyncio.
 
-One step: the scheduler picks every due decoder and at most one bounded prefill chunk; the
-rows become one ForwardBatch; the runner returns logits for the rows that need a token
+One step: the scheduler picks every due decoder and prefill chunks of one or more prompts
+within one bounded token budget (engine/scheduler/prefill.py); the rows become one
+ForwardBatch; the runner returns logits for the rows that need a token
 (decode rows, verify rows, prefill chunks that complete a sequence); one Sampler call
 draws a token for each; postprocess appends them (stop checks, detokenization, timings)
 and the scheduler finishes, promotes and frees. The thread/asyncio `Engine` wraps this.
