@@ -75,12 +75,11 @@ def test_teacher_forced_agreement_and_nll(reference, ours: LLM):
     assert abs(result.mean_nll - ours_nll) < 1e-3
 
 
-def test_int8_deviates_from_exact_math_no_more_than_llama_cpp(reference, ours: LLM):
-    """The int8 layout's distance from exact f32 math (our f32 path, itself within 8e-4 of
-    llama.cpp on all-F32 files) is at most that of llama.cpp, which rounds activations to
-    8 bits: mean KL over a 450-token text."""
-    if ours.dtype != "int8":
-        pytest.skip("the KL budget applies to the int8 layout")
+def test_distance_from_exact_math_within_llama_cpp_s(reference, ours: LLM):
+    """The layout's distance from exact f32 math (our f32 path, itself within 8e-4 of
+    llama.cpp on all-F32 files), as mean KL over a 450-token text, against llama.cpp's
+    own (it rounds activations to 8 bits): int8 at most 1.2x it (measured 0.97x), bf16 at
+    most a quarter of it (measured 0.12x)."""
     text = (Path(__file__).parents[2] / "data" / "parity_text.txt").read_text()
     ids = ours.encode(text)
     exact = LLM("default", dtype="f32", context=1024).prompt_logits(ids).double()
@@ -94,7 +93,7 @@ def test_int8_deviates_from_exact_math_no_more_than_llama_cpp(reference, ours: L
         return float((p.exp() * (p - logits.log_softmax(-1))).sum(-1).mean())
 
     ours_kl, llama_kl = mean_kl(got), mean_kl(llama)
-    assert ours_kl <= 1.2 * llama_kl, (ours_kl, llama_kl)
+    assert ours_kl <= (1.2 if ours.dtype == "int8" else 0.25) * llama_kl, (ours_kl, llama_kl)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
