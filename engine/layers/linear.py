@@ -37,15 +37,6 @@ class Int8Linear:
         self.bias = None if bias is None else bias.float()
         self.out_features, self.in_features = codes.shape
 
-    @classmethod
-    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
-        """Per-row absmax int8 of weight (out, in) float32."""
-        return cls(*quantize_rows_int8(weight), bias)
-
-    def dequantized(self) -> torch.Tensor:
-        """(out, in) float32: what the layer multiplies by."""
-        return self.codes.float() * self.scales.float()[:, None]
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (n, in) float32 -> (n, out) float32 (x rounded to bf16, as the bf16 layout does)."""
         y = torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.codes,
@@ -57,19 +48,13 @@ def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """weight (out, in) float -> (codes int8 (out, in), scales bf16 (out,)).
 
     The scale is rounded up to bf16 so no code leaves [-127, 127]; an all-zero row gets a
-    scale of 1 (its codes are 0). Done in slices of rows to bound the f32 temporaries.
+    scale of 1 (its codes are 0). Callers pass slices of rows to bound the temporaries.
     """
-    out_features = weight.shape[0]
-    codes = torch.empty(weight.shape, dtype=torch.int8)
-    scales = torch.empty(out_features, dtype=torch.bfloat16)
-    for lo in range(0, out_features, 8192):
-        w = weight[lo:lo + 8192].float()
-        amax = w.abs().amax(dim=1)
-        s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-        s_bf = s.to(torch.bfloat16)
-        s_bf = torch.where(s_bf.float() < s, torch.nextafter(s_bf, torch.full_like(s_bf, 1e30)),
-                           s_bf)
-        codes[lo:lo + 8192] = torch.round(w / s_bf.float()[:, None]).clamp_(-127, 127).to(
-            torch.int8)
-        scales[lo:lo + 8192] = s_bf
-    return codes, scales
+    w = weight.float()
+    amax = w.abs().amax(dim=1)
+    s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    s_bf = s.to(torch.bfloat16)
+    s_bf = torch.where(s_bf.float() < s, torch.nextafter(s_bf, torch.full_like(s_bf, 1e30)),
+                       s_bf)
+    codes = torch.round(w / s_bf.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return codes, s_bf

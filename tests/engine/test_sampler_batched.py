@@ -10,33 +10,14 @@ float64 log_softmax of the raw logits. And one step makes one device->host copy.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 import pytest
 import torch
+from sampler_ref import one_thread, penalized  # noqa: F401 (one_thread: autouse fixture)
 
 from engine.sampler import Sampler, SamplerState, SamplingParams
 
 VOCAB = 96
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def penalized(logits, params, prompt_ids=(), output_ids=()):
-    """CTRL repetition over prompt + output, OpenAI frequency/presence over output."""
-    x = np.asarray(logits, dtype=np.float64).copy()
-    for t in set(prompt_ids) | set(output_ids):
-        x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
-    for t, c in Counter(output_ids).items():
-        x[t] -= params.frequency_penalty * c + params.presence_penalty
-    return x
 
 
 def reference_probs(logits, params, prompt_ids, output_ids):
