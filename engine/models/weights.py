@@ -127,16 +127,19 @@ class WeightLoader:
     def fused(self, prefixes: list[str], out_sizes: list[int],
               in_size: int) -> Linear | Int8Linear:
         """Stack several linears with the same input into one (rows in `prefixes` order)."""
-        parts = [self.linear(p, (o, in_size)) for p, o in zip(prefixes, out_sizes, strict=True)]
         if self.ggml:
-            return GGMLLinear.fuse(parts)
-        biases = [p.bias for p in parts]
+            return GGMLLinear.fuse([self.linear(p, (o, in_size))
+                                    for p, o in zip(prefixes, out_sizes, strict=True)])
+        biases = [self.vector(p + ".bias", o) if self.has(p + ".bias") else None
+                  for p, o in zip(prefixes, out_sizes, strict=True)]
         bias = None
         if any(b is not None for b in biases):
-            bias = torch.cat([b if b is not None else torch.zeros(p.out_features,
-                                                                  device=self.device)
-                              for b, p in zip(biases, parts, strict=True)])
+            bias = torch.cat([b if b is not None else torch.zeros(o, device=self.device)
+                              for b, o in zip(biases, out_sizes, strict=True)])
         if self.int8:  # per-row scales stack with their rows
-            return Int8Linear(torch.cat([p.codes for p in parts]),
-                              torch.cat([p.scales for p in parts]), bias)
-        return Linear(torch.cat([p.weight for p in parts]), bias)
+            loaded = [self.load_int8(p + ".weight", (o, in_size))
+                      for p, o in zip(prefixes, out_sizes, strict=True)]
+            return Int8Linear(torch.cat([c for c, _ in loaded]),
+                              torch.cat([s for _, s in loaded]), bias)
+        return Linear(torch.cat([self.matrix(p + ".weight", (o, in_size))
+                                 for p, o in zip(prefixes, out_sizes, strict=True)]), bias)
