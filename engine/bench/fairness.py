@@ -14,7 +14,9 @@ hit on the solo, short or long request fails the run. Reported:
 - `itl_baseline_ms` and `itl_during_injection_ms` ({mean, p95, max}): the streams'
   inter-token intervals in steady state before the injection (after every stream has its
   first token, ending before the long prompt is sent) vs every interval that overlaps the
-  injection window (ends after the long prompt was sent and starts before its first token).
+  injection window (ends after the long prompt was sent and starts before its first token);
+- `itl_target_ms` (in-process targets: the scheduler's ITL target as the long prompt got
+  its first token) and `itl_over_target_share`: the share of those intervals above it.
 
 The stream length is estimated from a warm-up request so that the streams outlast the
 injection; if they still finish before the long and short prompts have their first token,
@@ -80,7 +82,8 @@ class LoadedRun:
         return all(s.token_times and s.last_token_time >= end for s in self.streams)
 
 
-def summarize_fairness(solo: Sequence[RequestResult], run: LoadedRun) -> dict[str, Any]:
+def summarize_fairness(solo: Sequence[RequestResult], run: LoadedRun,
+                       itl_target_ms: float | None = None) -> dict[str, Any]:
     t_inject = run.long.sent
     t_long_first = run.long.first_token_time
     # the streams that had started before the injection (all of them unless the target is
@@ -102,6 +105,9 @@ def summarize_fairness(solo: Sequence[RequestResult], run: LoadedRun) -> dict[st
         "long_ttft_ms": ms(run.long.ttft_s),
         "itl_baseline_ms": latency_ms(baseline),
         "itl_during_injection_ms": latency_ms(during),
+        "itl_target_ms": None if itl_target_ms is None else round(itl_target_ms, 2),
+        "itl_over_target_share": None if itl_target_ms is None or not during else round(
+            sum(d * 1e3 > itl_target_ms for d in during) / len(during), 3),
     }
 
 
@@ -190,6 +196,7 @@ async def run_fairness(target: Target, factory: PromptFactory, spec: FairnessSpe
         progress(f"fairness [{target.name}] {spec.streams} streams x {stream_tokens} tokens, "
                  f"long prompt {spec.long_tokens} tokens after {spec.inject_after_s} s")
         run = await _loaded_run(target, factory, spec, stream_tokens, sleep)
+        itl_target = target.itl_target_ms()
         _check_streams_ran_out(run, stream_tokens)
         if run.streams_outlast() or target.is_serial:
             break
@@ -211,7 +218,7 @@ async def run_fairness(target: Target, factory: PromptFactory, spec: FairnessSpe
         "short_prompt_tokens": await prompt_tokens(target, run.short_prompt, run.short),
         "cache_check": "passed" if all(known) else "unknown (the target reports no cache hits)",
     }
-    out.update(summarize_fairness(solo, run))
+    out.update(summarize_fairness(solo, run, itl_target))
     return out
 
 

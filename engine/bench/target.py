@@ -110,6 +110,10 @@ class Target(ABC):
     def describe(self) -> dict[str, Any]:
         return {"name": self.name}
 
+    def itl_target_ms(self) -> float | None:
+        """The ITL target the target's scheduler works to, when it says (mbufo in-process)."""
+        return None
+
     async def aclose(self) -> None:
         return None
 
@@ -125,6 +129,9 @@ class InProcessTarget(Target):
         self.options = options
         self.owns_engine = owns_engine
         self.tokenizer = engine.core.tokenizer
+
+    def itl_target_ms(self) -> float | None:
+        return self.engine.stats().itl_target_ms
 
     @classmethod
     def from_model(cls, model: str, options: Any, loaded: Any = None,

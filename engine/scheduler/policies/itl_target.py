@@ -21,6 +21,13 @@ tokens stay within `growth` times the most measured in one step so far (at least
 steps (a few short prompts) cannot allow a chunk many times larger and cause a stall; the
 allowed size doubles step by step as larger steps are measured.
 
+The model predicts a step's mean time; measured steps scatter around it (cache state,
+the OS, allocation), so a chunk sized to the mean would overshoot the target on about half
+of the steps. The policy therefore scales its prediction by a margin: the `quantile` of
+measured/modelled time over the last `window` steps that carried prefill beside decoders
+(1 when within 2%, at most `max_margin`), so that about that share of steps stays within the
+target. On exact costs the margin is 1.
+
 A step may carry several prefill rows (engine/scheduler/prefill.py packs them): their
 tokens and attended keys add up (`PrefillLoad`), and each further row gets the largest
 chunk that still fits beside what the step already carries; only the step's first row is
@@ -29,8 +36,10 @@ clamped up to `min_chunk`.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import NamedTuple
 
+MARGIN_TOLERANCE = 0.02  # measured/modelled quantiles up to 1.02 leave the margin at 1
 # Features are scaled to O(1) so that one prior strength suits every term.
 _SCALES = (1.0, 8.0, 256.0, 256.0 * 2048.0)
 
@@ -125,19 +134,39 @@ class ItlTarget:
     name = "itl_target"
 
     def __init__(self, target_s: float | None, min_chunk: int = 16,
-                 probe_chunk: int = 64, growth: int = 2) -> None:
+                 probe_chunk: int = 64, growth: int = 2, quantile: float = 0.97,
+                 window: int = 64, max_margin: float = 2.0) -> None:
         self.target_s = target_s  # None: off (the core sets it each step in "auto" mode)
         self.min_chunk = min_chunk
         self.probe_chunk = probe_chunk
         self.growth = growth
+        self.quantile = quantile
+        self.max_margin = max_margin
         self.model = StepCostModel()
+        self._recent: deque[tuple[int, PrefillLoad, float]] = deque(maxlen=window)
+        self._margin: tuple[int, float] = (-1, 1.0)  # (observations when computed, margin)
 
     def observe(self, decode_rows: int, prefill_tokens: int, seconds: float,
                 start: int = 0) -> None:
-        self.model.observe(decode_rows, prefill_tokens, seconds, start)
+        self.observe_load(decode_rows, NO_PREFILL.plus(prefill_tokens, start), seconds)
 
     def observe_load(self, decode_rows: int, load: PrefillLoad, seconds: float) -> None:
+        if load.tokens and decode_rows:
+            self._recent.append((decode_rows, load, seconds))
         self.model.observe_load(decode_rows, load, seconds)
+
+    def margin(self) -> float:
+        """The factor on modelled step times: the `quantile` of measured/modelled time over
+        the recent mixed steps (judged by the current model, so the errors of a model still
+        converging do not linger), clamped to [1, max_margin]."""
+        seen = self.model.num_observations
+        if self._margin[0] != seen:
+            ratios = sorted(t / m for rows, load, t in self._recent
+                            if (m := self.model.predict_load(rows, load)) > 0)
+            q = ratios[min(len(ratios) - 1, int(self.quantile * len(ratios)))] if ratios else 1.0
+            # within the fit's own tolerance the model is taken as exact
+            self._margin = (seen, 1.0 if q <= 1.0 + MARGIN_TOLERANCE else min(self.max_margin, q))
+        return self._margin[1]
 
     def ceiling(self) -> int:
         """The most prefill tokens a step beside streaming decoders may carry: `growth`
@@ -159,8 +188,10 @@ class ItlTarget:
             f"chunk {chunk} -> {room}: at most {self.ceiling()} prefill tokens a step "
             f"({self.growth}x the most measured)")
 
+        margin = self.margin()
+
         def cost(n: int) -> float:
-            return self.model.predict_load(decode_rows, load.plus(n, start))
+            return margin * self.model.predict_load(decode_rows, load.plus(n, start))
 
         if cost(room) <= self.target_s:
             return room, why
@@ -173,4 +204,4 @@ class ItlTarget:
                 hi = mid - 1
         return lo, (f"chunk {chunk} -> {lo}: target {self.target_s * 1e3:.2f} ms, "
                     f"{decode_rows} rows, {load.tokens} prefill tokens before, "
-                    f"modelled {cost(lo) * 1e3:.2f} ms")
+                    f"modelled {cost(lo) * 1e3:.2f} ms (margin {margin:.2f})")

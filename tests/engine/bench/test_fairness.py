@@ -166,6 +166,9 @@ def test_windows_on_a_tiny_timeline():
     assert out["solo_ttft_ms"] == pytest.approx(50.0)
     assert out["loaded_short_ttft_ms"] == pytest.approx(50.0)
     assert out["fairness_ratio"] == pytest.approx(1.0)
+    assert out["itl_target_ms"] is None and out["itl_over_target_share"] is None
+    with_target = summarize_fairness([result(0, [0.05])], run, itl_target_ms=350.0)
+    assert with_target["itl_over_target_share"] == pytest.approx(2 / 5)  # the two 400s
 
 
 class SlowStartTarget(ScriptedTarget):

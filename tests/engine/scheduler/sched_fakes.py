@@ -11,7 +11,7 @@ reference only if the pages were right.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -90,6 +90,7 @@ class FakeRunner:
     clock: FakeClock | None = None
     costs: tuple[float, float, float] = (2e-3, 1e-3, 5e-5)  # a + b*decode rows + c*tokens
     batches: list[BatchRecord] = field(default_factory=list)
+    noise: Callable[[int], float] | None = None  # step number -> factor on its cost
 
     def __post_init__(self) -> None:
         groups = {"full": self.num_pages, **{g: self.num_pages for g in self.windows}}
@@ -120,7 +121,8 @@ class FakeRunner:
             a, b, c = self.costs
             decode = sum(len(t) == 1 for t, _ in spans)
             tokens = sum(len(t) for t, _ in spans if len(t) > 1)
-            self.clock.now += a + b * decode + c * tokens
+            factor = 1.0 if self.noise is None else self.noise(len(self.batches))
+            self.clock.now += (a + b * decode + c * tokens) * factor
         return torch.stack(out) if out else torch.zeros(0, VOCAB)
 
     def _read(self, batch: ForwardBatch, row: int, group: str, first: int, pos: int) -> int:

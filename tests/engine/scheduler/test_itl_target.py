@@ -4,6 +4,7 @@ costs (a + b * decode rows + c * prefill tokens, set by the test)."""
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 from sched_fakes import FakeClock, greedy, make_core, prompt_of, reference_tokens, req, run_all
@@ -153,3 +154,38 @@ def test_no_cap_without_decoders() -> None:
     core.step()
     core.step()  # p decodes now: d2's chunk is capped to the minimum
     assert [len(t) for t, _ in runner.batches[-1].spans] == [1, 16]
+
+
+# Step times scatter around the model's mean: 1 step in 10 is 30% slower, 1 in 10 is 20%.
+SCATTER = (1.0, 0.92, 1.05, 1.3, 0.95, 1.0, 0.9, 1.2, 0.97, 0.98)
+
+
+@pytest.mark.parametrize("max_margin", [2.0, 1.0])  # 1.0: the margin disabled (control)
+def test_margin_keeps_scattered_steps_within_target(max_margin: float) -> None:
+    """A chunk sized to the modelled mean overshoots the target on the slow steps; the
+    margin (the 97th percentile of measured/modelled) keeps 95% of them within it."""
+    clock = FakeClock()
+    core, runner = make_core(num_pages=4096, clock=clock, max_sessions=5, prefill_chunk=512,
+                             itl_target_ms=10.0, context=8192)
+    runner.noise = lambda step: SCATTER[step % len(SCATTER)]
+    core.scheduler.itl.max_margin = max_margin
+    for i in range(4):
+        core.add(req(f"d{i}", prompt_of(i, 4), greedy(400)))
+        core.step()
+    core.add(req("long", prompt_of(9, 6000), greedy(1)))
+    mixed_ms = []
+    while core.has_work():
+        before, batches = clock.now, len(runner.batches)
+        core.step()
+        spans = runner.batches[batches].spans if len(runner.batches) > batches else []
+        if sum(len(t) == 1 for t, _ in spans) == 4 and any(len(t) > 1 for t, _ in spans):
+            mixed_ms.append((clock.now - before) * 1e3)
+    later = mixed_ms[20:]  # after the probe and the first fits
+    assert len(later) >= 40
+    over = sum(ms > 10.0 + 1e-9 for ms in later) / len(later)
+    if max_margin > 1.0:
+        assert over <= 0.05, over
+        assert core.scheduler.itl.margin() == pytest.approx(1.3, rel=0.05)
+        assert statistics.fmean(later) >= 0.7 * 10.0  # still uses most of the target
+    else:
+        assert over >= 0.15, over  # the control: the slow steps overshoot
