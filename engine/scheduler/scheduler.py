@@ -258,6 +258,7 @@ class Scheduler:
     def observe(self, plan: StepPlan, seconds: float) -> None:
         """A step's measured time, for the ITL target's cost model."""
         self.itl.observe_load(plan.num_decode_tokens, self._prefill_load, seconds)
+        self.packer.burst.observe(plan.num_decode_tokens, seconds, self.itl.target_s)
 
     def finish(self, seq: Sequence) -> None:
         self._evict_resident(seq)

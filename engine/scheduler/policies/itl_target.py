@@ -16,10 +16,12 @@ value instead of collapsing.
 The chunk is the largest n whose modelled step fits the target, clamped to
 [min_chunk, prefill_chunk]: prefill always progresses, even when the decoders alone exceed
 the target. Beside streaming decoders the model never extrapolates far: a step's prefill
-tokens stay within `growth` times the most measured in one step so far (at least
-`probe_chunk`; before any measurement, that small probe), so a model fitted on small
-steps (a few short prompts) cannot allow a chunk many times larger and cause a stall; the
-allowed size doubles step by step as larger steps are measured.
+tokens stay within `growth` times the most that one of the last 64 steps beside decoders
+carried (at least `probe_chunk`; before any measurement, that small probe), so a model
+fitted on small steps cannot allow a chunk many times larger and cause a stall; the
+allowed size doubles step by step as larger steps are measured. Predictions also never
+use a negative coefficient: steps stuck at one chunk size hardly vary the token count,
+and a fit on them can make a long chunk look free.
 
 The model predicts a step's mean time; measured steps scatter around it (cache state,
 the OS, allocation), so a chunk sized to the mean would overshoot the target on about half
@@ -39,6 +41,7 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
+RECENT_STEPS = 64  # steps beside decoders whose prefill sizes bound the next chunk
 MARGIN_TOLERANCE = 0.02  # measured/modelled quantiles up to 1.02 leave the margin at 1
 # Features are scaled to O(1) so that one prior strength suits every term.
 _SCALES = (1.0, 8.0, 256.0, 256.0 * 2048.0)
@@ -69,7 +72,8 @@ class StepCostModel:
         self._theta = [0.0] * n  # in scaled units
         self.num_observations = 0
         self.num_prefill_observations = 0
-        self.max_prefill_tokens = 0  # the most prefill tokens one observed step carried
+        # prefill tokens of the recent steps that carried prefill beside decoders
+        self._recent_prefill: deque[int] = deque(maxlen=RECENT_STEPS)
 
     @staticmethod
     def features(decode_rows: int, load: PrefillLoad) -> list[float]:
@@ -90,12 +94,18 @@ class StepCostModel:
                 self._g[i][j] = self.decay * self._g[i][j] + x[i] * x[j]
         self.num_observations += 1
         self.num_prefill_observations += load.tokens > 0
-        self.max_prefill_tokens = max(self.max_prefill_tokens, load.tokens)
+        if load.tokens and decode_rows:
+            self._recent_prefill.append(load.tokens)
         # (G + p I) theta = h + p theta_prev: ridge towards the last estimate.
         m = [[self._g[i][j] + (self.prior if i == j else 0.0) for j in range(n)]
              for i in range(n)]
         rhs = [self._h[i] + self.prior * self._theta[i] for i in range(n)]
         self._theta = _solve(m, rhs)
+
+    @property
+    def max_prefill_tokens(self) -> int:
+        """The most prefill tokens one of the recent steps beside decoders carried."""
+        return max(self._recent_prefill, default=0)
 
     @property
     def is_ready(self) -> bool:
@@ -109,8 +119,11 @@ class StepCostModel:
         return self.predict_load(decode_rows, NO_PREFILL.plus(prefill_tokens, start))
 
     def predict_load(self, decode_rows: int, load: PrefillLoad) -> float:
+        """A negative fitted coefficient (noise on steps that hardly vary a feature) counts
+        as 0: more work never predicts less time, so a chunk far beyond what was measured
+        cannot look free."""
         x = self.features(decode_rows, load)
-        return sum(t * v for t, v in zip(self._theta, x, strict=True))
+        return sum(max(t, 0.0) * v for t, v in zip(self._theta, x, strict=True))
 
 
 def _solve(m: list[list[float]], rhs: list[float]) -> list[float]:
@@ -134,7 +147,7 @@ class ItlTarget:
     name = "itl_target"
 
     def __init__(self, target_s: float | None, min_chunk: int = 16,
-                 probe_chunk: int = 64, growth: int = 2, quantile: float = 0.97,
+                 probe_chunk: int = 64, growth: int = 2, quantile: float = 0.98,
                  window: int = 64, max_margin: float = 2.0) -> None:
         self.target_s = target_s  # None: off (the core sets it each step in "auto" mode)
         self.min_chunk = min_chunk
@@ -170,8 +183,14 @@ class ItlTarget:
 
     def ceiling(self) -> int:
         """The most prefill tokens a step beside streaming decoders may carry: `growth`
-        times the most measured so far (the probe before any measurement)."""
+        times the most that a recent step beside decoders carried (the probe before any)."""
         return max(self.probe_chunk, self.growth * self.model.max_prefill_tokens)
+
+    def modelled(self, decode_rows: int, load: PrefillLoad) -> float | None:
+        """The step's modelled time with the margin (None: off, or nothing measured)."""
+        if self.target_s is None or not self.model.is_ready:
+            return None
+        return self.margin() * self.model.predict_load(decode_rows, load)
 
     def chunk_limit(self, decode_rows: int, chunk: int, start: int = 0,
                     load: PrefillLoad = NO_PREFILL) -> tuple[int, str | None]:
@@ -186,7 +205,7 @@ class ItlTarget:
             return room, (None if room == chunk else f"chunk {chunk} -> {room}: probe")
         why = None if room == chunk else (
             f"chunk {chunk} -> {room}: at most {self.ceiling()} prefill tokens a step "
-            f"({self.growth}x the most measured)")
+            f"({self.growth}x the most of a recent step)")
 
         margin = self.margin()
 
