@@ -126,7 +126,7 @@ class PrefillPacker:
         cut (None: it may not)."""
         burst, itl = self.burst, self.itl
         if whole < seq.num_uncomputed or not burst.eligible(seq.num_prompt, whole) \
-                or load.tokens + whole > itl.ceiling():
+                or load.tokens + whole > itl.burst_ceiling():
             return None
         modelled = itl.modelled(plan.num_decode_tokens, load.plus(whole, seq.num_computed))
         if modelled is None or itl.target_s is None or not burst.allows(modelled, itl.target_s):

@@ -74,6 +74,7 @@ class StepCostModel:
         self.num_prefill_observations = 0
         # prefill tokens of the recent steps that carried prefill beside decoders
         self._recent_prefill: deque[int] = deque(maxlen=RECENT_STEPS)
+        self.max_prefill_tokens_ever = 0  # the most prefill tokens one observed step carried
 
     @staticmethod
     def features(decode_rows: int, load: PrefillLoad) -> list[float]:
@@ -96,6 +97,7 @@ class StepCostModel:
         self.num_prefill_observations += load.tokens > 0
         if load.tokens and decode_rows:
             self._recent_prefill.append(load.tokens)
+        self.max_prefill_tokens_ever = max(self.max_prefill_tokens_ever, load.tokens)
         # (G + p I) theta = h + p theta_prev: ridge towards the last estimate.
         m = [[self._g[i][j] + (self.prior if i == j else 0.0) for j in range(n)]
              for i in range(n)]
@@ -191,6 +193,12 @@ class ItlTarget:
         if self.target_s is None or not self.model.is_ready:
             return None
         return self.margin() * self.model.predict_load(decode_rows, load)
+
+    def burst_ceiling(self) -> int:
+        """The most prefill tokens a first-token burst may put in one step: `growth` times
+        the most any measured step carried (with or without decoders), so the model's
+        prediction of it rests on steps of that size."""
+        return self.growth * self.model.max_prefill_tokens_ever
 
     def chunk_limit(self, decode_rows: int, chunk: int, start: int = 0,
                     load: PrefillLoad = NO_PREFILL) -> tuple[int, str | None]:
