@@ -24,25 +24,14 @@ import torch
 
 from engine.errors import InvalidRequest
 from engine.kv.formats import FORMATS
+from engine.kv.hadamard import H_SCALE, rotate_exact
 from kernels.triton_util import HAS_TRITON, helper, interpreter_active, jit, launcher, next_pow2, tl
 
 __all__ = ["kv_encode_reference", "kv_store", "kv_store_reference", "rotate_exact"]
 
-H_SCALE = 32**-0.5  # float64: the normalization of the Hadamard matrix
 # Format name -> the kernel's (FMT, ROTATE) constexprs: FMT 0 f16, 1 q8, 2 q4.
 FORMAT_CODES = {"f16": (0, False), "q8": (1, True), "q4": (2, True), "q8_plain": (1, False),
                 "q4_plain": (2, False)}
-
-
-def rotate_exact(x: torch.Tensor) -> torch.Tensor:
-    """(..., d) float32, d a multiple of 32 -> every 32-block times H, float32 (the
-    butterfly of the module docstring)."""
-    y = x.to(torch.float64).reshape(-1, 32)
-    for dist in (1, 2, 4, 8, 16):  # pairs (i, i + dist) within blocks of 2 * dist
-        y = y.reshape(-1, 32 // (2 * dist), 2, dist)
-        a, b = y[:, :, 0], y[:, :, 1]
-        y = torch.stack((a + b, a - b), dim=2)
-    return (y.reshape(x.shape) * H_SCALE).to(torch.float32)
 
 
 def kv_encode_reference(x: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:

@@ -34,7 +34,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from engine.kv.hadamard import BLOCK, rotate_blocks
+from engine.kv.hadamard import BLOCK, rotate_blocks, rotate_exact
 
 _F16_MAX = 65504.0
 
@@ -80,8 +80,8 @@ def _blocks(x: torch.Tensor, rotate: bool) -> torch.Tensor:
     """(..., d) float -> (..., d // 32, 32) float32, rotated if asked."""
     if x.shape[-1] % BLOCK:
         raise ValueError(f"head_dim {x.shape[-1]} is not a multiple of {BLOCK}")
-    b = x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
-    return rotate_blocks(b) if rotate else b
+    b = rotate_exact(x) if rotate else x.to(torch.float32)  # the GPU kernel's rounding
+    return b.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
 
 
 def _quantize(b: torch.Tensor, scale: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

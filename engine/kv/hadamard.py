@@ -9,6 +9,10 @@ its block, so the block's absmax scale no longer crushes the other 31 elements
 Attention never has to undo the rotation element by element: scores are
 q . (H^T k') = (H q) . k', so a kernel may rotate q once per block instead of every key,
 and sum_j p_j H^T v'_j = H^T (sum_j p_j v'_j) lets it rotate the output once.
+
+Encoding rotates with `rotate_exact` (a float64 butterfly, rounded to float32 once), which
+the GPU's quantize-and-store kernel (kernels/kv_store.py) computes in the same order, so
+the CPU and the GPU write the same codes for the same keys and values.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import functools
 import torch
 
 BLOCK = 32
+H_SCALE = BLOCK**-0.5  # float64: the normalization of the Hadamard matrix
 
 
 def hadamard_matrix(n: int = BLOCK, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -41,3 +46,15 @@ def rotate_blocks(x: torch.Tensor) -> torch.Tensor:
     H is its own inverse, so the same call rotates and rotates back.
     """
     return x @ _cached(x.dtype, x.device)
+
+
+def rotate_exact(x: torch.Tensor) -> torch.Tensor:
+    """(..., d) float, d a multiple of 32 -> every 32-block times H, float32: the exact
+    product rounded once (a float64 Walsh-Hadamard butterfly: pairs (i, i + dist) within
+    blocks of 2 * dist, dist = 1, 2, 4, 8, 16, then the scale)."""
+    y = x.to(torch.float64).reshape(-1, BLOCK)
+    for dist in (1, 2, 4, 8, 16):
+        y = y.reshape(-1, BLOCK // (2 * dist), 2, dist)
+        a, b = y[:, :, 0], y[:, :, 1]
+        y = torch.stack((a + b, a - b), dim=2)
+    return (y.reshape(x.shape) * H_SCALE).to(torch.float32)

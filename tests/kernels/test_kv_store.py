@@ -128,3 +128,19 @@ def test_cpu_without_interpreter_runs_the_reference(gen):
     kv_store(k, v, slots, *a, "q4", "q4")
     kv_store_reference(k, v, slots, *b, "q4", "q4")
     assert same_bits(a[0], b[0]) and same_bits(a[1], b[1])
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_cpu_formats_encode_like_the_kernel_reference(fmt):
+    """The CPU path's encode (engine/kv/formats.py) rounds the rotation as the GPU kernel
+    does, so both write the same codes: bit-equal planes, outlier channels included."""
+    from engine.kv.formats import FORMATS
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(300, 2, 128, generator=g) * torch.logspace(-2, 2, 128)
+    x[:, :, 5] *= 50
+    want = kv_encode_reference(x, fmt)
+    got = FORMATS[fmt].encode(x)
+    assert set(got) == set(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
