@@ -137,7 +137,8 @@ def test_cpu_formats_encode_like_the_kernel_reference(fmt):
     from engine.kv.formats import FORMATS
 
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(300, 2, 128, generator=g) * torch.logspace(-2, 2, 128)
+    x = torch.randn(8000, 2, 128, generator=g) * torch.logspace(-2, 2, 128)  # 2M values:
+    # a float32 matmul rotation rounds differently on about 1 in 200K (scales and codes)
     x[:, :, 5] *= 50
     want = kv_encode_reference(x, fmt)
     got = FORMATS[fmt].encode(x)
