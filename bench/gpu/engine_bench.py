@@ -171,6 +171,16 @@ def profile_decode(runner, rows: int, context: int, steps: int = 3, top: int = 1
                     for e in kernels[:top]]}
 
 
+def scheduler_state(core) -> dict:
+    """The ITL policy's state after a run: target, margin, first-token bursts so far."""
+    sched = core.scheduler
+    target = sched.itl.target_s
+    return {"itl_target_ms": None if target is None else round(target * 1e3, 2),
+            "itl_margin": round(sched.itl.margin(), 3),
+            "first_token_bursts": sched.packer.burst.num_bursts,
+            "max_recent_prefill": sched.itl.model.max_prefill_tokens}
+
+
 SAVE: list = []  # main's callback that rewrites the JSON file
 
 
@@ -232,6 +242,7 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
             row = attempt(out["decode"], str(c), run_batch, engine, prompts(c), args.tokens)
             if "error" not in row:
                 row["per_step_ms"] = timer.per_step_ms()
+                row["scheduler"] = scheduler_state(core)
             print(f"[{name}] decode {c}: {row}", flush=True)
         for n in lengths:
             def prefill(n: int = n) -> dict:
