@@ -3,10 +3,11 @@
 Run on the device machine (see bench/RESULTS.md for the command):
     python bench/gpu/engine_bench.py --synthetic llama-3.1-8b:Q4_K_M --vocab VOCAB.gguf
 One invocation measures several variants (`--variants`, default: GGML blocks and dense
-bf16 weights, each with and without CUDA graphs). Per variant: the forward step alone
-(runner.forward timed with a device sync, decode batches of each concurrency), engine
-decode at each concurrency (fixed output length, ignore_eos) with a per-step breakdown
-(schedule + batch building, forward launch, sampling including the wait for the device),
+bf16 weights, each with and without CUDA graphs; `+itloff` turns the ITL target off).
+Per variant: the forward step alone (runner.forward timed with a device sync, decode
+batches of each concurrency), engine decode at each concurrency (fixed output length,
+ignore_eos) with a per-step breakdown (schedule + batch building, forward launch,
+sampling including the wait for the device) and the ITL policy's state afterwards,
 prefill of each prompt length, and optionally a profile of one eager decode step (kernel
 count, top kernels by device time). A variant or a measurement that fails is recorded
 with its error and the run goes on; the JSON ($OUT/engine_bench.json or --out) is
@@ -200,11 +201,12 @@ def attempt(record: dict, key: str, fn, *args):
 def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[int],
                 out: dict) -> None:
     """Fills `out` as it goes (a failure keeps what was measured before it)."""
-    weights, graphs = name.split("+")[0], name.endswith("+graphs")
+    parts = name.split("+")
+    weights, graphs = parts[0], "graphs" in parts
     context = max(lengths) + args.tokens + 64
     opts = EngineOptions(sessions=max(levels), context=context, prefill_chunk=512,
                          device=args.device, max_pending_per_client=None, cuda_graphs=graphs,
-                         weights=weights)
+                         weights=weights, itl_target_ms=None if "itloff" in parts else "auto")
     out.update({"weights": weights, "cuda_graphs": graphs})
     t0 = time.perf_counter()
     loaded = load_for(str(path), opts)
