@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -23,6 +24,9 @@ from engine.scheduler.request import OutputChunk, Request
 log = logging.getLogger(__name__)
 
 Sink = Callable[[OutputChunk | BaseException], None]
+# The longest the loop thread waits for the stream readers it wakes (a slow one is then
+# left to run beside the next step).
+HANDBACK_BASE_S, HANDBACK_PER_READER_S = 0.001, 0.0001
 STATS_INTERVAL_S = 0.05  # EngineStats at most this often while steps run (and when idle)
 
 
@@ -39,6 +43,88 @@ class _AsyncSink:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+class _Handback:
+    """Where the loop thread waits, GIL released, until the stream readers it woke have
+    taken their chunks (bounded). Readers woken while the loop thread steps would take the
+    GIL at each of its torch calls and give it back a thread switch later; served here,
+    back to back, a woken reader costs about one switch."""
+
+    __slots__ = ("lock", "owed")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lock.acquire()  # held: released by the last reader owed
+        self.owed: deque[None] = deque()  # one entry per woken reader not yet back
+
+    def pass_on(self) -> None:
+        """A woken reader took its chunks and goes back to sleep."""
+        try:
+            self.owed.pop()  # atomic under the GIL: exactly one reader empties it
+        except IndexError:  # the loop thread stopped waiting for this one
+            return
+        if not self.owed:
+            try:
+                self.lock.release()
+            except RuntimeError:
+                pass
+
+    def run(self, boxes: list[_Mailbox], timeout: float) -> None:
+        self.owed.extend(None for _ in boxes)
+        for box in boxes:
+            box.ring(self)
+        self.lock.acquire(timeout=timeout)
+        self.owed.clear()  # a slow reader is left to run beside the next step
+        self.lock.acquire(blocking=False)  # held again however the wait ended
+
+
+class _Mailbox:
+    """A stream's chunks for one consuming thread: appended without a lock; the reader
+    sleeps only when none is waiting and takes every waiting chunk without sleeping."""
+
+    __slots__ = ("items", "bell", "is_asleep", "handback")
+
+    def __init__(self) -> None:
+        self.items: deque[OutputChunk | BaseException] = deque()
+        self.bell = threading.Lock()
+        self.bell.acquire()  # held: the reader sleeps on it until ring() releases it
+        self.is_asleep = False
+        self.handback: _Handback | None = None  # to pass on when it sleeps again
+
+    def __call__(self, item: OutputChunk | BaseException) -> None:
+        if self.put(item):
+            self.ring(None)
+
+    def put(self, item: OutputChunk | BaseException) -> bool:
+        """Append; True when the reader sleeps and must be rung."""
+        self.items.append(item)
+        if not self.is_asleep:
+            return False
+        self.is_asleep = False
+        return True
+
+    def ring(self, handback: _Handback | None) -> None:
+        self.handback = handback
+        try:
+            self.bell.release()
+        except RuntimeError:  # already rung
+            pass
+
+    def get(self, timeout: float | None) -> OutputChunk | BaseException:
+        items = self.items
+        while not items:
+            handback, self.handback = self.handback, None
+            self.is_asleep = True
+            if items:  # a put between the check and the flag did not see it asleep
+                self.is_asleep = False
+                break
+            if handback is not None:
+                handback.pass_on()
+            if not self.bell.acquire(timeout=-1 if timeout is None else timeout):
+                self.is_asleep = False
+                raise queue.Empty
+        return items.popleft()
+
+
 def _put_all(items: list[tuple[asyncio.Queue, OutputChunk]]) -> None:
     for chunks, item in items:
         chunks.put_nowait(item)
@@ -51,6 +137,7 @@ class Engine:
         self.loaded = loaded  # engine.loader.LoadedModel when built from a file
         self._inbox: list[tuple[str, Any]] = []
         self._sinks: dict[str, Sink] = {}
+        self._handback = _Handback()
         self._wake = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
@@ -105,8 +192,8 @@ class Engine:
                 self.abort(request.id)
 
     def stream(self, request: Request, timeout: float | None = None) -> Iterator[OutputChunk]:
-        chunks: queue.Queue[OutputChunk | BaseException] = queue.Queue()
-        self.add(request, chunks.put)
+        chunks = _Mailbox()
+        self.add(request, chunks)
         finished = False
         try:
             while not finished:
@@ -142,6 +229,7 @@ class Engine:
 
     def _deliver(self, chunks: list[OutputChunk]) -> None:
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, OutputChunk]]] = {}
+        woken: list[_Mailbox] = []
         for chunk in chunks:
             sink = self._sinks.get(chunk.request_id)
             if sink is None:
@@ -150,10 +238,15 @@ class Engine:
                 del self._sinks[chunk.request_id]
             if isinstance(sink, _AsyncSink):
                 batches.setdefault(sink.loop, []).append((sink.queue, chunk))
+            elif isinstance(sink, _Mailbox):
+                if sink.put(chunk):
+                    woken.append(sink)
             else:
                 sink(chunk)
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_put_all, items)
+        if woken:
+            self._handback.run(woken, HANDBACK_BASE_S + HANDBACK_PER_READER_S * len(woken))
 
     def _refresh_stats(self) -> None:
         now, num_seqs = time.monotonic(), len(self.core.scheduler.seqs)
