@@ -140,7 +140,10 @@ class EngineCore:
         chunks += self._postprocess(plan, logits)
         self.num_steps += 1
         elapsed = self.clock() - start
-        self.scheduler.observe(plan, elapsed)
+        # The ITL cost model predicts eager steps (every step with prefill is one); a graph
+        # replay's decode-only step costs a fraction of its eager twin and would skew it.
+        if not getattr(self.runner, "last_replayed", False):
+            self.scheduler.observe(plan, elapsed)
         if plan.prefill_row is None:
             self._decode_step_s.append(elapsed)
         return chunks

@@ -72,10 +72,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """-> (len(batch.logits_rows), vocab) float32."""
+        """-> (len(batch.logits_rows), vocab) float32. `last_replayed` says whether this
+        step replayed a captured graph (its cost has another shape than an eager step's)."""
+        self.last_replayed = False
         if self.graphs is not None and self.graphs.fits(batch):
             splits = self._decode_splits(batch)
             if self._captured(bucket_for(batch.num_rows, self.graphs.buckets), splits):
+                self.last_replayed = True
                 return self.graphs.run(batch, splits)
         return self.forward_eager(batch)
 

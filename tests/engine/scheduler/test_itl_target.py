@@ -203,3 +203,18 @@ def test_prediction_never_falls_with_more_work() -> None:
     deep = 500 + 16 * 200
     assert policy.model.predict(2, 368, deep) > policy.model.predict(2, 16, deep)
     assert policy.chunk_limit(2, 512, deep)[0] == 16
+
+
+@pytest.mark.parametrize("replayed", [True, False])
+def test_graph_replayed_steps_stay_out_of_the_cost_model(replayed: bool) -> None:
+    """The model predicts eager steps; a replayed decode graph costs a fraction of one."""
+    core, runner = make_core(num_pages=256, clock=FakeClock(), max_sessions=2,
+                             itl_target_ms=10.0)
+    core.add(req("d0", prompt_of(0, 4), greedy(8)))
+    core.step()  # the prefill: eager
+    seen = core.scheduler.itl.model.num_observations
+    runner.last_replayed = replayed
+    for _ in range(4):
+        core.step()  # decode-only
+    added = core.scheduler.itl.model.num_observations - seen
+    assert added == (0 if replayed else 4)
