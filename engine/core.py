@@ -33,6 +33,7 @@ from engine.scheduler.plan import (
     SessionStats,
     StepPlan,
 )
+from engine.scheduler.policies.itl_target import NO_PREFILL
 from engine.scheduler.policies.speculative import DraftSource, SpeculativeRows
 from engine.scheduler.request import OutputChunk, Request
 from engine.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -154,10 +155,21 @@ class EngineCore:
         return [s.take_output() for s in seqs if s is not None]
 
     def _update_itl_target(self) -> None:
-        if self.config.itl_target_ms == "auto":
-            times = self._decode_step_s
-            self.scheduler.itl.target_s = \
-                AUTO_ITL_FACTOR * statistics.median(times) if times else None
+        """auto: AUTO_ITL_FACTOR decode-only steps. With decode graphs such a step is a
+        replay, while every step with prefill runs eagerly and costs more before its first
+        prefill token (on the H200 more than 3 replays at 64 rows); the decode-only step is
+        then the cost model's eager estimate for the current rows when that is larger, so
+        the target bounds what prefill adds to a step, not the eager overhead itself."""
+        if self.config.itl_target_ms != "auto":
+            return
+        times = self._decode_step_s
+        base = statistics.median(times) if times else None
+        model = self.scheduler.itl.model
+        if base is not None and getattr(self.runner, "graphs", None) is not None \
+                and model.is_ready:
+            rows = max(1, len(self.scheduler.decode_queue))
+            base = max(base, model.predict_load(rows, NO_PREFILL))
+        self.scheduler.itl.target_s = None if base is None else AUTO_ITL_FACTOR * base
 
     def _postprocess(self, plan: StepPlan, logits: torch.Tensor) -> list[OutputChunk]:
         """Sample every row that needs a token: one Sampler call, then one more per accepted

@@ -91,6 +91,14 @@ class FakeRunner:
     costs: tuple[float, float, float] = (2e-3, 1e-3, 5e-5)  # a + b*decode rows + c*tokens
     batches: list[BatchRecord] = field(default_factory=list)
     noise: Callable[[int], float] | None = None  # step number -> factor on its cost
+    # decode graphs: a decode-only step "replays" at this factor of its eager cost
+    replay_factor: float | None = None
+    last_replayed: bool = False
+
+    @property
+    def graphs(self) -> object | None:
+        """What the core checks for decode graphs: set while replay_factor is."""
+        return None if self.replay_factor is None else self
 
     def __post_init__(self) -> None:
         groups = {"full": self.num_pages, **{g: self.num_pages for g in self.windows}}
@@ -122,6 +130,9 @@ class FakeRunner:
             decode = sum(len(t) == 1 for t, _ in spans)
             tokens = sum(len(t) for t, _ in spans if len(t) > 1)
             factor = 1.0 if self.noise is None else self.noise(len(self.batches))
+            self.last_replayed = self.replay_factor is not None and tokens == 0
+            if self.last_replayed:
+                factor *= self.replay_factor
             self.clock.now += (a + b * decode + c * tokens) * factor
         return torch.stack(out) if out else torch.zeros(0, VOCAB)
 

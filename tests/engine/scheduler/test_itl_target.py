@@ -210,11 +210,38 @@ def test_graph_replayed_steps_stay_out_of_the_cost_model(replayed: bool) -> None
     """The model predicts eager steps; a replayed decode graph costs a fraction of one."""
     core, runner = make_core(num_pages=256, clock=FakeClock(), max_sessions=2,
                              itl_target_ms=10.0)
+    runner.replay_factor = 0.3 if replayed else None
     core.add(req("d0", prompt_of(0, 4), greedy(8)))
     core.step()  # the prefill: eager
     seen = core.scheduler.itl.model.num_observations
-    runner.last_replayed = replayed
     for _ in range(4):
         core.step()  # decode-only
     added = core.scheduler.itl.model.num_observations - seen
     assert added == (0 if replayed else 4)
+
+
+def test_auto_target_with_decode_graphs_counts_the_eager_step() -> None:
+    """Replayed decode-only steps cost 0.3x their eager twin; steps with prefill run
+    eagerly. The auto target is 3x the eager decode-only estimate (a + 4b = 6 ms -> 18 ms),
+    not 3x the replay (5.4 ms, below every eager step: prefill would crawl at 16 tokens)."""
+    clock = FakeClock()
+    core, runner = make_core(num_pages=2048, clock=clock, max_sessions=5, prefill_chunk=512,
+                             itl_target_ms="auto", context=4096)
+    runner.replay_factor = 0.3
+    core.add(req("calibrate", prompt_of(8, 300), greedy(1)))
+    for i in range(4):
+        core.add(req(f"d{i}", prompt_of(i, 4 + 40 * i), greedy(300)))
+    while len(core.scheduler.decode_queue) < 4:
+        core.step()
+    for _ in range(5):
+        core.step()
+    start = len(runner.batches)
+    core.add(req("long", prompt_of(9, 3000), greedy(1)))
+    targets = []
+    while "long" in core.scheduler.seqs:
+        core.step()
+        targets.append(core.scheduler.itl.target_s)
+    assert targets[-1] == pytest.approx(3 * (A + 4 * B), rel=0.05)
+    chunks = [max(len(t) for t, _ in b.spans) for b in runner.batches[start:]
+              if sum(len(t) == 1 for t, _ in b.spans) == 4 and any(len(t) > 1 for t, _ in b.spans)]
+    assert max(chunks) >= 200  # (18 - 6) ms / 0.05 ms per token = 240 at most
