@@ -41,6 +41,7 @@ from engine.scheduler.sequence import DetokenizerFactory, Sequence
 from engine.stop import StopChecker
 
 AUTO_ITL_FACTOR = 3.0  # "auto" ITL target: this many decode-only steps
+EAGER_CAP = 8.0  # with decode graphs: the eager estimate counts up to this many replays
 
 
 class Runner(Protocol):
@@ -159,7 +160,8 @@ class EngineCore:
         replay, while every step with prefill runs eagerly and costs more before its first
         prefill token (on the H200 more than 3 replays at 64 rows); the decode-only step is
         then the cost model's eager estimate for the current rows when that is larger, so
-        the target bounds what prefill adds to a step, not the eager overhead itself."""
+        the target bounds what prefill adds to a step, not the eager overhead itself (the
+        estimate is capped at EAGER_CAP replays; the H200 measured about 5.7 at 64 rows)."""
         if self.config.itl_target_ms != "auto":
             return
         times = self._decode_step_s
@@ -168,7 +170,8 @@ class EngineCore:
         if base is not None and getattr(self.runner, "graphs", None) is not None \
                 and model.is_ready:
             rows = max(1, len(self.scheduler.decode_queue))
-            base = max(base, model.predict_load(rows, NO_PREFILL))
+            # bounded: a fit still carrying steps that compiled kernels can be far off
+            base = max(base, min(model.predict_load(rows, NO_PREFILL), EAGER_CAP * base))
         self.scheduler.itl.target_s = None if base is None else AUTO_ITL_FACTOR * base
 
     def _postprocess(self, plan: StepPlan, logits: torch.Tensor) -> list[OutputChunk]:

@@ -245,3 +245,22 @@ def test_auto_target_with_decode_graphs_counts_the_eager_step() -> None:
     chunks = [max(len(t) for t, _ in b.spans) for b in runner.batches[start:]
               if sum(len(t) == 1 for t, _ in b.spans) == 4 and any(len(t) > 1 for t, _ in b.spans)]
     assert max(chunks) >= 200  # (18 - 6) ms / 0.05 ms per token = 240 at most
+
+
+def test_eager_estimate_is_capped_by_the_replay() -> None:
+    """A cost model still fitted on steps that compiled kernels (seconds long) must not
+    turn the target into seconds: at most EAGER_CAP replays count."""
+    from engine.core import AUTO_ITL_FACTOR, EAGER_CAP
+
+    core, runner = make_core(num_pages=256, clock=FakeClock(), max_sessions=2,
+                             itl_target_ms="auto")
+    runner.replay_factor = 0.3
+    core.add(req("d0", prompt_of(0, 4), greedy(50)))
+    for _ in range(10):
+        core.step()
+    for _ in range(30):  # as if every eager step had compiled kernels for 2 s
+        core.scheduler.itl.observe(1, 64, 2.0)
+    core.step()
+    replay = 0.3 * (A + B)
+    assert core.scheduler.itl.target_s == pytest.approx(AUTO_ITL_FACTOR * EAGER_CAP * replay,
+                                                        rel=1e-6)
