@@ -167,6 +167,13 @@ def test_cpu_candidate_filter_matches_reference_and_falls_back(monkeypatch):
              (ties, SamplingParams(top_k=3, seed=6)),  # a tie group at the cut
              (ties, SamplingParams(top_p=0.3, seed=7)),
              (peaked, SamplingParams(temperature=0.9, seed=8))]  # no filter in this row
+    check_cases(cases, vocab, calls)
+
+
+def check_cases(cases: list, vocab: int, calls: list) -> None:
+    """Each (logits row, params) case: probabilities and sampled tokens of one batched
+    call equal the per-row reference, with both the candidate and the full-sort path
+    taken (`calls` records which)."""
     logits = torch.from_numpy(np.stack([c[0] for c in cases]).astype(np.float32))
     states = [SamplerState.create(p, [], vocab) for _, p in cases]
     probs = Sampler().probs(logits, states).numpy()

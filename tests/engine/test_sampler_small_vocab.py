@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from sampler_ref import one_thread  # noqa: F401 (autouse fixture)
-from test_sampler_batched import UniformStream, reference_probs, reference_token
+from test_sampler_batched import check_cases
 
 import engine.sampler as sampler_module
-from engine.sampler import Sampler, SamplerState, SamplingParams
+from engine.sampler import SamplingParams
 
 
 @pytest.mark.parametrize("vocab", [512, 600, 1024])
@@ -30,16 +29,4 @@ def test_small_vocab_candidates_match_reference(monkeypatch, vocab):
              (peaked, SamplingParams(top_k=vocab // 4, seed=4)),  # past the candidates
              (ties, SamplingParams(top_p=0.3, seed=5)),
              (peaked, SamplingParams(temperature=0.9, seed=6))]
-    logits = torch.from_numpy(np.stack([c[0] for c in cases]).astype(np.float32))
-    states = [SamplerState.create(p, [], vocab) for _, p in cases]
-    probs = Sampler().probs(logits, states).numpy()
-    assert True in calls and False in calls  # both paths taken
-    for row, (_, params), got in zip(logits.numpy(), cases, probs, strict=True):
-        ref = reference_probs(row, params, (), ())
-        assert set(np.flatnonzero(got)) == set(np.flatnonzero(ref)), params
-        np.testing.assert_allclose(got, ref, atol=1e-12)
-    streams = [UniformStream(p.seed) for _, p in cases]
-    for _ in range(5):
-        out = Sampler().sample(logits, states).token_ids
-        for i, (_, params) in enumerate(cases):
-            assert out[i] == reference_token(logits[i].numpy(), params, (), [], streams[i])
+    check_cases(cases, vocab, calls)
