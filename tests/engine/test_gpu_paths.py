@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from span_batch import span_batch
 
 from engine.batch import ForwardBatch
 from engine.build import EngineOptions, build_core, load_for
@@ -122,14 +123,7 @@ def test_gpu_logits_close_to_cpu(tiny, weights):
     for _ in range(6):
         logits = []
         for runner, pages in zip(runners, seqs, strict=True):
-            rows, tables = [], {g: [] for g in runner.pool.groups}
-            for i, ids in spans:
-                start = pages[i].num_tokens
-                pages[i].ensure(start + len(ids))
-                rows.append((ids, start))
-                for g in tables:
-                    tables[g].append(pages[i].table(g))
-            logits.append(runner.forward(ForwardBatch.build(rows, tables)).cpu())
+            logits.append(runner.forward(span_batch(runner, pages, spans)).cpu())
         a, b = logits
         rel = (a - b).norm() / a.norm()
         assert torch.isfinite(b).all() and rel < MAX_REL, float(rel)

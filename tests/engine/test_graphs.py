@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+from span_batch import span_batch
 
 from engine.batch import ForwardBatch
 from engine.graphs import DecodeGraphs, bucket_for, is_decode_only
@@ -55,14 +56,7 @@ def step(runners, seqs, spans):
     """One forward on each runner; spans: per row (sequence index, new token ids)."""
     out = []
     for runner, pages in zip(runners, seqs, strict=True):
-        rows, tables = [], {g: [] for g in runner.pool.groups}
-        for i, ids in spans:
-            start = pages[i].num_tokens
-            pages[i].ensure(start + len(ids))
-            rows.append((ids, start))
-            for g in tables:
-                tables[g].append(pages[i].table(g))
-        out.append(runner.forward(ForwardBatch.build(rows, tables)))
+        out.append(runner.forward(span_batch(runner, pages, spans)))
     return out
 
 

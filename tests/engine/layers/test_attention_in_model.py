@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+from span_batch import span_batch
 
 from engine.batch import ForwardBatch
 from engine.kv.pool import SeqPages
@@ -29,17 +30,6 @@ def model(tmp_path_factory, vocab_dir):
     return load(path, torch.float32, "cpu").model
 
 
-def batch_for(runner, seqs, spans) -> ForwardBatch:
-    rows, tables = [], {g: [] for g in runner.pool.groups}
-    for i, ids in spans:
-        start = seqs[i].num_tokens
-        seqs[i].ensure(start + len(ids))
-        rows.append((ids, start))
-        for g in tables:
-            tables[g].append(seqs[i].table(g))
-    return ForwardBatch.build(rows, tables)
-
-
 def on_triton(worker, runner: ModelRunner, batch: ForwardBatch) -> torch.Tensor:
     """runner.forward(batch) in the worker (a copy of the runner, KV included)."""
     twin = copy.copy(runner)
@@ -53,11 +43,11 @@ def test_runner_triton_attention_matches_reference(triton_worker, model, kv_quan
     seqs = [SeqPages(runner.pool) for _ in range(4)]
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (9, 33, 4)]
-    runner.forward(batch_for(runner, seqs, list(enumerate(prompts))))  # reference prefill
+    runner.forward(span_batch(runner, seqs, list(enumerate(prompts))))  # reference prefill
     steps = [[(0, [5]), (1, [6]), (2, [7])],  # decode-only: plan_decode
              [(0, [8]), (3, [11, 12, 13, 14, 15]), (2, [9])]]  # mixed: plan_batch
     for spans in steps:
-        batch = batch_for(runner, seqs, spans)
+        batch = span_batch(runner, seqs, spans)
         got = on_triton(triton_worker, runner, batch)
         ref = runner.forward(batch)
         assert torch.isfinite(got).all()

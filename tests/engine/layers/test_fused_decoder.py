@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+from span_batch import span_batch
 
 from engine.batch import ForwardBatch
 from engine.kv.pool import SeqPages
@@ -42,17 +43,6 @@ def load_model(family: str, tmp_path, vocab_dir, dtype: torch.dtype):
     return load(path, dtype, "cpu").model
 
 
-def batch_for(runner, seqs, spans) -> ForwardBatch:
-    rows, tables = [], {g: [] for g in runner.pool.groups}
-    for i, ids in spans:
-        start = seqs[i].num_tokens
-        seqs[i].ensure(start + len(ids))
-        rows.append((ids, start))
-        for g in tables:
-            tables[g].append(seqs[i].table(g))
-    return ForwardBatch.build(rows, tables)
-
-
 def on_triton(worker, runner: ModelRunner, batch: ForwardBatch) -> torch.Tensor:
     """runner.forward(batch) in the worker, on a copy of the runner. Its KV planes reach the
     worker through shared memory: the kernels' writes land in this process's planes, and
@@ -75,11 +65,11 @@ def test_fused_forward_matches_torch_path(triton_worker, tmp_path, vocab_dir, fa
     seqs = [SeqPages(runner.pool) for _ in range(3)]
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**63))
     prompts = [rng.integers(3, 1000, n).tolist() for n in (9, 21, 3)]
-    runner.forward(batch_for(runner, seqs, list(enumerate(prompts))))  # torch-path prefill
+    runner.forward(span_batch(runner, seqs, list(enumerate(prompts))))  # torch-path prefill
     steps = [[(0, [5]), (1, [6]), (2, [7])],  # decode-only: plan_decode
              [(0, [8]), (2, [11, 12, 13]), (1, [9])]]  # mixed, a prefill chunk: plan_batch
     for spans in steps:
-        batch = batch_for(runner, seqs, spans)
+        batch = span_batch(runner, seqs, spans)
         got = on_triton(triton_worker, runner, batch)
         ref = runner.forward(batch)  # the torch path
         assert torch.isfinite(got).all()
