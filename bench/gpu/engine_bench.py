@@ -179,7 +179,7 @@ def scheduler_state(core) -> dict:
     return {"itl_target_ms": None if target is None else round(target * 1e3, 2),
             "itl_margin": round(sched.itl.margin(), 3),
             "first_token_bursts": sched.packer.burst.num_bursts,
-            "max_recent_prefill": sched.itl.model.max_prefill_tokens}
+            "max_recent_prefill": sched.itl.max_recent_prefill()}
 
 
 SAVE: list = []  # main's callback that rewrites the JSON file

@@ -41,7 +41,6 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
-RECENT_STEPS = 64  # steps beside decoders whose prefill sizes bound the next chunk
 MARGIN_TOLERANCE = 0.02  # measured/modelled quantiles up to 1.02 leave the margin at 1
 # Features are scaled to O(1) so that one prior strength suits every term.
 _SCALES = (1.0, 8.0, 256.0, 256.0 * 2048.0)
@@ -72,8 +71,6 @@ class StepCostModel:
         self._theta = [0.0] * n  # in scaled units
         self.num_observations = 0
         self.num_prefill_observations = 0
-        # prefill tokens of the recent steps that carried prefill beside decoders
-        self._recent_prefill: deque[int] = deque(maxlen=RECENT_STEPS)
         self.max_prefill_tokens_ever = 0  # the most prefill tokens one observed step carried
 
     @staticmethod
@@ -95,19 +92,12 @@ class StepCostModel:
                 self._g[i][j] = self.decay * self._g[i][j] + x[i] * x[j]
         self.num_observations += 1
         self.num_prefill_observations += load.tokens > 0
-        if load.tokens and decode_rows:
-            self._recent_prefill.append(load.tokens)
         self.max_prefill_tokens_ever = max(self.max_prefill_tokens_ever, load.tokens)
         # (G + p I) theta = h + p theta_prev: ridge towards the last estimate.
         m = [[self._g[i][j] + (self.prior if i == j else 0.0) for j in range(n)]
              for i in range(n)]
         rhs = [self._h[i] + self.prior * self._theta[i] for i in range(n)]
         self._theta = _solve(m, rhs)
-
-    @property
-    def max_prefill_tokens(self) -> int:
-        """The most prefill tokens one of the recent steps beside decoders carried."""
-        return max(self._recent_prefill, default=0)
 
     @property
     def is_ready(self) -> bool:
@@ -158,6 +148,7 @@ class ItlTarget:
         self.quantile = quantile
         self.max_margin = max_margin
         self.model = StepCostModel()
+        # the recent steps with prefill beside decoders: (rows, load, seconds)
         self._recent: deque[tuple[int, PrefillLoad, float]] = deque(maxlen=window)
         self._margin: tuple[int, float] = (-1, 1.0)  # (observations when computed, margin)
 
@@ -169,6 +160,10 @@ class ItlTarget:
         if load.tokens and decode_rows:
             self._recent.append((decode_rows, load, seconds))
         self.model.observe_load(decode_rows, load, seconds)
+
+    def max_recent_prefill(self) -> int:
+        """The most prefill tokens one of the recent steps beside decoders carried."""
+        return max((load.tokens for _, load, _ in self._recent), default=0)
 
     def margin(self) -> float:
         """The factor on modelled step times: the `quantile` of measured/modelled time over
@@ -186,7 +181,7 @@ class ItlTarget:
     def ceiling(self) -> int:
         """The most prefill tokens a step beside streaming decoders may carry: `growth`
         times the most that a recent step beside decoders carried (the probe before any)."""
-        return max(self.probe_chunk, self.growth * self.model.max_prefill_tokens)
+        return max(self.probe_chunk, self.growth * self.max_recent_prefill())
 
     def modelled(self, decode_rows: int, load: PrefillLoad) -> float | None:
         """The step's modelled time with the margin (None: off, or nothing measured)."""
