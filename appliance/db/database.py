@@ -10,6 +10,8 @@ process commits between its first read and its first write.
 from __future__ import annotations
 
 import logging
+import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,11 +27,28 @@ BUSY_TIMEOUT_S = 30.0
 _BEGIN_MODES = {"DEFERRED", "IMMEDIATE", "EXCLUSIVE"}
 
 
-def _on_connect(dbapi_connection: Any, connection_record: Any) -> None:
+def _switch_to_wal(cursor: Any, timeout_s: float) -> str:
+    """`PRAGMA journal_mode=WAL`, retried: on a fresh file the switch needs an exclusive
+    lock and SQLite answers "database is locked" at once, without the busy handler, when
+    another connection is switching or reading at that moment. WAL is persistent, so once
+    one connection has switched the others find it done."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.001
+    while True:
+        try:
+            return cursor.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+def _set_pragmas(dbapi_connection: Any, busy_timeout_s: float) -> None:
     dbapi_connection.isolation_level = None  # BEGIN comes from _on_begin
     cursor = dbapi_connection.cursor()
     try:
-        mode = cursor.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        mode = _switch_to_wal(cursor, busy_timeout_s)
         if str(mode).lower() != "wal":
             log.warning("SQLite refused WAL mode (journal_mode=%s)", mode)
         cursor.execute("PRAGMA synchronous=FULL")
@@ -50,7 +69,11 @@ def create_sqlite_engine(path: Path, *, busy_timeout_s: float = BUSY_TIMEOUT_S) 
     engine = create_engine(
         f"sqlite:///{path}", hide_parameters=True,
         connect_args={"timeout": busy_timeout_s, "check_same_thread": False})
-    event.listen(engine, "connect", _on_connect)
+
+    def on_connect(dbapi_connection: Any, connection_record: Any) -> None:
+        _set_pragmas(dbapi_connection, busy_timeout_s)
+
+    event.listen(engine, "connect", on_connect)
     event.listen(engine, "begin", _on_begin)
     return engine
 

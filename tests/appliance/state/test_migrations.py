@@ -16,6 +16,7 @@ from alembic.config import main as alembic_main
 from alembic.runtime.migration import MigrationContext
 
 from appliance.db import Database, StateError, migrate, open_database
+from appliance.db.database import _switch_to_wal
 from appliance.db.models import Base
 from appliance.settings import Settings
 
@@ -92,24 +93,58 @@ def test_write_session_takes_the_write_lock_first(db: Database) -> None:
 
 
 def test_concurrent_first_opens_migrate_once(tmp_path: Path) -> None:
-    settings = Settings(data_dir=tmp_path / "data")
-    errors: list[BaseException] = []
+    # The WAL switch race hit about one round in sixteen before _switch_to_wal retried.
+    for round_ in range(40):
+        settings = Settings(data_dir=tmp_path / f"data{round_}")
+        errors: list[BaseException] = []
 
-    def opener() -> None:
-        try:
-            open_database(settings).close()
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+        def opener(settings: Settings = settings, errors: list = errors) -> None:
+            try:
+                open_database(settings).close()
+            except BaseException as exc:  # reported below
+                errors.append(exc)
 
-    threads = [threading.Thread(target=opener) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
-    with sqlite3.connect(settings.database_path) as conn:
-        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [
-            (migrate.head_revision(),)]
+        threads = [threading.Thread(target=opener) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == [], f"round {round_}"
+        with sqlite3.connect(settings.database_path) as conn:
+            assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [
+                (migrate.head_revision(),)]
+
+
+class _LockedCursor:
+    """Answers "database is locked" to the WAL switch `fails` times, then "wal"."""
+
+    def __init__(self, fails: int, message: str = "database is locked") -> None:
+        self.fails, self.message, self.calls = fails, message, 0
+
+    def execute(self, sql: str) -> _LockedCursor:
+        assert sql == "PRAGMA journal_mode=WAL"
+        self.calls += 1
+        if self.calls <= self.fails:
+            raise sqlite3.OperationalError(self.message)
+        return self
+
+    def fetchone(self) -> tuple[str]:
+        return ("wal",)
+
+
+def test_wal_switch_retries_while_locked() -> None:
+    cursor = _LockedCursor(fails=3)
+    assert _switch_to_wal(cursor, timeout_s=5.0) == "wal"
+    assert cursor.calls == 4
+
+
+def test_wal_switch_gives_up_at_the_timeout_and_on_other_errors() -> None:
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        _switch_to_wal(_LockedCursor(fails=10**6), timeout_s=0.05)
+    cursor = _LockedCursor(fails=1, message="disk I/O error")
+    with pytest.raises(sqlite3.OperationalError, match="disk"):
+        _switch_to_wal(cursor, timeout_s=5.0)
+    assert cursor.calls == 1
 
 
 def test_database_from_a_newer_version_is_refused(db: Database, settings: Settings) -> None:
