@@ -5,8 +5,11 @@ Decode is a GEMV: every weight byte is read once per step, so the kernel is buil
 memory bandwidth. A program owns BLOCK_N weight rows and one of split_k equal K ranges;
 per BLOCK_K step it decodes the (BLOCK_N, BLOCK_K) tile from whole GGML blocks
 (kernels/qtiles.py: contiguous runs per block, scales once per sub-block) and multiplies
-it with all of x's rows at once (BLOCK_M = 16, the smallest matrix-unit tile; the rows past
-M are masked), `acc (BN, 16) += dot(W_tile, x_tile.T)` in float32. Splitting K fills the
+it with all of x's rows at once (the rows past M are masked) on the matrix unit, float32
+sums: `acc (BN, 16) += dot(W_tile, x_tile.T)` (BLOCK_M = 16, the smallest tile), or for
+the X_LEFT_TYPES `acc (64, BN) += dot(x_tile, W_tile.T)` (on sm_90 wgmma's left operand
+has 64 rows; the weight tile then goes to shared memory once per step instead of through
+a shuffle with two barriers per 16 columns, see qtiles.mac). Splitting K fills the
 device when N alone gives too few programs.
 
 Split partials are summed in a fixed order (split 0, 1, 2, ...) by the last program of
@@ -34,8 +37,8 @@ from kernels import qtiles
 from kernels.qtiles import GEOMETRY
 from kernels.triton_util import HAS_TRITON, launcher, tl, triton
 
-__all__ = ["SKINNY_MAX_M", "QMMConfig", "aot_specs", "default_config", "k_plan",
-           "qgemv_triton"]
+__all__ = ["SKINNY_MAX_M", "X_LEFT_TYPES", "QMMConfig", "aot_specs", "default_config", "k_plan",
+           "qgemv_triton", "x_left"]
 
 SKINNY_MAX_M = 16
 # Tuned on the device by bench/gpu/qmatmul_bench.py (it prints these dicts), keyed by
@@ -43,11 +46,17 @@ SKINNY_MAX_M = 16
 # (block_k only in the interpreter: on a GPU the matrix unit chains the same 16-column
 # steps whatever the tile), and (backend, type, M bucket, N, K) -> (block_n, num_warps,
 # num_stages) for M <= 16.
-K_PLANS: dict[tuple[str, int, int, int], tuple[int, int]] = {}
+K_PLANS: dict[tuple[str, int, int, int], tuple[int, int]] = {
+    ("cuda", qtiles.Q6_K, 128256, 4096): (128, 1),  # Llama 3's head: 402 vs 509 us at 256
+}
 SKINNY_TILES: dict[tuple[str, int, int, int, int], tuple[int, int, int | None]] = {}
 # (backend, type, N, K) -> (block_m, block_n, num_warps, num_stages) for M > 16.
 TILED_TILES: dict[tuple[str, int, int, int], tuple[int, int, int, int | None]] = {}
 M_BUCKETS = (1, 4, 16)
+# Types whose kernels take x as the matrix unit's left operand (kernels/qtiles.py, `mac`):
+# measured on the H200 (bench/RESULTS.md, 2026-11-30), Q6_K's skinny kernel 1.6-2.1x
+# faster that way, Q4_K 5-20% and Q8_0 1.5-2x slower.
+X_LEFT_TYPES = frozenset({qtiles.Q6_K})
 # gfx1151 (RDNA 3.5, 256 VGPRs per wave): columns per step that keep a tile in registers.
 _HIP_MAX_BLOCK_K = 128
 
@@ -80,6 +89,11 @@ def k_plan(ggml_type: int, n: int, k: int, backend: str, num_sms: int) -> tuple[
     return block_k, split
 
 
+def x_left(ggml_type: int) -> bool:
+    """Whether `ggml_type`'s kernels multiply x (left) by the weight tile (right)."""
+    return int(ggml_type) in X_LEFT_TYPES
+
+
 def default_config(
     ggml_type: int, m: int, n: int, k: int, *, backend: str = "cuda", num_sms: int = 0
 ) -> QMMConfig:
@@ -101,8 +115,9 @@ def default_config(
     bucket = next(b for b in M_BUCKETS if m <= b)
     tiles = SKINNY_TILES.get((backend, int(ggml_type), bucket, int(n), int(k)))
     if tiles is None:
-        tiles = (64, 4, 1) if hip else (64, 4, None)
-    return QMMConfig(16, tiles[0], block_k, split_k, tiles[1], tiles[2])
+        tiles = (64, 4, 1) if hip else (64, 4, 1) if x_left(ggml_type) else (64, 4, None)
+    block_m = 64 if x_left(ggml_type) and not hip else 16  # wgmma's left operand: 64 rows
+    return QMMConfig(block_m, tiles[0], block_k, split_k, tiles[1], tiles[2])
 
 
 if HAS_TRITON:
@@ -114,6 +129,7 @@ if HAS_TRITON:
         x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, lut_ptr, M, N, row_bytes, k_per_split,
         stride_xm, split_k, ticket, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F64: tl.constexpr,
+        X_LEFT: tl.constexpr,
     ):
         """y[m, n] = sum over k of x[m, k] * W[n, k] for the M (<= BLOCK_M) rows of x;
         grid (N tiles, split_k). With split_k > 1 each program writes its partial to
@@ -125,23 +141,14 @@ if HAS_TRITON:
         m_ok = rm < M
         # Rows past N read row 0 (valid memory); their results are never stored.
         row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
-        x_rows = x_ptr + rm.to(tl.int64)[None, :] * stride_xm  # (1, BM)
-        acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+        acc = qtiles.acc_zeros(BLOCK_M, BLOCK_N, X_LEFT)
         k_begin = split * k_per_split
         for kk in range(0, k_per_split, BLOCK_K):
             k0 = k_begin + kk
             w = qtiles.dequant_tile(QTYPE, w_ptr, row_off, k0, lut_ptr, BLOCK_N, BLOCK_K)
-            xt = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[:, None], mask=m_ok[None, :],
-                         other=0.0)  # (BK, BM)
-            if DOT_F64:  # interpreter: its bf16 dot is wrong and numpy's float32 matmul
-                # sums in an order that depends on the tile shape; bf16 products have 16
-                # significant bits, so float64 sums them exactly, in any order.
-                w64 = w.to(tl.bfloat16).to(tl.float64)
-                acc += tl.dot(w64, xt.to(tl.bfloat16).to(tl.float64)).to(tl.float32)
-            else:
-                acc += tl.dot(w.to(tl.bfloat16), xt.to(tl.bfloat16))
-        offs = rm.to(tl.int64)[None, :] * N + rn[:, None]  # (BN, BM) in y (M, N)
-        mask = m_ok[None, :] & (rn < N)[:, None]
+            xt = qtiles.x_tile(x_ptr, rm, m_ok, stride_xm, k0, BLOCK_K, X_LEFT)
+            acc = qtiles.mac(acc, xt, w, X_LEFT, DOT_F64)
+        offs, mask = qtiles.out_offsets(rm, rn, m_ok, N, X_LEFT)
         if split_k == 1:
             tl.store(y_ptr + offs, acc, mask=mask)
         else:
@@ -230,7 +237,8 @@ def qgemv_triton(
     part = y if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32,
                                                   device=x.device)
     kernel, extra = ((_qgemv_fma_kernel, {}) if fma else
-                     (_qgemv_kernel, {"DOT_F64": x.device.type == "cpu"}))
+                     (_qgemv_kernel, {"DOT_F64": x.device.type == "cpu",
+                                      "X_LEFT": x_left(ggml_type)}))
     launcher(kernel, x.device)[(tiles, cfg.split_k)](
         x, blocks, y, part, _tickets(x.device), lut, m, n, blocks.shape[1], k // cfg.split_k,
         x.stride(0), cfg.split_k, int(ticket), QTYPE=int(ggml_type), BLOCK_M=cfg.block_m,
@@ -260,7 +268,7 @@ def aot_specs(spec: type) -> list:
         for backend in ("hip", "cuda"):
             cfg = default_config(qtype, 1, 4096, 4096, backend=backend)
             consts = {"QTYPE": qtype, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                      "BLOCK_K": cfg.block_k, "DOT_F64": False}
+                      "BLOCK_K": cfg.block_k, "DOT_F64": False, "X_LEFT": x_left(qtype)}
             signature = {**sig, **{k: "constexpr" for k in consts}}
             out.append(spec(f"qmatmul_{qtiles.NAMES[qtype]}_m16", _qgemv_kernel, signature,
                             consts, cfg.num_warps, True, backend, cfg.num_stages, divisible))

@@ -4,7 +4,8 @@
 kernels read the file's layout, so loading costs nothing beyond the copy to the device).
 Two kernels share the block decoding (kernels/qtiles.py: a (BLOCK_N, BLOCK_K) weight tile
 decoded to float32, rounded to bf16, and multiplied with the x tile on the matrix unit,
-`acc (BN, BM) += dot(W_tile (BN, BK), x_tile.T (BK, BM))` in float32):
+`acc (BN, BM) += dot(W_tile (BN, BK), x_tile.T (BK, BM))` in float32, or with x on the
+left for the types in qgemv.X_LEFT_TYPES, `acc (BM, BN) += dot(x_tile, W_tile.T)`):
 - skinny (M <= 16, kernels/qgemv.py): one program per (N tile, K split) covers every row
   of x, so each weight byte is read once; built for memory bandwidth (decode);
 - tiled (M > 16, here): a grid over (M tiles, N tiles), M fastest so the M tiles that
@@ -29,7 +30,7 @@ import torch
 
 from engine.errors import InvalidRequest, UnsupportedTensorType
 from kernels import qtiles
-from kernels.qgemv import SKINNY_MAX_M, QMMConfig, default_config, qgemv_triton
+from kernels.qgemv import SKINNY_MAX_M, QMMConfig, default_config, qgemv_triton, x_left
 from kernels.qtiles import GEOMETRY, IQ4_XS, MXFP4, NAMES
 from kernels.triton_util import HAS_TRITON, interpreter_active, jit, launcher, tl
 
@@ -70,7 +71,7 @@ if HAS_TRITON:
     def _qmm_kernel(
         x_ptr, w_ptr, out_ptr, lut_ptr, M, N, row_bytes, k_per_split, splits_per_program,
         stride_xm, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, DOT_F64: tl.constexpr,
+        BLOCK_K: tl.constexpr, DOT_F64: tl.constexpr, X_LEFT: tl.constexpr,
     ):
         """out[z, m, n] = the sum, in split order, of each split's own K-range sum of
         x[m, k] * W[n, k], over the `splits_per_program` splits of grid z (either all of
@@ -83,26 +84,18 @@ if HAS_TRITON:
         m_ok = rm < M
         # Out-of-range rows read row 0 (valid memory); their results are never stored.
         row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
-        x_rows = x_ptr + rm.to(tl.int64)[None, :] * stride_xm  # (1, BM)
-        total = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+        total = qtiles.acc_zeros(BLOCK_M, BLOCK_N, X_LEFT)
         for v in range(0, splits_per_program):
-            acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)  # each split starts at 0
+            acc = qtiles.acc_zeros(BLOCK_M, BLOCK_N, X_LEFT)  # each split starts at 0
             k_begin = (z * splits_per_program + v) * k_per_split
             for kk in range(0, k_per_split, BLOCK_K):
                 k0 = k_begin + kk
                 w = qtiles.dequant_tile(QTYPE, w_ptr, row_off, k0, lut_ptr, BLOCK_N, BLOCK_K)
-                xt = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[:, None],
-                             mask=m_ok[None, :], other=0.0)  # (BK, BM)
-                if DOT_F64:  # interpreter: its bf16 dot is wrong and numpy's float32 matmul
-                    # sums in an order that depends on the tile shape; bf16 products have 16
-                    # significant bits, so float64 sums them exactly, in any order.
-                    w64 = w.to(tl.bfloat16).to(tl.float64)
-                    acc += tl.dot(w64, xt.to(tl.bfloat16).to(tl.float64)).to(tl.float32)
-                else:
-                    acc += tl.dot(w.to(tl.bfloat16), xt.to(tl.bfloat16))
+                xt = qtiles.x_tile(x_ptr, rm, m_ok, stride_xm, k0, BLOCK_K, X_LEFT)
+                acc = qtiles.mac(acc, xt, w, X_LEFT, DOT_F64)
             total = tl.where(v == 0, acc, total + acc)  # (p0 + p1) + p2 ..., as split sums
-        out = out_ptr + z.to(tl.int64) * M * N + rm.to(tl.int64)[None, :] * N + rn[:, None]
-        tl.store(out, total, mask=m_ok[None, :] & (rn < N)[:, None])
+        offs, mask = qtiles.out_offsets(rm, rn, m_ok, N, X_LEFT)
+        tl.store(out_ptr + z.to(tl.int64) * M * N + offs, total, mask=mask)
 
     @jit
     def _sum_splits_kernel(part_ptr, y_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
@@ -201,7 +194,8 @@ def qmatmul_tiled(
     launcher(_qmm_kernel, x.device)[grid](
         x, blocks, part, lut, m, n, blocks.shape[1], k // cfg.split_k, cfg.split_k // programs,
         x.stride(0), QTYPE=ggml_type, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, DOT_F64=x.device.type == "cpu", num_warps=cfg.num_warps,
+        BLOCK_K=cfg.block_k, DOT_F64=x.device.type == "cpu", X_LEFT=x_left(ggml_type),
+        num_warps=cfg.num_warps,
         **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
     )
     if programs > 1:
@@ -239,7 +233,7 @@ def aot_specs(spec: type) -> list:
         for backend in ("hip", "cuda"):
             cfg = default_config(qtype, 64, 4096, 4096, backend=backend)
             consts = {"QTYPE": qtype, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                      "BLOCK_K": cfg.block_k, "DOT_F64": False}
+                      "BLOCK_K": cfg.block_k, "DOT_F64": False, "X_LEFT": x_left(qtype)}
             signature = {**sig, **{k: "constexpr" for k in consts}}
             out.append(spec(f"qmatmul_{NAMES[qtype]}_m64", _qmm_kernel, signature, consts,
                             cfg.num_warps, True, backend, cfg.num_stages, divisible))

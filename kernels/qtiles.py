@@ -292,3 +292,65 @@ def dequant_tile(QTYPE: tl.constexpr, w_ptr, row_off, k0, lut, BN: tl.constexpr,
         tl.static_assert(QTYPE == 14, "unsupported GGML type")
         w = _tile_q6_k(w_ptr, row_off, k0, BN, BK)
     return w
+
+
+# The product step both qmatmul paths share. X_LEFT (per type, see qgemv.x_left): x is the
+# matrix unit's left operand and the decoded weight tile the right one, which the compiler
+# stores once per step to shared memory as is; otherwise the weight tile is the left
+# operand, which on sm_90 reaches the unit's register layout through a shared-memory
+# shuffle with two barriers per 16 columns. The accumulator is (BM, BN) with X_LEFT,
+# else (BN, BM); every path of one type takes the same side, so a row's bits stay the same.
+
+@helper
+def acc_zeros(BM: tl.constexpr, BN: tl.constexpr, X_LEFT: tl.constexpr):
+    if X_LEFT:
+        acc = tl.full((BM, BN), 0.0, tl.float32)
+    else:
+        acc = tl.full((BN, BM), 0.0, tl.float32)
+    return acc
+
+
+@helper
+def x_tile(x_ptr, rm, m_ok, stride_xm, k0, BK: tl.constexpr, X_LEFT: tl.constexpr):
+    """x's rows `rm` over columns k0 .. k0 + BK: (BM, BK) with X_LEFT, else (BK, BM)."""
+    k = k0 + tl.arange(0, BK)
+    rows = x_ptr + rm.to(tl.int64) * stride_xm
+    if X_LEFT:
+        xt = tl.load(rows[:, None] + k[None, :], mask=m_ok[:, None], other=0.0)
+    else:
+        xt = tl.load(rows[None, :] + k[:, None], mask=m_ok[None, :], other=0.0)
+    return xt
+
+
+@helper
+def mac(acc, xt, w, X_LEFT: tl.constexpr, DOT_F64: tl.constexpr):
+    """acc + the product of the x tile and the (BN, BK) weight tile, in bf16 on the
+    matrix unit with float32 sums. DOT_F64 (the interpreter, whose bf16 dot is wrong and
+    whose float32 matmul sums in a tile-shape-dependent order): bf16 products have 16
+    significant bits, so float64 sums them exactly, in any order."""
+    wb = w.to(tl.bfloat16)
+    xb = xt.to(tl.bfloat16)
+    if DOT_F64:
+        if X_LEFT:
+            acc += tl.dot(xb.to(tl.float64), tl.trans(wb.to(tl.float64))).to(tl.float32)
+        else:
+            acc += tl.dot(wb.to(tl.float64), xb.to(tl.float64)).to(tl.float32)
+    elif X_LEFT:
+        acc += tl.dot(xb, tl.trans(wb))
+    else:
+        acc += tl.dot(wb, xb)
+    return acc
+
+
+@helper
+def out_offsets(rm, rn, m_ok, N, X_LEFT: tl.constexpr):
+    """Element offsets in the (M, N) output and the store mask, shaped like the
+    accumulator."""
+    if X_LEFT:
+        offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
+        mask = m_ok[:, None] & (rn < N)[None, :]
+    else:
+        offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
+        mask = m_ok[None, :] & (rn < N)[:, None]
+    return offs, mask
+
