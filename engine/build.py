@@ -6,9 +6,12 @@ import os
 import time
 from dataclasses import dataclass
 
+import torch
+
 from engine.core import EngineCore
 from engine.engine import Engine
 from engine.gguf import ModelFile
+from engine.kernel_select import use_triton
 from engine.llm import DTYPES
 from engine.loader import (
     LoadedModel,
@@ -43,7 +46,8 @@ class EngineOptions:
     device: str = "auto"  # auto: the GPU when present
     cuda_graphs: bool = True  # replay captured decode steps on a GPU (never on the CPU)
     # Weight layout: ggml keeps the file's blocks (fused dequant kernels), bf16 dense
-    # matrices in `dtype`; auto is ggml on a GPU, dense on the CPU.
+    # matrices in `dtype`; auto: dense on the CPU, on a GPU the faster of the two as
+    # measured at load (engine/layout_tune.py).
     weights: str = "auto"
 
 
@@ -71,20 +75,33 @@ def build_core(loaded: LoadedModel, opts: EngineOptions) -> EngineCore:
 
 
 def load_for(model: str | os.PathLike, opts: EngineOptions) -> LoadedModel:
-    """engine.loader.load with the options' dtype, device and weight layout."""
-    if opts.weights == "auto":
-        return load(model, DTYPES[opts.dtype], opts.device)
-    start = time.perf_counter()  # as load() does, with the layout passed to the weights
+    """engine.loader.load with the options' dtype, device and weight layout; on a GPU with
+    the Triton kernels, `weights="auto"` measures both layouts first (engine/layout_tune.py)."""
     device = resolve_device(opts.device)
+    dtype = DTYPES[opts.dtype]
+    tune = (opts.weights == "auto" and device.type == "cuda" and dtype in (None, torch.bfloat16)
+            and use_triton(device))
+    if opts.weights == "auto" and not tune:
+        return load(model, dtype, opts.device)
+    start = time.perf_counter()  # as load() does, with the layout passed to the weights
     if device.type == "cpu":
         configure_cpu_threads(int(os.environ.get("MBUFO_CPU_THREADS", "0")) or None)
     path = resolve_model_path(model)
     mf = ModelFile.open(path)
     cfg = read_config(mf)
     tokenizer = Tokenizer.from_metadata(mf.metadata)
-    decoder = DecoderModel(cfg, WeightLoader(mf, DTYPES[opts.dtype], device, opts.weights))
+    layout, choice = opts.weights, None
+    if tune:
+        from engine.layout_tune import choose_layout, free_memory_budget, gpu_measure
+
+        choice = choose_layout(mf, cfg, sessions=opts.sessions,
+                               context=min(opts.context, cfg.context_length),
+                               kv_quant=opts.kv_quant, budget_bytes=free_memory_budget(device),
+                               measure=gpu_measure(device))
+        layout = choice.layout
+    decoder = DecoderModel(cfg, WeightLoader(mf, dtype, device, layout))
     return LoadedModel(path, mf, cfg, decoder, tokenizer, chat_template_for(mf, tokenizer),
-                       time.perf_counter() - start)
+                       time.perf_counter() - start, choice)
 
 
 def build_engine(model: str | os.PathLike, opts: EngineOptions | None = None,

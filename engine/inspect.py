@@ -10,11 +10,14 @@ import gguf
 
 from engine.gguf import ModelFile
 from engine.kv.formats import KV_QUANT_CHOICES, kv_bytes_per_token
-from engine.loader import resolve_model_path
+from engine.loader import resolve_device, resolve_model_path
 from engine.models.registry import read_config
 
 
-def inspect_model(name: str | os.PathLike) -> dict:
+def inspect_model(name: str | os.PathLike, device: str = "cpu", *, sessions: int = 4,
+                  context: int = 4096, kv_quant: str = "f16") -> dict:
+    """What `name` holds; on a GPU `device` also the weight layout `--weights auto` picks
+    there for `sessions` x `context` (engine/layout_tune.py: both layouts are timed)."""
     path = resolve_model_path(name)
     with ModelFile.open(path) as mf:
         cfg = read_config(mf)
@@ -27,7 +30,7 @@ def inspect_model(name: str | os.PathLike) -> dict:
         for choice in KV_QUANT_CHOICES:
             per_layer = kv_bytes_per_token(1, cfg.num_kv_heads, cfg.head_dim, choice)
             kv[choice] = per_layer * cfg.num_layers
-        return {
+        info = {
             "path": str(path),
             "architecture": cfg.architecture,
             "name": mf.get("general.name"),
@@ -53,3 +56,25 @@ def inspect_model(name: str | os.PathLike) -> dict:
             # every layer stores each token it keeps; sliding layers keep at most the window
             "kv_bytes_per_token": kv,
         }
+        if resolve_device(device).type != "cpu":  # "auto" without a GPU: the file only
+            info["weight_layout"] = _layout(mf, cfg, device, sessions, context, kv_quant)
+        return info
+
+
+def _layout(mf: ModelFile, cfg, device: str, sessions: int, context: int,
+            kv_quant: str) -> dict:
+    import torch
+
+    from engine.errors import InvalidRequest
+    from engine.kernel_select import use_triton
+    from engine.layout_tune import choose_layout, free_memory_budget, gpu_measure
+
+    dev = resolve_device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        raise InvalidRequest(f"--device {device}: the weight layout is measured on a GPU, "
+                             "and torch sees none")
+    if not use_triton(dev):
+        return {"layout": "bf16", "reason": "no Triton kernels (MBUFO_KERNELS or no triton)"}
+    return choose_layout(mf, cfg, sessions=sessions, context=min(context, cfg.context_length),
+                         kv_quant=kv_quant, budget_bytes=free_memory_budget(dev),
+                         measure=gpu_measure(dev)).as_dict()

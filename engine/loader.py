@@ -7,6 +7,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,6 +49,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     chat_template: ChatTemplate
     load_seconds: float
+    layout_choice: Any = None  # engine.layout_tune.LayoutChoice when `--weights auto` measured
 
 
 def resolve_device(device: str = "auto") -> torch.device:

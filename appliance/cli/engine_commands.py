@@ -28,6 +28,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("inspect", help="architecture, sizes, tensor types, KV bytes per token")
     p.add_argument("model", help="GGUF path or 'default'")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default: the file only) or a GPU (cuda, auto): also time both "
+                   "weight layouts there and show which `--weights auto` picks")
+    p.add_argument("--sessions", type=int, default=4, help="with a GPU: sessions to fit")
+    p.add_argument("-c", "--context", type=int, default=4096, help="with a GPU: tokens each")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_inspect)
     register_plan(sub)
@@ -102,7 +107,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from appliance.cli.main import emit_json
     from engine.inspect import inspect_model
 
-    info = inspect_model(args.model)
+    info = inspect_model(args.model, args.device, sessions=args.sessions, context=args.context)
     if args.json:
         emit_json(info)
     else:

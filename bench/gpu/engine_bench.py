@@ -212,6 +212,9 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
     loaded = load_for(str(path), opts)
     core = build_core(loaded, opts)
     out["load_s"] = round(time.perf_counter() - t0, 1)
+    if loaded.layout_choice is not None:  # weights=auto on a GPU: both layouts were timed
+        out["layout_choice"] = loaded.layout_choice.as_dict()
+        print(f"[{name}] layout {loaded.layout_choice.layout}: {loaded.layout_choice.reason}")
     out["gpu_gb"] = round(torch.cuda.memory_allocated() / 1e9, 2) if args.device == "cuda" else 0
     print(f"[{name}] loaded in {out['load_s']} s, {out['gpu_gb']} GB", flush=True)
     runner, gen = core.runner, torch.Generator().manual_seed(0)

@@ -154,3 +154,13 @@ def test_graph_replay_is_bit_equal_to_eager(tiny, kv_quant):
     assert torch.equal(padded, graphed[:3])  # rows are independent: padding changes nothing
     # Eager runs 3 rows where the graph ran 4: torch may reduce in another order.
     torch.testing.assert_close(padded, runner.forward_eager(three), rtol=1e-4, atol=1e-4)
+
+
+def test_auto_weights_measure_both_layouts_and_load_the_choice(tiny):
+    from engine.layers.ggml_linear import GGMLLinear
+
+    loaded = load_for(tiny, opts("cuda", "auto", True))
+    choice = loaded.layout_choice
+    assert choice is not None and choice.layout in ("ggml", "bf16")
+    assert all(ms > 0 for by_rows in choice.forward_ms.values() for ms in by_rows.values())
+    assert isinstance(loaded.model.blocks[0].qkv, GGMLLinear) == (choice.layout == "ggml")

@@ -1,0 +1,153 @@
+"""The GPU weight layout of `--weights auto`, chosen at load from measured cost.
+
+On a GPU a linear weight either stays in its GGML blocks (`ggml`: kernels/qmatmul.py reads
+the file's bytes) or is dequantized at load to bf16 (`bf16`: torch matmuls, 2 bytes per
+weight). Which decodes faster depends on the device: where bandwidth is plentiful and the
+quantized kernels fall short of it (the H200: bench/RESULTS.md) the bf16 copies win; on a
+bandwidth-poor APU (the appliance's ~212 GB/s) a quarter of the bytes wins. So `auto`
+times both on the model's own linear shapes, at 1 and at 16 rows (one stream; a full
+batch), each weight read from memory as decode reads it (copies beyond the L2, replayed in
+a CUDA graph), weighs each shape by how many linears have it, and takes the faster layout
+whose weights and KV cache fit the device's free memory. Within 5% the blocks win: fewer
+bytes leave more room for sessions.
+
+Cost: one build of each qmatmul kernel (which the first forward would do anyway) and about
+two dozen graph replays, a second or two at load; the result is logged and printed by
+`mbufo inspect MODEL --device cuda`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.gguf import ModelFile
+from engine.models.config import ModelConfig
+from engine.planner import plan
+
+log = logging.getLogger(__name__)
+
+ROWS = (1, 16)
+TIE_MARGIN = 0.05  # ggml wins unless bf16 is more than 5% faster
+MEMORY_FRACTION = 0.9  # of the device's free memory at load
+L2_MISS_BYTES = 256 << 20  # weight bytes per timing: beyond any GPU's L2
+
+# (layout, ggml_type, out, in, rows) -> seconds per product
+Measure = Callable[[str, int, int, int, int], float]
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    ggml_type: int
+    out_features: int
+    in_features: int
+    count: int
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    layout: str  # "ggml" or "bf16"
+    reason: str
+    # layout -> rows -> ms of every linear of one forward (the measured shapes, weighted)
+    forward_ms: dict[str, dict[int, float]] = field(default_factory=dict)
+    total_bytes: dict[str, int] = field(default_factory=dict)  # weights + KV, per layout
+    budget_bytes: int | None = None
+
+    def as_dict(self) -> dict:
+        return {"layout": self.layout, "reason": self.reason,
+                "forward_ms": {k: {str(m): round(v, 4) for m, v in d.items()}
+                               for k, d in self.forward_ms.items()},
+                "total_bytes": dict(self.total_bytes), "budget_bytes": self.budget_bytes}
+
+
+def linear_shapes(mf: ModelFile) -> list[LinearShape]:
+    """The 2-D weights a forward multiplies by: every `*.weight` matrix except the token
+    table, which counts only when the file has no `output.weight` (a tied head)."""
+    tied = "output.weight" not in mf.tensors
+    counts: Counter = Counter()
+    for name, info in mf.tensors.items():
+        if len(info.shape) != 2 or not name.endswith(".weight"):
+            continue
+        if name == "token_embd.weight" and not tied:
+            continue
+        out_features, in_features = (int(s) for s in info.shape)
+        counts[(int(info.ggml_type), out_features, in_features)] += 1
+    return [LinearShape(t, n, k, c) for (t, n, k), c in sorted(counts.items())]
+
+
+def choose_layout(mf: ModelFile, cfg: ModelConfig, *, sessions: int, context: int,
+                  kv_quant: str, budget_bytes: int | None, measure: Measure) -> LayoutChoice:
+    """The layout for `mf` on the device `measure` times (see the module docstring);
+    `budget_bytes` None: memory is not checked."""
+    plans = {layout: plan(mf, cfg, sessions=sessions, context=context, kv_quant=kv_quant,
+                          backend=backend).total_bytes
+             for layout, backend in (("ggml", "gpu"), ("bf16", "cpu"))}
+    if budget_bytes is not None and plans["bf16"] > budget_bytes:
+        return LayoutChoice("ggml", f"bf16 weights and KV ({plans['bf16'] >> 20} MiB) exceed "
+                            f"the {budget_bytes >> 20} MiB free", {}, plans, budget_bytes)
+    shapes = linear_shapes(mf)
+    cost: dict[str, dict[int, float]] = {"ggml": {}, "bf16": {}}
+    for layout in cost:
+        for m in ROWS:
+            cost[layout][m] = 1e3 * sum(
+                s.count * measure(layout, s.ggml_type, s.out_features, s.in_features, m)
+                for s in shapes)
+    score = {layout: sum(by_rows.values()) for layout, by_rows in cost.items()}
+    faster = score["bf16"] < (1 - TIE_MARGIN) * score["ggml"]
+    layout = "bf16" if faster else "ggml"
+    per_rows = {name: "/".join(f"{by_rows[m]:.2f}" for m in ROWS)
+                for name, by_rows in cost.items()}
+    reason = (f"linears of one forward at {'/'.join(map(str, ROWS))} rows: bf16 "
+              f"{per_rows['bf16']} ms, ggml {per_rows['ggml']} ms")
+    log.info("weight layout %s (%s)", layout, reason)
+    return LayoutChoice(layout, reason, cost, plans, budget_bytes)
+
+
+def gpu_measure(device: torch.device, *, replays: int = 5) -> Measure:
+    """A Measure on `device`: random data of each shape (the time does not depend on the
+    values), enough copies to miss the L2, one CUDA graph of a product per copy."""
+    from kernels.dequant import block_geometry
+    from kernels.qmatmul import SUPPORTED_TYPES, qmatmul
+
+    def measure(layout: str, ggml_type: int, n: int, k: int, m: int) -> float:
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        if layout == "ggml" and ggml_type in SUPPORTED_TYPES:
+            block, size = block_geometry(ggml_type)
+            make = lambda: torch.randint(0, 256, (n, k // block * size),  # noqa: E731
+                                         dtype=torch.uint8, device=device)
+            call = lambda w: qmatmul(x, w, ggml_type, (n, k))  # noqa: E731
+            nbytes = n * (k // block) * size
+        else:  # dense (either layout for types without a kernel)
+            make = lambda: torch.randn(n, k, device=device, dtype=torch.bfloat16)  # noqa: E731
+            call = lambda w: x @ w.t()  # noqa: E731
+            nbytes = 2 * n * k
+        weights = [make() for _ in range(max(1, min(64, math.ceil(L2_MISS_BYTES / nbytes))))]
+        for w in weights:  # builds the kernels, off the capture
+            call(w)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for w in weights:
+                call(w)
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize(device)
+        seconds = start.elapsed_time(end) / 1e3 / (replays * len(weights))
+        del graph, weights
+        return seconds
+
+    return measure
+
+
+def free_memory_budget(device: torch.device) -> int:
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * MEMORY_FRACTION)

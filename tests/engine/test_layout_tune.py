@@ -1,0 +1,127 @@
+"""`--weights auto` on a GPU: the layout chosen from measured cost (engine/layout_tune.py).
+
+The choice is tested here with a fake clock (the GPU measurement itself runs in
+tests/engine/test_gpu_paths.py): shapes counted from the file, each weighed by how many
+linears have it, the tie going to the blocks, memory checked before speed."""
+
+from __future__ import annotations
+
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from appliance.cli.main import main as cli_main
+from engine.build import EngineOptions, load_for
+from engine.errors import InvalidRequest
+from engine.gguf import ModelFile
+from engine.inspect import inspect_model
+from engine.layout_tune import ROWS, choose_layout, linear_shapes
+from engine.models.registry import read_config
+from engine.planner import plan
+from engine.synthetic import SyntheticSpec, write_synthetic_gguf
+
+TYPES = {"attn_q.weight": T.Q4_K, "attn_k.weight": T.Q4_K, "attn_v.weight": T.Q6_K,
+         "attn_output.weight": T.Q4_K, "ffn_gate.weight": T.Q4_K, "ffn_up.weight": T.Q4_K,
+         "ffn_down.weight": T.Q6_K, "token_embd.weight": T.Q8_0, "output.weight": T.Q6_K}
+H, Q, KV, F, LAYERS = 256, 8 * 64, 2 * 64, 768, 3
+
+
+def _write(tmp_path_factory, vocab_dir, tied: bool):
+    spec = SyntheticSpec("llama", hidden_size=H, num_heads=8, num_kv_heads=2, head_dim=64,
+                         ffn_size=F, num_layers=LAYERS, types=TYPES, tied_embeddings=tied)
+    path = tmp_path_factory.mktemp("tune") / f"{'tied' if tied else 'head'}.gguf"
+    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-bpe.gguf", seed=3)
+    return path
+
+
+@pytest.fixture(scope="module")
+def with_head(tmp_path_factory, vocab_dir):
+    return _write(tmp_path_factory, vocab_dir, tied=False)
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory, vocab_dir):
+    return _write(tmp_path_factory, vocab_dir, tied=True)
+
+
+def test_linear_shapes_count_each_layer_and_the_head(with_head, tied):
+    with ModelFile.open(with_head) as mf:
+        shapes = {(s.ggml_type, s.out_features, s.in_features): s.count
+                  for s in linear_shapes(mf)}
+        vocab = mf.tensors["output.weight"].shape[0]
+    assert shapes == {
+        (T.Q4_K, Q, H): LAYERS, (T.Q4_K, KV, H): LAYERS, (T.Q6_K, KV, H): LAYERS,
+        (T.Q4_K, H, Q): LAYERS, (T.Q4_K, F, H): 2 * LAYERS, (T.Q6_K, H, F): LAYERS,
+        (T.Q6_K, vocab, H): 1}
+    with ModelFile.open(tied) as mf:  # no output.weight: the token table is the head
+        shapes = {(s.ggml_type, s.out_features): s.count for s in linear_shapes(mf)}
+    assert shapes[(T.Q8_0, vocab)] == 1 and (T.Q6_K, vocab) not in shapes
+
+
+def clock(per_element_ns: dict[str, float]):
+    """A fake Measure: time proportional to the weight's elements and the rows, per layout;
+    records its calls."""
+    calls: list[tuple] = []
+
+    def measure(layout, ggml_type, n, k, m):
+        calls.append((layout, ggml_type, n, k, m))
+        return per_element_ns[layout] * 1e-9 * n * k * (1 + m / 16)
+
+    return measure, calls
+
+
+def choose(path, measure, budget=None, **kw):
+    with ModelFile.open(path) as mf:
+        cfg = read_config(mf)
+        return choose_layout(mf, cfg, sessions=kw.get("sessions", 4),
+                             context=kw.get("context", 256), kv_quant="f16",
+                             budget_bytes=budget, measure=measure), linear_shapes(mf)
+
+
+@pytest.mark.parametrize("bf16_ns,expected", [(0.5, "bf16"), (0.97, "ggml"), (1.5, "ggml")])
+def test_the_faster_layout_wins_and_a_near_tie_keeps_the_blocks(with_head, bf16_ns, expected):
+    measure, calls = clock({"ggml": 1.0, "bf16": bf16_ns})
+    choice, shapes = choose(with_head, measure)
+    assert choice.layout == expected
+    # every distinct shape timed once per layout and row count, weighed by its count
+    assert sorted(calls) == sorted((lay, s.ggml_type, s.out_features, s.in_features, m)
+                                   for lay in ("ggml", "bf16") for s in shapes for m in ROWS)
+    for layout, ns in (("ggml", 1.0), ("bf16", bf16_ns)):
+        for m in ROWS:
+            want = sum(s.count * ns * 1e-6 * s.out_features * s.in_features * (1 + m / 16)
+                       for s in shapes)
+            assert choice.forward_ms[layout][m] == pytest.approx(want)
+    assert "bf16" in choice.reason and "ggml" in choice.reason
+
+
+def test_bf16_that_does_not_fit_is_not_measured(with_head):
+    measure, calls = clock({"ggml": 1.0, "bf16": 0.1})
+    with ModelFile.open(with_head) as mf:
+        need = plan(mf, read_config(mf), sessions=4, context=256, kv_quant="f16",
+                    backend="cpu").total_bytes
+    choice, _ = choose(with_head, measure, budget=need - 1)
+    assert choice.layout == "ggml" and calls == [] and "exceed" in choice.reason
+    assert choice.total_bytes["bf16"] == need > choice.total_bytes["ggml"]
+    fits, _ = choose(with_head, measure, budget=need)
+    assert fits.layout == "bf16"
+    assert fits.as_dict()["forward_ms"]["bf16"]["1"] > 0
+
+
+def test_auto_on_the_cpu_loads_dense_without_measuring(with_head, monkeypatch):
+    import engine.layout_tune as tune
+
+    monkeypatch.setattr(tune, "choose_layout", lambda *a, **k: pytest.fail("measured"))
+    loaded = load_for(with_head, EngineOptions(device="cpu", dtype="f32"))
+    assert loaded.layout_choice is None
+
+
+def test_inspect_measures_only_on_a_gpu(with_head, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "weight_layout" not in inspect_model(with_head)  # the file only
+    assert "weight_layout" not in inspect_model(with_head, "auto")  # no GPU: the file only
+    with pytest.raises(InvalidRequest, match="GPU"):
+        inspect_model(with_head, "cuda")
+    assert cli_main(["inspect", str(with_head), "--device", "auto", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert '"architecture"' in out and "weight_layout" not in out
