@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from engine.errors import InvalidRequest
+from engine.sampler_filters import filtered_weights
 from engine.sampling_params import Grammar, SamplingParams
 
 __all__ = [
@@ -37,7 +38,6 @@ __all__ = [
 ]
 
 MAX_LOGPROBS = 20
-_CANDIDATES, _MIN_VOCAB = 256, 512  # CPU top-k/top-p, vocab >= 512: min(256, vocab/8) first
 _UNIFORM_BLOCK = 32
 
 
@@ -313,65 +313,9 @@ def _apply_grammar(x: torch.Tensor, states: Sequence[SamplerState]) -> None:
 def _filtered_weights(
     x: torch.Tensor, table: torch.Tensor, params: Sequence[SamplingParams]
 ) -> torch.Tensor:
-    """x (rows, vocab) float64 adjusted logits -> unnormalised weights, 0 outside the support.
-
-    The weights are exp(l/T - max): the top token has weight 1, so min-p is `w >= min_p`.
-    `params` (host side) only decides which filters any row needs.
-    """
-    vocab = x.shape[-1]
-    scaled = x / table[:, _T : _T + 1]
-    w = torch.exp(scaled - scaled.amax(dim=-1, keepdim=True))
-    if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
-        w = _top_k_top_p(w, table[:, _K : _K + 1], table[:, _P : _P + 1])
-    if any(p.min_p > 0.0 for p in params):
-        w = w.masked_fill(w < table[:, _MIN_P : _MIN_P + 1], 0.0)
-    return w
-
-
-def _top_k_top_p(w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                 full_sort: bool = False) -> torch.Tensor:
-    """w (rows, vocab) weights; top_k (rows, 1) count (vocab = off); top_p (rows, 1) (1 = off)."""
-    if not full_sort and w.device.type == "cpu" and w.shape[-1] >= _MIN_VOCAB:
-        return _top_k_top_p_candidates(w, top_k, top_p)
-    # Stable descending sort: equal weights stay in id order, so ties go to the lower id.
-    sorted_w, order = w.sort(dim=-1, descending=True, stable=True)
-    return torch.zeros_like(w).scatter_(-1, order, _kept(sorted_w, top_k, top_p, None))
-
-
-def _kept(sorted_w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-          total: torch.Tensor | None) -> torch.Tensor:
-    """Weights in (weight desc, id asc) order, filtered ones zeroed; total (rows, 1): the
-    top-k mass when sorted_w is a prefix of the order (None: all of it)."""
-    rank = torch.arange(sorted_w.shape[-1], device=sorted_w.device, dtype=sorted_w.dtype)
-    sorted_w = sorted_w.masked_fill(rank >= top_k, 0.0)
-    cum = sorted_w.cumsum(dim=-1)
-    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)  # mass ahead
-    total = cum[:, -1:] if total is None else total
-    return sorted_w.masked_fill(~((before < top_p * total) | (top_p >= 1.0)), 0.0)
-
-
-def _top_k_top_p_candidates(w: torch.Tensor, top_k: torch.Tensor,
-                            top_p: torch.Tensor) -> torch.Tensor:
-    """_top_k_top_p among the c largest weights (a CPU sorts 262K float64 in ~40 ms a row,
-    1K in ~70 us): exact when a row's kept weights all exceed the smallest candidate (all
-    above it are candidates) and its top-k mass is known; other rows take the full sort."""
-    vocab, c = w.shape[-1], min(_CANDIDATES, w.shape[-1] // 8)
-    vals, ids = w.topk(c, dim=-1)  # (rows, c) descending, equal weights in any order
-    ids, perm = ids.sort(dim=-1)
-    vals, perm = vals.gather(-1, perm).sort(dim=-1, descending=True, stable=True)
-    ids = ids.gather(-1, perm)  # ties: the lower id first
-    head = vals.masked_fill(torch.arange(c, dtype=vals.dtype) >= top_k, 0.0).cumsum(-1)
-    total = torch.where(top_k >= vocab, w.sum(-1, keepdim=True),
-                        head.gather(-1, (top_k.clamp(max=c) - 1).long()))
-    kept = _kept(vals, top_k, top_p, total)
-    last = vals.gather(-1, (kept > 0).sum(-1, keepdim=True) - 1)
-    off = (top_k >= vocab) & (top_p >= 1.0)
-    exact = off | (((top_k <= c) | (top_k >= vocab)) & (last > vals[:, -1:]))
-    out = torch.where(off, w, torch.zeros_like(w).scatter_(-1, ids, kept))
-    redo = (~exact).squeeze(-1).nonzero().squeeze(-1)
-    if redo.numel():
-        out[redo] = _top_k_top_p(w[redo], top_k[redo], top_p[redo], full_sort=True)
-    return out
+    """filtered_weights with its (rows, 1) columns of the parameter table (rows, 8)."""
+    columns = (table[:, c : c + 1] for c in (_T, _K, _P, _MIN_P))
+    return filtered_weights(x, *columns, params)
 
 
 def _to_host(

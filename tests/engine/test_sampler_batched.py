@@ -146,12 +146,12 @@ def test_cpu_candidate_filter_matches_reference_and_falls_back(monkeypatch):
     weights first. Rows whose support ends inside them (ties included) must match the
     reference; rows that need more (a flat nucleus, top_k past 256, a tie straddling the
     256th weight) take the full sort, and match it too."""
-    import engine.sampler as sampler_module
+    import engine.sampler_filters as filters_module
 
     vocab = 3000
     calls = []
-    original = sampler_module._top_k_top_p
-    monkeypatch.setattr(sampler_module, "_top_k_top_p", lambda *a, **k: calls.append(
+    original = filters_module.top_k_top_p
+    monkeypatch.setattr(filters_module, "top_k_top_p", lambda *a, **k: calls.append(
         k.get("full_sort", False)) or original(*a, **k))
     rng = np.random.default_rng(23)
     peaked = rng.standard_normal(vocab) * 4

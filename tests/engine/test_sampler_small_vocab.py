@@ -9,15 +9,15 @@ import pytest
 from sampler_ref import one_thread  # noqa: F401 (autouse fixture)
 from test_sampler_batched import check_cases
 
-import engine.sampler as sampler_module
+import engine.sampler_filters as filters_module
 from engine.sampler import SamplingParams
 
 
 @pytest.mark.parametrize("vocab", [512, 600, 1024])
 def test_small_vocab_candidates_match_reference(monkeypatch, vocab):
     calls = []
-    original = sampler_module._top_k_top_p
-    monkeypatch.setattr(sampler_module, "_top_k_top_p", lambda *a, **k: calls.append(
+    original = filters_module.top_k_top_p
+    monkeypatch.setattr(filters_module, "top_k_top_p", lambda *a, **k: calls.append(
         k.get("full_sort", False)) or original(*a, **k))
     rng = np.random.default_rng(vocab)
     peaked = rng.standard_normal(vocab) * 4
