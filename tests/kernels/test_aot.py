@@ -10,7 +10,7 @@ import re
 import background
 import pytest
 
-from kernels import paged_attention, qgemv, qmatmul
+from kernels import paged_attention_triton, qgemv, qmatmul
 from kernels.triton_util import HAS_TRITON
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="the CPU torch build has no Triton")
@@ -64,7 +64,7 @@ def test_every_kernel_has_a_spec():
 
     from kernels.aot import KernelSpec
 
-    for module in (qgemv, qmatmul, paged_attention):
+    for module in (qgemv, qmatmul, paged_attention_triton):
         kernels = {name for name, obj in inspect.getmembers(module)
                    if isinstance(obj, JITFunction) and name.endswith("_kernel")}
         specced = {spec.kernel.__name__ for spec in module.aot_specs(KernelSpec)}

@@ -1,0 +1,221 @@
+"""The Triton side of kernels/paged_attention.py: the kernels, their launch and their AOT
+specs. paged_attention() checks the inputs, rotates q and the output and picks this path
+or the float64 reference.
+
+The partial kernel runs one work item (kernels/paged_attention_plan.py) per program and
+one KV head per program along the second axis: the item's query tokens times the group's
+query heads fill the MMA's M side, keys stream in BLOCK_N blocks with an online softmax in
+base 2. It writes unnormalized partials (max, sum, acc) to the item's split slots; the
+merge kernel combines each token's splits in split order and applies the sinks.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from kernels.paged_attention_plan import FORMAT_IDS, AttnConfig, AttnPlan
+from kernels.triton_util import HAS_TRITON, helper, jit, launcher, next_pow2, tl
+
+__all__ = ["aot_specs", "launch"]
+
+_LOG2E = 1.4426950408889634
+
+if HAS_TRITON:
+
+    @helper
+    def _load_kv(p0, p1, slot, kvh, FMT: tl.constexpr, KVH: tl.constexpr, DIM: tl.constexpr,
+                 DP: tl.constexpr, BN: tl.constexpr):
+        """(BN, DP) f16 rows at `slot` (BN,) of KV head kvh; columns >= DIM are zero.
+
+        Offsets stay int32 (the wrapper checks the plane sizes) so that AMD can use buffer
+        loads; a scale is loaded once per 32-block and broadcast.
+        """
+        if FMT == 0:
+            d = tl.arange(0, DP)
+            row = (slot * (KVH * DIM) + kvh * DIM)[:, None]
+            x = tl.load(p0 + row + d[None, :], mask=(d < DIM)[None, :], other=0.0)
+        else:
+            nb = DIM // 32
+            b = tl.arange(0, DP // 32)
+            b_ok = (b < nb)[None, :]
+            sc = tl.load(p1 + (slot * (KVH * nb) + kvh * nb)[:, None] + b[None, :], mask=b_ok,
+                         other=0.0).to(tl.float32)  # (BN, NB)
+            if FMT == 1:
+                row = (slot * (KVH * DIM) + kvh * DIM)[:, None, None]
+                e = tl.arange(0, 32)[None, None, :]
+                c = tl.load(p0 + row + (b * 32)[None, :, None] + e, mask=b_ok[:, :, None],
+                            other=0).to(tl.float32)  # (BN, NB, 32)
+            else:  # byte j of a block: element 2j in the low nibble, 2j + 1 in the high
+                row = (slot * (KVH * DIM // 2) + kvh * (DIM // 2))[:, None, None]
+                j = tl.arange(0, 16)[None, None, :]
+                byte = tl.load(p0 + row + (b * 16)[None, :, None] + j, mask=b_ok[:, :, None],
+                               other=0)
+                c = tl.join(byte & 15, byte >> 4).to(tl.float32) - 8.0  # (BN, NB, 16, 2)
+                c = tl.reshape(c, (BN, DP // 32, 32))
+            x = tl.reshape(c * sc[:, :, None], (BN, DP))
+        return x.to(tl.float16)
+
+    @jit
+    def _attn_partial_kernel(
+        q_ptr, k0_ptr, k1_ptr, v0_ptr, v1_ptr, pt_ptr, pos_ptr, work_ptr, tok_base_ptr,
+        m_ptr, l_ptr, acc_ptr, stride_qt, stride_qh, stride_pt, qk_scale, softcap, window,
+        K_FMT: tl.constexpr, V_FMT: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
+        D: tl.constexpr, DV: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
+        PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """Partials of one work item (program 0) and KV head (program 1); base-2 logits."""
+        item = work_ptr + tl.program_id(0) * 6
+        kvh = tl.program_id(1)
+        row, q_begin, q_count = tl.load(item), tl.load(item + 1), tl.load(item + 2)
+        key_lo, key_hi, split = tl.load(item + 3), tl.load(item + 4), tl.load(item + 5)
+        r = tl.arange(0, BLOCK_M)
+        ok = (r // G < q_count) & (r // G < BLOCK_M // G)  # row r: token r // G, head r % G
+        t = q_begin + tl.where(ok, r // G, 0)
+        h = kvh * G + r % G
+        d = tl.arange(0, DP)
+        q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+                    mask=ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float16)
+        pos = tl.load(pos_ptr + t, mask=ok, other=-1)
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.full((BLOCK_M,), 0.0, tl.float32)
+        acc = tl.full((BLOCK_M, DVP), 0.0, tl.float32)
+        for start in range(key_lo, key_hi, BLOCK_N):
+            kp = start + tl.arange(0, BLOCK_N)
+            k_ok = kp < key_hi
+            page = tl.load(pt_ptr + row * stride_pt + kp // PAGE, mask=k_ok, other=0)
+            slot = page * PAGE + kp % PAGE  # int32, see _load_kv
+            k = _load_kv(k0_ptr, k1_ptr, slot, kvh, K_FMT, KVH, D, DP, BLOCK_N)
+            s = tl.dot(q, tl.trans(k)) * qk_scale  # (BM, BN) in log2 units
+            if HAS_SOFTCAP:  # c * tanh(s / c), tanh(x) = 1 - 2 / (exp(2x) + 1)
+                c = softcap * 1.4426950408889634
+                s = c * (1.0 - 2.0 / (tl.exp(2.0 * s / c) + 1.0))
+            vis = (kp[None, :] <= pos[:, None]) & k_ok[None, :]
+            if HAS_WINDOW:
+                vis = vis & (pos[:, None] - kp[None, :] < window)
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _load_kv(v0_ptr, v1_ptr, slot, kvh, V_FMT, KVH, DV, DVP, BLOCK_N)
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+            m_i = m_new
+        out = (tl.load(tok_base_ptr + t, mask=ok, other=0) + split).to(tl.int64) * (KVH * G) + h
+        tl.store(m_ptr + out, m_i, mask=ok)
+        tl.store(l_ptr + out, l_i, mask=ok)
+        dv = tl.arange(0, DVP)
+        tl.store(acc_ptr + out[:, None] * DV + dv[None, :], acc,
+                 mask=ok[:, None] & (dv < DV)[None, :])
+
+    @jit
+    def _attn_merge_kernel(
+        m_ptr, l_ptr, acc_ptr, tok_base_ptr, tok_splits_ptr, sink_ptr, out_ptr, num_tokens,
+        H: tl.constexpr, HP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+        HAS_SINKS: tl.constexpr, BLOCK_T: tl.constexpr,
+    ):
+        """out[t] = merge of token t's splits in split order, for BLOCK_T tokens."""
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = t < num_tokens
+        base = tl.load(tok_base_ptr + t, mask=t_ok, other=0).to(tl.int64)
+        num = tl.load(tok_splits_ptr + t, mask=t_ok, other=0)
+        h = tl.arange(0, HP)
+        dv = tl.arange(0, DVP)[None, None, :]
+        mx = tl.full((BLOCK_T, HP), float("-inf"), tl.float32)
+        for s in range(0, tl.max(num, 0)):
+            idx = (base + s)[:, None] * H + h[None, :]  # (BT, HP) partial row
+            live = (s < num)[:, None] & (h < H)[None, :]
+            mx = tl.maximum(mx, tl.load(m_ptr + idx, mask=live, other=float("-inf")))
+        if HAS_SINKS:  # sink logits arrive in log2 units
+            sink = tl.load(sink_ptr + h, mask=h < H, other=float("-inf"))[None, :]
+            mx = tl.maximum(mx, sink)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)  # padding only: a query sees itself
+        den = tl.full((BLOCK_T, HP), 0.0, tl.float32)
+        acc = tl.full((BLOCK_T, HP, DVP), 0.0, tl.float32)
+        for s in range(0, tl.max(num, 0)):
+            idx = (base + s)[:, None] * H + h[None, :]
+            live = (s < num)[:, None] & (h < H)[None, :]
+            w = tl.exp2(tl.load(m_ptr + idx, mask=live, other=float("-inf")) - mx)
+            den += tl.load(l_ptr + idx, mask=live, other=0.0) * w
+            a = tl.load(acc_ptr + idx[:, :, None] * DV + dv, mask=live[:, :, None] & (dv < DV),
+                        other=0.0)
+            acc += a * w[:, :, None]
+        if HAS_SINKS:
+            den += tl.exp2(sink - mx)
+        ok = t_ok[:, None] & (h < H)[None, :]
+        den = tl.where(ok, den, 1.0)
+        out = (t.to(tl.int64)[:, None] * H + h[None, :])[:, :, None] * DV + dv
+        tl.store(out_ptr + out, acc / den[:, :, None], mask=ok[:, :, None] & (dv < DV))
+
+
+def launch(q: torch.Tensor, planes: tuple[torch.Tensor, ...], formats: tuple[int, int],
+           positions: torch.Tensor, page_table: torch.Tensor, page_size: int,
+           params: tuple[float, int | None, float | None], sinks: torch.Tensor | None,
+           plan: AttnPlan, cfg: AttnConfig, out: torch.Tensor) -> None:
+    """Both kernels, writing out (T, H, Dv) float32; planes are (k0, k1, v0, v1), formats the
+    FORMAT_IDS of K and V, params (scale, window, softcap). Partial buffers are (slots, H)
+    and (slots, H, Dv) float32."""
+    (num_tokens, num_heads, dim), dim_v, dev = q.shape, out.shape[2], q.device
+    kv_heads = planes[0].shape[1]
+    scale, window, softcap = params
+    m_part = torch.empty(plan.num_slots, num_heads, dtype=torch.float32, device=dev)
+    l_part = torch.empty_like(m_part)
+    acc_part = torch.empty(plan.num_slots, num_heads, dim_v, dtype=torch.float32, device=dev)
+    table = page_table.to(device=dev, dtype=torch.int32).contiguous()
+    launcher(_attn_partial_kernel, dev)[(plan.work.shape[0], kv_heads)](
+        q, *planes, table, positions.to(device=dev, dtype=torch.int32), plan.work,
+        plan.tok_base, m_part, l_part, acc_part, q.stride(0), q.stride(1), table.stride(0),
+        scale * _LOG2E, float(softcap or 1.0), int(window or 0),
+        K_FMT=formats[0], V_FMT=formats[1], KVH=kv_heads, G=num_heads // kv_heads, D=dim,
+        DV=dim_v, DP=next_pow2(dim), DVP=next_pow2(dim_v), PAGE=page_size,
+        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
+    )
+    sink = m_part if sinks is None else (sinks.float() * _LOG2E).contiguous()
+    # One token per program on a GPU (its (H, Dv) accumulator fills the registers); the
+    # interpreter pays per program, so it takes many.
+    block_t = 16 if dev.type == "cpu" else 1
+    launcher(_attn_merge_kernel, dev)[(-(-num_tokens // block_t),)](
+        m_part, l_part, acc_part, plan.tok_base, plan.tok_splits, sink, out, num_tokens,
+        H=num_heads, HP=next_pow2(num_heads), DV=dim_v, DVP=next_pow2(dim_v),
+        HAS_SINKS=sinks is not None, BLOCK_T=block_t,
+    )
+
+
+def aot_specs(spec: type) -> list:
+    """kernels/aot.py: every K/V format pair's loader at Llama-like shapes (GQA 4:1,
+    head dim 128), one with window and softcap; the merge with and without sinks."""
+    if not HAS_TRITON:
+        return []
+    plane = {"f16": "*fp16", "q8": "*i8", "q4": "*u8"}
+    sig = {"q_ptr": "*fp32", "k0_ptr": "", "k1_ptr": "*fp16", "v0_ptr": "", "v1_ptr": "*fp16",
+           **{n: "*i32" for n in ("pt_ptr", "pos_ptr", "work_ptr", "tok_base_ptr")},
+           **{n: "*fp32" for n in ("m_ptr", "l_ptr", "acc_ptr")},
+           "stride_qt": "i32", "stride_qh": "i32", "stride_pt": "i32", "qk_scale": "fp32",
+           "softcap": "fp32", "window": "i32"}
+    out = []
+    for (k_fmt, v_fmt, extras), backend in itertools.product(
+            (("f16", "f16", False), ("q8", "q8", True), ("q4", "q4", False),
+             ("q8", "q4", False)), ("hip", "cuda")):
+        cfg = AttnConfig.default(4, 128, 128, backend)
+        consts = {"K_FMT": FORMAT_IDS[k_fmt], "V_FMT": FORMAT_IDS[v_fmt], "KVH": 8, "G": 4,
+                  "D": 128, "DV": 128, "DP": 128, "DVP": 128, "PAGE": 16,
+                  "HAS_WINDOW": extras, "HAS_SOFTCAP": extras, "BLOCK_M": cfg.block_m,
+                  "BLOCK_N": cfg.block_n}
+        signature = {**sig, "k0_ptr": plane[k_fmt], "v0_ptr": plane[v_fmt],
+                     **{k: "constexpr" for k in consts}}
+        name = f"paged_attention_k{k_fmt}_v{v_fmt}" + ("_window_softcap" if extras else "")
+        out.append(spec(name, _attn_partial_kernel, signature, consts, cfg.num_warps, True,
+                        backend, cfg.num_stages))
+    for sinks in (False, True):
+        consts = {"H": 32, "HP": 32, "DV": 128, "DVP": 128, "HAS_SINKS": sinks, "BLOCK_T": 1}
+        signature = {**{n: "*fp32" for n in ("m_ptr", "l_ptr", "acc_ptr")},
+                     "tok_base_ptr": "*i32", "tok_splits_ptr": "*i32", "sink_ptr": "*fp32",
+                     "out_ptr": "*fp32", "num_tokens": "i32", **{k: "constexpr" for k in consts}}
+        out.append(spec(f"paged_attention_merge{'_sinks' if sinks else ''}", _attn_merge_kernel,
+                        signature, consts, 4, False))
+    return out
