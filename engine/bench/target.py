@@ -17,105 +17,25 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import json
 import os
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.bench.target_base import (
+    Prompt,
+    RequestResult,
+    Target,
+    common_prefix_len,
+    new_request_id,
+)
 from engine.errors import EngineError, InvalidRequest
 
-_ids = itertools.count()
-
-
-def _request_id(prefix: str) -> str:
-    return f"{prefix}-{os.getpid()}-{next(_ids)}"
-
-
-@dataclass(frozen=True, slots=True)
-class Prompt:
-    text: str
-    ids: tuple[int, ...] | None = None  # exact token ids (BOS included) when known
-
-
-@dataclass(slots=True)
-class RequestResult:
-    request_id: str
-    sent: float  # time.perf_counter() when the request left
-    token_times: list[float] = field(default_factory=list)  # arrival of each token event
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None  # None: the target did not say (unknown, not 0)
-    completion_tokens: int = 0
-    finish_reason: str | None = None
-
-    @property
-    def first_token_time(self) -> float:
-        if not self.token_times:
-            raise EngineError(f"request {self.request_id} produced no token")
-        return self.token_times[0]
-
-    @property
-    def last_token_time(self) -> float:
-        return self.token_times[-1] if self.token_times else self.first_token_time
-
-    @property
-    def ttft_s(self) -> float:
-        return self.first_token_time - self.sent
-
-    def intervals(self) -> list[tuple[float, float]]:
-        """(start, end) of every inter-token interval, in order."""
-        return list(itertools.pairwise(self.token_times))
-
-    def itls_s(self) -> list[float]:
-        return [end - start for start, end in self.intervals()]
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-class Target(ABC):
-    """Contract: `complete` sends one greedy request (temperature 0, ignore_eos, max_tokens),
-    waits until it finishes and returns its timings (setting `first_token`, if given, when
-    the first token arrives); calls may overlap unless `is_serial`.
-    `tokenizer`, when not None, encodes text exactly as the target does, so prompts can be
-    built to an exact token count; otherwise `count_tokens` asks the target."""
-
-    name: str = "target"
-    is_serial: bool = False
-    tokenizer: Any = None
-    # Cached prompt tokens a fresh prompt may still report: 0 for page-granular caches
-    # (mbufo); token-granular ones (llama.cpp) count the shared BOS and, rarely, a shared
-    # leading sub-word of otherwise unrelated prompts. More than this fails a benchmark.
-    cache_slack: int = 0
-
-    @abstractmethod
-    async def complete(self, prompt: Prompt, max_tokens: int, *,
-                       client: str = "bench",
-                       first_token: asyncio.Event | None = None) -> RequestResult: ...
-
-    async def count_tokens(self, text: str) -> int:
-        if self.tokenizer is None:
-            raise NotImplementedError
-        return len(self.tokenizer.encode(text, add_special=True, parse_special=False))
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name}
-
-    def itl_target_ms(self) -> float | None:
-        """The ITL target the target's scheduler works to, when it says (mbufo in-process)."""
-        return None
-
-    async def aclose(self) -> None:
-        return None
+# Prompt, RequestResult and Target live in target_base.py; most callers import them here.
+__all__ = ["DONE", "HttpTarget", "InProcessTarget", "LlamaCppTarget", "Prompt", "RequestResult",
+           "StreamState", "Target", "common_prefix_len", "parse_sse_line"]
 
 
 class InProcessTarget(Target):
@@ -156,7 +76,7 @@ class InProcessTarget(Target):
             loop.call_soon_threadsafe(items.put_nowait, (time.perf_counter(), item))
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        result = RequestResult(_request_id("bench"), time.perf_counter())
+        result = RequestResult(new_request_id("bench"), time.perf_counter())
         self.engine.add(Request(result.request_id, ids, params, client_id=client,
                                 arrival=result.sent), sink)
         try:
@@ -218,7 +138,7 @@ class LlamaCppTarget(Target):
             ids = list(prompt.ids)
         else:
             ids = self._llm.tokenize(prompt.text.encode("utf-8"), add_bos=True, special=False)
-        result = RequestResult(_request_id("llama-cpp"), time.perf_counter())
+        result = RequestResult(new_request_id("llama-cpp"), time.perf_counter())
         loop = asyncio.get_running_loop()
         on_first = (lambda: loop.call_soon_threadsafe(first_token.set)) if first_token else None
         async with self._lock:
@@ -383,7 +303,7 @@ class HttpTarget(Target):
                     state.feed(event, now)
                     if first_token is not None and (state.token_times or state.finish_time):
                         first_token.set()
-        return state.result(_request_id("http"), sent)
+        return state.result(new_request_id("http"), sent)
 
     async def count_tokens(self, text: str) -> int:
         """The server's own count: usage.prompt_tokens of a 1-token, non-streamed request."""
