@@ -18,7 +18,8 @@ less); `stats` is EngineStats (Engine calls it after every step).
 Modes: greedy (temperature 0); topp (temperature 0.8, top_p 0.95, a seed per request);
 full (topp + repetition/frequency penalties, 5 logprobs and a stop string).
 `--engine` also runs the Engine thread with one consuming thread per stream (as
-bench/gpu/engine_bench.py does) and reports its decode steps per second.
+bench/gpu/engine_bench.py does), then with every stream an asyncio task on one event loop
+(as the server consumes them), and reports its decode steps per second.
 
 With `--model FILE.gguf --device cuda` the real model runs (decode graphs captured ahead
 for the context used): the figures are wall-clock decode-only steps with every row
@@ -32,6 +33,7 @@ file bench/gpu/engine_bench.py writes:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import cProfile
 import json
 import os
@@ -179,23 +181,38 @@ def decode_times(core: EngineCore, rows: int, mode: str, args, tag: str,
     return steps, stats
 
 
-def engine_steps_per_s(path: Path, rows: int, mode: str, args) -> float:
-    """Decode steps per second of the Engine thread with one consumer thread per stream."""
+def engine_steps_per_s(path: Path, rows: int, mode: str, args, *, tasks: bool = False) -> float:
+    """Decode steps per second of the Engine thread with one consumer thread per stream,
+    or (`tasks`) with every stream an asyncio task on one event loop, as the server runs
+    them (Engine.submit: one hand-off per loop and step)."""
     core = make_core(path, rows, args.prompt + args.steps + 64, args.width)
     engine = Engine(core, "host-overhead").start()
     marks: list[tuple[float, int]] = []
+    reqs = requests(rows, mode, args.prompt, args.steps, args.width, "eng")
 
-    def consume(req: Request) -> None:
-        for chunk in engine.stream(req, timeout=120):
-            if chunk.request_id.endswith("-0"):
-                marks.append((time.perf_counter(), core.num_steps))
+    def mark(chunk) -> None:
+        if chunk.request_id.endswith("-0"):
+            marks.append((time.perf_counter(), core.num_steps))
 
-    threads = [threading.Thread(target=consume, args=(r,))
-               for r in requests(rows, mode, args.prompt, args.steps, args.width, "eng")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    if tasks:
+        async def consume_all() -> None:
+            async def consume(req: Request) -> None:
+                async for chunk in engine.submit(req):
+                    mark(chunk)
+
+            await asyncio.gather(*(consume(r) for r in reqs))
+
+        asyncio.run(consume_all())
+    else:
+        def consume(req: Request) -> None:
+            for chunk in engine.stream(req, timeout=120):
+                mark(chunk)
+
+        threads = [threading.Thread(target=consume, args=(r,)) for r in reqs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     engine.stop()
     (t0, s0), (t1, s1) = marks[len(marks) // 4], marks[-2]  # all rows decoding
     return (s1 - s0) / (t1 - t0)
@@ -268,11 +285,13 @@ def main() -> int:
                 print(f"        mean {mean:.3f} ms: {split}", file=sys.stderr, flush=True)
     if args.engine:
         for rows in levels:
-            sps = engine_steps_per_s(path, rows, "greedy", args)
-            result[f"engine@{rows}"] = {"steps_per_s": round(sps, 1),
-                                        "ms_per_step": round(1e3 / sps, 3)}
-            print(f"engine greedy @ {rows:>2} rows: {sps:7.1f} steps/s ({1e3 / sps:6.3f} ms "
-                  f"per step, {rows} consumer threads)", file=sys.stderr, flush=True)
+            for tasks, key, how in ((False, "engine", "consumer threads"),
+                                    (True, "engine_async", "asyncio tasks on one loop")):
+                sps = engine_steps_per_s(path, rows, "greedy", args, tasks=tasks)
+                result[f"{key}@{rows}"] = {"steps_per_s": round(sps, 1),
+                                           "ms_per_step": round(1e3 / sps, 3)}
+                print(f"engine greedy @ {rows:>2} rows: {sps:7.1f} steps/s ({1e3 / sps:6.3f} "
+                      f"ms per step, {rows} {how})", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(result))
     return 0
