@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
 from datetime import UTC, datetime
 from functools import partial
@@ -28,13 +29,22 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench" / "gpu")]
 
 import torch  # noqa: E402
-from engine_bench import commit_id  # noqa: E402
 from kernels_check import GGML_TYPES, random_blocks  # noqa: E402
 from qmatmul_bench import L2_MISS_BYTES, Run, ceilings, load_old  # noqa: E402
 
 from kernels import qgemv  # noqa: E402
 from kernels.dequant import dequantize_reference  # noqa: E402
 from kernels.qmatmul import QMMConfig, _lut, qmatmul_tiled  # noqa: E402
+
+
+def commit_id() -> str:
+    """This tree's commit (engine_bench's import chain needs gguf, absent on the device)."""
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("MBUFO_COMMIT", "unknown")
+
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
 PREFILL_SHAPES = [(4096, 4096), (14336, 4096)]

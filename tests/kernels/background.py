@@ -5,7 +5,9 @@ and awaited by them, so that they overlap the interpreter tests:
   minute of one core when Triton's cache is cold), without TRITON_INTERPRET;
 - "smoke": bench/gpu/kernels_check.py --smoke under TRITON_INTERPRET=1 with gguf-py made
   unimportable, as on the device machine;
-- "qbench": bench/gpu/qmatmul_bench.py --smoke (two types) the same way.
+- "qbench": bench/gpu/qmatmul_bench.py --smoke (two types) the same way;
+- "qvariants": bench/gpu/qgemv_variants.py --smoke the same way, this tree's kernels
+  against copies of themselves as the "earlier version".
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, NamedTuple
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu" / "kernels_check.py"
 QBENCH = ROOT / "bench" / "gpu" / "qmatmul_bench.py"
+QVARIANTS = ROOT / "bench" / "gpu" / "qgemv_variants.py"
 # Runs the script as __main__ with `import gguf` raising ImportError.
 _NO_GGUF = ("import runpy, sys; sys.modules['gguf'] = None; sys.argv = sys.argv[1:]; "
             "runpy.run_path(sys.argv[0], run_name='__main__')")
@@ -40,11 +43,22 @@ def _command(name: str, out_dir: Path) -> tuple[list[str], dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if name == "aot":
         return [sys.executable, "-m", "kernels.aot", "--quick"], env
-    assert name in ("smoke", "qbench"), name
+    assert name in ("smoke", "qbench", "qvariants"), name
     env["TRITON_INTERPRET"] = "1"
-    script, extra = (SCRIPT, []) if name == "smoke" else (QBENCH, ["--types", "Q4_K,Q6_K"])
+    script, extra = {"smoke": (SCRIPT, []), "qbench": (QBENCH, ["--types", "Q4_K,Q6_K"]),
+                     "qvariants": (QVARIANTS, ["--types", "Q4_K,Q6_K", "--old-src",
+                                               str(_old_kernels(out_dir))])}[name]
     return [sys.executable, "-c", _NO_GGUF, str(script), "--smoke", "--out", str(out_dir),
             *extra], env
+
+
+def _old_kernels(out_dir: Path) -> Path:
+    """Copies of the qmatmul kernel files, as qgemv_variants' `--old-src` reads them."""
+    old = out_dir / "old"
+    old.mkdir()
+    for f in ("qmatmul.py", "qtiles.py", "qgemv.py"):
+        (old / f).write_text((ROOT / "kernels" / f).read_text())
+    return old
 
 
 def start(name: str) -> None:

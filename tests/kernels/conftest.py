@@ -25,7 +25,7 @@ def interp() -> InterpreterWorker:
 
 # Test file -> the background check it awaits.
 BACKGROUND = {"test_aot.py": "aot", "test_kernels_check.py": "smoke",
-              "test_qmatmul_bench.py": "qbench"}
+              "test_qmatmul_bench.py": "qbench", "test_qgemv_variants.py": "qvariants"}
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
