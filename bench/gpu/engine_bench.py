@@ -173,13 +173,17 @@ def profile_decode(runner, rows: int, context: int, steps: int = 3, top: int = 1
 
 
 def scheduler_state(core) -> dict:
-    """The ITL policy's state after a run: target, margin, first-token bursts so far."""
+    """The ITL policy's state after a run: target, margin, first-token bursts so far, and
+    the recent mixed steps it judges the margin by."""
     sched = core.scheduler
     target = sched.itl.target_s
     return {"itl_target_ms": None if target is None else round(target * 1e3, 2),
             "itl_margin": round(sched.itl.margin(), 3),
             "first_token_bursts": sched.packer.burst.num_bursts,
-            "max_recent_prefill": sched.itl.max_recent_prefill()}
+            "max_recent_prefill": sched.itl.max_recent_prefill(),
+            # what the margin reads: (decode rows, prefill tokens, measured ms, modelled ms)
+            "recent_mixed_steps": [(r, n, round(t * 1e3, 2), round(m * 1e3, 2))
+                                   for r, n, t, m in sched.itl.recent_steps()]}
 
 
 SAVE: list = []  # main's callback that rewrites the JSON file

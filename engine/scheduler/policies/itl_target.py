@@ -165,6 +165,12 @@ class ItlTarget:
         """The most prefill tokens one of the recent steps beside decoders carried."""
         return max((load.tokens for _, load, _ in self._recent), default=0)
 
+    def recent_steps(self) -> list[tuple[int, int, float, float]]:
+        """The recent steps with prefill beside decoders as (decode rows, prefill tokens,
+        measured s, modelled s without the margin), oldest first: what the margin reads."""
+        return [(rows, load.tokens, t, self.model.predict_load(rows, load))
+                for rows, load, t in self._recent]
+
     def margin(self) -> float:
         """The factor on modelled step times: the `quantile` of measured/modelled time over
         the recent mixed steps (judged by the current model, so the errors of a model still

@@ -264,3 +264,17 @@ def test_eager_estimate_is_capped_by_the_replay() -> None:
     replay = 0.3 * (A + B)
     assert core.scheduler.itl.target_s == pytest.approx(AUTO_ITL_FACTOR * EAGER_CAP * replay,
                                                         rel=1e-6)
+
+
+def test_recent_steps_are_what_the_margin_reads() -> None:
+    policy = ItlTarget(0.05)
+    steps = [(4, 100, 0.020), (4, 0, 0.010), (0, 300, 0.030), (2, 50, 0.015), (4, 200, 0.024)]
+    for rows, tokens, seconds in steps:
+        policy.observe(rows, tokens, seconds)
+    recent = policy.recent_steps()  # only steps with prefill beside decoders
+    assert [(r, n, t) for r, n, t, _ in recent] == [(4, 100, 0.020), (2, 50, 0.015),
+                                                    (4, 200, 0.024)]
+    assert all(m == pytest.approx(policy.model.predict(r, n)) for r, n, _, m in recent)
+    ratios = sorted(t / m for _, _, t, m in recent)
+    q = ratios[min(len(ratios) - 1, int(policy.quantile * len(ratios)))]
+    assert policy.margin() == (1.0 if q <= 1.02 else pytest.approx(min(2.0, q)))
