@@ -44,8 +44,9 @@ class KernelSpec(NamedTuple):
 
 def kernel_specs(quick: bool = False) -> list[KernelSpec]:
     """Every kernel at the configurations its wrapper launches. `quick` (CI) builds qmatmul's
-    tiled kernel for every type, plus Q4_K's skinny ones (kernels/qgemv.py): comparing
-    their instructions checks the batch-invariance premise."""
+    tiled kernel for every type, plus the skinny ones (kernels/qgemv.py) of Q4_K and Q6_K
+    (the two operand sides): comparing their instructions checks the batch-invariance
+    premise."""
     from kernels import fused_norm, fused_rope, gated_act, kv_store, paged_attention, qgemv, qmatmul
 
     specs = [*qgemv.aot_specs(KernelSpec), *qmatmul.aot_specs(KernelSpec),
@@ -54,8 +55,9 @@ def kernel_specs(quick: bool = False) -> list[KernelSpec]:
         specs += [*fused_norm.aot_specs(KernelSpec), *fused_rope.aot_specs(KernelSpec),
                   *kv_store.aot_specs(KernelSpec), *gated_act.aot_specs(KernelSpec)]
     if quick:  # q8 K and q4 V are each built in their own pair
-        specs = [s for s in specs if not ((s.name.endswith("_m16") or "_fma_" in s.name)
-                                          and "Q4_K" not in s.name)
+        specs = [s for s in specs if not (s.name.endswith("_m16") and "Q4_K" not in s.name
+                                          and "Q6_K" not in s.name
+                                          or "_fma_" in s.name and "Q4_K" not in s.name)
                  and s.name != "paged_attention_kq8_vq4"]
     return specs
 

@@ -49,13 +49,15 @@ def test_dots_lower_to_tensor_cores(report):
 def test_skinny_and_tiled_qmatmul_use_the_same_instruction(report):
     """Batch invariance needs a row's dot products to run through the same matrix
     instruction whether M takes the skinny kernel (kernels/qgemv.py, 16 columns of x) or
-    the tiled one (64): the same op up to its N width (wgmma m64nNk16 on sm_90)."""
-    for target in TARGETS:
-        skinny = report["qmatmul_Q4_K_m16"][target]["ops"]
-        tiled = report["qmatmul_Q4_K_m64"][target]["ops"]
-        family = {re.sub(r"n\d+k", "nNk", op) for op in skinny}
-        assert skinny and family == {re.sub(r"n\d+k", "nNk", op) for op in tiled}, (
-            target, skinny, tiled)
+    the tiled one (64): the same op up to its N width (wgmma m64nNk16 on sm_90). Q4_K
+    multiplies the weight tile by x, Q6_K x by the weight tile (qgemv.X_LEFT_TYPES)."""
+    for qtype in ("Q4_K", "Q6_K"):
+        for target in TARGETS:
+            skinny = report[f"qmatmul_{qtype}_m16"][target]["ops"]
+            tiled = report[f"qmatmul_{qtype}_m64"][target]["ops"]
+            family = {re.sub(r"n\d+k", "nNk", op) for op in skinny}
+            assert skinny and family == {re.sub(r"n\d+k", "nNk", op) for op in tiled}, (
+                qtype, target, skinny, tiled)
 
 
 def test_every_kernel_has_a_spec():
