@@ -54,7 +54,7 @@ SKINNY_TILES: dict[tuple[str, int, int, int, int], tuple[int, int, int | None]] 
 TILED_TILES: dict[tuple[str, int, int, int], tuple[int, int, int, int | None]] = {}
 M_BUCKETS = (1, 4, 16)
 # Types whose kernels take x as the matrix unit's left operand (kernels/qtiles.py, `mac`):
-# measured on the H200 (bench/RESULTS.md, 2026-11-30), Q6_K's skinny kernel 1.6-2.1x
+# measured on the H200 (bench/RESULTS.md, 2026-11-30), Q6_K's skinny kernel 1.6-2.4x
 # faster that way, Q4_K 5-20% and Q8_0 1.5-2x slower.
 X_LEFT_TYPES = frozenset({qtiles.Q6_K})
 # gfx1151 (RDNA 3.5, 256 VGPRs per wave): columns per step that keep a tile in registers.
