@@ -32,7 +32,7 @@ from engine.errors import InvalidRequest, UnsupportedTensorType
 from kernels import qtiles
 from kernels.qgemv import SKINNY_MAX_M, QMMConfig, default_config, qgemv_triton, x_left
 from kernels.qtiles import GEOMETRY, IQ4_XS, MXFP4, NAMES
-from kernels.triton_util import HAS_TRITON, interpreter_active, jit, launcher, tl
+from kernels.triton_util import HAS_TRITON, interpreter_active, jit, launcher, tl, triton
 
 __all__ = ["QMMConfig", "SUPPORTED_TYPES", "default_config", "qmatmul", "qmatmul_reference",
            "qmatmul_tiled", "qmatmul_triton", "sum_splits"]
@@ -67,7 +67,9 @@ def _device_info(device: torch.device) -> tuple[str, int]:
 
 if HAS_TRITON:
 
-    @jit
+    # M (the step's rows) is not specialized on (divisible by 16 or not): it only bounds
+    # masks, and a new specialization would compile mid-serving, a stall of seconds.
+    @triton.jit(do_not_specialize=["M"])
     def _qmm_kernel(
         x_ptr, w_ptr, out_ptr, lut_ptr, M, N, row_bytes, k_per_split, splits_per_program,
         stride_xm, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

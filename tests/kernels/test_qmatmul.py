@@ -193,3 +193,16 @@ def test_cpu_path_is_the_reference(rng):
     blocks = random_weight(T.Q4_K, 32, 256, rng)
     x = randn(rng, 3, 256)
     check(qmatmul(x, blocks, int(T.Q4_K), (32, 256)), x, blocks, T.Q4_K)
+
+
+def test_kernels_do_not_compile_again_for_each_row_count():
+    """A new row count must not build a new variant of either qmatmul kernel (Triton
+    specializes integer arguments divisible by 16): that compile would stall a step."""
+    from kernels import qgemv, qmatmul
+    from kernels.triton_util import compiled
+
+    for kernel in (qgemv._qgemv_kernel, qmatmul._qmm_kernel):
+        jit_fn = compiled(kernel)
+        names = jit_fn.arg_names
+        unspecialized = {names[i] if isinstance(i, int) else i for i in jit_fn.do_not_specialize}
+        assert "M" in unspecialized, kernel
