@@ -92,12 +92,10 @@ def load_for(model: str | os.PathLike, opts: EngineOptions) -> LoadedModel:
     tokenizer = Tokenizer.from_metadata(mf.metadata)
     layout, choice = opts.weights, None
     if tune:
-        from engine.layout_tune import choose_layout, free_memory_budget, gpu_measure
+        from engine.layout_tune import measure_layout
 
-        choice = choose_layout(mf, cfg, sessions=opts.sessions,
-                               context=min(opts.context, cfg.context_length),
-                               kv_quant=opts.kv_quant, budget_bytes=free_memory_budget(device),
-                               measure=gpu_measure(device))
+        choice = measure_layout(mf, cfg, device, sessions=opts.sessions, context=opts.context,
+                                kv_quant=opts.kv_quant)
         layout = choice.layout
     decoder = DecoderModel(cfg, WeightLoader(mf, dtype, device, layout))
     return LoadedModel(path, mf, cfg, decoder, tokenizer, chat_template_for(mf, tokenizer),

@@ -56,25 +56,24 @@ def inspect_model(name: str | os.PathLike, device: str = "cpu", *, sessions: int
             # every layer stores each token it keeps; sliding layers keep at most the window
             "kv_bytes_per_token": kv,
         }
-        if resolve_device(device).type != "cpu":  # "auto" without a GPU: the file only
-            info["weight_layout"] = _layout(mf, cfg, device, sessions, context, kv_quant)
+        dev = resolve_device(device)
+        if dev.type != "cpu":  # "auto" without a GPU: the file only
+            info["weight_layout"] = _layout(mf, cfg, dev, device, sessions, context, kv_quant)
         return info
 
 
-def _layout(mf: ModelFile, cfg, device: str, sessions: int, context: int,
+def _layout(mf: ModelFile, cfg, dev, device: str, sessions: int, context: int,
             kv_quant: str) -> dict:
     import torch
 
     from engine.errors import InvalidRequest
     from engine.kernel_select import use_triton
-    from engine.layout_tune import choose_layout, free_memory_budget, gpu_measure
+    from engine.layout_tune import measure_layout
 
-    dev = resolve_device(device)
     if dev.type != "cuda" or not torch.cuda.is_available():
         raise InvalidRequest(f"--device {device}: the weight layout is measured on a GPU, "
                              "and torch sees none")
     if not use_triton(dev):
         return {"layout": "bf16", "reason": "no Triton kernels (MBUFO_KERNELS or no triton)"}
-    return choose_layout(mf, cfg, sessions=sessions, context=min(context, cfg.context_length),
-                         kv_quant=kv_quant, budget_bytes=free_memory_budget(dev),
-                         measure=gpu_measure(dev)).as_dict()
+    return measure_layout(mf, cfg, dev, sessions=sessions, context=context,
+                          kv_quant=kv_quant).as_dict()

@@ -91,12 +91,13 @@ def choose_layout(mf: ModelFile, cfg: ModelConfig, *, sessions: int, context: in
         return LayoutChoice("ggml", f"bf16 weights and KV ({plans['bf16'] >> 20} MiB) exceed "
                             f"the {budget_bytes >> 20} MiB free", {}, plans, budget_bytes)
     shapes = linear_shapes(mf)
-    cost: dict[str, dict[int, float]] = {"ggml": {}, "bf16": {}}
+    cost: dict[str, dict[int, float]] = {"ggml": dict.fromkeys(ROWS, 0.0),
+                                         "bf16": dict.fromkeys(ROWS, 0.0)}
     for layout in cost:
-        for m in ROWS:
-            cost[layout][m] = 1e3 * sum(
-                s.count * measure(layout, s.ggml_type, s.out_features, s.in_features, m)
-                for s in shapes)
+        for s in shapes:  # every row count of one shape in a row: its weights are made once
+            for m in ROWS:
+                cost[layout][m] += 1e3 * s.count * measure(layout, s.ggml_type,
+                                                           s.out_features, s.in_features, m)
     score = {layout: sum(by_rows.values()) for layout, by_rows in cost.items()}
     faster = score["bf16"] < (1 - TIE_MARGIN) * score["ggml"]
     layout = "bf16" if faster else "ggml"
@@ -110,23 +111,35 @@ def choose_layout(mf: ModelFile, cfg: ModelConfig, *, sessions: int, context: in
 
 def gpu_measure(device: torch.device, *, replays: int = 5) -> Measure:
     """A Measure on `device`: random data of each shape (the time does not depend on the
-    values), enough copies to miss the L2, one CUDA graph of a product per copy."""
+    values), enough copies to miss the L2 (kept while the next calls time the same shape at
+    other row counts), one CUDA graph of a product per copy."""
     from kernels.dequant import block_geometry
     from kernels.qmatmul import SUPPORTED_TYPES, qmatmul
 
+    held: dict[tuple, list[torch.Tensor]] = {}  # the last shape's weight copies
+
     def measure(layout: str, ggml_type: int, n: int, k: int, m: int) -> float:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-        if layout == "ggml" and ggml_type in SUPPORTED_TYPES:
+        blocks = layout == "ggml" and ggml_type in SUPPORTED_TYPES
+        if blocks:
             block, size = block_geometry(ggml_type)
-            make = lambda: torch.randint(0, 256, (n, k // block * size),  # noqa: E731
-                                         dtype=torch.uint8, device=device)
             call = lambda w: qmatmul(x, w, ggml_type, (n, k))  # noqa: E731
-            nbytes = n * (k // block) * size
         else:  # dense (either layout for types without a kernel)
-            make = lambda: torch.randn(n, k, device=device, dtype=torch.bfloat16)  # noqa: E731
             call = lambda w: x @ w.t()  # noqa: E731
-            nbytes = 2 * n * k
-        weights = [make() for _ in range(max(1, min(64, math.ceil(L2_MISS_BYTES / nbytes))))]
+        key = (blocks, ggml_type if blocks else None, n, k)
+        if key not in held:
+            held.clear()
+            if blocks:
+                make = lambda: torch.randint(0, 256, (n, k // block * size),  # noqa: E731
+                                             dtype=torch.uint8, device=device)
+                nbytes = n * (k // block) * size
+            else:
+                make = lambda: torch.randn(n, k, device=device,  # noqa: E731
+                                           dtype=torch.bfloat16)
+                nbytes = 2 * n * k
+            held[key] = [make() for _ in range(max(1, min(64, math.ceil(L2_MISS_BYTES
+                                                                       / nbytes))))]
+        weights = held[key]
         for w in weights:  # builds the kernels, off the capture
             call(w)
         torch.cuda.synchronize(device)
@@ -141,9 +154,7 @@ def gpu_measure(device: torch.device, *, replays: int = 5) -> Measure:
             graph.replay()
         end.record()
         torch.cuda.synchronize(device)
-        seconds = start.elapsed_time(end) / 1e3 / (replays * len(weights))
-        del graph, weights
-        return seconds
+        return start.elapsed_time(end) / 1e3 / (replays * len(weights))
 
     return measure
 
@@ -151,3 +162,12 @@ def gpu_measure(device: torch.device, *, replays: int = 5) -> Measure:
 def free_memory_budget(device: torch.device) -> int:
     free, _ = torch.cuda.mem_get_info(device)
     return int(free * MEMORY_FRACTION)
+
+
+def measure_layout(mf: ModelFile, cfg: ModelConfig, device: torch.device, *, sessions: int,
+                   context: int, kv_quant: str) -> LayoutChoice:
+    """choose_layout on `device` itself, within its free memory (the engine's load and
+    `mbufo inspect --device`)."""
+    return choose_layout(mf, cfg, sessions=sessions, context=min(context, cfg.context_length),
+                         kv_quant=kv_quant, budget_bytes=free_memory_budget(device),
+                         measure=gpu_measure(device))

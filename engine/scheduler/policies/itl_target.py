@@ -177,8 +177,7 @@ class ItlTarget:
         converging do not linger), clamped to [1, max_margin]."""
         seen = self.model.num_observations
         if self._margin[0] != seen:
-            ratios = sorted(t / m for rows, load, t in self._recent
-                            if (m := self.model.predict_load(rows, load)) > 0)
+            ratios = sorted(t / m for _, _, t, m in self.recent_steps() if m > 0)
             q = ratios[min(len(ratios) - 1, int(self.quantile * len(ratios)))] if ratios else 1.0
             # within the fit's own tolerance the model is taken as exact
             self._margin = (seen, 1.0 if q <= 1.0 + MARGIN_TOLERANCE else min(self.max_margin, q))
