@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from engine.runner import ModelRunner
 from engine.scheduler.scheduler import SchedulerConfig
 from engine.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
+
 PAGE_SIZE = 16
 
 
@@ -49,6 +52,9 @@ class EngineOptions:
     # matrices in `dtype`; auto: dense on the CPU, on a GPU the faster of the two as
     # measured at load (engine/layout_tune.py).
     weights: str = "auto"
+    # Build the kernels of the first prefill and mixed steps and capture the decode graphs
+    # at load (a GPU only; ModelRunner.warm_up), not in the first requests' steps.
+    warm_up: bool = True
 
 
 def pages_per_group(cfg: ModelConfig, opts: EngineOptions) -> dict[str, int]:
@@ -67,6 +73,8 @@ def build_core(loaded: LoadedModel, opts: EngineOptions) -> EngineCore:
     context = min(opts.context, cfg.context_length)
     runner = ModelRunner(loaded.model, pages_per_group(cfg, opts), PAGE_SIZE, opts.kv_quant,
                          cuda_graphs=opts.cuda_graphs, max_context=context)
+    if opts.warm_up and runner.triton and torch.device(loaded.model.device).type == "cuda":
+        log.info("warm-up: %.1f s", runner.warm_up(opts.prefill_chunk))
     sched = SchedulerConfig(max_sessions=opts.sessions, context=context,
                             prefill_chunk=opts.prefill_chunk, mixed_batch=opts.mixed_batch,
                             itl_target_ms=opts.itl_target_ms,

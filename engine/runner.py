@@ -9,6 +9,7 @@ from the batch's CPU tensors. The CPU path runs the model on the batch as it is.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -16,7 +17,7 @@ from engine.batch import ForwardBatch
 from engine.graphs import Capturer, DecodeGraphs, bucket_for
 from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache
-from engine.kv.pool import KVPool
+from engine.kv.pool import KVPool, SeqPages
 from engine.layers.attention import (
     attn_config,
     decode_splits,
@@ -94,6 +95,44 @@ class ModelRunner:
                 if not self._captured(bucket, splits):
                     return 0
         return 0 if self.graphs is None else self.graphs.num_graphs
+
+    @torch.inference_mode()
+    def warm_up(self, chunk: int = 48, context: int = 1) -> float:
+        """Run once, before serving, the eager step shapes whose kernels are built at first
+        use, then capture the decode graphs for rows of up to `context` tokens. Triton
+        builds a kernel variant per class of each row or token count (1, a multiple of
+        16, any other), and a build stalls its step for up to a second: a first request
+        would wait for it, and the ITL policy would fit its cost model to the stall.
+        Shapes: a prefill chunk alone (`chunk` rounded up to a multiple of 16, at least
+        32: qmatmul's tiled path), and a chunk of another class beside one and beside
+        sixteen decode rows. K/V go to pages taken from the pool and given back. -> the
+        seconds it took (0.0 on the CPU path, which builds nothing)."""
+        if not self.triton:
+            return 0.0
+        start = time.perf_counter()
+        whole = max(32, -(-chunk // 16) * 16)
+        seqs: list[SeqPages] = []
+        try:
+            for rows, tokens in ((0, whole), (1, whole - 15), (16, whole - 15)):
+                seqs = [SeqPages(self.pool) for _ in range(rows + 1)]
+                for s in seqs[1:]:
+                    s.ensure(2)
+                seqs[0].ensure(tokens)
+                spans = [([0] * tokens, 0)] + [([0], 1)] * rows
+                tables = {g: [s.table(g) for s in seqs] for g in self.pool.groups}
+                self.forward_eager(ForwardBatch.build(spans, tables))
+                for s in seqs:
+                    s.free()
+                seqs = []
+        except Exception:  # noqa: BLE001 - too few pages (a tiny pool): shapes build later
+            log.warning("warm-up skipped: its shapes build at first use", exc_info=True)
+        finally:
+            for s in seqs:
+                s.free()
+        self.prepare_graphs(context)
+        if torch.device(self.model.device).type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        return time.perf_counter() - start
 
     def _splits_up_to(self, context: int) -> list[dict[str, int]]:
         """Every distinct splits dict of decode steps whose longest row has at most

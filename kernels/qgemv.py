@@ -59,6 +59,11 @@ M_BUCKETS = (1, 4, 16)
 X_LEFT_TYPES = frozenset({qtiles.Q6_K})
 # gfx1151 (RDNA 3.5, 256 VGPRs per wave): columns per step that keep a tile in registers.
 _HIP_MAX_BLOCK_K = 128
+# sm_90, per type (bench/gpu/qgemv_sweep.py on the H200, bench/RESULTS.md 2026-11-30):
+# Q4_K at 128 columns per step and 3 stages runs at 128 instead of 168 registers a thread
+# (4 blocks a multiprocessor instead of 3), 1.2-1.4x faster at 1 and 16 rows.
+_CUDA_MAX_BLOCK_K = {qtiles.Q4_K: 128}
+_CUDA_SKINNY_STAGES = {qtiles.Q4_K: 3}
 
 
 class QMMConfig(NamedTuple):
@@ -79,7 +84,8 @@ def k_plan(ggml_type: int, n: int, k: int, backend: str, num_sms: int) -> tuple[
     if tuned is not None:
         return tuned
     step = GEOMETRY[ggml_type][2]
-    cap = max(step, _HIP_MAX_BLOCK_K if backend == "hip" else 256)
+    cap = max(step, _HIP_MAX_BLOCK_K if backend == "hip" else
+              _CUDA_MAX_BLOCK_K.get(ggml_type, 256))
     block_k = next((b for b in (256, 128, 64, 32) if b <= cap and b % step == 0 and k % b == 0),
                    step)
     split = 1
@@ -115,7 +121,8 @@ def default_config(
     bucket = next(b for b in M_BUCKETS if m <= b)
     tiles = SKINNY_TILES.get((backend, int(ggml_type), bucket, int(n), int(k)))
     if tiles is None:
-        tiles = (64, 4, 1) if hip else (64, 4, 1) if x_left(ggml_type) else (64, 4, None)
+        tiles = (64, 4, 1) if hip or x_left(ggml_type) else (
+            64, 4, _CUDA_SKINNY_STAGES.get(int(ggml_type)))
     block_m = 64 if x_left(ggml_type) and not hip else 16  # wgmma's left operand: 64 rows
     return QMMConfig(block_m, tiles[0], block_k, split_k, tiles[1], tiles[2])
 

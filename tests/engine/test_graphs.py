@@ -177,3 +177,42 @@ def test_prepare_and_a_failed_capture(model):
     step((failing, plain), seqs, [(0, [3, 4, 5])])
     a, b = step((failing, plain), seqs, [(0, [6])])  # the capture fails: eager, graphs off
     assert failing.graphs is None and torch.equal(a, b)
+
+
+def _free_pages(runner: ModelRunner) -> dict[str, int]:
+    return {g: p.num_free for g, p in runner.pool.groups.items()}
+
+
+def _record_warm_up(runner, monkeypatch):
+    seen, captured = [], []
+    runner.triton = True  # as on a GPU; the forwards themselves are recorded, not run
+    monkeypatch.setattr(runner, "forward_eager", lambda b: seen.append(
+        (b.num_rows, b.num_tokens, b.positions[:2].tolist(), b.max_seq_len())))
+    monkeypatch.setattr(runner, "prepare_graphs", lambda context=1: captured.append(context))
+    return seen, captured
+
+
+def test_warm_up_runs_each_step_class_and_gives_its_pages_back(model, monkeypatch):
+    runner = ModelRunner(model, PAGES, 16, "f16", cuda_graphs=True, max_context=CONTEXT,
+                         capture=FakeCapture())
+    assert runner.warm_up() == 0.0  # the CPU path builds nothing
+    free = _free_pages(runner)
+    seen, captured = _record_warm_up(runner, monkeypatch)
+    assert runner.warm_up(chunk=40, context=7) >= 0.0
+    # a 48-token prefill alone (tiled path, a multiple of 16), then a 33-token chunk
+    # (another class) beside 1 and 16 decode rows
+    assert seen == [(1, 48, [0, 1], 48), (2, 34, [0, 1], 33), (17, 49, [0, 1], 33)]
+    assert captured == [7]
+    assert _free_pages(runner) == free
+
+
+def test_warm_up_with_too_few_pages_skips_shapes_and_loses_none(model, monkeypatch, caplog):
+    runner = ModelRunner(model, 6, 16, "f16", cuda_graphs=True, max_context=CONTEXT,
+                         capture=FakeCapture())
+    free = _free_pages(runner)
+    seen, captured = _record_warm_up(runner, monkeypatch)
+    runner.warm_up(chunk=40)
+    assert seen == [(1, 48, [0, 1], 48), (2, 34, [0, 1], 33)]  # 17 sequences do not fit
+    assert "warm-up skipped" in caplog.text
+    assert captured == [1]  # the graphs are still captured
+    assert _free_pages(runner) == free
