@@ -34,16 +34,33 @@ from kernels.dequant import dequantize_reference  # noqa: E402
 from kernels.qmatmul import QMMConfig, _lut  # noqa: E402
 from kernels.qtiles import GEOMETRY  # noqa: E402
 
+GRID = {"bk": (64, 128, 256), "tiles": ((64, 4), (128, 8)), "st": (None, 3)}
 
-def configs(qtype: int, n: int, k: int, sms: int) -> list[QMMConfig]:
+
+def parse_grid(text: str) -> dict:
+    """`bk=128,256;tiles=64x4,64x8;st=0,2` (st 0: Triton's default) -> GRID's form."""
+    grid = dict(GRID)
+    for part in filter(None, text.split(";")):
+        key, values = part.split("=")
+        vals = values.split(",")
+        if key == "tiles":
+            grid[key] = tuple(tuple(int(v) for v in t.split("x")) for t in vals)
+        elif key == "st":
+            grid[key] = tuple(int(v) or None for v in vals)
+        else:
+            grid[key] = tuple(int(v) for v in vals)
+    return grid
+
+
+def configs(qtype: int, n: int, k: int, sms: int, grid: dict = GRID) -> list[QMMConfig]:
     base = qgemv.default_config(qtype, 1, n, k, num_sms=sms)
     step = GEOMETRY[qtype][2]
     out = [base]
-    for bk in (64, 128, 256):
+    for bk in grid["bk"]:
         if bk % step or k % bk:
             continue
-        for bn, w in ((64, 4), (128, 8)):
-            for st in (None, 3):
+        for bn, w in grid["tiles"]:
+            for st in grid["st"]:
                 for s in sorted({base.split_k, max(1, base.split_k // 2), base.split_k * 2}):
                     if k % (bk * s) == 0:
                         out.append(base._replace(block_n=bn, block_k=bk, split_k=s,
@@ -57,12 +74,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
     ap.add_argument("--budget-s", type=float, default=240.0)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter)")
+    ap.add_argument("--grid", default="", help="bk=...;tiles=BNxW,...;st=... (see parse_grid)")
+    ap.add_argument("--shapes", default="", help="N,K;N,K (default: Llama-3.1-8B's five)")
+    ap.add_argument("--x-left", default=None,
+                    help="types whose kernels take x on the left, replacing qgemv.X_LEFT_TYPES")
     args = ap.parse_args(argv)
     run = Run(args)
+    grid = parse_grid(args.grid)
+    if args.x_left is not None:
+        qgemv.X_LEFT_TYPES = frozenset(GGML_TYPES[t] for t in args.x_left.split(",") if t)
     shapes = [(64, 256)] if args.smoke else SHAPES
+    if args.shapes and not args.smoke:
+        shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
     out = {"device": "cpu" if args.smoke else torch.cuda.get_device_name(),
            "commit": commit_id(), "date": datetime.now(UTC).isoformat(timespec="seconds"),
-           "ceilings": ceilings(run), "rows": [], "best": {}}
+           "ceilings": ceilings(run), "rows": [], "best": {}, "grid": str(grid),
+           "x_left": sorted(qgemv.X_LEFT_TYPES)}
     for name in args.types.split(","):
         qtype = GGML_TYPES[name]
         for n, k in shapes:
@@ -77,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             ref, bound = x.double() @ w.T, x.double().abs() @ w.abs().T
             lut = _lut(qtype, run.dev)
             rows = []
-            cands = configs(qtype, n, k, run.sms)
+            cands = configs(qtype, n, k, run.sms, grid)
             for m in (1, 16):
                 if m == 16:  # the five best at M = 1, with M = 16's block_m
                     best = sorted((r for r in rows if r.get("us")), key=lambda r: r["us"])[:5]
