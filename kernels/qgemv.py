@@ -7,10 +7,10 @@ per BLOCK_K step it decodes the (BLOCK_N, BLOCK_K) tile from whole GGML blocks
 (kernels/qtiles.py: contiguous runs per block, scales once per sub-block) and multiplies
 it with all of x's rows at once (the rows past M are masked) on the matrix unit, float32
 sums: `acc (BN, 16) += dot(W_tile, x_tile.T)` (BLOCK_M = 16, the smallest tile), or for
-the X_LEFT_TYPES `acc (64, BN) += dot(x_tile, W_tile.T)` (on sm_90 wgmma's left operand
-has 64 rows; the weight tile then goes to shared memory once per step instead of through
-a shuffle with two barriers per 16 columns, see qtiles.mac). Splitting K fills the
-device when N alone gives too few programs.
+the X_LEFT_TYPES `acc (BM, BN) += dot(x_tile, W_tile.T)` (the weight tile then goes to
+shared memory once per step instead of through a shuffle with two barriers per 16
+columns, see qtiles.mac; BM = 64, wgmma's left operand, or 16 for the MMA_SYNC_TYPES).
+Splitting K fills the device when N alone gives too few programs.
 
 Split partials are summed in a fixed order (split 0, 1, 2, ...) by the last program of
 each N tile to arrive (a per-tile ticket counter, reset by that program), so the result
@@ -21,9 +21,10 @@ same functions, runs the same matrix instruction over the same K order and sums 
 splits in the same order; `k_plan` (block_k, split_k) depends on (type, N, K, backend)
 only, never on M. So a row's bits are the same alone, in a skinny and in a tiled batch.
 On the H200 (bench/RESULTS.md, 2026-11-29) wgmma m64n16k16 rows matched m64n64k16 ones
-bit for bit, and mma.sync configs (fewer than 4 warps) did not: configs keep block_n a
-multiple of 64 and 4 or 8 warps. `_qgemv_fma_kernel` is an experiment without the matrix
-unit (other bits; the bench times it), not used by qmatmul.
+bit for bit, and mma.sync ones did not: a type's two paths run the same family, wgmma
+(block_n a multiple of 64, 4 or 8 warps) or, for the MMA_SYNC_TYPES, mma.sync on both
+(checked bit for bit at M = 1, 16, 64, 512, 2026-11-30). `_qgemv_fma_kernel` is an
+experiment without the matrix unit (other bits; the bench times it), not used by qmatmul.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from kernels import qtiles
 from kernels.qtiles import GEOMETRY
 from kernels.triton_util import HAS_TRITON, launcher, tl, triton
 
-__all__ = ["SKINNY_MAX_M", "X_LEFT_TYPES", "QMMConfig", "aot_specs", "default_config", "k_plan",
-           "qgemv_triton", "x_left"]
+__all__ = ["MMA_SYNC_TYPES", "SKINNY_MAX_M", "X_LEFT_TYPES", "QMMConfig", "aot_specs",
+           "default_config", "k_plan", "qgemv_triton", "x_left"]
 
 SKINNY_MAX_M = 16
 # Tuned on the device by bench/gpu/qmatmul_bench.py (it prints these dicts), keyed by
@@ -62,8 +63,15 @@ _HIP_MAX_BLOCK_K = 128
 # sm_90, per type (bench/gpu/qgemv_sweep.py on the H200, bench/RESULTS.md 2026-11-30):
 # Q4_K at 128 columns per step and 3 stages runs at 128 instead of 168 registers a thread
 # (4 blocks a multiprocessor instead of 3), 1.2-1.4x faster at 1 and 16 rows.
-_CUDA_MAX_BLOCK_K = {qtiles.Q4_K: 128}
+_CUDA_MAX_BLOCK_K = {qtiles.Q4_K: 128, qtiles.Q6_K: 128}
 _CUDA_SKINNY_STAGES = {qtiles.Q4_K: 3}
+# Types that run Ampere's mma.sync (m16n8k16) on sm_90 instead of wgmma, on both paths so
+# that a row's bits stay the same: the skinny kernel with 16 rows of x on the left
+# (wgmma's left operand needs 64), the tiled one with 2 warps (wgmma needs 4) and 64 x 32
+# tiles. Measured on the H200 for Q6_K (bench/RESULTS.md 2026-11-30): skinny 1.2-1.4x
+# faster (fewer registers than the 64-row wgmma accumulator), tiled 1.03-1.15x; the same
+# bits at M = 1, 16, 64 and 512.
+MMA_SYNC_TYPES = frozenset({qtiles.Q6_K})
 
 
 class QMMConfig(NamedTuple):
@@ -107,23 +115,27 @@ def default_config(
 
     Only tile shapes, warps and stages depend on m (see the module docstring). Both
     paths keep the matrix unit's instruction family: on sm_90 block_n is a multiple of 64
-    with 4 or 8 warps (wgmma m64nNk16 for both), on gfx1151 it is always WMMA 16x16x16.
+    with 4 or 8 warps (wgmma m64nNk16 for both), or for MMA_SYNC_TYPES mma.sync m16n8k16
+    on both, on gfx1151 it is always WMMA 16x16x16.
     gfx1151 runs one pipeline stage and, tiled, 32-row tiles with 8 waves: no build spills
     a VGPR there (`python -m kernels.aot` reports spills); speed is to be tuned on the box.
     """
     block_k, split_k = k_plan(int(ggml_type), int(n), int(k), backend, int(num_sms))
     hip = backend == "hip"
+    mma_sync = not hip and int(ggml_type) in MMA_SYNC_TYPES
     if m > SKINNY_MAX_M:
         tiled = TILED_TILES.get((backend, int(ggml_type), int(n), int(k)))
         if tiled is None:
-            tiled = (64, 32, 8, 1) if hip else (64, 64, 4, None)
+            tiled = (64, 32, 8, 1) if hip else (64, 32, 2, None) if mma_sync else (
+                64, 64, 4, None)
         return QMMConfig(tiled[0], tiled[1], block_k, split_k, tiled[2], tiled[3])
     bucket = next(b for b in M_BUCKETS if m <= b)
     tiles = SKINNY_TILES.get((backend, int(ggml_type), bucket, int(n), int(k)))
     if tiles is None:
         tiles = (64, 4, 1) if hip or x_left(ggml_type) else (
             64, 4, _CUDA_SKINNY_STAGES.get(int(ggml_type)))
-    block_m = 64 if x_left(ggml_type) and not hip else 16  # wgmma's left operand: 64 rows
+    # wgmma's left operand has 64 rows; mma.sync's and WMMA's 16
+    block_m = 64 if x_left(ggml_type) and not hip and not mma_sync else 16
     return QMMConfig(block_m, tiles[0], block_k, split_k, tiles[1], tiles[2])
 
 

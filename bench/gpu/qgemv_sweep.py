@@ -52,8 +52,10 @@ def parse_grid(text: str) -> dict:
     return grid
 
 
-def configs(qtype: int, n: int, k: int, sms: int, grid: dict = GRID) -> list[QMMConfig]:
+def configs(qtype: int, n: int, k: int, sms: int, grid: dict = GRID,
+            block_m: int = 0) -> list[QMMConfig]:
     base = qgemv.default_config(qtype, 1, n, k, num_sms=sms)
+    base = base._replace(block_m=block_m or base.block_m)
     step = GEOMETRY[qtype][2]
     out = [base]
     for bk in grid["bk"]:
@@ -76,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter)")
     ap.add_argument("--grid", default="", help="bk=...;tiles=BNxW,...;st=... (see parse_grid)")
     ap.add_argument("--shapes", default="", help="N,K;N,K (default: Llama-3.1-8B's five)")
+    ap.add_argument("--block-m", type=int, default=0,
+                    help="x rows per tile in every config (16 with --x-left: mma.sync on sm_90)")
     ap.add_argument("--x-left", default=None,
                     help="types whose kernels take x on the left, replacing qgemv.X_LEFT_TYPES")
     args = ap.parse_args(argv)
@@ -104,12 +108,12 @@ def main(argv: list[str] | None = None) -> int:
             ref, bound = x.double() @ w.T, x.double().abs() @ w.abs().T
             lut = _lut(qtype, run.dev)
             rows = []
-            cands = configs(qtype, n, k, run.sms, grid)
+            cands = configs(qtype, n, k, run.sms, grid, args.block_m)
             for m in (1, 16):
                 if m == 16:  # the five best at M = 1, with M = 16's block_m
                     best = sorted((r for r in rows if r.get("us")), key=lambda r: r["us"])[:5]
-                    cands = [QMMConfig(*r["config"])._replace(
-                        block_m=qgemv.default_config(qtype, 16, n, k).block_m) for r in best]
+                    cands = [QMMConfig(*r["config"])._replace(block_m=args.block_m or
+                             qgemv.default_config(qtype, 16, n, k).block_m) for r in best]
                 for cfg in cands:
                     if run.left() < 5:
                         break

@@ -50,7 +50,8 @@ def test_skinny_and_tiled_qmatmul_use_the_same_instruction(report):
     """Batch invariance needs a row's dot products to run through the same matrix
     instruction whether M takes the skinny kernel (kernels/qgemv.py, 16 columns of x) or
     the tiled one (64): the same op up to its N width (wgmma m64nNk16 on sm_90). Q4_K
-    multiplies the weight tile by x, Q6_K x by the weight tile (qgemv.X_LEFT_TYPES)."""
+    multiplies the weight tile by x, Q6_K x by the weight tile (qgemv.X_LEFT_TYPES), with
+    mma.sync m16n8k16 on sm_90 for both paths (qgemv.MMA_SYNC_TYPES)."""
     for qtype in ("Q4_K", "Q6_K"):
         for target in TARGETS:
             skinny = report[f"qmatmul_{qtype}_m16"][target]["ops"]

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
 from engine.errors import InvalidRequest, UnsupportedTensorType
-from kernels.qgemv import k_plan, x_left
+from kernels.qgemv import MMA_SYNC_TYPES, k_plan, x_left
 from kernels.qmatmul import (
     _LUTS,
     SUPPORTED_TYPES,
@@ -84,8 +84,10 @@ def test_kernel_matches_gguf(interp, rng, qtype, m, n, k):
     blocks = random_weight(qtype, n, k, rng)
     x = randn(rng, m, k)
     cfg = default_config(qtype, m, n, k)
-    # x is the left operand (64 rows on sm_90) on both paths for X_LEFT types
-    assert cfg.block_m == (64 if m > 16 or x_left(qtype) else 16)
+    # x is the left operand on both paths for X_LEFT types: 64 rows for wgmma on sm_90,
+    # 16 for mma.sync (MMA_SYNC_TYPES)
+    wgmma_left = x_left(qtype) and int(qtype) not in MMA_SYNC_TYPES
+    assert cfg.block_m == (64 if m > 16 or wgmma_left else 16)
     check(interp.call(KERNEL, x, blocks, int(qtype), (n, k), cfg), x, blocks, qtype)
 
 
@@ -150,7 +152,9 @@ def test_kernel_without_matrix_unit(interp, rng, qtype):
 
 def test_default_configs_keep_one_instruction_family():
     """On sm_90 every launched config has block_n a multiple of 64 and 4 or 8 warps (wgmma on
-    both paths); block_k and split_k are the same for every M and fit K."""
+    both paths), or for MMA_SYNC_TYPES fewer than 4 warps on the tiled path and 16 rows
+    of x on the skinny one (mma.sync on both); block_k and split_k are the same for every
+    M and fit K."""
     for qtype in TYPES:
         step = GEOMETRY[int(qtype)][2]
         for n, k in ((4096, 4096), (1024, 4096), (128256, 4096), (4096, 14336), (40, 96 * step)):
@@ -160,7 +164,11 @@ def test_default_configs_keep_one_instruction_family():
                 assert len({c[2:4] for c in cfgs}) == 1
                 block_k, split = cfgs[0][2:4]
                 assert block_k % step == 0 and k % (block_k * split) == 0
-                if backend == "cuda":
+                if backend == "cuda" and int(qtype) in MMA_SYNC_TYPES:
+                    assert all(c.num_warps < 4 if m > 16 else c.block_m == 16
+                               for m, c in zip((1, 2, 4, 8, 16, 17, 64, 4096), cfgs,
+                                               strict=True))
+                elif backend == "cuda":
                     assert all(c.block_n % 64 == 0 and c.num_warps in (4, 8) for c in cfgs)
 
 
