@@ -34,12 +34,12 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import qtiles
+from kernels import qscaled, qtiles
 from kernels.qtiles import GEOMETRY
 from kernels.triton_util import HAS_TRITON, launcher, tl, triton
 
 __all__ = ["MMA_SYNC_TYPES", "SKINNY_MAX_M", "X_LEFT_TYPES", "QMMConfig", "aot_specs",
-           "default_config", "k_plan", "qgemv_triton", "x_left"]
+           "default_config", "k_plan", "ptx", "qgemv_triton", "x_left"]
 
 SKINNY_MAX_M = 16
 # Tuned on the device by bench/gpu/qmatmul_bench.py (it prints these dicts), keyed by
@@ -103,6 +103,12 @@ def k_plan(ggml_type: int, n: int, k: int, backend: str, num_sms: int) -> tuple[
     return block_k, split
 
 
+def ptx(device: torch.device) -> bool:
+    """Whether kernels on `device` are built for NVIDIA's PTX (the CUDA build of torch on
+    a GPU): kernels/qscaled.py then decodes Q4_K codes with a few PTX instructions."""
+    return device.type == "cuda" and torch.version.hip is None
+
+
 def x_left(ggml_type: int) -> bool:
     """Whether `ggml_type`'s kernels multiply x (left) by the weight tile (right)."""
     return int(ggml_type) in X_LEFT_TYPES
@@ -148,7 +154,7 @@ if HAS_TRITON:
         x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, lut_ptr, M, N, row_bytes, k_per_split,
         stride_xm, split_k, ticket, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F64: tl.constexpr,
-        X_LEFT: tl.constexpr,
+        X_LEFT: tl.constexpr, PTX: tl.constexpr = False,
     ):
         """y[m, n] = sum over k of x[m, k] * W[n, k] for the M (<= BLOCK_M) rows of x;
         grid (N tiles, split_k). With split_k > 1 each program writes its partial to
@@ -164,9 +170,8 @@ if HAS_TRITON:
         k_begin = split * k_per_split
         for kk in range(0, k_per_split, BLOCK_K):
             k0 = k_begin + kk
-            w = qtiles.dequant_tile(QTYPE, w_ptr, row_off, k0, lut_ptr, BLOCK_N, BLOCK_K)
-            xt = qtiles.x_tile(x_ptr, rm, m_ok, stride_xm, k0, BLOCK_K, X_LEFT)
-            acc = qtiles.mac(acc, xt, w, X_LEFT, DOT_F64)
+            acc = qscaled.step(acc, QTYPE, w_ptr, row_off, k0, lut_ptr, x_ptr, rm, m_ok,
+                                stride_xm, BLOCK_N, BLOCK_K, BLOCK_M, X_LEFT, DOT_F64, PTX)
         offs, mask = qtiles.out_offsets(rm, rn, m_ok, N, X_LEFT)
         if split_k == 1:
             tl.store(y_ptr + offs, acc, mask=mask)
@@ -256,7 +261,7 @@ def qgemv_triton(
     part = y if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32,
                                                   device=x.device)
     kernel, extra = ((_qgemv_fma_kernel, {}) if fma else
-                     (_qgemv_kernel, {"DOT_F64": x.device.type == "cpu",
+                     (_qgemv_kernel, {"DOT_F64": x.device.type == "cpu", "PTX": ptx(x.device),
                                       "X_LEFT": x_left(ggml_type)}))
     launcher(kernel, x.device)[(tiles, cfg.split_k)](
         x, blocks, y, part, _tickets(x.device), lut, m, n, blocks.shape[1], k // cfg.split_k,
@@ -287,7 +292,8 @@ def aot_specs(spec: type) -> list:
         for backend in ("hip", "cuda"):
             cfg = default_config(qtype, 1, 4096, 4096, backend=backend)
             consts = {"QTYPE": qtype, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                      "BLOCK_K": cfg.block_k, "DOT_F64": False, "X_LEFT": x_left(qtype)}
+                      "BLOCK_K": cfg.block_k, "DOT_F64": False, "X_LEFT": x_left(qtype),
+                      "PTX": backend == "cuda"}
             signature = {**sig, **{k: "constexpr" for k in consts}}
             out.append(spec(f"qmatmul_{qtiles.NAMES[qtype]}_m16", _qgemv_kernel, signature,
                             consts, cfg.num_warps, True, backend, cfg.num_stages, divisible))

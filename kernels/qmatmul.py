@@ -2,8 +2,10 @@
 
 `blocks` is W's GGUF bytes as a (out, in / block * bytes) uint8 tensor (no repack: the
 kernels read the file's layout, so loading costs nothing beyond the copy to the device).
-Two kernels share the block decoding (kernels/qtiles.py: a (BLOCK_N, BLOCK_K) weight tile
-decoded to float32, rounded to bf16, and multiplied with the x tile on the matrix unit,
+Two kernels share the product step (kernels/qscaled.py `step`: for Q4_K the exact codes on
+the matrix unit with the scales applied to the sums; for the other types kernels/qtiles.py's
+(BLOCK_N, BLOCK_K) weight tile decoded to float32, rounded to bf16, and multiplied with the
+x tile on the matrix unit,
 `acc (BN, BM) += dot(W_tile (BN, BK), x_tile.T (BK, BM))` in float32, or with x on the
 left for the types in qgemv.X_LEFT_TYPES, `acc (BM, BN) += dot(x_tile, W_tile.T)`):
 - skinny (M <= 16, kernels/qgemv.py): one program per (N tile, K split) covers every row
@@ -29,8 +31,15 @@ import functools
 import torch
 
 from engine.errors import InvalidRequest, UnsupportedTensorType
-from kernels import qtiles
-from kernels.qgemv import SKINNY_MAX_M, QMMConfig, default_config, qgemv_triton, x_left
+from kernels import qscaled, qtiles
+from kernels.qgemv import (
+    SKINNY_MAX_M,
+    QMMConfig,
+    default_config,
+    ptx,
+    qgemv_triton,
+    x_left,
+)
 from kernels.qtiles import GEOMETRY, IQ4_XS, MXFP4, NAMES
 from kernels.triton_util import HAS_TRITON, interpreter_active, jit, launcher, tl, triton
 
@@ -74,6 +83,7 @@ if HAS_TRITON:
         x_ptr, w_ptr, out_ptr, lut_ptr, M, N, row_bytes, k_per_split, splits_per_program,
         stride_xm, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, DOT_F64: tl.constexpr, X_LEFT: tl.constexpr,
+        PTX: tl.constexpr = False,
     ):
         """out[z, m, n] = the sum, in split order, of each split's own K-range sum of
         x[m, k] * W[n, k], over the `splits_per_program` splits of grid z (either all of
@@ -92,9 +102,9 @@ if HAS_TRITON:
             k_begin = (z * splits_per_program + v) * k_per_split
             for kk in range(0, k_per_split, BLOCK_K):
                 k0 = k_begin + kk
-                w = qtiles.dequant_tile(QTYPE, w_ptr, row_off, k0, lut_ptr, BLOCK_N, BLOCK_K)
-                xt = qtiles.x_tile(x_ptr, rm, m_ok, stride_xm, k0, BLOCK_K, X_LEFT)
-                acc = qtiles.mac(acc, xt, w, X_LEFT, DOT_F64)
+                acc = qscaled.step(acc, QTYPE, w_ptr, row_off, k0, lut_ptr, x_ptr, rm, m_ok,
+                                    stride_xm, BLOCK_N, BLOCK_K, BLOCK_M, X_LEFT, DOT_F64,
+                                    PTX)
             total = tl.where(v == 0, acc, total + acc)  # (p0 + p1) + p2 ..., as split sums
         offs, mask = qtiles.out_offsets(rm, rn, m_ok, N, X_LEFT)
         tl.store(out_ptr + z.to(tl.int64) * M * N + offs, total, mask=mask)
@@ -197,6 +207,7 @@ def qmatmul_tiled(
         x, blocks, part, lut, m, n, blocks.shape[1], k // cfg.split_k, cfg.split_k // programs,
         x.stride(0), QTYPE=ggml_type, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_F64=x.device.type == "cpu", X_LEFT=x_left(ggml_type),
+        PTX=ptx(x.device),
         num_warps=cfg.num_warps,
         **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
     )
@@ -235,7 +246,8 @@ def aot_specs(spec: type) -> list:
         for backend in ("hip", "cuda"):
             cfg = default_config(qtype, 64, 4096, 4096, backend=backend)
             consts = {"QTYPE": qtype, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                      "BLOCK_K": cfg.block_k, "DOT_F64": False, "X_LEFT": x_left(qtype)}
+                      "BLOCK_K": cfg.block_k, "DOT_F64": False, "X_LEFT": x_left(qtype),
+                      "PTX": backend == "cuda"}
             signature = {**sig, **{k: "constexpr" for k in consts}}
             out.append(spec(f"qmatmul_{NAMES[qtype]}_m64", _qmm_kernel, signature, consts,
                             cfg.num_warps, True, backend, cfg.num_stages, divisible))

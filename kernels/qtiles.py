@@ -3,8 +3,9 @@
 A tile is `(BN, BK)` float32 values of BN weight rows (`row_off`: (BN,) byte offsets of
 each row in the GGUF bytes at `w_ptr`) over the BK columns `k0 .. k0 + BK`, in column
 order. The kernels in kernels/qmatmul.py (tiled) and kernels/qgemv.py (skinny) share these
-functions, so a weight element has the same bits, at the same place in the K order, on
-every path (the batch-invariance premise, see qmatmul.py).
+functions (through kernels/qscaled.py's `step`, which takes Q4_K its own way), so a weight
+element has the same bits, at the same place in the K order, on every path (the
+batch-invariance premise, see qmatmul.py).
 
 How the bytes are read: each field of a block is loaded as one contiguous run per (row,
 block); the two nibbles of a byte are split, scaled, joined on a new minor axis and

@@ -214,3 +214,42 @@ def test_kernels_do_not_compile_again_for_each_row_count():
         names = jit_fn.arg_names
         unspecialized = {names[i] if isinstance(i, int) else i for i in jit_fn.do_not_specialize}
         assert "M" in unspecialized, kernel
+
+
+def exact_error(y: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, qtype: T) -> float:
+    """max |y - x_bf16 @ W| / (|x_bf16| @ |W|), in float64: W dequantized by gguf-py, x
+    rounded to bf16 as the kernels round it."""
+    w = torch.from_numpy(gguf_dequantize(blocks.cpu().numpy(), qtype).astype(np.float64))
+    xb = x.cpu().bfloat16().double()
+    return float(((y.cpu().double() - xb @ w.T).abs() / (xb.abs() @ w.abs().T)).max())
+
+
+@pytest.mark.parametrize("m", [1, 17], ids=lambda v: f"m{v}")
+def test_q4_k_codes_reach_the_matrix_unit_exactly(interp, rng, m):
+    """Q4_K's scaled step (kernels/qscaled.py) multiplies the exact codes and applies the
+    float32 scales on the accumulator: within float32 rounding of gguf-py's product, where
+    a weight rounded to bf16 first is 2^-9 off."""
+    n, k = 40, 512
+    blocks = random_weight(T.Q4_K, n, k, rng)
+    # bf16 x: the interpreter rounds float32 to bf16 by truncation (the GPU to nearest)
+    x = randn(rng, m, k).bfloat16()
+    y = interp.call(KERNEL, x, blocks, int(T.Q4_K), (n, k), default_config(T.Q4_K, m, n, k))
+    assert exact_error(y, x, blocks, T.Q4_K) < 2**-16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_gpu_kernels_at_llama_shapes(rng, qtype):
+    """On the GPU, at Llama-3.1-8B's shapes and 1, 16 and 64 rows: close to gguf-py's
+    product (Q4_K through its PTX code decoding within float32 rounding), and row 0's bits
+    the same at every M."""
+    if not torch.cuda.is_available():
+        pytest.fail("no GPU: run the gpu tests on the device")
+    n, k = 4096, 4096
+    blocks = random_weight(qtype, n, k, rng).cuda()
+    x = randn(rng, 64, k).cuda()
+    ys = {m: qmatmul(x[:m], blocks, int(qtype), (n, k)) for m in (1, 16, 64)}
+    bound = 2**-16 if qtype == T.Q4_K else 2**-7
+    for y in ys.values():
+        assert exact_error(y, x[:y.shape[0]], blocks, qtype) < bound
+    assert torch.equal(ys[1][0], ys[16][0]) and torch.equal(ys[1][0], ys[64][0])
