@@ -22,6 +22,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -147,13 +148,16 @@ def load_old(args: argparse.Namespace):
     """--old-rev's (git) or --old-src's qmatmul, qtiles and qgemv as old_*, importing each
     other; one path for every process, so that Triton's cache serves precompiled builds."""
     src = Path(args.old_src or Path(tempfile.gettempdir()) / f"mbufo-old-qmm-{args.old_rev}")
-    for f in ("qmatmul.py", "qtiles.py", "qgemv.py"):
+    mods = ("qmatmul", "qtiles", "qgemv", "qscaled")
+    for f in (f"{m}.py" for m in mods):
         if not (src / f"old_{f}").exists():  # written once, by the main process
             text = (src / f).read_text() if (src / f).exists() else subprocess.run(
                 ["git", "-C", str(ROOT), "show", f"{args.old_rev}:kernels/{f}"],
-                capture_output=True, text=True, check=f != "qgemv.py").stdout  # may be absent
-            for mod in ("qmatmul", "qtiles", "qgemv"):
-                text = text.replace(f"from kernels import {mod}", f"import old_{mod} as {mod}")
+                capture_output=True, text=True,
+                check=f == "qmatmul.py").stdout  # the others may be absent at that revision
+            text = re.sub(r"^from kernels import (.+)$", lambda m: "\n".join(
+                f"import old_{n} as {n}" for n in m.group(1).split(", ")), text, flags=re.M)
+            for mod in mods:
                 text = text.replace(f"kernels.{mod} import", f"old_{mod} import")
             src.mkdir(exist_ok=True)
             (src / f"old_{f}").write_text(text)
