@@ -7,7 +7,8 @@ and awaited by them, so that they overlap the interpreter tests:
   unimportable, as on the device machine;
 - "qbench": bench/gpu/qmatmul_bench.py --smoke (two types) the same way;
 - "qvariants": bench/gpu/qgemv_variants.py --smoke the same way, this tree's kernels
-  against copies of themselves as the "earlier version".
+  against copies of themselves as the "earlier version";
+- "qsweep": bench/gpu/qgemv_sweep.py --smoke the same way, on a small grid.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu" / "kernels_check.py"
 QBENCH = ROOT / "bench" / "gpu" / "qmatmul_bench.py"
 QVARIANTS = ROOT / "bench" / "gpu" / "qgemv_variants.py"
+QSWEEP = ROOT / "bench" / "gpu" / "qgemv_sweep.py"
 # Runs the script as __main__ with `import gguf` raising ImportError.
 _NO_GGUF = ("import runpy, sys; sys.modules['gguf'] = None; sys.argv = sys.argv[1:]; "
             "runpy.run_path(sys.argv[0], run_name='__main__')")
@@ -43,11 +45,13 @@ def _command(name: str, out_dir: Path) -> tuple[list[str], dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if name == "aot":
         return [sys.executable, "-m", "kernels.aot", "--quick"], env
-    assert name in ("smoke", "qbench", "qvariants"), name
+    assert name in ("smoke", "qbench", "qvariants", "qsweep"), name
     env["TRITON_INTERPRET"] = "1"
     script, extra = {"smoke": (SCRIPT, []), "qbench": (QBENCH, ["--types", "Q4_K,Q6_K"]),
                      "qvariants": (QVARIANTS, ["--types", "Q4_K,Q6_K", "--old-src",
-                                               str(_old_kernels(out_dir))])}[name]
+                                               str(_old_kernels(out_dir))]),
+                     "qsweep": (QSWEEP, ["--types", "Q4_K,Q6_K", "--grid",
+                                         "bk=128,256;tiles=64x4;st=0,2"])}[name]
     return [sys.executable, "-c", _NO_GGUF, str(script), "--smoke", "--out", str(out_dir),
             *extra], env
 
@@ -56,7 +60,7 @@ def _old_kernels(out_dir: Path) -> Path:
     """Copies of the qmatmul kernel files, as qgemv_variants' `--old-src` reads them."""
     old = out_dir / "old"
     old.mkdir()
-    for f in ("qmatmul.py", "qtiles.py", "qgemv.py"):
+    for f in ("qmatmul.py", "qtiles.py", "qgemv.py", "qscaled.py"):
         (old / f).write_text((ROOT / "kernels" / f).read_text())
     return old
 

@@ -25,7 +25,8 @@ def interp() -> InterpreterWorker:
 
 # Test file -> the background check it awaits.
 BACKGROUND = {"test_aot.py": "aot", "test_kernels_check.py": "smoke",
-              "test_qmatmul_bench.py": "qbench", "test_qgemv_variants.py": "qvariants"}
+              "test_qmatmul_bench.py": "qbench", "test_qgemv_variants.py": "qvariants",
+              "test_qgemv_sweep.py": "qsweep"}
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
