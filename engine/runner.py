@@ -14,6 +14,7 @@ import time
 import torch
 
 from engine.batch import ForwardBatch
+from engine.errors import OutOfKVPages
 from engine.graphs import Capturer, DecodeGraphs, bucket_for
 from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache
@@ -31,6 +32,12 @@ from kernels.triton_util import next_pow2
 __all__ = ["ForwardBatch", "ModelRunner"]
 
 log = logging.getLogger(__name__)
+
+# ModelRunner.warm_up's steps: (decode rows, prefill tokens fewer than the chunk, whether the
+# chunk continues after one chunk of context). Rows 1, 2, 16, 17 and tokens a multiple of
+# 16 or not, each beside the other's classes.
+WARM_UP_SHAPES = ((0, 0, 0), (0, 15, 1), (1, 15, 0), (1, 1, 1), (15, 15, 0), (15, 14, 1),
+                  (16, 15, 0))
 
 
 class ModelRunner:
@@ -103,32 +110,31 @@ class ModelRunner:
         builds a kernel variant per class of each row or token count (1, a multiple of
         16, any other), and a build stalls its step for up to a second: a first request
         would wait for it, and the ITL policy would fit its cost model to the stall.
-        Shapes: a prefill chunk alone (`chunk` rounded up to a multiple of 16, at least
-        32: qmatmul's tiled path), and a chunk of another class beside one and beside
-        sixteen decode rows. K/V go to pages taken from the pool and given back. -> the
-        seconds it took (0.0 on the CPU path, which builds nothing)."""
+        Shapes: a prefill chunk (`chunk` rounded up to a multiple of 16, at least 32:
+        qmatmul's tiled path, or 15 tokens less) from position 0 and continuing after
+        `chunk` tokens, alone and beside 1, 15 and 16 decode rows, so that row and token
+        counts each take every class. K/V go to pages taken from the pool and given back.
+        -> the seconds it took (0.0 on the CPU path, which builds nothing)."""
         if not self.triton:
             return 0.0
         start = time.perf_counter()
         whole = max(32, -(-chunk // 16) * 16)
-        seqs: list[SeqPages] = []
-        try:
-            for rows, tokens in ((0, whole), (1, whole - 15), (16, whole - 15)):
-                seqs = [SeqPages(self.pool) for _ in range(rows + 1)]
+        for rows, fewer, after in WARM_UP_SHAPES:
+            tokens, at = whole - fewer, whole * after
+            seqs = [SeqPages(self.pool) for _ in range(rows + 1)]
+            try:
                 for s in seqs[1:]:
                     s.ensure(2)
-                seqs[0].ensure(tokens)
-                spans = [([0] * tokens, 0)] + [([0], 1)] * rows
+                seqs[0].ensure(at + tokens)
+                spans = [([0] * tokens, at)] + [([0], 1)] * rows
                 tables = {g: [s.table(g) for s in seqs] for g in self.pool.groups}
                 self.forward_eager(ForwardBatch.build(spans, tables))
+            except OutOfKVPages:  # a small pool: this shape builds at first use
+                log.warning("warm-up skipped %d decode rows beside %d prefill tokens: too "
+                            "few KV pages", rows, tokens)
+            finally:
                 for s in seqs:
                     s.free()
-                seqs = []
-        except Exception:  # noqa: BLE001 - too few pages (a tiny pool): shapes build later
-            log.warning("warm-up skipped: its shapes build at first use", exc_info=True)
-        finally:
-            for s in seqs:
-                s.free()
         self.prepare_graphs(context)
         if torch.device(self.model.device).type == "cuda":
             torch.cuda.synchronize(self.model.device)

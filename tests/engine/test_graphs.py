@@ -199,9 +199,15 @@ def test_warm_up_runs_each_step_class_and_gives_its_pages_back(model, monkeypatc
     free = _free_pages(runner)
     seen, captured = _record_warm_up(runner, monkeypatch)
     assert runner.warm_up(chunk=40, context=7) >= 0.0
-    # a 48-token prefill alone (tiled path, a multiple of 16), then a 33-token chunk
-    # (another class) beside 1 and 16 decode rows
-    assert seen == [(1, 48, [0, 1], 48), (2, 34, [0, 1], 33), (17, 49, [0, 1], 33)]
+    # chunks of 48 (a multiple of 16, qmatmul's tiled path), 33 and 47 tokens, from 0 or
+    # after 48 tokens, alone and beside 1, 15 and 16 decode rows: rows 1, 2, 16, 17 and
+    # token counts a multiple of 16 or not
+    assert seen == [(1, 48, [0, 1], 48), (1, 33, [48, 49], 81), (2, 34, [0, 1], 33),
+                    (2, 48, [48, 49], 95), (16, 48, [0, 1], 33), (16, 49, [48, 49], 82),
+                    (17, 49, [0, 1], 33)]
+    rows = {r for r, *_ in seen}
+    assert {r % 16 == 0 for r in rows} == {True, False} and 1 in rows
+    assert {t % 16 == 0 for _, t, *_ in seen} == {True, False}
     assert captured == [7]
     assert _free_pages(runner) == free
 
@@ -212,7 +218,9 @@ def test_warm_up_with_too_few_pages_skips_shapes_and_loses_none(model, monkeypat
     free = _free_pages(runner)
     seen, captured = _record_warm_up(runner, monkeypatch)
     runner.warm_up(chunk=40)
-    assert seen == [(1, 48, [0, 1], 48), (2, 34, [0, 1], 33)]  # 17 sequences do not fit
+    # with 6 pages per group, a 95-token chunk beside a decoder and 16 or more sequences
+    # do not fit; the other shapes still run
+    assert seen == [(1, 48, [0, 1], 48), (1, 33, [48, 49], 81), (2, 34, [0, 1], 33)]
     assert "warm-up skipped" in caplog.text
     assert captured == [1]  # the graphs are still captured
     assert _free_pages(runner) == free
