@@ -224,3 +224,30 @@ def test_warm_up_with_too_few_pages_skips_shapes_and_loses_none(model, monkeypat
     assert "warm-up skipped" in caplog.text
     assert captured == [1]  # the graphs are still captured
     assert _free_pages(runner) == free
+
+
+def test_warm_up_batches_run_through_the_model(model, monkeypatch):
+    """Each warm-up step is a valid batch for the model's forward (here the CPU path's,
+    standing in for the kernels'): logits for every row, and the pool unchanged."""
+    runner = ModelRunner(model, PAGES, 16, "f16", cuda_graphs=True, max_context=CONTEXT,
+                         capture=FakeCapture())
+    free = _free_pages(runner)
+    real = runner.forward_eager
+    shapes = []
+
+    def cpu_forward(batch):
+        runner.triton = False
+        try:
+            logits = real(batch)
+        finally:
+            runner.triton = True
+        assert logits.shape[0] == batch.num_rows and torch.isfinite(logits).all()
+        shapes.append(batch.num_rows)
+        return logits
+
+    runner.triton = True
+    monkeypatch.setattr(runner, "forward_eager", cpu_forward)
+    monkeypatch.setattr(runner, "prepare_graphs", lambda context=1: 0)
+    runner.warm_up(chunk=40)
+    assert shapes == [1, 1, 2, 2, 16, 16, 17]
+    assert _free_pages(runner) == free
