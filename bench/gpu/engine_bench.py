@@ -180,6 +180,7 @@ def scheduler_state(core) -> dict:
     return {"itl_target_ms": None if target is None else round(target * 1e3, 2),
             "itl_margin": round(sched.itl.margin(), 3),
             "first_token_bursts": sched.packer.burst.num_bursts,
+            "stalls_left_out": sched.itl.num_stalls,
             "max_recent_prefill": sched.itl.max_recent_prefill(),
             # what the margin reads: (decode rows, prefill tokens, measured ms, modelled ms)
             "recent_mixed_steps": [(r, n, round(t * 1e3, 2), round(m * 1e3, 2))

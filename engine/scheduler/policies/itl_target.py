@@ -30,6 +30,12 @@ measured/modelled time over the last `window` steps that carried prefill beside 
 (1 when within 2%, at most `max_margin`), so that about that share of steps stays within the
 target. On exact costs the margin is 1.
 
+A stall is not a cost: a step that takes more than STALL_FACTOR times its prediction (and
+STALL_MIN_S longer) once the model has seen enough steps (a kernel built at first use, a
+page-fault storm, a collector pause) stays out of the fit and the margin's window, unless
+it is the third such step in a row (then costs really changed). And one step alone never
+sets the margin: it reads at most the second-largest ratio of its window.
+
 A step may carry several prefill rows (engine/scheduler/prefill.py packs them): their
 tokens and attended keys add up (`PrefillLoad`), and each further row gets the largest
 chunk that still fits beside what the step already carries; only the step's first row is
@@ -42,6 +48,10 @@ from collections import deque
 from typing import NamedTuple
 
 MARGIN_TOLERANCE = 0.02  # measured/modelled quantiles up to 1.02 leave the margin at 1
+STALL_FACTOR = 4.0  # measured / modelled above this (and STALL_MIN_S over) is a stall
+STALL_MIN_S = 0.02
+STALL_MIN_OBSERVATIONS = 8  # the fit judges stalls only after this many steps
+STALL_MAX_RUN = 2  # consecutive stalls left out; the next slow step is taken as a trend
 # Features are scaled to O(1) so that one prior strength suits every term.
 _SCALES = (1.0, 8.0, 256.0, 256.0 * 2048.0)
 
@@ -151,15 +161,29 @@ class ItlTarget:
         # the recent steps with prefill beside decoders: (rows, load, seconds)
         self._recent: deque[tuple[int, PrefillLoad, float]] = deque(maxlen=window)
         self._margin: tuple[int, float] = (-1, 1.0)  # (observations when computed, margin)
+        self.num_stalls = 0  # steps left out as stalls
+        self._stall_run = 0  # consecutive stalls just left out
 
     def observe(self, decode_rows: int, prefill_tokens: int, seconds: float,
                 start: int = 0) -> None:
         self.observe_load(decode_rows, NO_PREFILL.plus(prefill_tokens, start), seconds)
 
     def observe_load(self, decode_rows: int, load: PrefillLoad, seconds: float) -> None:
+        if self.is_stall(decode_rows, load, seconds) and self._stall_run < STALL_MAX_RUN:
+            self.num_stalls += 1
+            self._stall_run += 1
+            return
+        self._stall_run = 0
         if load.tokens and decode_rows:
             self._recent.append((decode_rows, load, seconds))
         self.model.observe_load(decode_rows, load, seconds)
+
+    def is_stall(self, decode_rows: int, load: PrefillLoad, seconds: float) -> bool:
+        """Whether a step of `seconds` is far beyond what the fitted model predicts."""
+        if self.model.num_observations < STALL_MIN_OBSERVATIONS:
+            return False
+        predicted = self.model.predict_load(decode_rows, load)
+        return seconds > STALL_FACTOR * predicted and seconds - predicted > STALL_MIN_S
 
     def max_recent_prefill(self) -> int:
         """The most prefill tokens one of the recent steps beside decoders carried."""
@@ -178,7 +202,9 @@ class ItlTarget:
         seen = self.model.num_observations
         if self._margin[0] != seen:
             ratios = sorted(t / m for _, _, t, m in self.recent_steps() if m > 0)
-            q = ratios[min(len(ratios) - 1, int(self.quantile * len(ratios)))] if ratios else 1.0
+            # the quantile, but never the largest ratio alone (one step is not a spread)
+            top = len(ratios) - (2 if len(ratios) > 1 else 1)
+            q = ratios[min(top, int(self.quantile * len(ratios)))] if ratios else 1.0
             # within the fit's own tolerance the model is taken as exact
             self._margin = (seen, 1.0 if q <= 1.0 + MARGIN_TOLERANCE else min(self.max_margin, q))
         return self._margin[1]

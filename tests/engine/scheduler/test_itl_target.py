@@ -276,5 +276,48 @@ def test_recent_steps_are_what_the_margin_reads() -> None:
                                                     (4, 200, 0.024)]
     assert all(m == pytest.approx(policy.model.predict(r, n)) for r, n, _, m in recent)
     ratios = sorted(t / m for _, _, t, m in recent)
-    q = ratios[min(len(ratios) - 1, int(policy.quantile * len(ratios)))]
+    q = ratios[min(len(ratios) - 2, int(policy.quantile * len(ratios)))]  # not the largest
     assert policy.margin() == (1.0 if q <= 1.02 else pytest.approx(min(2.0, q)))
+
+
+def _fitted(policy: ItlTarget, rounds: int = 3) -> None:
+    for rows, tokens in [(0, 512), (4, 0), (2, 100), (8, 300), (4, 64), (3, 200)] * rounds:
+        policy.observe(rows, tokens, A + B * rows + C * tokens)
+
+
+def test_a_lone_stall_stays_out_of_the_fit_and_the_margin() -> None:
+    """A step that built a kernel (1 s where 20 ms were due) says nothing about costs:
+    the fit, the margin and the largest recent chunk stay as they were."""
+    policy = ItlTarget(0.02)
+    _fitted(policy)
+    before, ceiling = policy.model.coefficients(), policy.max_recent_prefill()
+    policy.observe(2, 1024, 1.0)
+    assert policy.num_stalls == 1
+    assert policy.model.coefficients() == before and policy.margin() == 1.0
+    assert policy.max_recent_prefill() == ceiling
+    policy.observe(4, 100, A + 4 * B + 100 * C)  # a normal step ends the run
+    policy.observe(2, 100, 1.0)
+    assert policy.num_stalls == 2 and policy.margin() == 1.0
+
+
+def test_slow_steps_in_a_row_are_a_trend() -> None:
+    """Costs that really rose (the third slow step in a row) are taken in."""
+    policy = ItlTarget(0.02)
+    _fitted(policy)
+    slow = 6 * (A + 4 * B + 100 * C)
+    for _ in range(3):
+        policy.observe(4, 100, slow)
+    assert policy.num_stalls == 2
+    assert policy.model.predict(4, 100) > 1.5 * (A + 4 * B + 100 * C)
+
+
+def test_one_slow_step_does_not_set_the_margin() -> None:
+    """The margin reads at most the second-largest ratio: one step 1.8x slow leaves it at
+    1, a second one sets it."""
+    policy = ItlTarget(0.02)
+    _fitted(policy)
+    due = A + 4 * B + 100 * C
+    policy.observe(4, 100, 1.8 * due)  # not a stall (under STALL_FACTOR)
+    assert policy.num_stalls == 0 and policy.margin() == 1.0
+    policy.observe(4, 100, 1.8 * due)
+    assert policy.margin() > 1.3  # the fit took in part of the slowness itself
