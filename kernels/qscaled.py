@@ -116,6 +116,7 @@ def step(acc, QTYPE: tl.constexpr, w_ptr, row_off, k0, lut, x_ptr, rm, m_ok, str
     """One BK-column step of both qmatmul kernels: Q4_K's scaled step, else the generic
     one (kernels/qtiles.py)."""
     if QTYPE == 12:  # Q4_K
+        tl.static_assert(not X_LEFT, "Q4_K's scaled step takes the weights on the left")
         acc = mac_k4(acc, w_ptr, row_off, k0, x_ptr, rm, m_ok, stride_xm, BN, BK, BM, DOT_F64,
                      PTX)
     else:
