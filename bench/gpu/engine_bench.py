@@ -275,12 +275,16 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
 
 
 def commit_id() -> str:
+    """MBUFO_COMMIT when set (the device machine's copy of the tree may carry a stale
+    .git), else this tree's git HEAD."""
+    if os.environ.get("MBUFO_COMMIT"):
+        return os.environ["MBUFO_COMMIT"]
     root = Path(__file__).resolve().parents[2]
     try:
         return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("MBUFO_COMMIT", "unknown")
+        return "unknown"
 
 
 def summarize(variant: dict) -> None:

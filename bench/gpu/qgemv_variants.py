@@ -38,12 +38,16 @@ from kernels.qmatmul import QMMConfig, _lut, qmatmul_tiled  # noqa: E402
 
 
 def commit_id() -> str:
-    """This tree's commit (engine_bench's import chain needs gguf, absent on the device)."""
+    """MBUFO_COMMIT when set (the device machine's copy of the tree may carry a stale
+    .git), else this tree's git HEAD."""
+    if os.environ.get("MBUFO_COMMIT"):
+        return os.environ["MBUFO_COMMIT"]
+    root = Path(__file__).resolve().parents[2]
     try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+        return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("MBUFO_COMMIT", "unknown")
+        return "unknown"
 
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
