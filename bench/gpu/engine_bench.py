@@ -22,16 +22,16 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
+from provenance import commit_id  # noqa: E402
 
 from engine.batch import ForwardBatch  # noqa: E402
 from engine.build import EngineOptions, build_core, load_for  # noqa: E402
@@ -272,19 +272,6 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
             out["graphs"] = {"error": "graphs off (a capture failed: see the log)"}
     finally:
         engine.stop()
-
-
-def commit_id() -> str:
-    """MBUFO_COMMIT when set (the device machine's copy of the tree may carry a stale
-    .git), else this tree's git HEAD."""
-    if os.environ.get("MBUFO_COMMIT"):
-        return os.environ["MBUFO_COMMIT"]
-    root = Path(__file__).resolve().parents[2]
-    try:
-        return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def summarize(variant: dict) -> None:

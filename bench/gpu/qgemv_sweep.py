@@ -26,7 +26,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench" / "gpu")]
 
 import torch  # noqa: E402
 from kernels_check import GGML_TYPES, random_blocks  # noqa: E402
-from qgemv_variants import SHAPES, commit_id  # noqa: E402
+from provenance import commit_id  # noqa: E402
+from qgemv_variants import SHAPES  # noqa: E402
 from qmatmul_bench import L2_MISS_BYTES, Run, ceilings  # noqa: E402
 
 from kernels import qgemv  # noqa: E402

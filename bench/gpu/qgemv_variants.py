@@ -19,7 +19,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 from datetime import UTC, datetime
 from functools import partial
@@ -30,25 +29,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench" / "gpu")]
 
 import torch  # noqa: E402
 from kernels_check import GGML_TYPES, random_blocks  # noqa: E402
+from provenance import commit_id  # noqa: E402
 from qmatmul_bench import L2_MISS_BYTES, Run, ceilings, load_old  # noqa: E402
 
 from kernels import qgemv  # noqa: E402
 from kernels.dequant import dequantize_reference  # noqa: E402
 from kernels.qmatmul import QMMConfig, _lut, qmatmul_tiled  # noqa: E402
-
-
-def commit_id() -> str:
-    """MBUFO_COMMIT when set (the device machine's copy of the tree may carry a stale
-    .git), else this tree's git HEAD."""
-    if os.environ.get("MBUFO_COMMIT"):
-        return os.environ["MBUFO_COMMIT"]
-    root = Path(__file__).resolve().parents[2]
-    try:
-        return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
 PREFILL_SHAPES = [(4096, 4096), (14336, 4096)]
