@@ -1,0 +1,105 @@
+"""kernels/qint.py (Q4_K and Q6_K with 8-bit activations), interpreted on the CPU, against
+gguf-py's dequantize @ the quantized x in float64, on fresh random GGUF blocks.
+
+The kernel's sums per super-block are exact integers; what is left is float32 rounding in
+the two fmas per super-block and in gguf-py's own weights (d * sc rounded): 2^-16 of
+|W| @ |x_q| bounds it. A wrong nibble, scale, sign or column is off by about the size of
+the term itself. x's quantization is checked against a float64 rounding of its own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+from test_qmatmul import random_weight
+
+from engine.errors import InvalidRequest
+from kernels.qint import QIntConfig, quantize_x_reference
+
+KERNEL = "kernels.qint:qint_triton"
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
+
+
+def x_quantized(x: torch.Tensor) -> torch.Tensor:
+    q, dx = quantize_x_reference(x)
+    m, k = x.shape
+    return (q.double().reshape(m, k // 256, 256) * dx.double()[..., None]).reshape(m, k)
+
+
+def check(y: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, qtype: T) -> None:
+    w = torch.from_numpy(gguf_dequantize(blocks.numpy(), qtype).astype(np.float64))
+    xq = x_quantized(x)
+    ref, bound = xq @ w.T, xq.abs() @ w.abs().T
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    assert torch.isfinite(y).all(), "output not fully written"
+    err = (y.double() - ref).abs()
+    assert (err <= 2**-16 * bound + 1e-30).all(), float((err / bound).max())
+    # and the product stays that of x itself within the 8-bit quantization's error
+    plain = x.double() @ w.T
+    assert ((y.double() - plain).abs() <= 2**-5 * (x.double().abs() @ w.abs().T)).all()
+
+
+def test_quantize_x_definition(rng):
+    """q = round(x * 127 / max|x|) per 256 columns (ties may go either way: the float32
+    fma decides), |q| <= 127 with 127 at the maximum, zero blocks give q = dx = 0."""
+    x = torch.from_numpy(rng.standard_normal((3, 768), dtype=np.float32))
+    x[1, 256:512] = 0.0
+    q, dx = quantize_x_reference(x)
+    xb = x.double().reshape(3, 3, 256)
+    a = xb.abs().amax(-1)
+    exact = xb * (127.0 / a.clamp_min(1e-30))[..., None]
+    assert ((q.double().reshape(3, 3, 256) - exact).abs() <= 0.5 + 1e-6).all()
+    assert (q.abs().reshape(3, 3, 256).amax(-1)[a > 0] == 127).all()
+    assert (q.reshape(3, 3, 256)[1, 1] == 0).all() and dx[1, 1] == 0
+    assert torch.allclose(dx.double(), a / 127.0, rtol=2**-23, atol=0)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("m,n,k,cfg", [(1, 40, 512, QIntConfig(16, 1)),
+                                       (3, 33, 1024, QIntConfig(16, 2)),
+                                       (16, 20, 512, QIntConfig(8, 2, 2))], ids=str)
+def test_kernel_matches_gguf(interp, rng, qtype, m, n, k, cfg):
+    """N not a multiple of the tile, splits summed by the second kernel, bf16 x with a
+    row stride > in, a zero super-block in x (dx = 0)."""
+    blocks = random_weight(qtype, n, k, rng)
+    x = torch.from_numpy(rng.standard_normal((m, k + 32), dtype=np.float32))[:, :k]
+    if m > 1:
+        x = x.to(torch.bfloat16)
+        x[1, 256:512] = 0
+    y = interp.call(KERNEL, x, blocks, int(qtype), (n, k), cfg)
+    check(y, x.float(), blocks, qtype)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_rows_independent_of_batch_and_split(interp, rng, qtype):
+    """A row's bits are the same alone, among 5 and 16 rows, at any tile height and split:
+    the super-block sums are exact integers and the float fmas run in K order."""
+    n, k = 24, 1024
+    blocks = random_weight(qtype, n, k, rng)
+    x = torch.from_numpy(rng.standard_normal((16, k), dtype=np.float32))
+    alone = interp.call(KERNEL, x[4:5], blocks, int(qtype), (n, k), QIntConfig(16, 4))
+    five = interp.call(KERNEL, x[:5], blocks, int(qtype), (n, k), QIntConfig(8, 4, 2))
+    all16 = interp.call(KERNEL, x, blocks, int(qtype), (n, k), QIntConfig(32, 4, 8))
+    assert torch.equal(alone[0], five[4]) and torch.equal(alone[0], all16[4])
+    check(all16, x, blocks, qtype)
+
+
+def test_rejects_bad_input(interp, rng):
+    blocks = random_weight(T.Q4_K, 8, 256, rng)
+    with pytest.raises(InvalidRequest, match="no kernel"):
+        interp.call(KERNEL, torch.zeros(1, 256), blocks, int(T.Q8_0), (8, 256))
+    with pytest.raises(InvalidRequest, match="16"):
+        interp.call(KERNEL, torch.zeros(17, 256), blocks, int(T.Q4_K), (8, 256))
+    with pytest.raises(InvalidRequest, match="blocks"):
+        interp.call(KERNEL, torch.zeros(1, 256), blocks[:4], int(T.Q4_K), (8, 256))
+    with pytest.raises(InvalidRequest, match="divide"):
+        interp.call(KERNEL, torch.zeros(1, 256), blocks, int(T.Q4_K), (8, 256), QIntConfig(16, 2))
