@@ -47,10 +47,19 @@ def kernel_specs(quick: bool = False) -> list[KernelSpec]:
     tiled kernel for every type, plus the skinny ones (kernels/qgemv.py) of Q4_K and Q6_K
     (the two operand sides): comparing their instructions checks the batch-invariance
     premise."""
-    from kernels import fused_norm, fused_rope, gated_act, kv_store, paged_attention, qgemv, qmatmul
+    from kernels import (
+        fused_norm,
+        fused_rope,
+        gated_act,
+        kv_store,
+        paged_attention,
+        qgemv,
+        qint,
+        qmatmul,
+    )
 
     specs = [*qgemv.aot_specs(KernelSpec), *qmatmul.aot_specs(KernelSpec),
-             *paged_attention.aot_specs(KernelSpec)]
+             *paged_attention.aot_specs(KernelSpec), *qint.aot_specs(KernelSpec)]
     if not quick:  # CI builds these in tests/kernels/test_fused_aot.py (no dots to check)
         specs += [*fused_norm.aot_specs(KernelSpec), *fused_rope.aot_specs(KernelSpec),
                   *kv_store.aot_specs(KernelSpec), *gated_act.aot_specs(KernelSpec)]

@@ -249,3 +249,21 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
 
         sum_splits(out, y)
     return y
+
+
+def aot_specs(spec: type) -> list:
+    """kernels/aot.py: the decode kernel of each type at one and at 16 rows (bf16 x)."""
+    if not HAS_TRITON:
+        return []
+    sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*fp32", "M": "i32", "N": "i32",
+           "row_bytes": "i32", "sb_per_split": "i32", "stride_xm": "i32"}
+    divisible = ("x_ptr", "w_ptr", "out_ptr", "row_bytes", "stride_xm")
+    out = []
+    for qtype, name in ((Q4_K, "Q4_K"), (Q6_K, "Q6_K")):
+        for bm in (1, 16):
+            cfg = default_qint_config(qtype, bm, 4096, 4096)
+            consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": cfg.block_n}
+            out.append(spec(f"qint_{name}_m{bm}", _qint_gemv_kernel,
+                            {**sig, **{k: "constexpr" for k in consts}}, consts,
+                            cfg.num_warps, False, None, cfg.num_stages, divisible))
+    return out

@@ -1,0 +1,150 @@
+"""kernels/qint.py (8-bit activations, CUDA cores) against qmatmul's skinny kernel on the
+GPU, at Llama-3.1-8B's shapes: correctness, a row's bits across M, bandwidth, a sweep.
+
+    python3 bench/gpu/qint_bench.py [--budget-s 400]   # on the device machine
+
+Every qint run is checked against kernels.qint.qint_reference (float64, within 2^-16
+|W| |x_q|) and its row 0 against the M = 1 row 0 bit for bit; qmatmul's against its
+2^-7 bound. Times are CUDA-graph replays over weight copies that miss the L2
+(bench/gpu/qmatmul_bench.py's method); GB/s counts the GGML bytes. Writes
+$OUT/qint_bench.json and prints a table. --smoke runs tiny shapes in the interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from datetime import UTC, datetime
+from functools import partial
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench" / "gpu")]
+
+import torch  # noqa: E402
+from kernels_check import GGML_TYPES, random_blocks  # noqa: E402
+from provenance import commit_id  # noqa: E402
+from qmatmul_bench import L2_MISS_BYTES, Run, ceilings  # noqa: E402
+
+from kernels.dequant import dequantize_reference  # noqa: E402
+from kernels.qint import (  # noqa: E402
+    QIntConfig,
+    default_qint_config,
+    qint_triton,
+    quantize_x_reference,
+)
+from kernels.qmatmul import qmatmul_triton  # noqa: E402
+
+SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
+MS = (1, 2, 4, 8, 16)
+
+
+def sweep(base: QIntConfig) -> list[QIntConfig]:
+    out = [QIntConfig(bn, s, w, st) for bn in (4, 8, 16, 32) for w in (1, 2, 4)
+           for s in sorted({max(1, base.split // 2), base.split, base.split * 2})
+           for st in (None, 4) if bn * 32 >= w * 32]
+    return [c for c in out if c != base]
+
+
+class Case:
+    def __init__(self, run: Run, name: str, n: int, k: int) -> None:
+        self.name, self.qtype, self.n, self.k = name, GGML_TYPES[name], n, k
+        self.blocks = random_blocks(run, name, n, k)
+        count = 1 if run.smoke else max(1, min(64, math.ceil(L2_MISS_BYTES /
+                                                             self.blocks.numel())))
+        self.copies = [self.blocks] + [self.blocks.clone() for _ in range(count - 1)]
+        self.x = torch.randn(max(MS), k, device=run.dev, generator=run.gen).bfloat16()
+        w = dequantize_reference(self.blocks.view(-1), self.qtype, (n, k), torch.float64)
+        self.bound16 = self.x.double().abs() @ w.abs().T
+        self.ref16 = self.x.double() @ w.T
+        q, dx = quantize_x_reference(self.x)
+        xq = (q.double().reshape(len(q), -1, 256) * dx.double()[..., None]).reshape(len(q), k)
+        self.ref, self.bound = xq @ w.T, xq.abs() @ w.abs().T
+        del w
+        self.row0: dict = {}
+
+
+def measure(run: Run, case: Case, mode: str, m: int, cfg: QIntConfig | None, ceil: dict) -> dict:
+    row = {"type": case.name, "n": case.n, "k": case.k, "m": m, "mode": mode,
+           "config": None if cfg is None else list(cfg), "ok": False}
+    what = f"{case.name} ({case.n},{case.k}) M={m} {mode} {cfg}"
+    x = case.x[:m]
+    if mode == "qmatmul":
+        call = partial(qmatmul_triton, x, ggml_type=case.qtype, shape=(case.n, case.k))
+    else:
+        call = partial(qint_triton, x, ggml_type=case.qtype, shape=(case.n, case.k),
+                       config=cfg)
+    y = run.attempt(what, lambda: call(blocks=case.blocks))
+    if y is None:
+        return row
+    if mode == "qmatmul":
+        err = float(((y.double() - case.ref16[:m]).abs() / case.bound16[:m]).max())
+        row.update(err=err, ok=bool(torch.isfinite(y).all()) and err <= 2**-7)
+    else:
+        err = float(((y.double() - case.ref[:m]).abs() / case.bound[:m]).max())
+        first = case.row0.setdefault(m == 1, y[0].clone()) if m == 1 else case.row0.get(True)
+        row.update(err=err, ok=bool(torch.isfinite(y).all()) and err <= 2**-16,
+                   bits_equal_m1=None if first is None else bool(torch.equal(y[0], first)))
+    us = run.attempt(what, lambda: run.time_us([partial(call, blocks=w) for w in case.copies]))
+    if us is not None:
+        gbs = case.blocks.numel() / us / 1e3
+        row.update(us=us, gb_s=gbs, pct_copy=100 * gbs / ceil["copy_gb_s"])
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--types", default="Q4_K,Q6_K")
+    ap.add_argument("--budget-s", type=float, default=400.0)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter)")
+    ap.add_argument("--sweep-shapes", default="4096x4096,14336x4096",
+                    help="shapes swept at M = 1 (NxK, comma separated)")
+    args = ap.parse_args(argv)
+    run = Run(args)
+    shapes = [(32, 512)] if args.smoke else SHAPES
+    ms = (1, 3) if args.smoke else MS
+    ceil = ceilings(run)
+    out = {"device": "cpu" if args.smoke else torch.cuda.get_device_name(), "ceilings": ceil,
+           "commit": commit_id(), "date": datetime.now(UTC).isoformat(timespec="seconds"),
+           "rows": [], "versions": [torch.__version__, __import__("triton").__version__]}
+    swept = {tuple(int(v) for v in s.split("x")) for s in args.sweep_shapes.split(",") if s}
+    for name in args.types.split(","):
+        for n, k in shapes:
+            if run.left() < 20:
+                out.setdefault("skipped", []).append(f"{name} ({n},{k})")
+                continue
+            case = Case(run, name, n, k)
+            for m in ms:
+                for mode in ("qmatmul", "qint"):
+                    out["rows"].append(measure(run, case, mode, m, None, ceil))
+            if (n, k) in swept or args.smoke:
+                base = default_qint_config(case.qtype, 1, n, k, run.sms)
+                for cfg in sweep(base)[:2 if args.smoke else None]:
+                    if run.left() > 60:
+                        out["rows"].append(measure(run, case, "qint", 1, cfg, ceil))
+            print(f"{name} ({n},{k}) done, {run.left():.0f} s left", flush=True)
+            del case
+            if not args.smoke:
+                torch.cuda.empty_cache()
+    out["errors"] = run.out["errors"]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "qint_bench.json").write_text(json.dumps(out, indent=1))
+    print(f"{out['device']}: copy {ceil['copy_gb_s']:.0f} GB/s")
+    print(f"{'type':5} {'N':>6} {'K':>5} {'M':>3} {'mode':7} {'us':>8} {'GB/s':>6} {'%cp':>4} "
+          f"{'err':>8} ok bits config")
+    for r in out["rows"]:
+        if r.get("us"):
+            print(f"{r['type']:5} {r['n']:6} {r['k']:5} {r['m']:3} {r['mode']:7} {r['us']:8.1f} "
+                  f"{r['gb_s']:6.0f} {r['pct_copy']:4.0f} {r['err']:8.1e} {int(r['ok'])}  "
+                  f"{r.get('bits_equal_m1', '-')!s:5} {r['config'] or 'default'}")
+    bad = [r for r in out["rows"] if not r["ok"] or r.get("bits_equal_m1") is False]
+    print(f"failures: {len(bad)}; errors: {len(out['errors'])}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
