@@ -20,10 +20,10 @@ the independent reference.
 The x quantization costs accuracy: q carries about 8 bits per element relative to the
 block's largest, as llama.cpp's own quantized-activation kernels (q8_1, q8_K).
 
+`quantize_x` (one small launch) writes q, dx and the sums of q over each 16 columns;
 `_qint_gemv_kernel` is the decode path without the matrix unit: a program owns BLOCK_N
-weight rows and one of `split` equal super-block ranges, quantizes the x super-block
-itself (every program the same bits, no extra launch) and multiplies on the CUDA cores,
-for up to BLOCK_M (a power of two, at most 16) rows of x.
+weight rows and one of `split` equal super-block ranges and multiplies on the CUDA cores,
+for each of up to BLOCK_M (a power of two, at most 16) rows of x in turn.
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ from typing import NamedTuple
 import torch
 
 from engine.errors import InvalidRequest
-from kernels.qtiles import Q4_K, Q6_K, _bytes, _f16, _f16lo, _p32, _words
+from kernels.qgemv import ptx
+from kernels.qtiles import Q4_K, Q6_K, _f16, _f16lo, _p32, _words
 from kernels.triton_util import HAS_TRITON, helper, launcher, next_pow2, tl, triton
 
 __all__ = ["QINT_TYPES", "QIntConfig", "default_qint_config", "qint_reference",
-           "qint_triton", "quantize_x_reference"]
+           "qint_triton", "quantize_x", "quantize_x_reference"]
 
 QINT_TYPES = frozenset({Q4_K, Q6_K})
 _TYPE_SIZE = {Q4_K: 144, Q6_K: 210}
@@ -83,52 +84,48 @@ def qint_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int,
 
 if HAS_TRITON:
 
-    @helper
-    def _quantize(xa, xb):
-        """Two float32 (BM, S, L) parts of the rows' super-block -> their int32 codes and
-        the rows' (BM,) dx (the definition in the module docstring)."""
-        a = tl.maximum(tl.max(tl.max(tl.abs(xa), axis=2), axis=1),
-                       tl.max(tl.max(tl.abs(xb), axis=2), axis=1))
+    @triton.jit
+    def _quantize_x_kernel(x_ptr, q_ptr, dx_ptr, bs_ptr, K, stride_xm):
+        """Row m (program 0), super-block b (program 1) of x -> q int8 (M, K), dx (M, K /
+        256) and the sums of q over each 16 columns, int32 (M, K / 16)."""
+        m = tl.program_id(0).to(tl.int64)
+        b = tl.program_id(1)
+        cols = b * 256 + tl.arange(0, 256)
+        x = tl.load(x_ptr + m * stride_xm + cols).to(tl.float32)
+        a = tl.max(tl.abs(x), axis=0)
         pos = a > 0
-        safe = tl.where(pos, a, 1.0)
-        inv = tl.where(pos, tl.math.div_rn(tl.full(a.shape, 127.0, tl.float32), safe), 0.0)
-        dx = tl.where(pos, tl.math.div_rn(a, tl.full(a.shape, 127.0, tl.float32)), 0.0)
-        inv3 = inv[:, None, None]
-        qa = tl.minimum(tl.maximum(tl.floor(tl.fma(xa, inv3, 0.5)), -127.0), 127.0)
-        qb = tl.minimum(tl.maximum(tl.floor(tl.fma(xb, inv3, 0.5)), -127.0), 127.0)
-        return qa.to(tl.int32), qb.to(tl.int32), dx
+        inv = tl.where(pos, tl.math.div_rn(127.0, tl.where(pos, a, 1.0)), 0.0)
+        dx = tl.where(pos, tl.math.div_rn(a, 127.0), 0.0)
+        q = tl.minimum(tl.maximum(tl.floor(tl.fma(x, inv, 0.5)), -127.0), 127.0).to(tl.int32)
+        tl.store(q_ptr + m * K + cols, q.to(tl.int8))
+        tl.store(dx_ptr + m * (K // 256) + b, dx)
+        sums = tl.sum(tl.reshape(q, (16, 16)), axis=1)
+        tl.store(bs_ptr + m * (K // 16) + b * 16 + tl.arange(0, 16), sums)
 
     @helper
-    def _x_part(x_rows, m_ok, cols):
-        """x at (BM, S, L) column offsets `cols` (1, S, L) of each row, as float32."""
-        return tl.load(x_rows[:, None, None] + cols, mask=m_ok[:, None, None],
-                       other=0.0).to(tl.float32)
+    def _dp4a(a, b, PTX: tl.constexpr):
+        """The sum of the 4 byte products of int32 words a (unsigned bytes < 128) and b
+        (signed bytes): one dp4a on NVIDIA, byte by byte elsewhere (the same integer)."""
+        if PTX:
+            out = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b],
+                                            dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            out = ((a & 255) * ((b << 24) >> 24) + ((a >> 8) & 255) * ((b << 16) >> 24)
+                   + ((a >> 16) & 255) * ((b << 8) >> 24) + ((a >> 24) & 255) * (b >> 24))
+        return out
 
     @helper
-    def _sb_q4k(acc, w_ptr, row_off, sb, x_rows, m_ok):
-        """acc (BN, BM) + super-block sb of BN Q4_K rows times x's rows."""
-        blk = row_off + sb * 144  # (BN,) 16-byte aligned super-blocks
-        g = tl.arange(0, 4)
-        ll = tl.arange(0, 32)
-        # 32 code bytes per 64-column group g: low nibbles sub-block 2g, high 2g + 1
-        byte = tl.load((w_ptr + blk + 16)[:, None, None] + (g * 32)[None, :, None]
-                       + ll[None, None, :]).to(tl.int32)  # (BN, 4, 32)
-        lo = byte & 15
-        hi = byte >> 4
-        cols = (sb * 256 + g * 64)[None, :, None] + ll[None, None, :]
-        qa, qb, dx = _quantize(_x_part(x_rows, m_ok, cols), _x_part(x_rows, m_ok, cols + 32))
-        dot_a = tl.sum(lo[:, None, :, :] * qa[None, :, :, :], axis=3)  # (BN, BM, 4)
-        dot_b = tl.sum(hi[:, None, :, :] * qb[None, :, :, :], axis=3)
-        sum_a = tl.sum(qa, axis=2)[None, :, :]  # (1, BM, 4)
-        sum_b = tl.sum(qb, axis=2)[None, :, :]
-        # head: word 0 = d | dmin << 16, words 1-3 = scales[12] (see qtiles._scales_k4)
+    def _k4_scales(w_ptr, blk, g):
+        """Q4_K super-blocks at byte offsets blk (BN,): d, dmin (BN,) float32 and the int32
+        scales and mins (BN, 4) of sub-blocks 2 g and 2 g + 1 (g: (1, 4) group index). The
+        16-byte head: word 0 = d | dmin << 16, words 1-3 = scales[12] (qtiles._scales_k4)."""
         j = tl.arange(0, 4)[None, :]
         head = tl.load((_p32(w_ptr) + blk // 4)[:, None] + j)  # (BN, 4)
         w0 = tl.sum(tl.where(j == 0, head, 0), axis=1)
         w1 = tl.sum(tl.where(j == 1, head, 0), axis=1)[:, None]
         w2 = tl.sum(tl.where(j == 2, head, 0), axis=1)[:, None]
         w3 = tl.sum(tl.where(j == 3, head, 0), axis=1)[:, None]
-        s0 = (2 * g).to(tl.uint32)[None, :]
+        s0 = (2 * g).to(tl.uint32)
         sh0 = 8 * (s0 % 4)
         sh1 = sh0 + 8
         upper = s0 >= 4
@@ -140,81 +137,144 @@ if HAS_TRITON:
                        (w2 >> sh0) & 63).to(tl.int32)
         mn1 = tl.where(upper, ((w3 >> (sh1 + 4)) & 15) | (((w2 >> (sh1 + 6)) & 3) << 4),
                        (w2 >> sh1) & 63).to(tl.int32)
-        isum = tl.sum(sc0[:, None, :] * dot_a + sc1[:, None, :] * dot_b, axis=2)  # (BN, BM)
-        msum = tl.sum(mn0[:, None, :] * sum_a + mn1[:, None, :] * sum_b, axis=2)
-        d = _f16lo(w0)[:, None]
-        dmin = _f16lo(w0 >> 16)[:, None]
-        acc = tl.fma(isum.to(tl.float32), d * dx[None, :], acc)
-        return tl.fma(-msum.to(tl.float32), dmin * dx[None, :], acc)
+        return _f16lo(w0), _f16lo(w0 >> 16), sc0, sc1, mn0, mn1
 
     @helper
-    def _sb_q6k(acc, w_ptr, row_off, sb, x_rows, m_ok):
-        """acc (BN, BM) + super-block sb of BN Q6_K rows times x's rows. A 210-byte
-        super-block is 2-byte aligned: ql[128], qh[64] are read as aligned u32 words
-        (joined from two where the block starts at 2 mod 4), scales[16] int8, d f16."""
+    def _put(acc, col, m, isum, scale, msum, mscale, HAS_MIN: tl.constexpr):
+        """acc[:, m] = fma(-msum, mscale, fma(isum, scale, acc[:, m])) for (BN,) sums and
+        scales; the other columns unchanged."""
+        v = tl.fma(isum.to(tl.float32)[:, None], scale[:, None], acc)
+        if HAS_MIN:
+            v = tl.fma(-msum.to(tl.float32)[:, None], mscale[:, None], v)
+        return tl.where(col == m, v, acc)
+
+    @helper
+    def _sb_q4k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M: tl.constexpr,
+                PTX: tl.constexpr):
+        """acc (BN, BM) + super-block sb of BN Q4_K rows times the quantized x rows. The
+        codes stay packed: a u32 word of group g holds 4 bytes, low nibbles 4 codes of
+        sub-block 2g, high nibbles 4 of 2g + 1, against one word of x's int8 codes each."""
+        blk = row_off + sb * 144  # (BN,) 16-byte aligned super-blocks
+        g = tl.arange(0, 4)[None, :]
+        ii = tl.arange(0, 8)[None, None, :]
+        at = g[:, :, None] * 8 + ii + 0 * blk[:, None, None].to(tl.int32)  # (BN, 4, 8)
+        w = tl.load(_p32(w_ptr) + ((blk + 16) // 4)[:, None, None] + at).to(tl.int32,
+                                                                                bitcast=True)
+        lo = w & 0x0F0F0F0F
+        hi = (w >> 4) & 0x0F0F0F0F
+        d, dmin, sc0, sc1, mn0, mn1 = _k4_scales(w_ptr, blk, g)
+        col = tl.arange(0, BLOCK_M)[None, :]
+        q32 = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        for m in tl.static_range(BLOCK_M):
+            if m < M:
+                # x's code words in the weight words' shape (and so their register layout):
+                # elements 64 g + 4 i .. + 3 (low nibbles) and 32 further on (high)
+                xrow = q32 + m * (K // 4) + sb * 64 + at + g[:, :, None] * 8
+                xa = tl.load(xrow)
+                xb = tl.load(xrow + 8)
+                dot = (sc0 * tl.sum(_dp4a(lo, xa, PTX), axis=2)
+                       + sc1 * tl.sum(_dp4a(hi, xb, PTX), axis=2))
+                bs = bs_ptr + m * (K // 16) + sb * 16 + g * 4  # 16-sums: 2 per sub-block
+                msum = mn0 * (tl.load(bs) + tl.load(bs + 1)) + mn1 * (
+                    tl.load(bs + 2) + tl.load(bs + 3))  # (BN, 4)
+                dx = tl.load(dx_ptr + m * (K // 256) + sb)
+                acc = _put(acc, col, m, tl.sum(dot, axis=1), d * dx, tl.sum(msum, axis=1),
+                           dmin * dx, True)
+        return acc
+
+    @helper
+    def _sb_q6k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M: tl.constexpr,
+                PTX: tl.constexpr):
+        """acc (BN, BM) + super-block sb of BN Q6_K rows times the quantized x rows. A
+        210-byte super-block is 2-byte aligned: ql[128], qh[64] are read as aligned u32
+        words (joined from two where the block starts at 2 mod 4), scales[16] int8, d f16.
+        Word j = 4 s + r (s < 8, r < 4) of ql holds, in its low nibbles, 4 codes of 16-element
+        sub-block sub(s) = s + 4 (s // 4) and in its high nibbles 4 of sub(s) + 4; their top
+        2 bits are bits 2 a (4 + 2 a) of qh word 8 (s // 4) + 4 (s % 2) + r, a = s // 2 % 2."""
         base = row_off + sb * 210  # (BN,) even
-        shifted = (base % 4 != 0)[:, None]
-        p = _p32(w_ptr) + (base // 4)[:, None]
-        ql = _bytes(_words(p + tl.arange(0, 32)[None, :], shifted))  # (BN, 128)
-        qh = _bytes(_words(p + 32 + tl.arange(0, 16)[None, :], shifted))  # (BN, 64)
-        BN: tl.constexpr = ql.shape[0]
-        ql = tl.reshape(ql, (BN, 2, 2, 32)).to(tl.int32)  # [h, a, l] = ql[64 h + 32 a + l]
-        qh = tl.reshape(qh, (BN, 2, 1, 32)).to(tl.int32)  # [h, l] = qh[32 h + l]
-        a2 = 2 * tl.arange(0, 2)[None, None, :, None]
-        # element 128 h + 32 a + l (low) and 128 h + 64 + 32 a + l (high)
-        q_lo = tl.reshape((ql & 15) | (((qh >> a2) & 3) << 4), (BN, 8, 16))
-        q_hi = tl.reshape((ql >> 4) | (((qh >> (a2 + 4)) & 3) << 4), (BN, 8, 16))
-        i = tl.arange(0, 8)
-        sub = i + 4 * (i // 4)  # 16-element sub-block of q_lo[:, i]; q_hi's is sub + 4
-        jj = tl.arange(0, 16)
-        cols = (sb * 256 + sub * 16)[None, :, None] + jj[None, None, :]
-        qa, qb, dx = _quantize(_x_part(x_rows, m_ok, cols), _x_part(x_rows, m_ok, cols + 64))
-        dot_a = tl.sum(q_lo[:, None, :, :] * qa[None, :, :, :], axis=3)  # (BN, BM, 8)
-        dot_b = tl.sum(q_hi[:, None, :, :] * qb[None, :, :, :], axis=3)
-        sum_a = tl.sum(qa, axis=2)[None, :, :]
-        sum_b = tl.sum(qb, axis=2)[None, :, :]
-        sc_ptr = w_ptr + base[:, None] + 192 + sub[None, :]
-        sc_a = tl.load(sc_ptr).to(tl.int8, bitcast=True).to(tl.int32)[:, None, :]
-        sc_b = tl.load(sc_ptr + 4).to(tl.int8, bitcast=True).to(tl.int32)[:, None, :]
-        isum = tl.sum(sc_a * (dot_a - 32 * sum_a) + sc_b * (dot_b - 32 * sum_b), axis=2)
-        d = _f16(w_ptr + base + 208)[:, None]
-        return tl.fma(isum.to(tl.float32), d * dx[None, :], acc)
+        b3 = base[:, None, None]
+        shifted = b3 % 4 != 0
+        s8 = tl.arange(0, 8)[None, :, None]
+        r = tl.arange(0, 4)[None, None, :]
+        zero = 0 * b3.to(tl.int32)  # (BN, 1, 1): every index below in the codes' shape
+        p = _p32(w_ptr) + b3 // 4
+        ql = _words(p + (4 * s8 + r + zero), shifted).to(tl.int32, bitcast=True)  # (BN, 8, 4)
+        qh = _words(p + (32 + 8 * (s8 // 4) + 4 * (s8 % 2) + r + zero),
+                    shifted).to(tl.int32, bitcast=True)
+        a2 = 2 * (s8 // 2 % 2)
+        q_lo = (ql & 0x0F0F0F0F) | (((qh >> a2) & 0x03030303) << 4)
+        q_hi = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (a2 + 4)) & 0x03030303) << 4)
+        i = tl.arange(0, 8)[None, :]
+        sub = i + 4 * (i // 4)  # (1, 8)
+        sc_ptr = w_ptr + base[:, None] + 192 + sub
+        sc_a = tl.load(sc_ptr).to(tl.int8, bitcast=True).to(tl.int32)  # (BN, 8)
+        sc_b = tl.load(sc_ptr + 4).to(tl.int8, bitcast=True).to(tl.int32)
+        d = _f16(w_ptr + base + 208)
+        col = tl.arange(0, BLOCK_M)[None, :]
+        q32 = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        sub3 = s8 + 4 * (s8 // 4)
+        for m in tl.static_range(BLOCK_M):
+            if m < M:
+                xrow = q32 + m * (K // 4) + sb * 64 + (4 * sub3 + r + zero)  # (BN, 8, 4)
+                xa = tl.load(xrow)
+                xb = tl.load(xrow + 16)
+                bs = bs_ptr + m * (K // 16) + sb * 16 + sub  # (1, 8)
+                isum = (sc_a * (tl.sum(_dp4a(q_lo, xa, PTX), axis=2) - 32 * tl.load(bs))
+                        + sc_b * (tl.sum(_dp4a(q_hi, xb, PTX), axis=2) - 32 * tl.load(bs + 4)))
+                dx = tl.load(dx_ptr + m * (K // 256) + sb)
+                acc = _put(acc, col, m, tl.sum(isum, axis=1), d * dx, isum, d, False)
+        return acc
 
     @triton.jit(do_not_specialize=["M", "N"])
     def _qint_gemv_kernel(
-        x_ptr, w_ptr, out_ptr, M, N, row_bytes, sb_per_split, stride_xm,
+        q_ptr, dx_ptr, bs_ptr, w_ptr, out_ptr, M, N, K, row_bytes, sb_per_split,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        PTX: tl.constexpr = False,
     ):
-        """out[split, m, n] = the product of x's row m and W's row n over the super-blocks
-        of range `split` (grid: N tiles, splits)."""
+        """out[split, m, n] = the product of x's row m (quantized: q, dx, 16-column sums
+        bs) and W's row n over the super-blocks of range `split` (grid: N tiles, splits)."""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
-        m_ok = rm < M
         row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes  # past N: row 0
-        x_rows = x_ptr + rm.to(tl.int64) * stride_xm
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         sb0 = split * sb_per_split
         for i in range(0, sb_per_split):
             if QTYPE == 12:  # Q4_K
-                acc = _sb_q4k(acc, w_ptr, row_off, sb0 + i, x_rows, m_ok)
+                acc = _sb_q4k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
+                              BLOCK_M, PTX)
             else:
-                acc = _sb_q6k(acc, w_ptr, row_off, sb0 + i, x_rows, m_ok)
+                acc = _sb_q6k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
+                              BLOCK_M, PTX)
         offs = split.to(tl.int64) * M * N + rm.to(tl.int64)[None, :] * N + rn[:, None]
-        tl.store(out_ptr + offs, acc, mask=m_ok[None, :] & (rn < N)[:, None])
+        tl.store(out_ptr + offs, acc, mask=(rm < M)[None, :] & (rn < N)[:, None])
+
+
+def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (q int8 (M, K), dx float32 (M, K / 256), int32 sums of q over each 16
+    columns (M, K / 16)) by the kernel (quantize_x_reference's bits)."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8, device=x.device)
+    dx = torch.empty(m, k // QK, dtype=torch.float32, device=x.device)
+    bs = torch.empty(m, k // 16, dtype=torch.int32, device=x.device)
+    if m:
+        launcher(_quantize_x_kernel, x.device)[(m, k // QK)](x, q, dx, bs, k, x.stride(0),
+                                                              num_warps=2)
+    return q, dx, bs
 
 
 @functools.lru_cache(maxsize=4096)
 def default_qint_config(ggml_type: int, m: int, n: int, k: int, num_sms: int = 0) -> QIntConfig:
-    """16 rows a program, 4 warps; the super-blocks split while the N tiles alone give
-    fewer than 8 programs per compute unit (num_sms 0: no split)."""
+    """64 rows a program, 4 warps; the super-blocks split while the N tiles alone give
+    fewer than 4 programs per compute unit (num_sms 0: no split). Not M: the split is in
+    a row's bits."""
     sbs = k // QK
     split = 1
-    tiles = -(-n // 16)
-    while tiles * split < 8 * num_sms and sbs % (2 * split) == 0 and split < 16:
+    tiles = -(-n // 64)
+    while tiles * split < 4 * num_sms and sbs % (2 * split) == 0 and split < 16:
         split *= 2
-    return QIntConfig(16, split)
+    return QIntConfig(64, split)
 
 
 def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int],
@@ -239,9 +299,10 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     out = y if cfg.split == 1 else torch.empty(cfg.split, m, n, dtype=torch.float32,
                                                device=x.device)
+    q, dx, bs = quantize_x(x)
     launcher(_qint_gemv_kernel, x.device)[(-(-n // cfg.block_n), cfg.split)](
-        x, blocks, out, m, n, blocks.shape[1], k // QK // cfg.split, x.stride(0),
-        QTYPE=int(ggml_type), BLOCK_M=next_pow2(m), BLOCK_N=cfg.block_n,
+        q, dx, bs, blocks, out, m, n, k, blocks.shape[1], k // QK // cfg.split,
+        QTYPE=int(ggml_type), BLOCK_M=next_pow2(m), BLOCK_N=cfg.block_n, PTX=ptx(x.device),
         num_warps=cfg.num_warps, **({} if cfg.num_stages is None else
                                     {"num_stages": cfg.num_stages}))
     if cfg.split > 1:
@@ -255,15 +316,18 @@ def aot_specs(spec: type) -> list:
     """kernels/aot.py: the decode kernel of each type at one and at 16 rows (bf16 x)."""
     if not HAS_TRITON:
         return []
-    sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*fp32", "M": "i32", "N": "i32",
-           "row_bytes": "i32", "sb_per_split": "i32", "stride_xm": "i32"}
-    divisible = ("x_ptr", "w_ptr", "out_ptr", "row_bytes", "stride_xm")
+    sig = {"q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*i32", "w_ptr": "*u8",
+           "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "row_bytes": "i32",
+           "sb_per_split": "i32"}
+    divisible = ("q_ptr", "dx_ptr", "bs_ptr", "w_ptr", "out_ptr", "K", "row_bytes")
     out = []
     for qtype, name in ((Q4_K, "Q4_K"), (Q6_K, "Q6_K")):
         for bm in (1, 16):
             cfg = default_qint_config(qtype, bm, 4096, 4096)
-            consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": cfg.block_n}
-            out.append(spec(f"qint_{name}_m{bm}", _qint_gemv_kernel,
-                            {**sig, **{k: "constexpr" for k in consts}}, consts,
-                            cfg.num_warps, False, None, cfg.num_stages, divisible))
+            for backend in ("hip", "cuda"):
+                consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": cfg.block_n,
+                          "PTX": backend == "cuda"}
+                out.append(spec(f"qint_{name}_m{bm}", _qint_gemv_kernel,
+                                {**sig, **{k: "constexpr" for k in consts}}, consts,
+                                cfg.num_warps, False, backend, cfg.num_stages, divisible))
     return out

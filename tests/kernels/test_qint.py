@@ -63,6 +63,19 @@ def test_quantize_x_definition(rng):
     assert torch.allclose(dx.double(), a / 127.0, rtol=2**-23, atol=0)
 
 
+def test_quantize_kernel_bits(interp, rng):
+    """The kernel's q, dx are the reference's bits; the 16-column sums are q's."""
+    x = torch.from_numpy(rng.standard_normal((3, 512 + 16), dtype=np.float32))[:, :512]
+    x[2, :256] = 0.0
+    x[1, 7] = 1e-30  # tiny values round to 0
+    for xx in (x, x.to(torch.bfloat16)):
+        q, dx, bs = interp.call("kernels.qint:quantize_x", xx)
+        q_ref, dx_ref = quantize_x_reference(xx)
+        assert q.dtype == torch.int8 and torch.equal(q.int(), q_ref)
+        assert torch.equal(dx, dx_ref)
+        assert torch.equal(bs, q_ref.reshape(3, 32, 16).sum(-1).int())
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("m,n,k,cfg", [(1, 40, 512, QIntConfig(16, 1)),
                                        (3, 33, 1024, QIntConfig(16, 2)),
