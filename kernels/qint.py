@@ -44,6 +44,10 @@ __all__ = ["QINT_TYPES", "QIntConfig", "default_qint_config", "qint_reference",
 QINT_TYPES = frozenset({Q4_K, Q6_K})
 _TYPE_SIZE = {Q4_K: 144, Q6_K: 210}
 QK = 256  # columns per super-block, and per x scale
+# Rows of x up to which the CUDA-core kernel runs (its cost grows with each row), the
+# matrix unit's beyond: on the H200 (bench/RESULTS.md, 2026-11-30) Q4_K at 1-2 rows 1.3-1.9x
+# faster than qmatmul's bf16 kernel, at 4 rows even, at 8 slower.
+GEMV_MAX_M = 2
 
 
 class QIntConfig(NamedTuple):
@@ -251,6 +255,95 @@ if HAS_TRITON:
         tl.store(out_ptr + offs, acc, mask=(rm < M)[None, :] & (rn < N)[:, None])
 
 
+    @helper
+    def _col(t, g, gi):
+        """Column gi of a (BN, G) tensor as (BN,)."""
+        return tl.sum(tl.where(g == gi, t, 0), axis=1)
+
+    @helper
+    def _mm_q4k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, rm, m_ok):
+        """The tiled kernel's super-block step for Q4_K: acc (BN, BM) + the same sums as
+        _sb_q4k, on the matrix unit (int8 x int8 -> int32, one dot per sub-block)."""
+        blk = row_off + sb * 144
+        g = tl.arange(0, 4)[None, :]
+        d, dmin, sc0, sc1, mn0, mn1 = _k4_scales(w_ptr, blk, g)
+        ll = tl.arange(0, 32)
+        x_rows = q_ptr + rm.to(tl.int64)[None, :] * K + sb * 256  # (1, BM)
+        bs_rows = bs_ptr + rm.to(tl.int64) * (K // 16) + sb * 16  # (BM,)
+        isum = tl.zeros(acc.shape, tl.int32)
+        msum = tl.zeros(acc.shape, tl.int32)
+        for gi in tl.static_range(4):
+            byte = tl.load((w_ptr + blk + 16 + gi * 32)[:, None] + ll[None, :])  # (BN, 32)
+            lo = (byte & 15).to(tl.int8)
+            hi = (byte >> 4).to(tl.int8)
+            xa = tl.load(x_rows + gi * 64 + ll[:, None], mask=m_ok[None, :], other=0)
+            xb = tl.load(x_rows + gi * 64 + 32 + ll[:, None], mask=m_ok[None, :], other=0)
+            isum += (_col(sc0, g, gi)[:, None] * tl.dot(lo, xa, out_dtype=tl.int32)
+                     + _col(sc1, g, gi)[:, None] * tl.dot(hi, xb, out_dtype=tl.int32))
+            bsa = (tl.load(bs_rows + gi * 4, mask=m_ok, other=0)
+                   + tl.load(bs_rows + gi * 4 + 1, mask=m_ok, other=0))
+            bsb = (tl.load(bs_rows + gi * 4 + 2, mask=m_ok, other=0)
+                   + tl.load(bs_rows + gi * 4 + 3, mask=m_ok, other=0))
+            msum += (_col(mn0, g, gi)[:, None] * bsa[None, :]
+                     + _col(mn1, g, gi)[:, None] * bsb[None, :])
+        dx = tl.load(dx_ptr + rm.to(tl.int64) * (K // 256) + sb, mask=m_ok, other=0.0)[None, :]
+        acc = tl.fma(isum.to(tl.float32), d[:, None] * dx, acc)
+        return tl.fma(-msum.to(tl.float32), dmin[:, None] * dx, acc)
+
+    @helper
+    def _mm_q6k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, rm, m_ok):
+        """The tiled kernel's super-block step for Q6_K: per 32-element chunk c (two
+        16-element sub-blocks), the codes (BN, 32) times x with the other sub-block's half
+        zeroed, one dot per sub-block; the same sums as _sb_q6k."""
+        base = row_off + sb * 210
+        ll = tl.arange(0, 32)
+        first = (ll < 16)[:, None]
+        x_rows = q_ptr + rm.to(tl.int64)[None, :] * K + sb * 256
+        bs_rows = bs_ptr + rm.to(tl.int64) * (K // 16) + sb * 16
+        isum = tl.zeros(acc.shape, tl.int32)
+        for c in tl.static_range(8):
+            h = c // 4
+            j = c % 4
+            ql = tl.load((w_ptr + base + 64 * h + 32 * (j % 2))[:, None] + ll[None, :])
+            qh = tl.load((w_ptr + base + 128 + 32 * h)[:, None] + ll[None, :])
+            q = (((ql >> (4 * (j // 2))) & 15) | (((qh >> (2 * j)) & 3) << 4)).to(tl.int8)
+            xt = tl.load(x_rows + 32 * c + ll[:, None], mask=m_ok[None, :], other=0)  # (32, BM)
+            d0 = tl.dot(q, tl.where(first, xt, 0).to(tl.int8), out_dtype=tl.int32)
+            d1 = tl.dot(q, tl.where(first, 0, xt).to(tl.int8), out_dtype=tl.int32)
+            sc0 = tl.load(w_ptr + base + 192 + 2 * c).to(tl.int8, bitcast=True).to(tl.int32)
+            sc1 = tl.load(w_ptr + base + 193 + 2 * c).to(tl.int8, bitcast=True).to(tl.int32)
+            b0 = tl.load(bs_rows + 2 * c, mask=m_ok, other=0)[None, :]
+            b1 = tl.load(bs_rows + 2 * c + 1, mask=m_ok, other=0)[None, :]
+            isum += sc0[:, None] * (d0 - 32 * b0) + sc1[:, None] * (d1 - 32 * b1)
+        dx = tl.load(dx_ptr + rm.to(tl.int64) * (K // 256) + sb, mask=m_ok, other=0.0)[None, :]
+        d = _f16(w_ptr + base + 208)
+        return tl.fma(isum.to(tl.float32), d[:, None] * dx, acc)
+
+    @triton.jit(do_not_specialize=["M", "N"])
+    def _qint_mm_kernel(
+        q_ptr, dx_ptr, bs_ptr, w_ptr, out_ptr, M, N, K, row_bytes, sb_per_split,
+        QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """The tiled path (many rows of x): grid (M tiles, N tiles, splits), else as
+        _qint_gemv_kernel, with the same bits."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        split = tl.program_id(2)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = rm < M
+        row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        sb0 = split * sb_per_split
+        for i in range(0, sb_per_split):
+            if QTYPE == 12:  # Q4_K
+                acc = _mm_q4k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rm, m_ok)
+            else:
+                acc = _mm_q6k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rm, m_ok)
+        offs = split.to(tl.int64) * M * N + rm.to(tl.int64)[None, :] * N + rn[:, None]
+        tl.store(out_ptr + offs, acc, mask=m_ok[None, :] & (rn < N)[:, None])
+
+
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (M, K) -> (q int8 (M, K), dx float32 (M, K / 256), int32 sums of q over each 16
     columns (M, K / 16)) by the kernel (quantize_x_reference's bits)."""
@@ -285,8 +378,8 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
     m = x.shape[0]
     if int(ggml_type) not in QINT_TYPES:
         raise InvalidRequest(f"qint: no kernel for GGML type {ggml_type}")
-    if x.dim() != 2 or x.shape[1] != k or k % QK or not 1 <= m <= 16 or x.stride(1) != 1:
-        raise InvalidRequest(f"qint: x must be (1..16, {k}) with K a multiple of 256 and "
+    if x.dim() != 2 or x.shape[1] != k or k % QK or x.stride(1) != 1:
+        raise InvalidRequest(f"qint: x must be (M, {k}) with K a multiple of 256 and "
                              f"contiguous rows, got {tuple(x.shape)}")
     if tuple(blocks.shape) != (n, k // QK * _TYPE_SIZE[int(ggml_type)]) or blocks.data_ptr() % 4:
         raise InvalidRequest(f"qint: blocks must be ({n}, {k // QK * _TYPE_SIZE[ggml_type]}) "
@@ -297,14 +390,22 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
     if (k // QK) % cfg.split:
         raise InvalidRequest(f"qint: {cfg} does not divide {k // QK} super-blocks")
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    if m == 0 or n == 0:
+        return y
     out = y if cfg.split == 1 else torch.empty(cfg.split, m, n, dtype=torch.float32,
                                                device=x.device)
     q, dx, bs = quantize_x(x)
-    launcher(_qint_gemv_kernel, x.device)[(-(-n // cfg.block_n), cfg.split)](
-        q, dx, bs, blocks, out, m, n, k, blocks.shape[1], k // QK // cfg.split,
-        QTYPE=int(ggml_type), BLOCK_M=next_pow2(m), BLOCK_N=cfg.block_n, PTX=ptx(x.device),
-        num_warps=cfg.num_warps, **({} if cfg.num_stages is None else
-                                    {"num_stages": cfg.num_stages}))
+    stages = {} if cfg.num_stages is None else {"num_stages": cfg.num_stages}
+    if m <= GEMV_MAX_M:
+        launcher(_qint_gemv_kernel, x.device)[(-(-n // cfg.block_n), cfg.split)](
+            q, dx, bs, blocks, out, m, n, k, blocks.shape[1], k // QK // cfg.split,
+            QTYPE=int(ggml_type), BLOCK_M=next_pow2(m), BLOCK_N=cfg.block_n,
+            PTX=ptx(x.device), num_warps=cfg.num_warps, **stages)
+    else:
+        bm = min(64, max(16, next_pow2(m)))
+        launcher(_qint_mm_kernel, x.device)[(-(-m // bm), -(-n // 64), cfg.split)](
+            q, dx, bs, blocks, out, m, n, k, blocks.shape[1], k // QK // cfg.split,
+            QTYPE=int(ggml_type), BLOCK_M=bm, BLOCK_N=64, num_warps=4)
     if cfg.split > 1:
         from kernels.qmatmul import sum_splits
 
@@ -313,7 +414,8 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
 
 
 def aot_specs(spec: type) -> list:
-    """kernels/aot.py: the decode kernel of each type at one and at 16 rows (bf16 x)."""
+    """kernels/aot.py: the CUDA-core kernel of each type at 1 and 16 rows (dp4a on cuda),
+    and the matrix-unit one (int8 dots: WMMA iu8 on gfx1151, mma s8 on sm_90)."""
     if not HAS_TRITON:
         return []
     sig = {"q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*i32", "w_ptr": "*u8",
@@ -330,4 +432,8 @@ def aot_specs(spec: type) -> list:
                 out.append(spec(f"qint_{name}_m{bm}", _qint_gemv_kernel,
                                 {**sig, **{k: "constexpr" for k in consts}}, consts,
                                 cfg.num_warps, False, backend, cfg.num_stages, divisible))
+        consts = {"QTYPE": qtype, "BLOCK_M": 64, "BLOCK_N": 64}
+        out.append(spec(f"qint_{name}_tiled", _qint_mm_kernel,
+                        {**sig, **{k: "constexpr" for k in consts}}, consts, 4, True, None, None,
+                        divisible))
     return out

@@ -93,25 +93,30 @@ def test_kernel_matches_gguf(interp, rng, qtype, m, n, k, cfg):
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
-def test_rows_independent_of_batch_and_split(interp, rng, qtype):
-    """A row's bits are the same alone, among 5 and 16 rows, at any tile height and split:
-    the super-block sums are exact integers and the float fmas run in K order."""
-    n, k = 24, 1024
+def test_rows_independent_of_batch_and_path(interp, rng, qtype):
+    """A row's bits are the same alone and among 2 rows (the CUDA-core kernel, any tile
+    height), among 5 and 40 (the matrix-unit kernel: two M tiles, the second partial),
+    at the same split: the super-block sums are exact integers and the float fmas run in
+    K order on both paths."""
+    n, k = 72, 1024
     blocks = random_weight(qtype, n, k, rng)
-    x = torch.from_numpy(rng.standard_normal((16, k), dtype=np.float32))
-    alone = interp.call(KERNEL, x[4:5], blocks, int(qtype), (n, k), QIntConfig(16, 4))
-    five = interp.call(KERNEL, x[:5], blocks, int(qtype), (n, k), QIntConfig(8, 4, 2))
-    all16 = interp.call(KERNEL, x, blocks, int(qtype), (n, k), QIntConfig(32, 4, 8))
-    assert torch.equal(alone[0], five[4]) and torch.equal(alone[0], all16[4])
-    check(all16, x, blocks, qtype)
+    x = torch.from_numpy(rng.standard_normal((40, k), dtype=np.float32))
+    alone = interp.call(KERNEL, x[4:5], blocks, int(qtype), (n, k), QIntConfig(16, 2))
+    two = interp.call(KERNEL, x[3:5], blocks, int(qtype), (n, k), QIntConfig(64, 2, 2))
+    five = interp.call(KERNEL, x[:5], blocks, int(qtype), (n, k), QIntConfig(8, 2))
+    many = interp.call(KERNEL, x, blocks, int(qtype), (n, k), QIntConfig(32, 2))
+    assert torch.equal(alone[0], two[1]) and torch.equal(alone[0], five[4])
+    assert torch.equal(alone[0], many[4])
+    check(many, x, blocks, qtype)
+    check(five, x[:5], blocks, qtype)
 
 
 def test_rejects_bad_input(interp, rng):
     blocks = random_weight(T.Q4_K, 8, 256, rng)
     with pytest.raises(InvalidRequest, match="no kernel"):
         interp.call(KERNEL, torch.zeros(1, 256), blocks, int(T.Q8_0), (8, 256))
-    with pytest.raises(InvalidRequest, match="16"):
-        interp.call(KERNEL, torch.zeros(17, 256), blocks, int(T.Q4_K), (8, 256))
+    with pytest.raises(InvalidRequest, match="multiple of 256"):
+        interp.call(KERNEL, torch.zeros(1, 128), blocks, int(T.Q4_K), (8, 128))
     with pytest.raises(InvalidRequest, match="blocks"):
         interp.call(KERNEL, torch.zeros(1, 256), blocks[:4], int(T.Q4_K), (8, 256))
     with pytest.raises(InvalidRequest, match="divide"):
