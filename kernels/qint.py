@@ -48,6 +48,8 @@ QK = 256  # columns per super-block, and per x scale
 # matrix unit's beyond: on the H200 (bench/RESULTS.md, 2026-11-30) Q4_K at 1-2 rows 1.3-1.9x
 # faster than qmatmul's bf16 kernel, at 4 rows even, at 8 slower.
 GEMV_MAX_M = 2
+# The matrix-unit kernel's (block_m, block_n, num_warps); to be tuned (bench/gpu/qint_bench.py).
+TILED_TILE = (16, 64, 4)
 
 
 class QIntConfig(NamedTuple):
@@ -402,10 +404,10 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
             QTYPE=int(ggml_type), BLOCK_M=next_pow2(m), BLOCK_N=cfg.block_n,
             PTX=ptx(x.device), num_warps=cfg.num_warps, **stages)
     else:
-        bm = min(64, max(16, next_pow2(m)))
-        launcher(_qint_mm_kernel, x.device)[(-(-m // bm), -(-n // 64), cfg.split)](
+        bm, bn, warps = TILED_TILE
+        launcher(_qint_mm_kernel, x.device)[(-(-m // bm), -(-n // bn), cfg.split)](
             q, dx, bs, blocks, out, m, n, k, blocks.shape[1], k // QK // cfg.split,
-            QTYPE=int(ggml_type), BLOCK_M=bm, BLOCK_N=64, num_warps=4)
+            QTYPE=int(ggml_type), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
     if cfg.split > 1:
         from kernels.qmatmul import sum_splits
 

@@ -29,6 +29,7 @@ from kernels_check import GGML_TYPES, random_blocks  # noqa: E402
 from provenance import commit_id  # noqa: E402
 from qmatmul_bench import L2_MISS_BYTES, Run, ceilings  # noqa: E402
 
+from kernels import qint  # noqa: E402
 from kernels.dequant import dequantize_reference  # noqa: E402
 from kernels.qint import (  # noqa: E402
     QIntConfig,
@@ -40,6 +41,7 @@ from kernels.qmatmul import qmatmul_triton  # noqa: E402
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
 MS = (1, 2, 3, 4, 8, 16, 64)
+TILE = qint.TILED_TILE
 
 
 def sweep(base: QIntConfig) -> list[QIntConfig]:
@@ -127,6 +129,15 @@ def main(argv: list[str] | None = None) -> int:
                 for cfg in sweep(base)[:2 if args.smoke else None]:
                     if run.left() > 60:
                         out["rows"].append(measure(run, case, "qint", 1, cfg, ceil))
+            if (n, k) in swept and not args.smoke:  # the matrix-unit kernel's tiles
+                for tile in ((16, 64, 4), (32, 64, 4), (64, 64, 4), (16, 128, 4), (32, 128, 8),
+                             (64, 128, 8)):
+                    qint.TILED_TILE = tile
+                    for m in (16, 64):
+                        row = measure(run, case, "qint", m, None, ceil)
+                        row.update(mode="qint-tile", tile=list(tile), bits_equal_m1=None)
+                        out["rows"].append(row)
+                qint.TILED_TILE = TILE
             print(f"{name} ({n},{k}) done, {run.left():.0f} s left", flush=True)
             del case
             if not args.smoke:
@@ -141,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         if r.get("us"):
             print(f"{r['type']:5} {r['n']:6} {r['k']:5} {r['m']:3} {r['mode']:7} {r['us']:8.1f} "
                   f"{r['gb_s']:6.0f} {r['pct_copy']:4.0f} {r['err']:8.1e} {int(r['ok'])}  "
-                  f"{r.get('bits_equal_m1', '-')!s:5} {r['config'] or 'default'}")
+                  f"{r.get('bits_equal_m1', '-')!s:5} {r['config'] or r.get('tile') or 'default'}")
     bad = [r for r in out["rows"] if not r["ok"] or r.get("bits_equal_m1") is False]
     print(f"failures: {len(bad)}; errors: {len(out['errors'])}")
     return 1 if bad else 0
