@@ -416,15 +416,19 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
 
 
 def aot_specs(spec: type) -> list:
-    """kernels/aot.py: the CUDA-core kernel of each type at 1 and 16 rows (dp4a on cuda),
-    and the matrix-unit one (int8 dots: WMMA iu8 on gfx1151, mma s8 on sm_90)."""
+    """kernels/aot.py: x's quantization; the CUDA-core kernel of each type at 1 and 16 rows
+    (dp4a on cuda), and the matrix-unit one at its tile (int8 dots: WMMA iu8 on gfx1151,
+    mma s8 on sm_90)."""
     if not HAS_TRITON:
         return []
     sig = {"q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*i32", "w_ptr": "*u8",
            "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "row_bytes": "i32",
            "sb_per_split": "i32"}
     divisible = ("q_ptr", "dx_ptr", "bs_ptr", "w_ptr", "out_ptr", "K", "row_bytes")
-    out = []
+    out = [spec("qint_quantize_x", _quantize_x_kernel,
+                {"x_ptr": "*bf16", "q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*i32",
+                 "K": "i32", "stride_xm": "i32"}, {}, 2, False, None, None,
+                ("x_ptr", "q_ptr", "dx_ptr", "bs_ptr", "K", "stride_xm"))]
     for qtype, name in ((Q4_K, "Q4_K"), (Q6_K, "Q6_K")):
         for bm in (1, 16):
             cfg = default_qint_config(qtype, bm, 4096, 4096)
@@ -434,8 +438,9 @@ def aot_specs(spec: type) -> list:
                 out.append(spec(f"qint_{name}_m{bm}", _qint_gemv_kernel,
                                 {**sig, **{k: "constexpr" for k in consts}}, consts,
                                 cfg.num_warps, False, backend, cfg.num_stages, divisible))
-        consts = {"QTYPE": qtype, "BLOCK_M": 64, "BLOCK_N": 64}
+        bm, bn, warps = TILED_TILE
+        consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": bn}
         out.append(spec(f"qint_{name}_tiled", _qint_mm_kernel,
-                        {**sig, **{k: "constexpr" for k in consts}}, consts, 4, True, None, None,
-                        divisible))
+                        {**sig, **{k: "constexpr" for k in consts}}, consts, warps, True, None,
+                        None, divisible))
     return out

@@ -10,7 +10,7 @@ import re
 import background
 import pytest
 
-from kernels import paged_attention_triton, qgemv, qmatmul
+from kernels import paged_attention_triton, qgemv, qint, qmatmul
 from kernels.triton_util import HAS_TRITON
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="the CPU torch build has no Triton")
@@ -36,14 +36,19 @@ def test_every_kernel_builds_for_both_targets(report):
 
 
 def test_dots_lower_to_tensor_cores(report):
-    """bf16 dots (qmatmul) and f16 dots (attention) use the matching WMMA / MMA ops."""
+    """bf16 dots (qmatmul), f16 dots (attention) and int8 dots (qint's tiled kernel) use
+    the matching WMMA / MMA ops; qint's CUDA-core kernels none."""
     for name, targets in report.items():
         if "merge" in name or "sum_splits" in name or "_fma_" in name:
             continue
-        dtype = "bf16" if name.startswith("qmatmul") else "f16"
         hip, cuda = targets["hip:gfx1151"], targets["cuda:90"]
-        assert hip["wmma"] > 0 and all(op.endswith(f"_{dtype}") for op in hip["ops"]), hip
-        assert cuda["mma"] > 0 and all(f".{dtype}." in op for op in cuda["ops"]), cuda
+        if name.startswith("qint_") and not name.endswith("_tiled"):
+            assert hip["wmma"] == 0 and cuda["mma"] == 0, name
+            continue
+        hip_dtype, cuda_dtype = (("bf16",) * 2 if name.startswith("qmatmul") else
+                                 ("iu8", "s8") if name.startswith("qint_") else ("f16",) * 2)
+        assert hip["wmma"] > 0 and all(op.endswith(f"_{hip_dtype}") for op in hip["ops"]), hip
+        assert cuda["mma"] > 0 and all(f".{cuda_dtype}." in op for op in cuda["ops"]), cuda
 
 
 def test_skinny_and_tiled_qmatmul_use_the_same_instruction(report):
@@ -67,7 +72,7 @@ def test_every_kernel_has_a_spec():
 
     from kernels.aot import KernelSpec
 
-    for module in (qgemv, qmatmul, paged_attention_triton):
+    for module in (qgemv, qint, qmatmul, paged_attention_triton):
         kernels = {name for name, obj in inspect.getmembers(module)
                    if isinstance(obj, JITFunction) and name.endswith("_kernel")}
         specced = {spec.kernel.__name__ for spec in module.aot_specs(KernelSpec)}
