@@ -35,7 +35,7 @@ import torch
 
 from engine.errors import InvalidRequest
 from kernels.qgemv import ptx
-from kernels.qtiles import Q4_K, Q6_K, _f16, _f16lo, _p32, _words
+from kernels.qtiles import Q4_K, Q6_K, _columns, _f16, _f16lo, _p32, _words
 from kernels.triton_util import HAS_TRITON, helper, launcher, next_pow2, tl, triton
 
 __all__ = ["QINT_TYPES", "QIntConfig", "default_qint_config", "qint_reference",
@@ -263,31 +263,49 @@ if HAS_TRITON:
         return tl.sum(tl.where(g == gi, t, 0), axis=1)
 
     @helper
-    def _mm_q4k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, rm, m_ok):
+    def _dot_exact(a, b, DOT_F64: tl.constexpr):
+        """dot of integer-valued f16 tiles whose every partial sum is below 2^24 (so exact
+        in float32 in any order) on the matrix unit; float64 in the interpreter (its f16
+        dot would round)."""
+        if DOT_F64:
+            out = tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
+        else:
+            out = tl.dot(a, b)
+        return out
+
+    @helper
+    def _mm_q4k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, rm, m_ok,
+                DOT_F64: tl.constexpr):
         """The tiled kernel's super-block step for Q4_K: acc (BN, BM) + the same sums as
-        _sb_q4k, on the matrix unit (int8 x int8 -> int32, one dot per sub-block)."""
+        _sb_q4k, on the matrix unit. The sub-block scale goes into the codes (sc * q <= 945,
+        exact in f16), x's int8 codes are exact in f16, and a 128-column dot's partial sums
+        stay below 945 * 127 * 128 < 2^24: two exact f16 dots per super-block, whatever
+        the instruction's order. The mins' sum is a third: (BN, 16) mins (each twice) times
+        x's 16-column sums (<= 2032, exact in f16)."""
         blk = row_off + sb * 144
-        g = tl.arange(0, 4)[None, :]
-        d, dmin, sc0, sc1, mn0, mn1 = _k4_scales(w_ptr, blk, g)
+        BN: tl.constexpr = acc.shape[0]
         ll = tl.arange(0, 32)
-        x_rows = q_ptr + rm.to(tl.int64)[None, :] * K + sb * 256  # (1, BM)
-        bs_rows = bs_ptr + rm.to(tl.int64) * (K // 16) + sb * 16  # (BM,)
         isum = tl.zeros(acc.shape, tl.int32)
-        msum = tl.zeros(acc.shape, tl.int32)
-        for gi in tl.static_range(4):
-            byte = tl.load((w_ptr + blk + 16 + gi * 32)[:, None] + ll[None, :])  # (BN, 32)
-            lo = (byte & 15).to(tl.int8)
-            hi = (byte >> 4).to(tl.int8)
-            xa = tl.load(x_rows + gi * 64 + ll[:, None], mask=m_ok[None, :], other=0)
-            xb = tl.load(x_rows + gi * 64 + 32 + ll[:, None], mask=m_ok[None, :], other=0)
-            isum += (_col(sc0, g, gi)[:, None] * tl.dot(lo, xa, out_dtype=tl.int32)
-                     + _col(sc1, g, gi)[:, None] * tl.dot(hi, xb, out_dtype=tl.int32))
-            bsa = (tl.load(bs_rows + gi * 4, mask=m_ok, other=0)
-                   + tl.load(bs_rows + gi * 4 + 1, mask=m_ok, other=0))
-            bsb = (tl.load(bs_rows + gi * 4 + 2, mask=m_ok, other=0)
-                   + tl.load(bs_rows + gi * 4 + 3, mask=m_ok, other=0))
-            msum += (_col(mn0, g, gi)[:, None] * bsa[None, :]
-                     + _col(mn1, g, gi)[:, None] * bsb[None, :])
+        x_rows = q_ptr + rm.to(tl.int64)[None, :] * K + sb * 256  # (1, BM)
+        for hf in tl.static_range(2):  # columns 128 hf .. 128 hf + 127: groups 2 hf, 2 hf + 1
+            gg = 2 * hf + tl.arange(0, 2)[None, :]
+            _, _, sc0, sc1, _, _ = _k4_scales(w_ptr, blk, gg)  # (BN, 2)
+            byte = tl.load((w_ptr + blk + 16)[:, None, None] + gg[:, :, None] * 32
+                           + ll[None, None, :])  # (BN, 2, 32)
+            # unsigned 32-bit sources convert in one instruction (kernels/qtiles.py)
+            u = byte.to(tl.uint32)
+            lo = (u & 15).to(tl.float32) * sc0.to(tl.uint32)[:, :, None].to(tl.float32)
+            hi = (u >> 4).to(tl.float32) * sc1.to(tl.uint32)[:, :, None].to(tl.float32)
+            wt = _columns(lo, hi, BN, 128).to(tl.float16)
+            xt = tl.load(x_rows + 128 * hf + tl.arange(0, 128)[:, None], mask=m_ok[None, :],
+                         other=0).to(tl.float16)  # (128, BM)
+            isum += _dot_exact(wt, xt, DOT_F64).to(tl.int32)
+        j = tl.arange(0, 16)[None, :]
+        d, dmin, _, _, mn0, mn1 = _k4_scales(w_ptr, blk, j // 4)  # (BN, 16)
+        mins = tl.where(j // 2 % 2 == 0, mn0, mn1).to(tl.float16)  # sub-block j // 2's min
+        bs = tl.load(bs_ptr + rm.to(tl.int64)[None, :] * (K // 16) + sb * 16 + j.T,
+                     mask=m_ok[None, :], other=0).to(tl.float16)  # (16, BM)
+        msum = _dot_exact(mins, bs, DOT_F64).to(tl.int32)
         dx = tl.load(dx_ptr + rm.to(tl.int64) * (K // 256) + sb, mask=m_ok, other=0.0)[None, :]
         acc = tl.fma(isum.to(tl.float32), d[:, None] * dx, acc)
         return tl.fma(-msum.to(tl.float32), dmin[:, None] * dx, acc)
@@ -325,6 +343,7 @@ if HAS_TRITON:
     def _qint_mm_kernel(
         q_ptr, dx_ptr, bs_ptr, w_ptr, out_ptr, M, N, K, row_bytes, sb_per_split,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        DOT_F64: tl.constexpr = False,
     ):
         """The tiled path (many rows of x): grid (M tiles, N tiles, splits), else as
         _qint_gemv_kernel, with the same bits."""
@@ -339,7 +358,8 @@ if HAS_TRITON:
         sb0 = split * sb_per_split
         for i in range(0, sb_per_split):
             if QTYPE == 12:  # Q4_K
-                acc = _mm_q4k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rm, m_ok)
+                acc = _mm_q4k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rm, m_ok,
+                              DOT_F64)
             else:
                 acc = _mm_q6k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rm, m_ok)
         offs = split.to(tl.int64) * M * N + rm.to(tl.int64)[None, :] * N + rn[:, None]
@@ -407,7 +427,8 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
         bm, bn, warps = TILED_TILE
         launcher(_qint_mm_kernel, x.device)[(-(-m // bm), -(-n // bn), cfg.split)](
             q, dx, bs, blocks, out, m, n, k, blocks.shape[1], k // QK // cfg.split,
-            QTYPE=int(ggml_type), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+            QTYPE=int(ggml_type), BLOCK_M=bm, BLOCK_N=bn, DOT_F64=x.device.type == "cpu",
+            num_warps=warps)
     if cfg.split > 1:
         from kernels.qmatmul import sum_splits
 
@@ -439,7 +460,7 @@ def aot_specs(spec: type) -> list:
                                 {**sig, **{k: "constexpr" for k in consts}}, consts,
                                 cfg.num_warps, False, backend, cfg.num_stages, divisible))
         bm, bn, warps = TILED_TILE
-        consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": bn}
+        consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": bn, "DOT_F64": False}
         out.append(spec(f"qint_{name}_tiled", _qint_mm_kernel,
                         {**sig, **{k: "constexpr" for k in consts}}, consts, warps, True, None,
                         None, divisible))

@@ -40,7 +40,7 @@ from kernels.qint import (  # noqa: E402
 from kernels.qmatmul import qmatmul_triton  # noqa: E402
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
-MS = (1, 2, 3, 4, 8, 16, 64)
+MS = (1, 2, 3, 4, 8, 16, 32, 64)
 TILE = qint.TILED_TILE
 
 
