@@ -48,9 +48,10 @@ class EngineOptions:
     prefix_cache_fraction: float = 0.5  # extra full-layer pages for cached prefixes
     device: str = "auto"  # auto: the GPU when present
     cuda_graphs: bool = True  # replay captured decode steps on a GPU (never on the CPU)
-    # Weight layout: ggml keeps the file's blocks (fused dequant kernels), bf16 dense
-    # matrices in `dtype`; auto: dense on the CPU, on a GPU the faster of the two as
-    # measured at load (engine/layout_tune.py).
+    # Weight layout: ggml keeps the file's blocks (fused dequant kernels), q8 too with the
+    # Q4_K products on 8-bit activations (kernels/qint.py), bf16 dense matrices in `dtype`;
+    # auto: dense on the CPU, on a GPU the faster of ggml and bf16 as measured at load
+    # (engine/layout_tune.py).
     weights: str = "auto"
     # Build the kernels of the first prefill and mixed steps and capture the decode graphs
     # at load (a GPU only; ModelRunner.warm_up), not in the first requests' steps.

@@ -366,6 +366,12 @@ if HAS_TRITON:
         tl.store(out_ptr + offs, acc, mask=m_ok[None, :] & (rn < N)[:, None])
 
 
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if \
+        device.type == "cuda" else 0
+
+
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (M, K) -> (q int8 (M, K), dx float32 (M, K / 256), int32 sums of q over each 16
     columns (M, K / 16)) by the kernel (quantize_x_reference's bits)."""
@@ -406,8 +412,7 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
     if tuple(blocks.shape) != (n, k // QK * _TYPE_SIZE[int(ggml_type)]) or blocks.data_ptr() % 4:
         raise InvalidRequest(f"qint: blocks must be ({n}, {k // QK * _TYPE_SIZE[ggml_type]}) "
                              "uint8 at a 4-byte aligned address")
-    sms = (torch.cuda.get_device_properties(x.device).multi_processor_count
-           if x.device.type == "cuda" else 0)
+    sms = _num_sms(x.device)
     cfg = config or default_qint_config(int(ggml_type), m, n, k, sms)
     if (k // QK) % cfg.split:
         raise InvalidRequest(f"qint: {cfg} does not divide {k // QK} super-blocks")

@@ -311,7 +311,7 @@ def main() -> int:
     ap.add_argument("--synthetic", default="llama-3.1-8b:Q4_K_M")
     ap.add_argument("--vocab", required=True)
     ap.add_argument("--variants", default=VARIANTS,
-                    help="comma list of WEIGHTS[+graphs], WEIGHTS in ggml|bf16|auto")
+                    help="comma list of WEIGHTS[+graphs], WEIGHTS in ggml|q8|bf16|auto")
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prefill", default="512,4096")

@@ -6,7 +6,8 @@ reference elsewhere, or when MBUFO_KERNELS=torch). Rows of one GGML type concate
 block-row-wise, so a fused q/k/v or gate/up of one type is one launch; parts of other
 types (Q4_K_M files keep attn_v and ffn_down in Q6_K) are separate launches whose outputs
 are concatenated. Types without a qmatmul kernel (F16, BF16, F32, ...) are held dense in
-bf16 and go through torch.matmul.
+bf16 and go through torch.matmul. With `act8` (the `q8` layout) Q4_K parts multiply x
+quantized to 8 bits instead (kernels/qint.py: its own numerics, batch-invariant as well).
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ import torch
 from engine.errors import GGUFFormatError
 from engine.kernel_select import use_triton
 from kernels.dequant import block_geometry, dequantize
+from kernels.qint import qint_reference, qint_triton
 from kernels.qmatmul import SUPPORTED_TYPES, qmatmul, qmatmul_reference
+from kernels.qtiles import Q4_K
+
+# The GGML types that the q8 layout (act8) multiplies with 8-bit activations: Q4_K, whose
+# kernels beat the bf16-operand ones at 1-2 rows (bench/RESULTS.md, 2026-11-30); Q6_K's
+# do not (its sub-block scales do not fit the f16 trick of the matrix-unit path).
+ACT8_TYPES = frozenset({Q4_K})
 
 __all__ = ["GGMLLinear", "GGMLPart"]
 
@@ -36,9 +44,10 @@ class GGMLLinear:
     """y = x @ W.T (+ b); the call contract of engine/layers/linear.py's Linear."""
 
     def __init__(self, parts: Sequence[GGMLPart], in_features: int,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, *, act8: bool = False) -> None:
         if not parts:
             raise ValueError("GGMLLinear needs at least one part")
+        self.act8 = bool(act8)
         self.parts = tuple(parts)
         self.in_features = int(in_features)
         self.out_features = sum(p.out_features for p in self.parts)
@@ -47,7 +56,7 @@ class GGMLLinear:
     @classmethod
     def from_raw(cls, raw: torch.Tensor, ggml_type: int, shape: tuple[int, int],
                  bias: torch.Tensor | None = None, *, name: str = "tensor",
-                 dense_dtype: torch.dtype = torch.bfloat16) -> GGMLLinear:
+                 dense_dtype: torch.dtype = torch.bfloat16, act8: bool = False) -> GGMLLinear:
         """raw: the tensor's GGUF bytes (flat uint8, on the target device)."""
         out_features, in_features = (int(s) for s in shape)
         if int(ggml_type) in SUPPORTED_TYPES:
@@ -61,7 +70,7 @@ class GGMLLinear:
         else:
             part = GGMLPart(out_features, None,
                             dequantize(raw, ggml_type, shape, out_dtype=dense_dtype, name=name))
-        return cls([part], in_features, bias)
+        return cls([part], in_features, bias, act8=act8)
 
     @classmethod
     def fuse(cls, linears: Sequence[GGMLLinear]) -> GGMLLinear:
@@ -70,6 +79,8 @@ class GGMLLinear:
         in_features = linears[0].in_features
         if any(lin.in_features != in_features for lin in linears):
             raise ValueError("fused linears must share in_features")
+        if len({lin.act8 for lin in linears}) > 1:
+            raise ValueError("fused linears must share act8")
         parts: list[GGMLPart] = []
         for part in (p for lin in linears for p in lin.parts):
             last = parts[-1] if parts else None
@@ -84,7 +95,7 @@ class GGMLLinear:
             bias = torch.cat([lin.bias if lin.bias is not None else
                               torch.zeros(lin.out_features, device=lin.parts[0].weight.device)
                               for lin in linears])
-        return cls(parts, in_features, bias)
+        return cls(parts, in_features, bias, act8=linears[0].act8)
 
     @property
     def device(self) -> torch.device:
@@ -108,6 +119,10 @@ class GGMLLinear:
             w = part.weight
             return torch.matmul(x.to(w.dtype), w.t()).float()
         shape = (part.out_features, self.in_features)
+        if self.act8 and part.ggml_type in ACT8_TYPES:
+            if triton:
+                return qint_triton(x, part.weight, part.ggml_type, shape)
+            return qint_reference(x, part.weight, part.ggml_type, shape).float()
         if triton:
             return qmatmul(x, part.weight, part.ggml_type, shape)
         return qmatmul_reference(x, part.weight, part.ggml_type, shape).float()

@@ -22,9 +22,10 @@ from engine.layers.linear import Int8Linear, Linear, quantize_rows_int8
 from kernels.dequant import dequantize
 
 INT8_SLICE_ROWS = 8192  # rows dequantized at a time when re-quantizing to int8
-# Linear weights: ggml (the file's blocks, fused dequant kernels), bf16 (dense in `dtype`),
-# auto (ggml on a GPU with the Triton kernels unless dtype asks for exact f32, else dense).
-LAYOUTS = ("auto", "ggml", "bf16")
+# Linear weights: ggml (the file's blocks, fused dequant kernels), q8 (the blocks, with Q4_K
+# products on 8-bit activations: kernels/qint.py), bf16 (dense in `dtype`), auto (ggml on
+# a GPU with the Triton kernels unless dtype asks for exact f32, else dense).
+LAYOUTS = ("auto", "ggml", "q8", "bf16")
 
 
 def default_weight_dtype(device: torch.device) -> torch.dtype:
@@ -43,8 +44,10 @@ class WeightLoader:
             raise InvalidRequest("the int8 weight layout runs on the CPU only")
         if layout not in LAYOUTS:
             raise InvalidRequest(f"weight layout {layout!r}: expected one of {LAYOUTS}")
-        self.ggml = layout == "ggml" or (layout == "auto" and self.device.type != "cpu"
-                                         and dtype == torch.bfloat16 and use_triton(self.device))
+        self.ggml = layout in ("ggml", "q8") or (
+            layout == "auto" and self.device.type != "cpu" and dtype == torch.bfloat16
+            and use_triton(self.device))
+        self.act8 = layout == "q8"
 
     def has(self, name: str) -> bool:
         return name in self.file.tensors
@@ -113,7 +116,8 @@ class WeightLoader:
         if self.ggml:
             raw, ggml_type = self.raw(name, shape)
             dense = self.dtype if self.dtype.is_floating_point else torch.bfloat16
-            return GGMLLinear.from_raw(raw, ggml_type, shape, bias, name=name, dense_dtype=dense)
+            return GGMLLinear.from_raw(raw, ggml_type, shape, bias, name=name, dense_dtype=dense,
+                                       act8=self.act8)
         if self.int8:
             return Int8Linear(*self.load_int8(name, shape), bias)
         return Linear(self.matrix(name, shape), bias)

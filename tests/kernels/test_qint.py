@@ -121,3 +121,26 @@ def test_rejects_bad_input(interp, rng):
         interp.call(KERNEL, torch.zeros(1, 256), blocks[:4], int(T.Q4_K), (8, 256))
     with pytest.raises(InvalidRequest, match="divide"):
         interp.call(KERNEL, torch.zeros(1, 256), blocks, int(T.Q4_K), (8, 256), QIntConfig(16, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_gpu_kernels_at_llama_shapes(rng, qtype):
+    """On the GPU (dp4a at 1-2 rows, the matrix unit beyond), at Llama-3.1-8B's shapes:
+    within 2^-16 of the definition, and row 0's bits the same at every M."""
+    if not torch.cuda.is_available():
+        pytest.fail("no GPU: run the gpu tests on the device")
+    for n, k in ((4096, 4096), (1024, 14336)):
+        blocks = random_weight(qtype, n, k, rng)
+        x = torch.from_numpy(rng.standard_normal((64, k), dtype=np.float32))
+        ys = {m: interp_free(x[:m].cuda(), blocks.cuda(), qtype, n, k).cpu()
+              for m in (1, 2, 3, 16, 64)}
+        for y in ys.values():
+            check(y, x[:y.shape[0]], blocks, qtype)
+        assert all(torch.equal(ys[1][0], y[0]) for y in ys.values())
+
+
+def interp_free(x: torch.Tensor, blocks: torch.Tensor, qtype: T, n: int, k: int):
+    from kernels.qint import qint_triton
+
+    return qint_triton(x, blocks, int(qtype), (n, k))

@@ -20,6 +20,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from engine.errors import GGUFFormatError
 from engine.layers.ggml_linear import GGMLLinear
+from kernels.qint import quantize_x_reference
 
 F16_FIELDS = {T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}
 
@@ -105,3 +106,47 @@ def test_wrong_byte_count_is_a_format_error(rng):
     raw = torch.from_numpy(random_raw(T.Q4_K, 8, 256, rng))
     with pytest.raises(GGUFFormatError, match="blk.0.attn_q"):
         GGMLLinear.from_raw(raw[:-1], int(T.Q4_K), (8, 256), name="blk.0.attn_q.weight")
+
+
+def build_act8(rng, k: int):
+    """A q|k|v layer like QKV with act8: -> (layer, [(type, rows, raw)])."""
+    parts = [(qtype, n, random_raw(qtype, n, k, rng)) for qtype, n in QKV]
+    layer = GGMLLinear.fuse([GGMLLinear.from_raw(torch.from_numpy(raw), int(qtype), (n, k),
+                                                 act8=True) for qtype, n, raw in parts])
+    return layer, parts
+
+
+def check_act8(y: torch.Tensor, x: torch.Tensor, parts) -> None:
+    """Q4_K rows: gguf-py's weights times x quantized to 8 bits (kernels/qint.py's
+    definition) within 2^-16; Q6_K rows: the plain product within 2^-7 (bf16 operands)."""
+    q, dx = quantize_x_reference(x)
+    m, k = x.shape
+    xq = (q.double().reshape(m, k // 256, 256) * dx.double()[..., None]).reshape(m, k)
+    row = 0
+    for qtype, n, raw in parts:
+        w = dense64(raw, qtype, n, k)
+        xx, tol = (xq, 2**-16) if qtype == T.Q4_K else (x.double(), 2**-7)
+        err = (y[:, row:row + n].double() - xx @ w.T).abs()
+        assert (err <= tol * (xx.abs() @ w.abs().T) + 1e-9).all(), (qtype, float(err.max()))
+        row += n
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_act8_layer_multiplies_q4k_with_8bit_x(triton_worker, rng, m):
+    """The q8 layout: Q4_K parts through kernels/qint.py (quantized x), the others as
+    before; the torch path (CPU) gives the same numerics through qint_reference."""
+    k = 512
+    layer, parts = build_act8(rng, k)
+    assert layer.act8 and [p.ggml_type for p in layer.parts] == [T.Q4_K, T.Q6_K]
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    check_act8(triton_worker.call("operator:call", layer, x), x, parts)
+    check_act8(operator.call(layer, x), x, parts)
+
+
+def test_act8_layers_fuse_only_with_act8(rng):
+    a = GGMLLinear.from_raw(torch.from_numpy(random_raw(T.Q4_K, 8, 256, rng)), int(T.Q4_K),
+                            (8, 256), act8=True)
+    b = GGMLLinear.from_raw(torch.from_numpy(random_raw(T.Q4_K, 8, 256, rng)), int(T.Q4_K),
+                            (8, 256))
+    with pytest.raises(ValueError, match="act8"):
+        GGMLLinear.fuse([a, b])

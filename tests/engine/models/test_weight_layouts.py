@@ -57,9 +57,26 @@ def test_ggml_layout_matches_dense_f32(tiny):
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
 
 
+def test_q8_layout_marks_every_block_linear(tiny):
+    """`q8` is the ggml layout with 8-bit activations for Q4_K (engine/layers/ggml_linear.py):
+    every fused linear carries the flag; its forward stays near the exact one (x's 8-bit
+    quantization: about 1% relative)."""
+    q8 = load_for(tiny, EngineOptions(device="cpu", dtype="f32", weights="q8")).model
+    dense = load_for(tiny, EngineOptions(device="cpu", dtype="f32", weights="bf16")).model
+    blk = q8.blocks[0]
+    assert all(isinstance(m, GGMLLinear) and m.act8 for m in (blk.qkv, blk.gate_up, blk.down,
+                                                              q8.head))
+    x = torch.randn(3, 256)
+    a, b = blk.gate_up(x), dense.blocks[0].gate_up(x)
+    assert not torch.equal(a, b)  # the Q4_K rows did take the 8-bit path
+    assert float((a - b).norm() / b.norm()) < 0.03
+
+
 def test_auto_is_dense_on_cpu_and_unknown_layouts_fail(tiny):
     mf = ModelFile.open(tiny)
     assert not WeightLoader(mf, torch.bfloat16, "cpu").ggml
     assert WeightLoader(mf, torch.bfloat16, "cpu", "ggml").ggml
+    q8 = WeightLoader(mf, torch.bfloat16, "cpu", "q8")
+    assert q8.ggml and q8.act8 and not WeightLoader(mf, torch.bfloat16, "cpu", "ggml").act8
     with pytest.raises(InvalidRequest, match="layout"):
         WeightLoader(mf, torch.bfloat16, "cpu", "q4")
