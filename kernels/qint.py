@@ -45,11 +45,15 @@ QINT_TYPES = frozenset({Q4_K, Q6_K})
 _TYPE_SIZE = {Q4_K: 144, Q6_K: 210}
 QK = 256  # columns per super-block, and per x scale
 # Rows of x up to which the CUDA-core kernel runs (its cost grows with each row), the
-# matrix unit's beyond: on the H200 (bench/RESULTS.md, 2026-11-30) Q4_K at 1-2 rows 1.3-1.9x
-# faster than qmatmul's bf16 kernel, at 4 rows even, at 8 slower.
-GEMV_MAX_M = 2
-# The matrix-unit kernel's (block_m, block_n, num_warps); to be tuned (bench/gpu/qint_bench.py).
-TILED_TILE = (16, 64, 4)
+# matrix unit's beyond: on the H200 (bench/RESULTS.md, 2026-11-30) Q4_K's at 1-2 rows is
+# 1.3-1.9x faster than qmatmul's bf16 kernel and at 4 rows still ahead of the matrix-unit
+# one (39 vs 48 us at 14336 x 4096), at 8 behind.
+GEMV_MAX_M = 4
+# The matrix-unit kernel's (block_m, block_n, num_warps) by rows of x, the first whose
+# bound holds: the sums are exact, so the tile may depend on M without changing a bit.
+# Swept on the H200 at 14336 x 4096 (bench/gpu/qint_bench.py): 16 x 64 best at 16 rows,
+# 64 x 64 at 64 (105 vs 166 us).
+TILED_TILES = ((16, (16, 64, 4)), (32, (32, 64, 4)), (1 << 62, (64, 64, 4)))
 
 
 class QIntConfig(NamedTuple):
@@ -366,6 +370,11 @@ if HAS_TRITON:
         tl.store(out_ptr + offs, acc, mask=m_ok[None, :] & (rn < N)[:, None])
 
 
+def tiled_tile(m: int) -> tuple[int, ...]:
+    """The matrix-unit kernel's (block_m, block_n, num_warps[, num_stages]) for m rows."""
+    return next(tile for bound, tile in TILED_TILES if m <= bound)
+
+
 @functools.lru_cache(maxsize=16)
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if \
@@ -429,11 +438,11 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
             QTYPE=int(ggml_type), BLOCK_M=next_pow2(m), BLOCK_N=cfg.block_n,
             PTX=ptx(x.device), num_warps=cfg.num_warps, **stages)
     else:
-        bm, bn, warps = TILED_TILE
+        bm, bn, warps, *st = tiled_tile(m)
         launcher(_qint_mm_kernel, x.device)[(-(-m // bm), -(-n // bn), cfg.split)](
             q, dx, bs, blocks, out, m, n, k, blocks.shape[1], k // QK // cfg.split,
             QTYPE=int(ggml_type), BLOCK_M=bm, BLOCK_N=bn, DOT_F64=x.device.type == "cpu",
-            num_warps=warps)
+            num_warps=warps, **({"num_stages": st[0]} if st else {}))
     if cfg.split > 1:
         from kernels.qmatmul import sum_splits
 
@@ -464,7 +473,7 @@ def aot_specs(spec: type) -> list:
                 out.append(spec(f"qint_{name}_m{bm}", _qint_gemv_kernel,
                                 {**sig, **{k: "constexpr" for k in consts}}, consts,
                                 cfg.num_warps, False, backend, cfg.num_stages, divisible))
-        bm, bn, warps = TILED_TILE
+        bm, bn, warps, *_ = tiled_tile(16)
         consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": bn, "DOT_F64": False}
         out.append(spec(f"qint_{name}_tiled", _qint_mm_kernel,
                         {**sig, **{k: "constexpr" for k in consts}}, consts, warps, True, None,

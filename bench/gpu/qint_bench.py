@@ -41,7 +41,7 @@ from kernels.qmatmul import qmatmul_triton  # noqa: E402
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
 MS = (1, 2, 3, 4, 8, 16, 32, 64)
-TILE = qint.TILED_TILE
+TILES = qint.TILED_TILES
 
 
 def sweep(base: QIntConfig) -> list[QIntConfig]:
@@ -58,7 +58,8 @@ class Case:
         count = 1 if run.smoke else max(1, min(64, math.ceil(L2_MISS_BYTES /
                                                              self.blocks.numel())))
         self.copies = [self.blocks] + [self.blocks.clone() for _ in range(count - 1)]
-        self.x = torch.randn(max(MS), k, device=run.dev, generator=run.gen).bfloat16()
+        self.x = torch.randn(max(MS) if run.smoke else 512, k, device=run.dev,
+                             generator=run.gen).bfloat16()
         w = dequantize_reference(self.blocks.view(-1), self.qtype, (n, k), torch.float64)
         self.bound16 = self.x.double().abs() @ w.abs().T
         self.ref16 = self.x.double() @ w.T
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter)")
     ap.add_argument("--sweep-shapes", default="4096x4096,14336x4096",
                     help="shapes swept at M = 1 (NxK, comma separated)")
+    ap.add_argument("--tiles-only", action="store_true",
+                    help="sweep the matrix-unit kernel's tiles only (not the CUDA-core configs)")
     args = ap.parse_args(argv)
     run = Run(args)
     shapes = [(32, 512)] if args.smoke else SHAPES
@@ -124,20 +127,21 @@ def main(argv: list[str] | None = None) -> int:
             for m in ms:
                 for mode in ("qmatmul", "qint"):
                     out["rows"].append(measure(run, case, mode, m, None, ceil))
-            if (n, k) in swept or args.smoke:
+            if ((n, k) in swept or args.smoke) and not args.tiles_only:
                 base = default_qint_config(case.qtype, 1, n, k, run.sms)
                 for cfg in sweep(base)[:2 if args.smoke else None]:
                     if run.left() > 60:
                         out["rows"].append(measure(run, case, "qint", 1, cfg, ceil))
             if (n, k) in swept and not args.smoke:  # the matrix-unit kernel's tiles
-                for tile in ((16, 64, 4), (32, 64, 4), (64, 64, 4), (16, 128, 4), (32, 128, 8),
-                             (64, 128, 8)):
-                    qint.TILED_TILE = tile
-                    for m in (16, 64):
+                for tile in ((16, 64, 4, 1), (16, 64, 4, 2), (16, 64, 4, 4), (16, 128, 4),
+                             (16, 128, 8), (32, 64, 4), (64, 64, 4), (64, 64, 4, 2),
+                             (64, 64, 4, 4), (64, 128, 8), (128, 64, 8), (64, 128, 4)):
+                    qint.TILED_TILES = ((1 << 62, tile),)
+                    for m in (16, 64, 512):
                         row = measure(run, case, "qint", m, None, ceil)
                         row.update(mode="qint-tile", tile=list(tile), bits_equal_m1=None)
                         out["rows"].append(row)
-                qint.TILED_TILE = TILE
+                qint.TILED_TILES = TILES
             print(f"{name} ({n},{k}) done, {run.left():.0f} s left", flush=True)
             del case
             if not args.smoke:
