@@ -93,8 +93,8 @@ def tensor_shapes(spec: SyntheticSpec, vocab_size: int) -> dict[str, tuple[int, 
 
 
 def _tensor_type(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> int:
-    for suffix, qtype in spec.types.items():
-        if name.endswith(suffix):
+    for suffix, qtype in spec.types.items():  # whole name components: "output.weight" is
+        if name == suffix or name.endswith("." + suffix):  # the head, not attn_output
             return qtype
     return T.F32 if len(shape) == 1 else spec.default_type
 
@@ -177,9 +177,9 @@ PRESETS: dict[str, SyntheticSpec] = {
                                  context_length=32768, rope_base=1000000.0,
                                  sliding_window=512),
 }
-# Quantization recipes by tensor suffix, after llama.cpp's: Q4_K_M keeps attn_v and
-# ffn_down in Q6_K (llama.cpp does that on about half the layers: these files are ~8%
-# larger than a real Q4_K_M) and the output layer in Q6_K.
+# Quantization recipes by tensor name suffix (whole components), after llama.cpp's: Q4_K_M
+# keeps attn_v and ffn_down in Q6_K (llama.cpp does that on about half the layers: these
+# files are ~5% larger than a real Q4_K_M) and the output layer in Q6_K.
 RECIPES: dict[str, dict[str, int]] = {
     "Q4_K_M": {"attn_v.weight": T.Q6_K, "ffn_down.weight": T.Q6_K, "output.weight": T.Q6_K,
                ".weight": T.Q4_K},
