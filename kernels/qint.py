@@ -315,30 +315,36 @@ if HAS_TRITON:
         return tl.fma(-msum.to(tl.float32), dmin[:, None] * dx, acc)
 
     @helper
-    def _mm_q6k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, rm, m_ok):
-        """The tiled kernel's super-block step for Q6_K: per 32-element chunk c (two
-        16-element sub-blocks), the codes (BN, 32) times x with the other sub-block's half
-        zeroed, one dot per sub-block; the same sums as _sb_q6k."""
+    def _mm_q6k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, rm, m_ok,
+                DOT_F64: tl.constexpr):
+        """The tiled kernel's super-block step for Q6_K: acc (BN, BM) + the same sums as
+        _sb_q6k, on the matrix unit. The int8 scale splits as sc = 16 hi + lo (hi in
+        -8..7, lo in 0..15), so (q - 32) * hi (|.| <= 256) and (q - 32) * lo (<= 480) are
+        exact in f16 and a 128-column dot of either with x's codes stays below 2^24:
+        isum = 16 dot(hi part) + dot(lo part), four exact dots per super-block."""
         base = row_off + sb * 210
-        ll = tl.arange(0, 32)
-        first = (ll < 16)[:, None]
+        BN: tl.constexpr = acc.shape[0]
+        j = tl.arange(0, 4)[None, :, None]  # 32-column run of a half: columns 32 j + l
+        ll = tl.arange(0, 32)[None, None, :]
+        zero = 0 * base[:, None, None].to(tl.int32)
         x_rows = q_ptr + rm.to(tl.int64)[None, :] * K + sb * 256
-        bs_rows = bs_ptr + rm.to(tl.int64) * (K // 16) + sb * 16
         isum = tl.zeros(acc.shape, tl.int32)
-        for c in tl.static_range(8):
-            h = c // 4
-            j = c % 4
-            ql = tl.load((w_ptr + base + 64 * h + 32 * (j % 2))[:, None] + ll[None, :])
-            qh = tl.load((w_ptr + base + 128 + 32 * h)[:, None] + ll[None, :])
-            q = (((ql >> (4 * (j // 2))) & 15) | (((qh >> (2 * j)) & 3) << 4)).to(tl.int8)
-            xt = tl.load(x_rows + 32 * c + ll[:, None], mask=m_ok[None, :], other=0)  # (32, BM)
-            d0 = tl.dot(q, tl.where(first, xt, 0).to(tl.int8), out_dtype=tl.int32)
-            d1 = tl.dot(q, tl.where(first, 0, xt).to(tl.int8), out_dtype=tl.int32)
-            sc0 = tl.load(w_ptr + base + 192 + 2 * c).to(tl.int8, bitcast=True).to(tl.int32)
-            sc1 = tl.load(w_ptr + base + 193 + 2 * c).to(tl.int8, bitcast=True).to(tl.int32)
-            b0 = tl.load(bs_rows + 2 * c, mask=m_ok, other=0)[None, :]
-            b1 = tl.load(bs_rows + 2 * c + 1, mask=m_ok, other=0)[None, :]
-            isum += sc0[:, None] * (d0 - 32 * b0) + sc1[:, None] * (d1 - 32 * b1)
+        for h in tl.static_range(2):
+            # element 128 h + 32 j + l: nibble j // 2 of ql[64 h + 32 (j % 2) + l], top bits
+            # 2 j of qh[32 h + l]
+            b3 = base[:, None, None]
+            ql = tl.load(w_ptr + b3 + 64 * h + 32 * (j % 2) + ll + zero).to(tl.int32)
+            qh = tl.load(w_ptr + b3 + 128 + 32 * h + ll + zero).to(tl.int32)
+            code = (((ql >> (4 * (j // 2))) & 15) | (((qh >> (2 * j)) & 3) << 4)) - 32
+            sc = tl.load((w_ptr + base + 192 + 8 * h)[:, None] + tl.arange(0, 8)[None, :])
+            sc = tl.reshape(sc.to(tl.int8, bitcast=True).to(tl.int32), (BN, 4, 2, 1))
+            code = tl.reshape(code, (BN, 4, 2, 16))
+            hi = tl.reshape(code * (sc >> 4), (BN, 128)).to(tl.float16)
+            lo = tl.reshape(code * (sc & 15), (BN, 128)).to(tl.float16)
+            xt = tl.load(x_rows + 128 * h + tl.arange(0, 128)[:, None], mask=m_ok[None, :],
+                         other=0).to(tl.float16)  # (128, BM)
+            isum += (16 * _dot_exact(hi, xt, DOT_F64).to(tl.int32)
+                     + _dot_exact(lo, xt, DOT_F64).to(tl.int32))
         dx = tl.load(dx_ptr + rm.to(tl.int64) * (K // 256) + sb, mask=m_ok, other=0.0)[None, :]
         d = _f16(w_ptr + base + 208)
         return tl.fma(isum.to(tl.float32), d[:, None] * dx, acc)
@@ -365,7 +371,8 @@ if HAS_TRITON:
                 acc = _mm_q4k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rm, m_ok,
                               DOT_F64)
             else:
-                acc = _mm_q6k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rm, m_ok)
+                acc = _mm_q6k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rm, m_ok,
+                              DOT_F64)
         offs = split.to(tl.int64) * M * N + rm.to(tl.int64)[None, :] * N + rn[:, None]
         tl.store(out_ptr + offs, acc, mask=m_ok[None, :] & (rn < N)[:, None])
 

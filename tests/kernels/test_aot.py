@@ -36,9 +36,8 @@ def test_every_kernel_builds_for_both_targets(report):
 
 
 def test_dots_lower_to_tensor_cores(report):
-    """bf16 dots (qmatmul), f16 dots (attention, qint's Q4_K tiled kernel) and int8 dots
-    (qint's Q6_K tiled kernel) use the matching WMMA / MMA ops; qint's CUDA-core kernels
-    none."""
+    """bf16 dots (qmatmul) and f16 dots (attention, qint's tiled kernels: integer-valued
+    operands) use the matching WMMA / MMA ops; qint's CUDA-core kernels none."""
     for name, targets in report.items():
         if "merge" in name or "sum_splits" in name or "_fma_" in name:
             continue
@@ -46,10 +45,9 @@ def test_dots_lower_to_tensor_cores(report):
         if name.startswith("qint_") and not name.endswith("_tiled"):
             assert hip["wmma"] == 0 and cuda["mma"] == 0, name
             continue
-        hip_dtype, cuda_dtype = (("bf16",) * 2 if name.startswith("qmatmul") else
-                                 ("iu8", "s8") if name == "qint_Q6_K_tiled" else ("f16",) * 2)
-        assert hip["wmma"] > 0 and all(op.endswith(f"_{hip_dtype}") for op in hip["ops"]), hip
-        assert cuda["mma"] > 0 and all(f".{cuda_dtype}." in op for op in cuda["ops"]), cuda
+        dtype = "bf16" if name.startswith("qmatmul") else "f16"
+        assert hip["wmma"] > 0 and all(op.endswith(f"_{dtype}") for op in hip["ops"]), hip
+        assert cuda["mma"] > 0 and all(f".{dtype}." in op for op in cuda["ops"]), cuda
 
 
 def test_skinny_and_tiled_qmatmul_use_the_same_instruction(report):
