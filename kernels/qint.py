@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 
 from engine.errors import InvalidRequest
-from kernels.qgemv import ptx
+from kernels.qgemv import _TICKETS, _tickets, ptx
 from kernels.qtiles import Q4_K, Q6_K, _columns, _f16, _f16lo, _p32, _words
 from kernels.triton_util import HAS_TRITON, helper, launcher, next_pow2, tl, triton
 
@@ -42,6 +42,7 @@ __all__ = ["QINT_TYPES", "QIntConfig", "default_qint_config", "qint_reference",
            "qint_triton", "quantize_x", "quantize_x_reference"]
 
 QINT_TYPES = frozenset({Q4_K, Q6_K})
+
 _TYPE_SIZE = {Q4_K: 144, Q6_K: 210}
 QK = 256  # columns per super-block, and per x scale
 # Rows of x up to which the CUDA-core kernel runs (its cost grows with each row), the
@@ -93,6 +94,26 @@ def qint_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int,
 
 
 if HAS_TRITON:
+
+    # PTX for 4 code bytes in one register -> the f16 values 1024 + (nibble) of each, as two f16
+    # pairs: prmt spreads bytes 0,1 (2,3) into the low bytes of 16-bit halves, lop3 keeps the
+    # nibble and sets the high byte to 0x64 (f16 0x6400 + n = 1024 + n, exact); as
+    # kernels/qscaled.py's bf16 version.
+    _NIB16_LO = tl.constexpr("""{
+    .reg .b32 t<2>;
+    prmt.b32 t0, $2, 0, 0x4140;
+    prmt.b32 t1, $2, 0, 0x4342;
+    lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA;
+    lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA;
+    }""")
+    _NIB16_HI = tl.constexpr("""{
+    .reg .b32 s, t<2>;
+    shr.b32 s, $2, 4;
+    prmt.b32 t0, s, 0, 0x4140;
+    prmt.b32 t1, s, 0, 0x4342;
+    lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA;
+    lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA;
+    }""")
 
     @triton.jit
     def _quantize_x_kernel(x_ptr, q_ptr, dx_ptr, bs_ptr, K, stride_xm):
@@ -235,14 +256,39 @@ if HAS_TRITON:
                 acc = _put(acc, col, m, tl.sum(isum, axis=1), d * dx, isum, d, False)
         return acc
 
+    @helper
+    def _finish(acc, y_ptr, part_ptr, ticket_ptr, tile, split, nsplit, M, N, offs, mask,
+                TICKET: tl.constexpr):
+        """Stores a program's (BN, BM) sums: into y when the super-blocks are not split;
+        else into part[split], and with TICKET the last of the tile's programs to arrive
+        adds the partials in split order into y and re-arms the tile's counter (as
+        kernels/qgemv.py); without, qmatmul.sum_splits does it in a second launch."""
+        if nsplit == 1:
+            tl.store(y_ptr + offs, acc, mask=mask)
+        else:
+            plane = M.to(tl.int64) * N
+            tl.store(part_ptr + split * plane + offs, acc, mask=mask)
+            if TICKET:
+                tl.debug_barrier()  # every thread's partial is written before the ticket
+                arrived = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel", scope="gpu")
+                if arrived == nsplit - 1:
+                    total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                    for t in range(1, nsplit):
+                        total += tl.load(part_ptr + t * plane + offs, mask=mask, other=0.0,
+                                         cache_modifier=".cg")
+                    tl.store(y_ptr + offs, total, mask=mask)
+                    tl.atomic_xchg(ticket_ptr + tile, 0, sem="relaxed", scope="gpu")
+
     @triton.jit(do_not_specialize=["M", "N"])
     def _qint_gemv_kernel(
-        q_ptr, dx_ptr, bs_ptr, w_ptr, out_ptr, M, N, K, row_bytes, sb_per_split,
+        q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
+        sb_per_split, nsplit,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        PTX: tl.constexpr = False,
+        PTX: tl.constexpr = False, TICKET: tl.constexpr = True,
     ):
-        """out[split, m, n] = the product of x's row m (quantized: q, dx, 16-column sums
-        bs) and W's row n over the super-blocks of range `split` (grid: N tiles, splits)."""
+        """y[m, n] = the product of x's row m (quantized: q, dx, 16-column sums bs) and W's
+        row n; grid (N tiles, splits), a program's sum over its range of super-blocks
+        finished by _finish."""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -257,8 +303,9 @@ if HAS_TRITON:
             else:
                 acc = _sb_q6k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
                               BLOCK_M, PTX)
-        offs = split.to(tl.int64) * M * N + rm.to(tl.int64)[None, :] * N + rn[:, None]
-        tl.store(out_ptr + offs, acc, mask=(rm < M)[None, :] & (rn < N)[:, None])
+        offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
+        _finish(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, offs,
+                (rm < M)[None, :] & (rn < N)[:, None], TICKET)
 
 
     @helper
@@ -278,8 +325,25 @@ if HAS_TRITON:
         return out
 
     @helper
+    def _codes_sc(byte, sc, HIGH: tl.constexpr, PTX: tl.constexpr):
+        """u8 code bytes (BN, G, 32) and int32 scales (BN, G) -> sc * (low or high nibble)
+        in f16 (exact: <= 945). With PTX four bytes become 1024 + q in two f16 pairs (prmt,
+        lop3: the bits 0x6400 | q) and one fma per value takes the 1024 back, exactly:
+        fma(1024 + q, sc, -1024 sc) rounds q sc once. Elsewhere an integer product."""
+        if PTX:
+            t = tl.inline_asm_elementwise(_NIB16_HI if HIGH else _NIB16_LO, "=r,=r,r", [byte],
+                                          dtype=tl.float16, is_pure=True, pack=4)
+            s16 = sc.to(tl.float16)[:, :, None]
+            out = tl.fma(t, s16, -1024.0 * s16)
+        else:
+            u = byte.to(tl.int32)
+            q = (u >> 4) if HIGH else (u & 15)
+            out = (q * sc[:, :, None]).to(tl.float16)
+        return out
+
+    @helper
     def _mm_q4k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, rm, m_ok,
-                DOT_F64: tl.constexpr):
+                DOT_F64: tl.constexpr, PTX: tl.constexpr):
         """The tiled kernel's super-block step for Q4_K: acc (BN, BM) + the same sums as
         _sb_q4k, on the matrix unit. The sub-block scale goes into the codes (sc * q <= 945,
         exact in f16), x's int8 codes are exact in f16, and a 128-column dot's partial sums
@@ -296,11 +360,8 @@ if HAS_TRITON:
             _, _, sc0, sc1, _, _ = _k4_scales(w_ptr, blk, gg)  # (BN, 2)
             byte = tl.load((w_ptr + blk + 16)[:, None, None] + gg[:, :, None] * 32
                            + ll[None, None, :])  # (BN, 2, 32)
-            # unsigned 32-bit sources convert in one instruction (kernels/qtiles.py)
-            u = byte.to(tl.uint32)
-            lo = (u & 15).to(tl.float32) * sc0.to(tl.uint32)[:, :, None].to(tl.float32)
-            hi = (u >> 4).to(tl.float32) * sc1.to(tl.uint32)[:, :, None].to(tl.float32)
-            wt = _columns(lo, hi, BN, 128).to(tl.float16)
+            wt = _columns(_codes_sc(byte, sc0, False, PTX), _codes_sc(byte, sc1, True, PTX),
+                          BN, 128)
             xt = tl.load(x_rows + 128 * hf + tl.arange(0, 128)[:, None], mask=m_ok[None, :],
                          other=0).to(tl.float16)  # (128, BM)
             isum += _dot_exact(wt, xt, DOT_F64).to(tl.int32)
@@ -351,9 +412,10 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["M", "N"])
     def _qint_mm_kernel(
-        q_ptr, dx_ptr, bs_ptr, w_ptr, out_ptr, M, N, K, row_bytes, sb_per_split,
+        q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
+        sb_per_split, nsplit,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        DOT_F64: tl.constexpr = False,
+        DOT_F64: tl.constexpr = False, PTX: tl.constexpr = False, TICKET: tl.constexpr = True,
     ):
         """The tiled path (many rows of x): grid (M tiles, N tiles, splits), else as
         _qint_gemv_kernel, with the same bits."""
@@ -369,12 +431,13 @@ if HAS_TRITON:
         for i in range(0, sb_per_split):
             if QTYPE == 12:  # Q4_K
                 acc = _mm_q4k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rm, m_ok,
-                              DOT_F64)
+                              DOT_F64, PTX)
             else:
                 acc = _mm_q6k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rm, m_ok,
                               DOT_F64)
-        offs = split.to(tl.int64) * M * N + rm.to(tl.int64)[None, :] * N + rn[:, None]
-        tl.store(out_ptr + offs, acc, mask=m_ok[None, :] & (rn < N)[:, None])
+        offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
+        _finish(acc, y_ptr, part_ptr, ticket_ptr, pid_m * tl.num_programs(1) + pid_n, split,
+                nsplit, M, N, offs, m_ok[None, :] & (rn < N)[:, None], TICKET)
 
 
 def tiled_tile(m: int) -> tuple[int, ...]:
@@ -435,25 +498,30 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return y
-    out = y if cfg.split == 1 else torch.empty(cfg.split, m, n, dtype=torch.float32,
-                                               device=x.device)
+    part = y if cfg.split == 1 else torch.empty(cfg.split, m, n, dtype=torch.float32,
+                                                device=x.device)
     q, dx, bs = quantize_x(x)
     stages = {} if cfg.num_stages is None else {"num_stages": cfg.num_stages}
     if m <= GEMV_MAX_M:
-        launcher(_qint_gemv_kernel, x.device)[(-(-n // cfg.block_n), cfg.split)](
-            q, dx, bs, blocks, out, m, n, k, blocks.shape[1], k // QK // cfg.split,
-            QTYPE=int(ggml_type), BLOCK_M=next_pow2(m), BLOCK_N=cfg.block_n,
-            PTX=ptx(x.device), num_warps=cfg.num_warps, **stages)
+        grid = (-(-n // cfg.block_n), cfg.split)
+        kernel, extra = _qint_gemv_kernel, {"BLOCK_M": next_pow2(m), "BLOCK_N": cfg.block_n,
+                                            "num_warps": cfg.num_warps, **stages}
     else:
         bm, bn, warps, *st = tiled_tile(m)
-        launcher(_qint_mm_kernel, x.device)[(-(-m // bm), -(-n // bn), cfg.split)](
-            q, dx, bs, blocks, out, m, n, k, blocks.shape[1], k // QK // cfg.split,
-            QTYPE=int(ggml_type), BLOCK_M=bm, BLOCK_N=bn, DOT_F64=x.device.type == "cpu",
-            num_warps=warps, **({"num_stages": st[0]} if st else {}))
-    if cfg.split > 1:
+        grid = (-(-m // bm), -(-n // bn), cfg.split)
+        kernel, extra = _qint_mm_kernel, {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps,
+                                          "DOT_F64": x.device.type == "cpu",
+                                          **({"num_stages": st[0]} if st else {})}
+    tiles = grid[0] * (grid[1] if len(grid) == 3 else 1)
+    ticket = tiles <= _TICKETS
+    launcher(kernel, x.device)[grid](
+        q, dx, bs, blocks, y, part, _tickets(x.device), m, n, k, blocks.shape[1],
+        k // QK // cfg.split, cfg.split, QTYPE=int(ggml_type), PTX=ptx(x.device),
+        TICKET=ticket, **extra)
+    if cfg.split > 1 and not ticket:
         from kernels.qmatmul import sum_splits
 
-        sum_splits(out, y)
+        sum_splits(part, y)
     return y
 
 
@@ -464,9 +532,10 @@ def aot_specs(spec: type) -> list:
     if not HAS_TRITON:
         return []
     sig = {"q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*i32", "w_ptr": "*u8",
-           "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "row_bytes": "i32",
-           "sb_per_split": "i32"}
-    divisible = ("q_ptr", "dx_ptr", "bs_ptr", "w_ptr", "out_ptr", "K", "row_bytes")
+           "y_ptr": "*fp32", "part_ptr": "*fp32", "ticket_ptr": "*i32", "M": "i32", "N": "i32",
+           "K": "i32", "row_bytes": "i32", "sb_per_split": "i32", "nsplit": "i32"}
+    divisible = ("q_ptr", "dx_ptr", "bs_ptr", "w_ptr", "y_ptr", "part_ptr", "ticket_ptr", "K",
+                 "row_bytes")
     out = [spec("qint_quantize_x", _quantize_x_kernel,
                 {"x_ptr": "*bf16", "q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*i32",
                  "K": "i32", "stride_xm": "i32"}, {}, 2, False, None, None,
@@ -481,8 +550,10 @@ def aot_specs(spec: type) -> list:
                                 {**sig, **{k: "constexpr" for k in consts}}, consts,
                                 cfg.num_warps, False, backend, cfg.num_stages, divisible))
         bm, bn, warps, *_ = tiled_tile(16)
-        consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": bn, "DOT_F64": False}
-        out.append(spec(f"qint_{name}_tiled", _qint_mm_kernel,
-                        {**sig, **{k: "constexpr" for k in consts}}, consts, warps, True, None,
-                        None, divisible))
+        for backend in ("hip", "cuda"):
+            consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": bn, "DOT_F64": False,
+                      "PTX": backend == "cuda"}
+            out.append(spec(f"qint_{name}_tiled", _qint_mm_kernel,
+                            {**sig, **{k: "constexpr" for k in consts}}, consts, warps, True,
+                            backend, None, divisible))
     return out
