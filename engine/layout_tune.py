@@ -11,6 +11,11 @@ a CUDA graph), weighs each shape by how many linears have it, and takes the fast
 whose weights and KV cache fit the device's free memory. Within 5% the blocks win: fewer
 bytes leave more room for sessions.
 
+The blocks come two ways: `ggml` (bf16 operands, the exact codes) and `q8` (the same
+blocks, Q4_K multiplied with 8-bit activations: kernels/qint.py). q8 is timed on the
+shapes where it differs (its other types run ggml's kernels) and taken only when more than
+5% faster than ggml: on a near tie the activations stay unquantized.
+
 Cost: one build of each qmatmul kernel (which the first forward would do anyway) and about
 two dozen graph replays, a second or two at load; the result is logged and printed by
 `mbufo inspect MODEL --device cuda`.
@@ -27,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.gguf import ModelFile
+from engine.layers.ggml_linear import ACT8_TYPES
 from engine.models.config import ModelConfig
 from engine.planner import plan
 
@@ -51,7 +57,7 @@ class LinearShape:
 
 @dataclass(frozen=True)
 class LayoutChoice:
-    layout: str  # "ggml" or "bf16"
+    layout: str  # "ggml", "q8" or "bf16"
     reason: str
     # layout -> rows -> ms of every linear of one forward (the measured shapes, weighted)
     forward_ms: dict[str, dict[int, float]] = field(default_factory=dict)
@@ -87,24 +93,30 @@ def choose_layout(mf: ModelFile, cfg: ModelConfig, *, sessions: int, context: in
     plans = {layout: plan(mf, cfg, sessions=sessions, context=context, kv_quant=kv_quant,
                           backend=backend).total_bytes
              for layout, backend in (("ggml", "gpu"), ("bf16", "cpu"))}
-    if budget_bytes is not None and plans["bf16"] > budget_bytes:
-        return LayoutChoice("ggml", f"bf16 weights and KV ({plans['bf16'] >> 20} MiB) exceed "
-                            f"the {budget_bytes >> 20} MiB free", {}, plans, budget_bytes)
+    plans["q8"] = plans["ggml"]
+    bf16_fits = budget_bytes is None or plans["bf16"] <= budget_bytes
     shapes = linear_shapes(mf)
-    cost: dict[str, dict[int, float]] = {"ggml": dict.fromkeys(ROWS, 0.0),
-                                         "bf16": dict.fromkeys(ROWS, 0.0)}
-    for layout in cost:
+    timed: dict[tuple[str, LinearShape, int], float] = {}  # ms of all of a shape's linears
+    for layout in ("ggml", "q8") + (("bf16",) if bf16_fits else ()):
         for s in shapes:  # every row count of one shape in a row: its weights are made once
             for m in ROWS:
-                cost[layout][m] += 1e3 * s.count * measure(layout, s.ggml_type,
-                                                           s.out_features, s.in_features, m)
+                if layout == "q8" and s.ggml_type not in ACT8_TYPES:  # ggml's kernels
+                    timed[layout, s, m] = timed["ggml", s, m]
+                else:
+                    timed[layout, s, m] = 1e3 * s.count * measure(
+                        layout, s.ggml_type, s.out_features, s.in_features, m)
+    cost = {layout: {m: sum(timed[layout, s, m] for s in shapes) for m in ROWS}
+            for layout in dict.fromkeys(lay for lay, _, _ in timed)}
     score = {layout: sum(by_rows.values()) for layout, by_rows in cost.items()}
-    faster = score["bf16"] < (1 - TIE_MARGIN) * score["ggml"]
-    layout = "bf16" if faster else "ggml"
+    blocks = "q8" if score["q8"] < (1 - TIE_MARGIN) * score["ggml"] else "ggml"
+    layout = "bf16" if bf16_fits and score["bf16"] < (1 - TIE_MARGIN) * score[blocks] else blocks
     per_rows = {name: "/".join(f"{by_rows[m]:.2f}" for m in ROWS)
                 for name, by_rows in cost.items()}
-    reason = (f"linears of one forward at {'/'.join(map(str, ROWS))} rows: bf16 "
-              f"{per_rows['bf16']} ms, ggml {per_rows['ggml']} ms")
+    reason = (f"linears of one forward at {'/'.join(map(str, ROWS))} rows: "
+              + ", ".join(f"{name} {per_rows[name]} ms" for name in cost))
+    if not bf16_fits:
+        reason += (f"; bf16 weights and KV ({plans['bf16'] >> 20} MiB) exceed the "
+                   f"{budget_bytes >> 20} MiB free")
     log.info("weight layout %s (%s)", layout, reason)
     return LayoutChoice(layout, reason, cost, plans, budget_bytes)
 
@@ -114,16 +126,18 @@ def gpu_measure(device: torch.device, *, replays: int = 5) -> Measure:
     values), enough copies to miss the L2 (kept while the next calls time the same shape at
     other row counts), one CUDA graph of a product per copy."""
     from kernels.dequant import block_geometry
+    from kernels.qint import qint_triton
     from kernels.qmatmul import SUPPORTED_TYPES, qmatmul
 
     held: dict[tuple, list[torch.Tensor]] = {}  # the last shape's weight copies
 
     def measure(layout: str, ggml_type: int, n: int, k: int, m: int) -> float:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-        blocks = layout == "ggml" and ggml_type in SUPPORTED_TYPES
+        blocks = layout in ("ggml", "q8") and ggml_type in SUPPORTED_TYPES
         if blocks:
             block, size = block_geometry(ggml_type)
-            call = lambda w: qmatmul(x, w, ggml_type, (n, k))  # noqa: E731
+            product = qint_triton if layout == "q8" and ggml_type in ACT8_TYPES else qmatmul
+            call = lambda w: product(x, w, ggml_type, (n, k))  # noqa: E731
         else:  # dense (either layout for types without a kernel)
             call = lambda w: x @ w.t()  # noqa: E731
         key = (blocks, ggml_type if blocks else None, n, k)

@@ -1,11 +1,12 @@
 """The GPU path (Triton qmatmul and paged attention, CUDA graphs of decode steps) against
-the CPU path (dense f32 weights, torch attention) on tiny GGUFs, for both GPU weight
+the CPU path (dense f32 weights, torch attention) on tiny GGUFs, for the GPU weight
 layouts with graphs on and off; and graph replays against eager decode on the GPU.
 Runs on the lent GPU machine (`pytest -m gpu`), never in CI.
 
-The ggml layout rounds activations to bf16 inside qmatmul and the bf16 layout rounds the
-weights, so GPU logits differ from the f32 CPU logits by a few 1e-3 relative; greedy
-tokens must agree except after a near tie of the CPU's own top two logits.
+The ggml layout rounds activations to bf16 inside qmatmul, q8 quantizes them to 8 bits
+for Q4_K (kernels/qint.py) and the bf16 layout rounds the weights, so GPU logits differ
+from the f32 CPU logits by a few 1e-3 relative (q8: about 1e-2); greedy tokens must agree
+except after a near tie of the CPU's own top two logits.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def prompts_for(n: int) -> list[list[int]]:
             for k in torch.randint(3, 90, (n,), generator=gen)]
 
 
-@pytest.mark.parametrize("weights", ["ggml", "bf16"])
+@pytest.mark.parametrize("weights", ["ggml", "q8", "bf16"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_gpu_greedy_tokens_match_cpu(tiny, weights, graphs):
     prompts = prompts_for(5)  # five rows: graph bucket 8 with padding, then fewer
@@ -108,7 +109,7 @@ def test_gpu_greedy_tokens_match_cpu(tiny, weights, graphs):
         assert gap < NEAR_TIE, f"GPU token {b[first]} != CPU {a[first]} at {first}, gap {gap}"
 
 
-@pytest.mark.parametrize("weights", ["ggml", "bf16"])
+@pytest.mark.parametrize("weights", ["ggml", "q8", "bf16"])
 def test_gpu_logits_close_to_cpu(tiny, weights):
     """Teacher-forced: one prefill step of 4 prompts, then decode steps (graph replays).
     f16 KV: with q4/q8 KV, codes flip on these differences and the logits move further
@@ -161,6 +162,9 @@ def test_auto_weights_measure_both_layouts_and_load_the_choice(tiny):
 
     loaded = load_for(tiny, opts("cuda", "auto", True))
     choice = loaded.layout_choice
-    assert choice is not None and choice.layout in ("ggml", "bf16")
+    assert choice is not None and choice.layout in ("ggml", "q8", "bf16")
+    assert {"ggml", "q8"} <= set(choice.forward_ms)
     assert all(ms > 0 for by_rows in choice.forward_ms.values() for ms in by_rows.values())
-    assert isinstance(loaded.model.blocks[0].qkv, GGMLLinear) == (choice.layout == "ggml")
+    qkv = loaded.model.blocks[0].qkv
+    assert isinstance(qkv, GGMLLinear) == (choice.layout != "bf16")
+    assert getattr(qkv, "act8", False) == (choice.layout == "q8")

@@ -57,14 +57,20 @@ def test_linear_shapes_count_each_layer_and_the_head(with_head, tied):
     assert shapes[(T.Q8_0, vocab)] == 1 and (T.Q6_K, vocab) not in shapes
 
 
+def type_weight(ggml_type: int) -> float:
+    """The fake clock's Q6_K elements cost a tenth (so that the Q4_K linears, not the
+    large head, decide between the two blocks layouts)."""
+    return 0.1 if ggml_type == T.Q6_K else 1.0
+
+
 def clock(per_element_ns: dict[str, float]):
-    """A fake Measure: time proportional to the weight's elements and the rows, per layout;
-    records its calls."""
+    """A fake Measure: time proportional to the weight's elements and the rows, per layout
+    and type; records its calls."""
     calls: list[tuple] = []
 
     def measure(layout, ggml_type, n, k, m):
         calls.append((layout, ggml_type, n, k, m))
-        return per_element_ns[layout] * 1e-9 * n * k * (1 + m / 16)
+        return per_element_ns[layout] * type_weight(ggml_type) * 1e-9 * n * k * (1 + m / 16)
 
     return measure, calls
 
@@ -77,30 +83,41 @@ def choose(path, measure, budget=None, **kw):
                              budget_bytes=budget, measure=measure), linear_shapes(mf)
 
 
-@pytest.mark.parametrize("bf16_ns,expected", [(0.5, "bf16"), (0.97, "ggml"), (1.5, "ggml")])
-def test_the_faster_layout_wins_and_a_near_tie_keeps_the_blocks(with_head, bf16_ns, expected):
-    measure, calls = clock({"ggml": 1.0, "bf16": bf16_ns})
+@pytest.mark.parametrize("bf16_ns,q8_ns,expected", [(0.5, 1.0, "bf16"), (0.97, 1.0, "ggml"),
+                                                     (1.5, 1.0, "ggml"), (1.5, 0.5, "q8"),
+                                                     (1.5, 0.97, "ggml"), (0.3, 0.5, "bf16")])
+def test_the_faster_layout_wins_and_a_near_tie_keeps_the_blocks(with_head, bf16_ns, q8_ns,
+                                                                  expected):
+    """bf16 against the better blocks layout, q8 against ggml, each only when more than 5%
+    faster; q8 is timed on its own kernels' shapes only (Q4_K), the rest count as ggml's."""
+    measure, calls = clock({"ggml": 1.0, "bf16": bf16_ns, "q8": q8_ns})
     choice, shapes = choose(with_head, measure)
     assert choice.layout == expected
     # every distinct shape timed once per layout and row count, weighed by its count
-    assert sorted(calls) == sorted((lay, s.ggml_type, s.out_features, s.in_features, m)
-                                   for lay in ("ggml", "bf16") for s in shapes for m in ROWS)
-    for layout, ns in (("ggml", 1.0), ("bf16", bf16_ns)):
+    want_calls = [(lay, s.ggml_type, s.out_features, s.in_features, m)
+                  for lay in ("ggml", "q8", "bf16") for s in shapes for m in ROWS
+                  if lay != "q8" or s.ggml_type == T.Q4_K]
+    assert sorted(calls) == sorted(want_calls)
+    for layout, ns in (("ggml", 1.0), ("bf16", bf16_ns), ("q8", None)):
         for m in ROWS:
-            want = sum(s.count * ns * 1e-6 * s.out_features * s.in_features * (1 + m / 16)
-                       for s in shapes)
+            want = sum(s.count * (ns or (q8_ns if s.ggml_type == T.Q4_K else 1.0)) * 1e-6
+                       * type_weight(s.ggml_type) * s.out_features * s.in_features
+                       * (1 + m / 16) for s in shapes)
             assert choice.forward_ms[layout][m] == pytest.approx(want)
-    assert "bf16" in choice.reason and "ggml" in choice.reason
+    assert all(name in choice.reason for name in ("bf16", "ggml", "q8"))
 
 
 def test_bf16_that_does_not_fit_is_not_measured(with_head):
-    measure, calls = clock({"ggml": 1.0, "bf16": 0.1})
+    """The blocks' two layouts are still timed against each other."""
+    measure, calls = clock({"ggml": 1.0, "bf16": 0.1, "q8": 0.5})
     with ModelFile.open(with_head) as mf:
         need = plan(mf, read_config(mf), sessions=4, context=256, kv_quant="f16",
                     backend="cpu").total_bytes
     choice, _ = choose(with_head, measure, budget=need - 1)
-    assert choice.layout == "ggml" and calls == [] and "exceed" in choice.reason
+    assert choice.layout == "q8" and "exceed" in choice.reason
+    assert {c[0] for c in calls} == {"ggml", "q8"} and "bf16" not in choice.forward_ms
     assert choice.total_bytes["bf16"] == need > choice.total_bytes["ggml"]
+    assert choice.total_bytes["q8"] == choice.total_bytes["ggml"]
     fits, _ = choose(with_head, measure, budget=need)
     assert fits.layout == "bf16"
     assert fits.as_dict()["forward_ms"]["bf16"]["1"] > 0
