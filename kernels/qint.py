@@ -117,8 +117,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _quantize_x_kernel(x_ptr, q_ptr, dx_ptr, bs_ptr, K, stride_xm):
-        """Row m (program 0), super-block b (program 1) of x -> q int8 (M, K), dx (M, K /
-        256) and the sums of q over each 16 columns, int32 (M, K / 16)."""
+        """Row m (program 0), super-block b (program 1) of x -> q (M, K) in q_ptr's type
+        (int8, or f16 for the matrix unit: exact), dx (M, K / 256) and the sums of q over
+        each 16 columns, int32 (M, K / 16)."""
         m = tl.program_id(0).to(tl.int64)
         b = tl.program_id(1)
         cols = b * 256 + tl.arange(0, 256)
@@ -128,7 +129,7 @@ if HAS_TRITON:
         inv = tl.where(pos, tl.math.div_rn(127.0, tl.where(pos, a, 1.0)), 0.0)
         dx = tl.where(pos, tl.math.div_rn(a, 127.0), 0.0)
         q = tl.minimum(tl.maximum(tl.floor(tl.fma(x, inv, 0.5)), -127.0), 127.0).to(tl.int32)
-        tl.store(q_ptr + m * K + cols, q.to(tl.int8))
+        tl.store(q_ptr + m * K + cols, q.to(q_ptr.dtype.element_ty))
         tl.store(dx_ptr + m * (K // 256) + b, dx)
         sums = tl.sum(tl.reshape(q, (16, 16)), axis=1)
         tl.store(bs_ptr + m * (K // 16) + b * 16 + tl.arange(0, 16), sums)
@@ -451,11 +452,13 @@ def _num_sms(device: torch.device) -> int:
         device.type == "cuda" else 0
 
 
-def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (M, K) -> (q int8 (M, K), dx float32 (M, K / 256), int32 sums of q over each 16
-    columns (M, K / 16)) by the kernel (quantize_x_reference's bits)."""
+def quantize_x(x: torch.Tensor, dtype: torch.dtype = torch.int8,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (q (M, K) in `dtype` (int8, or float16 for the matrix-unit kernel),
+    dx float32 (M, K / 256), int32 sums of q over each 16 columns (M, K / 16)) by the
+    kernel (quantize_x_reference's bits)."""
     m, k = x.shape
-    q = torch.empty(m, k, dtype=torch.int8, device=x.device)
+    q = torch.empty(m, k, dtype=dtype, device=x.device)
     dx = torch.empty(m, k // QK, dtype=torch.float32, device=x.device)
     bs = torch.empty(m, k // 16, dtype=torch.int32, device=x.device)
     if m:
@@ -500,9 +503,10 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
         return y
     part = y if cfg.split == 1 else torch.empty(cfg.split, m, n, dtype=torch.float32,
                                                 device=x.device)
-    q, dx, bs = quantize_x(x)
+    gemv = m <= GEMV_MAX_M
+    q, dx, bs = quantize_x(x, torch.int8 if gemv else torch.float16)
     stages = {} if cfg.num_stages is None else {"num_stages": cfg.num_stages}
-    if m <= GEMV_MAX_M:
+    if gemv:
         grid = (-(-n // cfg.block_n), cfg.split)
         kernel, extra = _qint_gemv_kernel, {"BLOCK_M": next_pow2(m), "BLOCK_N": cfg.block_n,
                                             "num_warps": cfg.num_warps, **stages}
@@ -554,6 +558,7 @@ def aot_specs(spec: type) -> list:
             consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": bn, "DOT_F64": False,
                       "PTX": backend == "cuda"}
             out.append(spec(f"qint_{name}_tiled", _qint_mm_kernel,
-                            {**sig, **{k: "constexpr" for k in consts}}, consts, warps, True,
+                            {**sig, "q_ptr": "*fp16", **{k: "constexpr" for k in consts}},
+                            consts, warps, True,
                             backend, None, divisible))
     return out

@@ -74,6 +74,9 @@ def test_quantize_kernel_bits(interp, rng):
         assert q.dtype == torch.int8 and torch.equal(q.int(), q_ref)
         assert torch.equal(dx, dx_ref)
         assert torch.equal(bs, q_ref.reshape(3, 32, 16).sum(-1).int())
+        q16, dx16, _ = interp.call("kernels.qint:quantize_x", xx, torch.float16)
+        assert q16.dtype == torch.float16 and torch.equal(q16.int(), q_ref)
+        assert torch.equal(dx16, dx_ref)
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
