@@ -20,10 +20,19 @@ the independent reference.
 The x quantization costs accuracy: q carries about 8 bits per element relative to the
 block's largest, as llama.cpp's own quantized-activation kernels (q8_1, q8_K).
 
-`quantize_x` (one small launch) writes q, dx and the sums of q over each 16 columns;
-`_qint_gemv_kernel` is the decode path without the matrix unit: a program owns BLOCK_N
-weight rows and one of `split` equal super-block ranges and multiplies on the CUDA cores,
-for each of up to BLOCK_M (a power of two, at most 16) rows of x in turn.
+Launches: `quantize_x` (one small kernel) writes q, dx and the sums of q over each 16
+columns; then one product kernel, whose split partials (the super-blocks of a row cut
+into `split` ranges, by (type, N, K) only) are added in split order by the last program
+of each tile:
+- `_qint_gemv_kernel` (up to GEMV_MAX_M rows) on the CUDA cores: a program owns BLOCK_N
+  weight rows, the codes stay packed four to a u32 word against a word of x's int8 codes
+  (dp4a on NVIDIA, byte by byte elsewhere: the same integer), each row of x in turn;
+- `_qint_mm_kernel` (more rows) on the matrix unit with f16 operands that hold integers
+  exactly: Q4_K codes times their sub-block scale (<= 945), Q6_K's signed codes times the
+  two halves of its scale (16 hi + lo), x's codes; every dot's partial sums stay below
+  2^24, so float32 adds them exactly in any order. On NVIDIA Q4_K's codes are decoded four
+  at a time (PTX: 1024 + q in f16 pairs, then one fma per value), elsewhere by integer
+  products; the same values.
 """
 
 from __future__ import annotations
@@ -482,8 +491,8 @@ def default_qint_config(ggml_type: int, m: int, n: int, k: int, num_sms: int = 0
 
 def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int],
                 config: QIntConfig | None = None) -> torch.Tensor:
-    """y = x @ W.T (float32, (M, N)) for up to 16 rows of x (float32 or bf16, rows
-    contiguous) with the 8-bit activations of the module docstring."""
+    """y = x @ W.T (float32, (M, N)) for x (M, K) float32 or bf16 with contiguous rows,
+    with the 8-bit activations of the module docstring (the interpreter on CPU tensors)."""
     n, k = (int(s) for s in shape)
     m = x.shape[0]
     if int(ggml_type) not in QINT_TYPES:
