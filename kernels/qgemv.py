@@ -36,7 +36,7 @@ import torch
 
 from kernels import qscaled, qtiles
 from kernels.qtiles import GEOMETRY
-from kernels.triton_util import HAS_TRITON, launcher, tl, triton
+from kernels.triton_util import HAS_TRITON, helper, launcher, tl, triton
 
 __all__ = ["MMA_SYNC_TYPES", "SKINNY_MAX_M", "X_LEFT_TYPES", "QMMConfig", "aot_specs",
            "default_config", "k_plan", "ptx", "qgemv_triton", "x_left"]
@@ -147,6 +147,29 @@ def default_config(
 
 if HAS_TRITON:
 
+    @helper
+    def finish_splits(acc, y_ptr, part_ptr, ticket_ptr, tile, split, split_k, M, N, offs, mask,
+                      ticket):
+        """Stores a program's sums `acc` at `offs` of the (M, N) output: into y when K is
+        not split; else into part[split], and with `ticket` the last of the tile's programs
+        to arrive adds the partials in split order into y and re-arms the tile's counter
+        (without, qmatmul.sum_splits does it in a second launch)."""
+        if split_k == 1:
+            tl.store(y_ptr + offs, acc, mask=mask)
+        else:
+            plane = M.to(tl.int64) * N  # elements per split in part (split_k, M, N)
+            tl.store(part_ptr + split * plane + offs, acc, mask=mask)
+            if ticket != 0:
+                tl.debug_barrier()  # every thread's partial is written before the ticket
+                arrived = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel", scope="gpu")
+                if arrived == split_k - 1:  # the last: sum in split order, re-arm the counter
+                    total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                    for s in range(1, split_k):
+                        total += tl.load(part_ptr + s * plane + offs, mask=mask, other=0.0,
+                                         cache_modifier=".cg")
+                    tl.store(y_ptr + offs, total, mask=mask)
+                    tl.atomic_xchg(ticket_ptr + tile, 0, sem="relaxed", scope="gpu")
+
     # M, N and the split count are plain arguments (not specialized on their values): one
     # build serves every batch of up to 16 rows and every split but 1.
     @triton.jit(do_not_specialize=["M", "N"])
@@ -173,22 +196,8 @@ if HAS_TRITON:
             acc = qscaled.step(acc, QTYPE, w_ptr, row_off, k0, lut_ptr, x_ptr, rm, m_ok,
                                 stride_xm, BLOCK_N, BLOCK_K, BLOCK_M, X_LEFT, DOT_F64, PTX)
         offs, mask = qtiles.out_offsets(rm, rn, m_ok, N, X_LEFT)
-        if split_k == 1:
-            tl.store(y_ptr + offs, acc, mask=mask)
-        else:
-            plane = M.to(tl.int64) * N  # elements per split in part (split_k, M, N)
-            tl.store(part_ptr + split * plane + offs, acc, mask=mask)
-            if ticket != 0:
-                tl.debug_barrier()  # every thread's partial is written before the ticket
-                arrived = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-                if arrived == split_k - 1:  # the last: sum in split order, re-arm the counter
-                    total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                    for s in range(1, split_k):
-                        total += tl.load(part_ptr + s * plane + offs, mask=mask, other=0.0,
-                                         cache_modifier=".cg")
-                    tl.store(y_ptr + offs, total, mask=mask)
-                    tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-
+        finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, split_k, M, N, offs,
+                      mask, ticket)
 
     @triton.jit(do_not_specialize=["M", "N"])
     def _qgemv_fma_kernel(
@@ -217,21 +226,8 @@ if HAS_TRITON:
         total = tl.sum(acc, axis=2)  # (BM, BN)
         offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
         mask = m_ok[:, None] & (rn < N)[None, :]
-        if split_k == 1:
-            tl.store(y_ptr + offs, total, mask=mask)
-        else:
-            plane = M.to(tl.int64) * N
-            tl.store(part_ptr + split * plane + offs, total, mask=mask)
-            if ticket != 0:
-                tl.debug_barrier()
-                arrived = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-                if arrived == split_k - 1:
-                    total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                    for s in range(1, split_k):
-                        total += tl.load(part_ptr + s * plane + offs, mask=mask, other=0.0,
-                                         cache_modifier=".cg")
-                    tl.store(y_ptr + offs, total, mask=mask)
-                    tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+        finish_splits(total, y_ptr, part_ptr, ticket_ptr, pid_n, split, split_k, M, N, offs,
+                      mask, ticket)
 
 
 _TICKETS = 1 << 16  # N tiles one launch can count (N up to 4M rows at block_n 64)

@@ -44,6 +44,7 @@ import torch
 
 from engine.errors import InvalidRequest
 from kernels.qgemv import _TICKETS, _tickets, ptx
+from kernels.qscaled import nibble_asm
 from kernels.qtiles import Q4_K, Q6_K, _columns, _f16, _f16lo, _p32, _words
 from kernels.triton_util import HAS_TRITON, helper, launcher, next_pow2, tl, triton
 
@@ -103,26 +104,11 @@ def qint_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int,
 
 
 if HAS_TRITON:
+    from kernels.qgemv import finish_splits
 
-    # PTX for 4 code bytes in one register -> the f16 values 1024 + (nibble) of each, as two f16
-    # pairs: prmt spreads bytes 0,1 (2,3) into the low bytes of 16-bit halves, lop3 keeps the
-    # nibble and sets the high byte to 0x64 (f16 0x6400 + n = 1024 + n, exact); as
-    # kernels/qscaled.py's bf16 version.
-    _NIB16_LO = tl.constexpr("""{
-    .reg .b32 t<2>;
-    prmt.b32 t0, $2, 0, 0x4140;
-    prmt.b32 t1, $2, 0, 0x4342;
-    lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA;
-    lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA;
-    }""")
-    _NIB16_HI = tl.constexpr("""{
-    .reg .b32 s, t<2>;
-    shr.b32 s, $2, 4;
-    prmt.b32 t0, s, 0, 0x4140;
-    prmt.b32 t1, s, 0, 0x4342;
-    lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA;
-    lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA;
-    }""")
+    # 4 code bytes -> f16 1024 + nibble, in pairs (kernels/qscaled.py's bf16 version)
+    _NIB16_LO = tl.constexpr(nibble_asm(False, 0x6400))
+    _NIB16_HI = tl.constexpr(nibble_asm(True, 0x6400))
 
     @triton.jit
     def _quantize_x_kernel(x_ptr, q_ptr, dx_ptr, bs_ptr, K, stride_xm):
@@ -266,39 +252,16 @@ if HAS_TRITON:
                 acc = _put(acc, col, m, tl.sum(isum, axis=1), d * dx, isum, d, False)
         return acc
 
-    @helper
-    def _finish(acc, y_ptr, part_ptr, ticket_ptr, tile, split, nsplit, M, N, offs, mask,
-                TICKET: tl.constexpr):
-        """Stores a program's (BN, BM) sums: into y when the super-blocks are not split;
-        else into part[split], and with TICKET the last of the tile's programs to arrive
-        adds the partials in split order into y and re-arms the tile's counter (as
-        kernels/qgemv.py); without, qmatmul.sum_splits does it in a second launch."""
-        if nsplit == 1:
-            tl.store(y_ptr + offs, acc, mask=mask)
-        else:
-            plane = M.to(tl.int64) * N
-            tl.store(part_ptr + split * plane + offs, acc, mask=mask)
-            if TICKET:
-                tl.debug_barrier()  # every thread's partial is written before the ticket
-                arrived = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel", scope="gpu")
-                if arrived == nsplit - 1:
-                    total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                    for t in range(1, nsplit):
-                        total += tl.load(part_ptr + t * plane + offs, mask=mask, other=0.0,
-                                         cache_modifier=".cg")
-                    tl.store(y_ptr + offs, total, mask=mask)
-                    tl.atomic_xchg(ticket_ptr + tile, 0, sem="relaxed", scope="gpu")
-
     @triton.jit(do_not_specialize=["M", "N"])
     def _qint_gemv_kernel(
         q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
-        sb_per_split, nsplit,
+        sb_per_split, nsplit, ticket,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        PTX: tl.constexpr = False, TICKET: tl.constexpr = True,
+        PTX: tl.constexpr = False,
     ):
         """y[m, n] = the product of x's row m (quantized: q, dx, 16-column sums bs) and W's
         row n; grid (N tiles, splits), a program's sum over its range of super-blocks
-        finished by _finish."""
+        finished by qgemv.finish_splits."""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -314,8 +277,8 @@ if HAS_TRITON:
                 acc = _sb_q6k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
                               BLOCK_M, PTX)
         offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
-        _finish(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, offs,
-                (rm < M)[None, :] & (rn < N)[:, None], TICKET)
+        finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, offs,
+                      (rm < M)[None, :] & (rn < N)[:, None], ticket)
 
 
     @helper
@@ -423,9 +386,9 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["M", "N"])
     def _qint_mm_kernel(
         q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
-        sb_per_split, nsplit,
+        sb_per_split, nsplit, ticket,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        DOT_F64: tl.constexpr = False, PTX: tl.constexpr = False, TICKET: tl.constexpr = True,
+        DOT_F64: tl.constexpr = False, PTX: tl.constexpr = False,
     ):
         """The tiled path (many rows of x): grid (M tiles, N tiles, splits), else as
         _qint_gemv_kernel, with the same bits."""
@@ -446,8 +409,8 @@ if HAS_TRITON:
                 acc = _mm_q6k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rm, m_ok,
                               DOT_F64)
         offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
-        _finish(acc, y_ptr, part_ptr, ticket_ptr, pid_m * tl.num_programs(1) + pid_n, split,
-                nsplit, M, N, offs, m_ok[None, :] & (rn < N)[:, None], TICKET)
+        finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_m * tl.num_programs(1) + pid_n,
+                      split, nsplit, M, N, offs, m_ok[None, :] & (rn < N)[:, None], ticket)
 
 
 def tiled_tile(m: int) -> tuple[int, ...]:
@@ -529,8 +492,8 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
     ticket = tiles <= _TICKETS
     launcher(kernel, x.device)[grid](
         q, dx, bs, blocks, y, part, _tickets(x.device), m, n, k, blocks.shape[1],
-        k // QK // cfg.split, cfg.split, QTYPE=int(ggml_type), PTX=ptx(x.device),
-        TICKET=ticket, **extra)
+        k // QK // cfg.split, cfg.split, int(ticket), QTYPE=int(ggml_type),
+        PTX=ptx(x.device), **extra)
     if cfg.split > 1 and not ticket:
         from kernels.qmatmul import sum_splits
 
@@ -546,7 +509,8 @@ def aot_specs(spec: type) -> list:
         return []
     sig = {"q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*i32", "w_ptr": "*u8",
            "y_ptr": "*fp32", "part_ptr": "*fp32", "ticket_ptr": "*i32", "M": "i32", "N": "i32",
-           "K": "i32", "row_bytes": "i32", "sb_per_split": "i32", "nsplit": "i32"}
+           "K": "i32", "row_bytes": "i32", "sb_per_split": "i32", "nsplit": "i32",
+           "ticket": "i32"}
     divisible = ("q_ptr", "dx_ptr", "bs_ptr", "w_ptr", "y_ptr", "part_ptr", "ticket_ptr", "K",
                  "row_bytes")
     out = [spec("qint_quantize_x", _quantize_x_kernel,

@@ -27,24 +27,23 @@ from __future__ import annotations
 from kernels.qtiles import _p32, _scales_k4, dequant_tile, mac, x_tile
 from kernels.triton_util import helper, tl
 
-# PTX for 4 code bytes in one register -> the bf16 values 128 + (nibble) of each, as two
-# bf16 pairs: prmt spreads bytes 0,1 (2,3) into the low bytes of 16-bit halves, lop3 keeps
-# the nibble and sets the high byte to 0x43 (bf16 0x4300 + n = 128 + n, exact).
-_NIB_LO = tl.constexpr("""{
-.reg .b32 t<2>;
-prmt.b32 t0, $2, 0, 0x4140;
-prmt.b32 t1, $2, 0, 0x4342;
-lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
-}""")
-_NIB_HI = tl.constexpr("""{
-.reg .b32 s, t<2>;
-shr.b32 s, $2, 4;
-prmt.b32 t0, s, 0, 0x4140;
-prmt.b32 t1, s, 0, 0x4342;
-lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
-}""")
+
+def nibble_asm(high: bool, top: int) -> str:
+    """PTX for 4 code bytes in one register -> (top | nibble) of each as 16-bit values in
+    two registers (pairs): prmt spreads bytes 0,1 (2,3) into the low bytes of 16-bit halves,
+    lop3 keeps the low (`high`: the high) nibble and sets the upper byte to top's. With top
+    0x4300 that is bf16 128 + n (here), with 0x6400 f16 1024 + n (kernels/qint.py): exact."""
+    pair = f"0x{top:04X}{top:04X}"
+    shift = "shr.b32 s, $2, 4;\n" if high else ""
+    src = "s" if high else "$2"
+    return ("{\n.reg .b32 s, t<2>;\n" + shift
+            + f"prmt.b32 t0, {src}, 0, 0x4140;\nprmt.b32 t1, {src}, 0, 0x4342;\n"
+            + f"lop3.b32 $0, t0, 0x000F000F, {pair}, 0xEA;\n"
+            + f"lop3.b32 $1, t1, 0x000F000F, {pair}, 0xEA;\n}}")
+
+
+_NIB_LO = tl.constexpr(nibble_asm(False, 0x4300))
+_NIB_HI = tl.constexpr(nibble_asm(True, 0x4300))
 
 
 @helper
