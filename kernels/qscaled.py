@@ -25,7 +25,7 @@ acc is (BN, BM), as for the generic step without X_LEFT.
 from __future__ import annotations
 
 from kernels.qtiles import _p32, _scales_k4, dequant_tile, mac, x_tile
-from kernels.triton_util import helper, tl
+from kernels.triton_util import HAS_TRITON, helper, tl
 
 
 def nibble_asm(high: bool, top: int) -> str:
@@ -42,8 +42,9 @@ def nibble_asm(high: bool, top: int) -> str:
             + f"lop3.b32 $1, t1, 0x000F000F, {pair}, 0xEA;\n}}")
 
 
-_NIB_LO = tl.constexpr(nibble_asm(False, 0x4300))
-_NIB_HI = tl.constexpr(nibble_asm(True, 0x4300))
+if HAS_TRITON:  # the CPU torch build has no Triton: the module still imports
+    _NIB_LO = tl.constexpr(nibble_asm(False, 0x4300))
+    _NIB_HI = tl.constexpr(nibble_asm(True, 0x4300))
 
 
 @helper
