@@ -65,6 +65,11 @@ GEMV_MAX_M = 4
 # Swept on the H200 at 14336 x 4096 (bench/gpu/qint_bench.py): 16 x 64 best at 16 rows,
 # 64 x 64 at 64 (105 vs 166 us).
 TILED_TILES = ((16, (16, 64, 4)), (32, (32, 64, 4)), (1 << 62, (64, 64, 4)))
+# gfx1151 (256 VGPRs a lane): the CUDA-core kernel with 32 rows a program builds without
+# spills (64 spill 30-85 VGPRs); the matrix-unit one spills at every tile tried, least at
+# 16 x 32 with one stage (Q4_K 75, Q6_K 267): to be tuned on the box.
+HIP_BLOCK_N = 32
+HIP_TILED_TILE = (16, 32, 4, 1)
 
 
 class QIntConfig(NamedTuple):
@@ -413,8 +418,10 @@ if HAS_TRITON:
                       split, nsplit, M, N, offs, m_ok[None, :] & (rn < N)[:, None], ticket)
 
 
-def tiled_tile(m: int) -> tuple[int, ...]:
+def tiled_tile(m: int, backend: str = "cuda") -> tuple[int, ...]:
     """The matrix-unit kernel's (block_m, block_n, num_warps[, num_stages]) for m rows."""
+    if backend == "hip":
+        return HIP_TILED_TILE
     return next(tile for bound, tile in TILED_TILES if m <= bound)
 
 
@@ -440,16 +447,17 @@ def quantize_x(x: torch.Tensor, dtype: torch.dtype = torch.int8,
 
 
 @functools.lru_cache(maxsize=4096)
-def default_qint_config(ggml_type: int, m: int, n: int, k: int, num_sms: int = 0) -> QIntConfig:
-    """64 rows a program, 4 warps; the super-blocks split while the N tiles alone give
-    fewer than 4 programs per compute unit (num_sms 0: no split). Not M: the split is in
-    a row's bits."""
+def default_qint_config(ggml_type: int, m: int, n: int, k: int, num_sms: int = 0,
+                        backend: str = "cuda") -> QIntConfig:
+    """64 rows a program (HIP_BLOCK_N on "hip"), 4 warps; the super-blocks split while the
+    N tiles alone give fewer than 4 programs per compute unit (num_sms 0: no split). Not
+    M: the split is in a row's bits."""
     sbs = k // QK
     split = 1
     tiles = -(-n // 64)
     while tiles * split < 4 * num_sms and sbs % (2 * split) == 0 and split < 16:
         split *= 2
-    return QIntConfig(64, split)
+    return QIntConfig(HIP_BLOCK_N if backend == "hip" else 64, split)
 
 
 def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int],
@@ -467,7 +475,8 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
         raise InvalidRequest(f"qint: blocks must be ({n}, {k // QK * _TYPE_SIZE[ggml_type]}) "
                              "uint8 at a 4-byte aligned address")
     sms = _num_sms(x.device)
-    cfg = config or default_qint_config(int(ggml_type), m, n, k, sms)
+    backend = "hip" if x.device.type == "cuda" and torch.version.hip else "cuda"
+    cfg = config or default_qint_config(int(ggml_type), m, n, k, sms, backend)
     if (k // QK) % cfg.split:
         raise InvalidRequest(f"qint: {cfg} does not divide {k // QK} super-blocks")
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
@@ -483,7 +492,7 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
         kernel, extra = _qint_gemv_kernel, {"BLOCK_M": next_pow2(m), "BLOCK_N": cfg.block_n,
                                             "num_warps": cfg.num_warps, **stages}
     else:
-        bm, bn, warps, *st = tiled_tile(m)
+        bm, bn, warps, *st = tiled_tile(m, backend)
         grid = (-(-m // bm), -(-n // bn), cfg.split)
         kernel, extra = _qint_mm_kernel, {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps,
                                           "DOT_F64": x.device.type == "cpu",
@@ -502,9 +511,9 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
 
 
 def aot_specs(spec: type) -> list:
-    """kernels/aot.py: x's quantization; the CUDA-core kernel of each type at 1 and 16 rows
-    (dp4a on cuda), and the matrix-unit one at its tile (int8 dots: WMMA iu8 on gfx1151,
-    mma s8 on sm_90)."""
+    """kernels/aot.py: x's quantization; the CUDA-core kernel of each type at 1 and
+    GEMV_MAX_M rows (dp4a on cuda), and the matrix-unit one at its 16-row tile (f16 dots:
+    WMMA on gfx1151, wgmma on sm_90)."""
     if not HAS_TRITON:
         return []
     sig = {"q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*i32", "w_ptr": "*u8",
@@ -518,20 +527,19 @@ def aot_specs(spec: type) -> list:
                  "K": "i32", "stride_xm": "i32"}, {}, 2, False, None, None,
                 ("x_ptr", "q_ptr", "dx_ptr", "bs_ptr", "K", "stride_xm"))]
     for qtype, name in ((Q4_K, "Q4_K"), (Q6_K, "Q6_K")):
-        for bm in (1, 16):
-            cfg = default_qint_config(qtype, bm, 4096, 4096)
+        for bm in (1, GEMV_MAX_M):
             for backend in ("hip", "cuda"):
+                cfg = default_qint_config(qtype, bm, 4096, 4096, backend=backend)
                 consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": cfg.block_n,
                           "PTX": backend == "cuda"}
                 out.append(spec(f"qint_{name}_m{bm}", _qint_gemv_kernel,
                                 {**sig, **{k: "constexpr" for k in consts}}, consts,
                                 cfg.num_warps, False, backend, cfg.num_stages, divisible))
-        bm, bn, warps, *_ = tiled_tile(16)
         for backend in ("hip", "cuda"):
+            bm, bn, warps, *st = tiled_tile(16, backend)
             consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": bn, "DOT_F64": False,
                       "PTX": backend == "cuda"}
             out.append(spec(f"qint_{name}_tiled", _qint_mm_kernel,
                             {**sig, "q_ptr": "*fp16", **{k: "constexpr" for k in consts}},
-                            consts, warps, True,
-                            backend, None, divisible))
+                            consts, warps, True, backend, st[0] if st else None, divisible))
     return out
