@@ -44,7 +44,7 @@ import torch
 
 from engine.errors import InvalidRequest
 from kernels.qgemv import _TICKETS, _tickets, ptx
-from kernels.qscaled import nibble_asm
+from kernels.qscaled import _sub_dot, nibble_asm
 from kernels.qtiles import Q4_K, Q6_K, _columns, _f16, _f16lo, _p32, _words
 from kernels.triton_util import HAS_TRITON, helper, launcher, next_pow2, tl, triton
 
@@ -292,17 +292,6 @@ if HAS_TRITON:
         return tl.sum(tl.where(g == gi, t, 0), axis=1)
 
     @helper
-    def _dot_exact(a, b, DOT_F64: tl.constexpr):
-        """dot of integer-valued f16 tiles whose every partial sum is below 2^24 (so exact
-        in float32 in any order) on the matrix unit; float64 in the interpreter (its f16
-        dot would round)."""
-        if DOT_F64:
-            out = tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
-        else:
-            out = tl.dot(a, b)
-        return out
-
-    @helper
     def _codes_sc(byte, sc, HIGH: tl.constexpr, PTX: tl.constexpr):
         """u8 code bytes (BN, G, 32) and int32 scales (BN, G) -> sc * (low or high nibble)
         in f16 (exact: <= 945). With PTX four bytes become 1024 + q in two f16 pairs (prmt,
@@ -342,13 +331,13 @@ if HAS_TRITON:
                           BN, 128)
             xt = tl.load(x_rows + 128 * hf + tl.arange(0, 128)[:, None], mask=m_ok[None, :],
                          other=0).to(tl.float16)  # (128, BM)
-            isum += _dot_exact(wt, xt, DOT_F64).to(tl.int32)
+            isum += _sub_dot(wt, xt, DOT_F64).to(tl.int32)
         j = tl.arange(0, 16)[None, :]
         d, dmin, _, _, mn0, mn1 = _k4_scales(w_ptr, blk, j // 4)  # (BN, 16)
         mins = tl.where(j // 2 % 2 == 0, mn0, mn1).to(tl.float16)  # sub-block j // 2's min
         bs = tl.load(bs_ptr + rm.to(tl.int64)[None, :] * (K // 16) + sb * 16 + j.T,
                      mask=m_ok[None, :], other=0).to(tl.float16)  # (16, BM)
-        msum = _dot_exact(mins, bs, DOT_F64).to(tl.int32)
+        msum = _sub_dot(mins, bs, DOT_F64).to(tl.int32)
         dx = tl.load(dx_ptr + rm.to(tl.int64) * (K // 256) + sb, mask=m_ok, other=0.0)[None, :]
         acc = tl.fma(isum.to(tl.float32), d[:, None] * dx, acc)
         return tl.fma(-msum.to(tl.float32), dmin[:, None] * dx, acc)
@@ -382,8 +371,8 @@ if HAS_TRITON:
             lo = tl.reshape(code * (sc & 15), (BN, 128)).to(tl.float16)
             xt = tl.load(x_rows + 128 * h + tl.arange(0, 128)[:, None], mask=m_ok[None, :],
                          other=0).to(tl.float16)  # (128, BM)
-            isum += (16 * _dot_exact(hi, xt, DOT_F64).to(tl.int32)
-                     + _dot_exact(lo, xt, DOT_F64).to(tl.int32))
+            isum += (16 * _sub_dot(hi, xt, DOT_F64).to(tl.int32)
+                     + _sub_dot(lo, xt, DOT_F64).to(tl.int32))
         dx = tl.load(dx_ptr + rm.to(tl.int64) * (K // 256) + sb, mask=m_ok, other=0.0)[None, :]
         d = _f16(w_ptr + base + 208)
         return tl.fma(isum.to(tl.float32), d[:, None] * dx, acc)

@@ -78,8 +78,8 @@ def _codes_k4(w_ptr, row_off, c0, BN: tl.constexpr, PTX: tl.constexpr):
 
 @helper
 def _sub_dot(a, b, DOT_F64: tl.constexpr):
-    """dot(a, b) of bf16 tiles with float32 sums (float64 in the interpreter, see
-    qtiles.mac)."""
+    """dot(a, b) of bf16 (here) or f16 (kernels/qint.py: integer values, exact) tiles with
+    float32 sums; float64 in the interpreter, whose 16-bit dots round (see qtiles.mac)."""
     if DOT_F64:
         out = tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
     else:
