@@ -380,28 +380,35 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["M", "N"])
     def _qint_mm_kernel(
         q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
-        sb_per_split, nsplit, ticket,
+        sb_per_split, nsplit, ticket, splits_per_program,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_F64: tl.constexpr = False, PTX: tl.constexpr = False,
     ):
-        """The tiled path (many rows of x): grid (M tiles, N tiles, splits), else as
-        _qint_gemv_kernel, with the same bits."""
+        """The tiled path (many rows of x): grid (M tiles, N tiles, nsplit), else as
+        _qint_gemv_kernel, with the same bits. A program sums `splits_per_program`
+        consecutive splits itself, each from zero and added in split order as the split
+        sum would (nsplit counts the programs along K)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        split = tl.program_id(2)
+        z = tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = rm < M
         row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        sb0 = split * sb_per_split
-        for i in range(0, sb_per_split):
-            if QTYPE == 12:  # Q4_K
-                acc = _mm_q4k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rm, m_ok,
-                              DOT_F64, PTX)
-            else:
-                acc = _mm_q6k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rm, m_ok,
-                              DOT_F64)
+        total = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for v in range(0, splits_per_program):
+            acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # each split starts at 0
+            sb0 = (z * splits_per_program + v) * sb_per_split
+            for i in range(0, sb_per_split):
+                if QTYPE == 12:  # Q4_K
+                    acc = _mm_q4k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rm,
+                                  m_ok, DOT_F64, PTX)
+                else:
+                    acc = _mm_q6k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rm,
+                                  m_ok, DOT_F64)
+            total = tl.where(v == 0, acc, total + acc)  # (p0 + p1) + p2 ..., as split sums
+        split = z
+        acc = total
         offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
         finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_m * tl.num_programs(1) + pid_n,
                       split, nsplit, M, N, offs, m_ok[None, :] & (rn < N)[:, None], ticket)
@@ -450,9 +457,11 @@ def default_qint_config(ggml_type: int, m: int, n: int, k: int, num_sms: int = 0
 
 
 def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int],
-                config: QIntConfig | None = None) -> torch.Tensor:
+                config: QIntConfig | None = None, *, num_sms: int | None = None) -> torch.Tensor:
     """y = x @ W.T (float32, (M, N)) for x (M, K) float32 or bf16 with contiguous rows,
-    with the 8-bit activations of the module docstring (the interpreter on CPU tensors)."""
+    with the 8-bit activations of the module docstring (the interpreter on CPU tensors).
+    `num_sms` (default: the device's; 0 on the CPU) decides whether the matrix-unit kernel
+    runs the splits as programs of their own; the bits are the same either way."""
     n, k = (int(s) for s in shape)
     m = x.shape[0]
     if int(ggml_type) not in QINT_TYPES:
@@ -463,7 +472,7 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
     if tuple(blocks.shape) != (n, k // QK * _TYPE_SIZE[int(ggml_type)]) or blocks.data_ptr() % 4:
         raise InvalidRequest(f"qint: blocks must be ({n}, {k // QK * _TYPE_SIZE[ggml_type]}) "
                              "uint8 at a 4-byte aligned address")
-    sms = _num_sms(x.device)
+    sms = _num_sms(x.device) if num_sms is None else int(num_sms)
     backend = "hip" if x.device.type == "cuda" and torch.version.hip else "cuda"
     cfg = config or default_qint_config(int(ggml_type), m, n, k, sms, backend)
     if (k // QK) % cfg.split:
@@ -471,8 +480,6 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return y
-    part = y if cfg.split == 1 else torch.empty(cfg.split, m, n, dtype=torch.float32,
-                                                device=x.device)
     gemv = m <= GEMV_MAX_M
     q, dx, bs = quantize_x(x, torch.int8 if gemv else torch.float16)
     stages = {} if cfg.num_stages is None else {"num_stages": cfg.num_stages}
@@ -482,17 +489,25 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
                                             "num_warps": cfg.num_warps, **stages}
     else:
         bm, bn, warps, *st = tiled_tile(m, backend)
-        grid = (-(-m // bm), -(-n // bn), cfg.split)
+        tiles = -(-m // bm) * -(-n // bn)
+        # the splits as programs of their own (partials) only while the tiles alone would
+        # leave compute units idle: no (split, M, N) buffer for prefill-sized M
+        per_program = 1 if tiles < 4 * sms else cfg.split
+        grid = (-(-m // bm), -(-n // bn), cfg.split // per_program)
         kernel, extra = _qint_mm_kernel, {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps,
                                           "DOT_F64": x.device.type == "cpu",
                                           **({"num_stages": st[0]} if st else {})}
+    splits = grid[-1]
+    part = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32,
+                                             device=x.device)
     tiles = grid[0] * (grid[1] if len(grid) == 3 else 1)
     ticket = tiles <= _TICKETS
     launcher(kernel, x.device)[grid](
         q, dx, bs, blocks, y, part, _tickets(x.device), m, n, k, blocks.shape[1],
-        k // QK // cfg.split, cfg.split, int(ticket), QTYPE=int(ggml_type),
+        k // QK // cfg.split, splits, int(ticket),
+        *(() if gemv else (cfg.split // splits,)), QTYPE=int(ggml_type),
         PTX=ptx(x.device), **extra)
-    if cfg.split > 1 and not ticket:
+    if splits > 1 and not ticket:
         from kernels.qmatmul import sum_splits
 
         sum_splits(part, y)
@@ -529,6 +544,7 @@ def aot_specs(spec: type) -> list:
             consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": bn, "DOT_F64": False,
                       "PTX": backend == "cuda"}
             out.append(spec(f"qint_{name}_tiled", _qint_mm_kernel,
-                            {**sig, "q_ptr": "*fp16", **{k: "constexpr" for k in consts}},
+                            {**sig, "q_ptr": "*fp16", "splits_per_program": "i32",
+                             **{k: "constexpr" for k in consts}},
                             consts, warps, True, backend, st[0] if st else None, divisible))
     return out

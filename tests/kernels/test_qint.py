@@ -108,8 +108,12 @@ def test_rows_independent_of_batch_and_path(interp, rng, qtype):
     two = interp.call(KERNEL, x[3:5], blocks, int(qtype), (n, k), QIntConfig(64, 2, 2))
     five = interp.call(KERNEL, x[:5], blocks, int(qtype), (n, k), QIntConfig(8, 2))
     many = interp.call(KERNEL, x, blocks, int(qtype), (n, k), QIntConfig(32, 2))
+    # the matrix-unit kernel with the splits as programs of their own (partials, summed
+    # by the last program of a tile) instead of in one program
+    spread = interp.call(KERNEL, x, blocks, int(qtype), (n, k), QIntConfig(32, 2),
+                         num_sms=10**6)
     assert torch.equal(alone[0], two[1]) and torch.equal(alone[0], five[4])
-    assert torch.equal(alone[0], many[4])
+    assert torch.equal(alone[0], many[4]) and torch.equal(many, spread)
     check(many, x, blocks, qtype)
     check(five, x[:5], blocks, qtype)
     # the split partials were summed by the last program of each tile, counters re-armed
