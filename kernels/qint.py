@@ -48,7 +48,8 @@ from kernels.qscaled import _sub_dot, nibble_asm
 from kernels.qtiles import Q4_K, Q6_K, _columns, _f16, _f16lo, _p32, _words
 from kernels.triton_util import HAS_TRITON, helper, launcher, next_pow2, tl, triton
 
-__all__ = ["QINT_TYPES", "QIntConfig", "default_qint_config", "qint_reference",
+__all__ = ["QINT_TYPES", "QIntConfig", "default_qint_config", "dequantized_x_reference",
+           "qint_reference",
            "qint_triton", "quantize_x", "quantize_x_reference"]
 
 QINT_TYPES = frozenset({Q4_K, Q6_K})
@@ -96,16 +97,20 @@ def quantize_x_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(m, k), dx
 
 
+def dequantized_x_reference(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels multiply it: dx * q of quantize_x_reference, float64 (M, K)."""
+    q, dx = quantize_x_reference(x)
+    m, k = q.shape
+    return (q.double().reshape(m, k // QK, QK) * dx.double()[..., None]).reshape(m, k)
+
+
 def qint_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int,
                    shape: tuple[int, int]) -> torch.Tensor:
     """The definition in float64: dequantize(blocks) (gguf-py) @ (dx * q).T."""
     from kernels.dequant import dequantize_reference  # needs gguf; the kernels do not
 
-    q, dx = quantize_x_reference(x)
-    m, k = q.shape
-    xd = (q.double().reshape(m, k // QK, QK) * dx.double()[..., None]).reshape(m, k)
     w = dequantize_reference(blocks.reshape(-1), ggml_type, tuple(shape), torch.float64)
-    return xd @ w.t()
+    return dequantized_x_reference(x) @ w.t()
 
 
 if HAS_TRITON:
@@ -172,12 +177,10 @@ if HAS_TRITON:
         return _f16lo(w0), _f16lo(w0 >> 16), sc0, sc1, mn0, mn1
 
     @helper
-    def _put(acc, col, m, isum, scale, msum, mscale, HAS_MIN: tl.constexpr):
-        """acc[:, m] = fma(-msum, mscale, fma(isum, scale, acc[:, m])) for (BN,) sums and
-        scales; the other columns unchanged."""
+    def _put(acc, col, m, isum, scale):
+        """acc[:, m] = fma(isum, scale, acc[:, m]) for (BN,) sums and scales; the other
+        columns unchanged."""
         v = tl.fma(isum.to(tl.float32)[:, None], scale[:, None], acc)
-        if HAS_MIN:
-            v = tl.fma(-msum.to(tl.float32)[:, None], mscale[:, None], v)
         return tl.where(col == m, v, acc)
 
     @helper
@@ -210,8 +213,8 @@ if HAS_TRITON:
                 msum = mn0 * (tl.load(bs) + tl.load(bs + 1)) + mn1 * (
                     tl.load(bs + 2) + tl.load(bs + 3))  # (BN, 4)
                 dx = tl.load(dx_ptr + m * (K // 256) + sb)
-                acc = _put(acc, col, m, tl.sum(dot, axis=1), d * dx, tl.sum(msum, axis=1),
-                           dmin * dx, True)
+                acc = _put(acc, col, m, tl.sum(dot, axis=1), d * dx)
+                acc = _put(acc, col, m, -tl.sum(msum, axis=1), dmin * dx)
         return acc
 
     @helper
@@ -254,7 +257,7 @@ if HAS_TRITON:
                 isum = (sc_a * (tl.sum(_dp4a(q_lo, xa, PTX), axis=2) - 32 * tl.load(bs))
                         + sc_b * (tl.sum(_dp4a(q_hi, xb, PTX), axis=2) - 32 * tl.load(bs + 4)))
                 dx = tl.load(dx_ptr + m * (K // 256) + sb)
-                acc = _put(acc, col, m, tl.sum(isum, axis=1), d * dx, isum, d, False)
+                acc = _put(acc, col, m, tl.sum(isum, axis=1), d * dx)
         return acc
 
     @triton.jit(do_not_specialize=["M", "N"])
@@ -443,10 +446,10 @@ def quantize_x(x: torch.Tensor, dtype: torch.dtype = torch.int8,
 
 
 @functools.lru_cache(maxsize=4096)
-def default_qint_config(ggml_type: int, m: int, n: int, k: int, num_sms: int = 0,
+def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
                         backend: str = "cuda") -> QIntConfig:
     """64 rows a program (HIP_BLOCK_N on "hip"), 4 warps; the super-blocks split while the
-    N tiles alone give fewer than 4 programs per compute unit (num_sms 0: no split). Not
+    N tiles alone give fewer than 4 programs per compute unit (num_sms 0: no split). No
     M: the split is in a row's bits."""
     sbs = k // QK
     split = 1
@@ -474,7 +477,7 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
                              "uint8 at a 4-byte aligned address")
     sms = _num_sms(x.device) if num_sms is None else int(num_sms)
     backend = "hip" if x.device.type == "cuda" and torch.version.hip else "cuda"
-    cfg = config or default_qint_config(int(ggml_type), m, n, k, sms, backend)
+    cfg = config or default_qint_config(int(ggml_type), n, k, sms, backend)
     if (k // QK) % cfg.split:
         raise InvalidRequest(f"qint: {cfg} does not divide {k // QK} super-blocks")
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
@@ -533,7 +536,7 @@ def aot_specs(spec: type) -> list:
     for qtype, name in ((Q4_K, "Q4_K"), (Q6_K, "Q6_K")):
         for bm in (1, GEMV_MAX_M):
             for backend in ("hip", "cuda"):
-                cfg = default_qint_config(qtype, bm, 4096, 4096, backend=backend)
+                cfg = default_qint_config(qtype, 4096, 4096, backend=backend)
                 consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": cfg.block_n,
                           "PTX": backend == "cuda"}
                 out.append(spec(f"qint_{name}_m{bm}", _qint_gemv_kernel,

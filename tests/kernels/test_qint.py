@@ -17,7 +17,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from test_qmatmul import random_weight
 
 from engine.errors import InvalidRequest
-from kernels.qint import QIntConfig, quantize_x_reference
+from kernels.qint import QIntConfig, dequantized_x_reference, quantize_x_reference
 
 KERNEL = "kernels.qint:qint_triton"
 
@@ -29,15 +29,9 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-def x_quantized(x: torch.Tensor) -> torch.Tensor:
-    q, dx = quantize_x_reference(x)
-    m, k = x.shape
-    return (q.double().reshape(m, k // 256, 256) * dx.double()[..., None]).reshape(m, k)
-
-
 def check(y: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, qtype: T) -> None:
     w = torch.from_numpy(gguf_dequantize(blocks.numpy(), qtype).astype(np.float64))
-    xq = x_quantized(x)
+    xq = dequantized_x_reference(x)
     ref, bound = xq @ w.T, xq.abs() @ w.abs().T
     assert y.dtype == torch.float32 and y.shape == ref.shape
     assert torch.isfinite(y).all(), "output not fully written"
