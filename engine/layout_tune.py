@@ -12,7 +12,7 @@ whose weights and KV cache fit the device's free memory. Within 5% the blocks wi
 bytes leave more room for sessions.
 
 The blocks come two ways: `ggml` (bf16 operands, the exact codes) and `q8` (the same
-blocks, Q4_K multiplied with 8-bit activations: kernels/qint.py). q8 is timed on the
+blocks, Q4_K and Q6_K multiplied with 8-bit activations: kernels/qint.py). q8 is timed on the
 shapes where it differs (its other types run ggml's kernels) and taken only when more than
 5% faster than ggml: on a near tie the activations stay unquantized.
 
@@ -126,7 +126,7 @@ def gpu_measure(device: torch.device, *, replays: int = 5) -> Measure:
     values), enough copies to miss the L2 (kept while the next calls time the same shape at
     other row counts), one CUDA graph of a product per copy."""
     from kernels.dequant import block_geometry
-    from kernels.qint import qint_triton
+    from kernels.qint import ACT8_STORED, qint_triton, row_bytes
     from kernels.qmatmul import SUPPORTED_TYPES, qmatmul
 
     held: dict[tuple, list[torch.Tensor]] = {}  # the last shape's weight copies
@@ -136,17 +136,22 @@ def gpu_measure(device: torch.device, *, replays: int = 5) -> Measure:
         blocks = layout in ("ggml", "q8") and ggml_type in SUPPORTED_TYPES
         if blocks:
             block, size = block_geometry(ggml_type)
-            product = qint_triton if layout == "q8" and ggml_type in ACT8_TYPES else qmatmul
-            call = lambda w: product(x, w, ggml_type, (n, k))  # noqa: E731
+            width = k // block * size
+            if layout == "q8" and ggml_type in ACT8_TYPES:
+                held_type = ACT8_STORED[ggml_type]
+                width = row_bytes(held_type, k)
+                call = lambda w: qint_triton(x, w, held_type, (n, k))  # noqa: E731
+            else:
+                call = lambda w: qmatmul(x, w, ggml_type, (n, k))  # noqa: E731
         else:  # dense (either layout for types without a kernel)
             call = lambda w: x @ w.t()  # noqa: E731
-        key = (blocks, ggml_type if blocks else None, n, k)
+        key = (layout == "q8", blocks, ggml_type if blocks else None, n, k)
         if key not in held:
             held.clear()
             if blocks:
-                make = lambda: torch.randint(0, 256, (n, k // block * size),  # noqa: E731
+                make = lambda: torch.randint(0, 256, (n, width),  # noqa: E731
                                              dtype=torch.uint8, device=device)
-                nbytes = n * (k // block) * size
+                nbytes = n * width
             else:
                 make = lambda: torch.randn(n, k, device=device,  # noqa: E731
                                            dtype=torch.bfloat16)

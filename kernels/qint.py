@@ -33,6 +33,11 @@ of each tile:
   2^24, so float32 adds them exactly in any order. On NVIDIA Q4_K's codes are decoded four
   at a time (PTX: 1024 + q in f16 pairs, then one fma per value), elsewhere by integer
   products; the same values.
+
+Q6_K is held in aligned rows (Q6_K_A, `repack_q6k` at load, the same bytes plus at most
+15 of padding a row): a 210-byte super-block is only 2-byte aligned, so its words would
+be joined from two loads; in Q6_K_A a row holds its super-blocks' 208-byte records (ql,
+qh, scales: 16-byte aligned, read as whole words) and then their f16 d's.
 """
 
 from __future__ import annotations
@@ -45,16 +50,18 @@ import torch
 from engine.errors import InvalidRequest
 from kernels.qgemv import _TICKETS, _tickets, ptx
 from kernels.qscaled import _sub_dot, nibble_asm
-from kernels.qtiles import Q4_K, Q6_K, _columns, _f16, _f16lo, _p32, _words
+from kernels.qtiles import Q4_K, Q6_K, _columns, _f16, _f16lo, _p32
 from kernels.triton_util import HAS_TRITON, helper, launcher, next_pow2, tl, triton
 
-__all__ = ["QINT_TYPES", "QIntConfig", "default_qint_config", "dequantized_x_reference",
-           "qint_reference",
-           "qint_triton", "quantize_x", "quantize_x_reference"]
+__all__ = ["ACT8_STORED", "Q6_K_A", "QINT_TYPES", "QIntConfig", "default_qint_config",
+           "dequantized_x_reference", "qint_reference", "qint_triton", "quantize_x",
+           "quantize_x_reference", "repack_q6k", "row_bytes", "unpack_q6k"]
 
-QINT_TYPES = frozenset({Q4_K, Q6_K})
+Q6_K_A = 1014  # Q6_K in aligned rows (not a GGML type: this module's storage of Q6_K)
+QINT_TYPES = frozenset({Q4_K, Q6_K_A})
+# The GGML type of a file -> the type its blocks are held in for these kernels
+ACT8_STORED = {Q4_K: Q4_K, Q6_K: Q6_K_A}
 
-_TYPE_SIZE = {Q4_K: 144, Q6_K: 210}
 QK = 256  # columns per super-block, and per x scale
 # Rows of x up to which the CUDA-core kernel runs (its cost grows with each row), the
 # matrix unit's beyond: on the H200 (bench/RESULTS.md, 2026-11-30) Q4_K's at 1-2 rows is
@@ -97,6 +104,31 @@ def quantize_x_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(m, k), dx
 
 
+def row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one weight row of K columns held as `qtype` (Q4_K or Q6_K_A)."""
+    if qtype == Q4_K:
+        return k // QK * 144
+    return -(-(k // QK) * 210 // 16) * 16
+
+
+def repack_q6k(blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """GGUF Q6_K rows (N, K / 256 * 210) uint8 -> Q6_K_A rows (N, row_bytes): each row's
+    super-blocks without their d (bytes 0..207), then the d's in order, zero padding."""
+    n, nsb = blocks.shape[0], k // QK
+    b = blocks.reshape(n, nsb, 210)
+    out = torch.zeros(n, row_bytes(Q6_K_A, k), dtype=torch.uint8, device=blocks.device)
+    out[:, :nsb * 208] = b[:, :, :208].reshape(n, nsb * 208)
+    out[:, nsb * 208:nsb * 210] = b[:, :, 208:].reshape(n, nsb * 2)
+    return out
+
+
+def unpack_q6k(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """repack_q6k's inverse: Q6_K_A rows -> GGUF Q6_K rows (N, K / 256 * 210)."""
+    n, nsb = rows.shape[0], k // QK
+    return torch.cat([rows[:, :nsb * 208].reshape(n, nsb, 208),
+                      rows[:, nsb * 208:nsb * 210].reshape(n, nsb, 2)], dim=2).reshape(n, -1)
+
+
 def dequantized_x_reference(x: torch.Tensor) -> torch.Tensor:
     """x as the kernels multiply it: dx * q of quantize_x_reference, float64 (M, K)."""
     q, dx = quantize_x_reference(x)
@@ -106,9 +138,12 @@ def dequantized_x_reference(x: torch.Tensor) -> torch.Tensor:
 
 def qint_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int,
                    shape: tuple[int, int]) -> torch.Tensor:
-    """The definition in float64: dequantize(blocks) (gguf-py) @ (dx * q).T."""
+    """The definition in float64: dequantize(blocks) (gguf-py) @ (dx * q).T; blocks in a
+    GGML type or Q6_K_A."""
     from kernels.dequant import dequantize_reference  # needs gguf; the kernels do not
 
+    if ggml_type == Q6_K_A:
+        blocks, ggml_type = unpack_q6k(blocks.reshape(shape[0], -1), shape[1]), Q6_K
     w = dequantize_reference(blocks.reshape(-1), ggml_type, tuple(shape), torch.float64)
     return dequantized_x_reference(x) @ w.t()
 
@@ -220,31 +255,34 @@ if HAS_TRITON:
     @helper
     def _sb_q6k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M: tl.constexpr,
                 PTX: tl.constexpr):
-        """acc (BN, BM) + super-block sb of BN Q6_K rows times the quantized x rows. A
-        210-byte super-block is 2-byte aligned: ql[128], qh[64] are read as aligned u32
-        words (joined from two where the block starts at 2 mod 4), scales[16] int8, d f16.
-        Word j = 4 s + r (s < 8, r < 4) of ql holds, in its low nibbles, 4 codes of 16-element
-        sub-block sub(s) = s + 4 (s // 4) and in its high nibbles 4 of sub(s) + 4; their top
-        2 bits are bits 2 a (4 + 2 a) of qh word 8 (s // 4) + 4 (s % 2) + r, a = s // 2 % 2."""
-        base = row_off + sb * 210  # (BN,) even
+        """acc (BN, BM) + super-block sb of BN Q6_K_A rows times the quantized x rows. Its
+        208-byte record (ql[128], qh[64], scales[16]) is 16-byte aligned and read as u32
+        words; d sits in the row's tail. Word j = 4 s + r (s < 8, r < 4) of ql holds, in
+        its low nibbles, 4 codes of 16-element sub-block sub(s) = s + 4 (s // 4) and in its
+        high nibbles 4 of sub(s) + 4; their top 2 bits are bits 2 a (4 + 2 a) of qh word
+        8 (s // 4) + 4 (s % 2) + r, a = s // 2 % 2."""
+        base = row_off + sb * 208  # (BN,)
         b3 = base[:, None, None]
-        shifted = b3 % 4 != 0
         s8 = tl.arange(0, 8)[None, :, None]
         r = tl.arange(0, 4)[None, None, :]
         zero = 0 * b3.to(tl.int32)  # (BN, 1, 1): every index below in the codes' shape
         p = _p32(w_ptr) + b3 // 4
-        ql = _words(p + (4 * s8 + r + zero), shifted).to(tl.int32, bitcast=True)  # (BN, 8, 4)
-        qh = _words(p + (32 + 8 * (s8 // 4) + 4 * (s8 % 2) + r + zero),
-                    shifted).to(tl.int32, bitcast=True)
+        ql = tl.load(p + (4 * s8 + r + zero)).to(tl.int32, bitcast=True)  # (BN, 8, 4)
+        qh = tl.load(p + (32 + 8 * (s8 // 4) + 4 * (s8 % 2) + r + zero)).to(tl.int32,
+                                                                             bitcast=True)
         a2 = 2 * (s8 // 2 % 2)
         q_lo = (ql & 0x0F0F0F0F) | (((qh >> a2) & 0x03030303) << 4)
         q_hi = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (a2 + 4)) & 0x03030303) << 4)
+        # scales: sub(s) is byte s % 4 of word 2 (s // 4), sub(s) + 4 of the word after
+        j = tl.arange(0, 4)[None, :]
+        sw = tl.load((_p32(w_ptr) + base // 4 + 48)[:, None] + j).to(tl.int32, bitcast=True)
         i = tl.arange(0, 8)[None, :]
+        low = i < 4
+        sh = 24 - 8 * (i % 4)
+        sc_a = (tl.where(low, _col(sw, j, 0)[:, None], _col(sw, j, 2)[:, None]) << sh) >> 24
+        sc_b = (tl.where(low, _col(sw, j, 1)[:, None], _col(sw, j, 3)[:, None]) << sh) >> 24
+        d = _f16(w_ptr + row_off + (K // 256) * 208 + 2 * sb)
         sub = i + 4 * (i // 4)  # (1, 8)
-        sc_ptr = w_ptr + base[:, None] + 192 + sub
-        sc_a = tl.load(sc_ptr).to(tl.int8, bitcast=True).to(tl.int32)  # (BN, 8)
-        sc_b = tl.load(sc_ptr + 4).to(tl.int8, bitcast=True).to(tl.int32)
-        d = _f16(w_ptr + base + 208)
         col = tl.arange(0, BLOCK_M)[None, :]
         q32 = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         sub3 = s8 + 4 * (s8 // 4)
@@ -259,6 +297,11 @@ if HAS_TRITON:
                 dx = tl.load(dx_ptr + m * (K // 256) + sb)
                 acc = _put(acc, col, m, tl.sum(isum, axis=1), d * dx)
         return acc
+
+    @helper
+    def _col(t, g, gi):
+        """Column gi of a (BN, G) tensor as (BN,)."""
+        return tl.sum(tl.where(g == gi, t, 0), axis=1)
 
     @triton.jit(do_not_specialize=["M", "N"])
     def _qint_gemv_kernel(
@@ -288,11 +331,6 @@ if HAS_TRITON:
         finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, offs,
                       (rm < M)[None, :] & (rn < N)[:, None], ticket)
 
-
-    @helper
-    def _col(t, g, gi):
-        """Column gi of a (BN, G) tensor as (BN,)."""
-        return tl.sum(tl.where(g == gi, t, 0), axis=1)
 
     @helper
     def _codes_sc(byte, sc, HIGH: tl.constexpr, PTX: tl.constexpr):
@@ -353,7 +391,7 @@ if HAS_TRITON:
         -8..7, lo in 0..15), so (q - 32) * hi (|.| <= 256) and (q - 32) * lo (<= 480) are
         exact in f16 and a 128-column dot of either with x's codes stays below 2^24:
         isum = 16 dot(hi part) + dot(lo part), four exact dots per super-block."""
-        base = row_off + sb * 210
+        base = row_off + sb * 208  # the record; d in the row's tail
         BN: tl.constexpr = acc.shape[0]
         j = tl.arange(0, 4)[None, :, None]  # 32-column run of a half: columns 32 j + l
         ll = tl.arange(0, 32)[None, None, :]
@@ -377,7 +415,7 @@ if HAS_TRITON:
             isum += (16 * _sub_dot(hi, xt, DOT_F64).to(tl.int32)
                      + _sub_dot(lo, xt, DOT_F64).to(tl.int32))
         dx = tl.load(dx_ptr + rm.to(tl.int64) * (K // 256) + sb, mask=m_ok, other=0.0)[None, :]
-        d = _f16(w_ptr + base + 208)
+        d = _f16(w_ptr + row_off + (K // 256) * 208 + 2 * sb)
         return tl.fma(isum.to(tl.float32), d[:, None] * dx, acc)
 
     @triton.jit(do_not_specialize=["M", "N"])
@@ -468,13 +506,15 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
     n, k = (int(s) for s in shape)
     m = x.shape[0]
     if int(ggml_type) not in QINT_TYPES:
-        raise InvalidRequest(f"qint: no kernel for GGML type {ggml_type}")
+        hint = " (repack Q6_K with repack_q6k: Q6_K_A)" if int(ggml_type) == Q6_K else ""
+        raise InvalidRequest(f"qint: no kernel for GGML type {ggml_type}{hint}")
     if x.dim() != 2 or x.shape[1] != k or k % QK or x.stride(1) != 1:
         raise InvalidRequest(f"qint: x must be (M, {k}) with K a multiple of 256 and "
                              f"contiguous rows, got {tuple(x.shape)}")
-    if tuple(blocks.shape) != (n, k // QK * _TYPE_SIZE[int(ggml_type)]) or blocks.data_ptr() % 4:
-        raise InvalidRequest(f"qint: blocks must be ({n}, {k // QK * _TYPE_SIZE[ggml_type]}) "
-                             "uint8 at a 4-byte aligned address")
+    width = row_bytes(int(ggml_type), k)
+    if tuple(blocks.shape) != (n, width) or blocks.data_ptr() % 4:
+        raise InvalidRequest(f"qint: blocks must be ({n}, {width}) uint8 at a 4-byte "
+                             "aligned address")
     sms = _num_sms(x.device) if num_sms is None else int(num_sms)
     backend = "hip" if x.device.type == "cuda" and torch.version.hip else "cuda"
     cfg = config or default_qint_config(int(ggml_type), n, k, sms, backend)
@@ -533,7 +573,7 @@ def aot_specs(spec: type) -> list:
                 {"x_ptr": "*bf16", "q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*i32",
                  "K": "i32", "stride_xm": "i32"}, {}, 2, False, None, None,
                 ("x_ptr", "q_ptr", "dx_ptr", "bs_ptr", "K", "stride_xm"))]
-    for qtype, name in ((Q4_K, "Q4_K"), (Q6_K, "Q6_K")):
+    for qtype, name in ((Q4_K, "Q4_K"), (Q6_K_A, "Q6_K")):
         for bm in (1, GEMV_MAX_M):
             for backend in ("hip", "cuda"):
                 cfg = default_qint_config(qtype, 4096, 4096, backend=backend)

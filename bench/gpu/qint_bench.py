@@ -58,6 +58,10 @@ class Case:
         count = 1 if run.smoke else max(1, min(64, math.ceil(L2_MISS_BYTES /
                                                              self.blocks.numel())))
         self.copies = [self.blocks] + [self.blocks.clone() for _ in range(count - 1)]
+        # qint holds Q6_K in aligned rows (kernels/qint.py's Q6_K_A)
+        self.kind = qint.ACT8_STORED[self.qtype]
+        self.held = [qint.repack_q6k(b, k) if self.kind == qint.Q6_K_A else b
+                     for b in self.copies]
         self.x = torch.randn(max(MS) if run.smoke else 512, k, device=run.dev,
                              generator=run.gen).bfloat16()
         w = dequantize_reference(self.blocks.view(-1), self.qtype, (n, k), torch.float64)
@@ -76,10 +80,12 @@ def measure(run: Run, case: Case, mode: str, m: int, cfg: QIntConfig | None, cei
     x = case.x[:m]
     if mode == "qmatmul":
         call = partial(qmatmul_triton, x, ggml_type=case.qtype, shape=(case.n, case.k))
+        weights = case.copies
     else:
-        call = partial(qint_triton, x, ggml_type=case.qtype, shape=(case.n, case.k),
+        call = partial(qint_triton, x, ggml_type=case.kind, shape=(case.n, case.k),
                        config=cfg)
-    y = run.attempt(what, lambda: call(blocks=case.blocks))
+        weights = case.held
+    y = run.attempt(what, lambda: call(blocks=weights[0]))
     if y is None:
         return row
     if mode == "qmatmul":
@@ -91,7 +97,7 @@ def measure(run: Run, case: Case, mode: str, m: int, cfg: QIntConfig | None, cei
         if cfg is None:  # the default split: row 0's bits as at M = 1
             first = case.row0.setdefault("m1", y[0].clone())
             row["bits_equal_m1"] = bool(torch.equal(y[0], first))
-    us = run.attempt(what, lambda: run.time_us([partial(call, blocks=w) for w in case.copies]))
+    us = run.attempt(what, lambda: run.time_us([partial(call, blocks=w) for w in weights]))
     if us is not None:
         gbs = case.blocks.numel() / us / 1e3
         row.update(us=us, gb_s=gbs, pct_copy=100 * gbs / ceil["copy_gb_s"])

@@ -6,8 +6,9 @@ reference elsewhere, or when MBUFO_KERNELS=torch). Rows of one GGML type concate
 block-row-wise, so a fused q/k/v or gate/up of one type is one launch; parts of other
 types (Q4_K_M files keep attn_v and ffn_down in Q6_K) are separate launches whose outputs
 are concatenated. Types without a qmatmul kernel (F16, BF16, F32, ...) are held dense in
-bf16 and go through torch.matmul. With `act8` (the `q8` layout) Q4_K parts multiply x
-quantized to 8 bits instead (kernels/qint.py: its own numerics, batch-invariant as well).
+bf16 and go through torch.matmul. With `act8` (the `q8` layout) Q4_K and Q6_K parts
+multiply x quantized to 8 bits instead (kernels/qint.py: its own numerics, batch-invariant
+as well); their Q6_K blocks are repacked at load into qint's aligned rows (Q6_K_A).
 """
 
 from __future__ import annotations
@@ -20,14 +21,13 @@ import torch
 from engine.errors import GGUFFormatError
 from engine.kernel_select import use_triton
 from kernels.dequant import block_geometry, dequantize
-from kernels.qint import qint_reference, qint_triton
+from kernels.qint import ACT8_STORED, QINT_TYPES, qint_reference, qint_triton, repack_q6k
 from kernels.qmatmul import SUPPORTED_TYPES, qmatmul, qmatmul_reference
-from kernels.qtiles import Q4_K
 
-# The GGML types that the q8 layout (act8) multiplies with 8-bit activations: Q4_K, whose
-# kernels beat the bf16-operand ones at 1-2 rows (bench/RESULTS.md, 2026-11-30); Q6_K's
-# do not (its sub-block scales do not fit the f16 trick of the matrix-unit path).
-ACT8_TYPES = frozenset({Q4_K})
+# The GGML types that the q8 layout (act8) multiplies with 8-bit activations: Q4_K and
+# Q6_K, the types of Q4_K_M and Q6_K files (their kernels beat the bf16-operand ones at
+# 1-4 rows: bench/RESULTS.md, 2026-11-30).
+ACT8_TYPES = frozenset(ACT8_STORED)
 
 __all__ = ["GGMLLinear", "GGMLPart"]
 
@@ -36,7 +36,8 @@ class GGMLPart(NamedTuple):
     """Consecutive output rows held one way."""
 
     out_features: int
-    ggml_type: int | None  # None: `weight` is a dense (out, in) matrix
+    ggml_type: int | None  # None: `weight` is a dense (out, in) matrix; else a GGML type or
+    # kernels.qint.Q6_K_A
     weight: torch.Tensor  # uint8 (out, row_bytes) blocks, or dense (out, in) bf16/f32
 
 
@@ -66,7 +67,10 @@ class GGMLLinear:
                 raise GGUFFormatError(f"{name}: {raw.numel()} bytes do not hold GGML type "
                                       f"{ggml_type} of shape {tuple(shape)}")
             blocks = raw.reshape(out_features, in_features // block * type_size).contiguous()
-            part = GGMLPart(out_features, int(ggml_type), blocks)
+            stored = ACT8_STORED.get(int(ggml_type), int(ggml_type)) if act8 else int(ggml_type)
+            if stored != int(ggml_type):  # Q6_K: qint's aligned rows
+                blocks = repack_q6k(blocks, in_features)
+            part = GGMLPart(out_features, stored, blocks)
         else:
             part = GGMLPart(out_features, None,
                             dequantize(raw, ggml_type, shape, out_dtype=dense_dtype, name=name))
@@ -119,7 +123,7 @@ class GGMLLinear:
             w = part.weight
             return torch.matmul(x.to(w.dtype), w.t()).float()
         shape = (part.out_features, self.in_features)
-        if self.act8 and part.ggml_type in ACT8_TYPES:
+        if self.act8 and part.ggml_type in QINT_TYPES:
             if triton:
                 return qint_triton(x, part.weight, part.ggml_type, shape)
             return qint_reference(x, part.weight, part.ggml_type, shape).float()

@@ -19,7 +19,7 @@ from engine.models.registry import read_config
 from engine.planner import plan
 from engine.synthetic import SyntheticSpec, write_synthetic_gguf
 
-TYPES = {"attn_q.weight": T.Q4_K, "attn_k.weight": T.Q4_K, "attn_v.weight": T.Q6_K,
+TYPES = {"attn_q.weight": T.Q4_K, "attn_k.weight": T.Q8_0, "attn_v.weight": T.Q6_K,
          "attn_output.weight": T.Q4_K, "ffn_gate.weight": T.Q4_K, "ffn_up.weight": T.Q4_K,
          "ffn_down.weight": T.Q6_K, "token_embd.weight": T.Q8_0, "output.weight": T.Q6_K}
 H, Q, KV, F, LAYERS = 256, 8 * 64, 2 * 64, 768, 3
@@ -49,7 +49,7 @@ def test_linear_shapes_count_each_layer_and_the_head(with_head, tied):
                   for s in linear_shapes(mf)}
         vocab = mf.tensors["output.weight"].shape[0]
     assert shapes == {
-        (T.Q4_K, Q, H): LAYERS, (T.Q4_K, KV, H): LAYERS, (T.Q6_K, KV, H): LAYERS,
+        (T.Q4_K, Q, H): LAYERS, (T.Q8_0, KV, H): LAYERS, (T.Q6_K, KV, H): LAYERS,
         (T.Q4_K, H, Q): LAYERS, (T.Q4_K, F, H): 2 * LAYERS, (T.Q6_K, H, F): LAYERS,
         (T.Q6_K, vocab, H): 1}
     with ModelFile.open(tied) as mf:  # no output.weight: the token table is the head
@@ -89,18 +89,20 @@ def choose(path, measure, budget=None, **kw):
 def test_the_faster_layout_wins_and_a_near_tie_keeps_the_blocks(with_head, bf16_ns, q8_ns,
                                                                   expected):
     """bf16 against the better blocks layout, q8 against ggml, each only when more than 5%
-    faster; q8 is timed on its own kernels' shapes only (Q4_K), the rest count as ggml's."""
+    faster; q8 is timed on its own kernels' shapes only (Q4_K, Q6_K), the rest (Q8_0)
+    count as ggml's."""
     measure, calls = clock({"ggml": 1.0, "bf16": bf16_ns, "q8": q8_ns})
     choice, shapes = choose(with_head, measure)
     assert choice.layout == expected
     # every distinct shape timed once per layout and row count, weighed by its count
     want_calls = [(lay, s.ggml_type, s.out_features, s.in_features, m)
                   for lay in ("ggml", "q8", "bf16") for s in shapes for m in ROWS
-                  if lay != "q8" or s.ggml_type == T.Q4_K]
+                  if lay != "q8" or s.ggml_type in (T.Q4_K, T.Q6_K)]
     assert sorted(calls) == sorted(want_calls)
     for layout, ns in (("ggml", 1.0), ("bf16", bf16_ns), ("q8", None)):
         for m in ROWS:
-            want = sum(s.count * (ns or (q8_ns if s.ggml_type == T.Q4_K else 1.0)) * 1e-6
+            want = sum(s.count * (ns or (q8_ns if s.ggml_type in (T.Q4_K, T.Q6_K) else 1.0))
+                       * 1e-6
                        * type_weight(s.ggml_type) * s.out_features * s.in_features
                        * (1 + m / 16) for s in shapes)
             assert choice.forward_ms[layout][m] == pytest.approx(want)

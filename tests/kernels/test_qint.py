@@ -17,9 +17,44 @@ from gguf.quants import dequantize as gguf_dequantize
 from test_qmatmul import random_weight
 
 from engine.errors import InvalidRequest
-from kernels.qint import QIntConfig, dequantized_x_reference, quantize_x_reference
+from kernels.qint import (
+    ACT8_STORED,
+    Q6_K_A,
+    QIntConfig,
+    dequantized_x_reference,
+    qint_reference,
+    quantize_x_reference,
+    repack_q6k,
+    row_bytes,
+    unpack_q6k,
+)
 
 KERNEL = "kernels.qint:qint_triton"
+
+
+def stored(blocks: torch.Tensor, qtype: T, k: int) -> tuple[torch.Tensor, int]:
+    """GGUF blocks as the kernels hold them: Q6_K repacked into aligned rows."""
+    kind = ACT8_STORED[int(qtype)]
+    return (repack_q6k(blocks, k) if kind == Q6_K_A else blocks), kind
+
+
+def test_q6k_aligned_rows(rng):
+    """Q6_K_A rows: 16-byte multiples, the super-blocks' first 208 bytes in order, then the
+    d's, zero padding; unpack_q6k restores the GGUF bytes; the reference reads either."""
+    for k in (256, 512, 2048, 3584):
+        blocks = random_weight(T.Q6_K, 3, k, rng)
+        rows = repack_q6k(blocks, k)
+        nsb = k // 256
+        assert rows.shape == (3, row_bytes(Q6_K_A, k)) and rows.shape[1] % 16 == 0
+        assert rows.shape[1] - nsb * 210 < 16 and not rows[:, nsb * 210:].any()
+        sb = blocks.reshape(3, nsb, 210)
+        assert torch.equal(rows[:, 208:416] if nsb > 1 else rows[:, :208],
+                           sb[:, 1 if nsb > 1 else 0, :208])
+        assert torch.equal(rows[:, nsb * 208:nsb * 208 + 2], sb[:, 0, 208:])
+        assert torch.equal(unpack_q6k(rows, k), blocks)
+    x = torch.randn(2, k)
+    assert torch.equal(qint_reference(x, rows, Q6_K_A, (3, k)),
+                       qint_reference(x, blocks, int(T.Q6_K), (3, k)))
 
 
 @pytest.fixture
@@ -85,7 +120,7 @@ def test_kernel_matches_gguf(interp, rng, qtype, m, n, k, cfg):
     if m > 1:
         x = x.to(torch.bfloat16)
         x[1, 256:512] = 0
-    y = interp.call(KERNEL, x, blocks, int(qtype), (n, k), cfg)
+    y = interp.call(KERNEL, x, *stored(blocks, qtype, k), (n, k), cfg)
     check(y, x.float(), blocks, qtype)
 
 
@@ -97,15 +132,15 @@ def test_rows_independent_of_batch_and_path(interp, rng, qtype):
     K order on both paths."""
     n, k = 72, 1024
     blocks = random_weight(qtype, n, k, rng)
+    held = stored(blocks, qtype, k)
     x = torch.from_numpy(rng.standard_normal((40, k), dtype=np.float32))
-    alone = interp.call(KERNEL, x[4:5], blocks, int(qtype), (n, k), QIntConfig(16, 2))
-    two = interp.call(KERNEL, x[3:5], blocks, int(qtype), (n, k), QIntConfig(64, 2, 2))
-    five = interp.call(KERNEL, x[:5], blocks, int(qtype), (n, k), QIntConfig(8, 2))
-    many = interp.call(KERNEL, x, blocks, int(qtype), (n, k), QIntConfig(32, 2))
+    alone = interp.call(KERNEL, x[4:5], *held, (n, k), QIntConfig(16, 2))
+    two = interp.call(KERNEL, x[3:5], *held, (n, k), QIntConfig(64, 2, 2))
+    five = interp.call(KERNEL, x[:5], *held, (n, k), QIntConfig(8, 2))
+    many = interp.call(KERNEL, x, *held, (n, k), QIntConfig(32, 2))
     # the matrix-unit kernel with the splits as programs of their own (partials, summed
     # by the last program of a tile) instead of in one program
-    spread = interp.call(KERNEL, x, blocks, int(qtype), (n, k), QIntConfig(32, 2),
-                         num_sms=10**6)
+    spread = interp.call(KERNEL, x, *held, (n, k), QIntConfig(32, 2), num_sms=10**6)
     assert torch.equal(alone[0], two[1]) and torch.equal(alone[0], five[4])
     assert torch.equal(alone[0], many[4]) and torch.equal(many, spread)
     check(many, x, blocks, qtype)
@@ -118,6 +153,9 @@ def test_rejects_bad_input(interp, rng):
     blocks = random_weight(T.Q4_K, 8, 256, rng)
     with pytest.raises(InvalidRequest, match="no kernel"):
         interp.call(KERNEL, torch.zeros(1, 256), blocks, int(T.Q8_0), (8, 256))
+    with pytest.raises(InvalidRequest, match="repack_q6k"):
+        interp.call(KERNEL, torch.zeros(1, 256), random_weight(T.Q6_K, 8, 256, rng),
+                    int(T.Q6_K), (8, 256))
     with pytest.raises(InvalidRequest, match="multiple of 256"):
         interp.call(KERNEL, torch.zeros(1, 128), blocks, int(T.Q4_K), (8, 128))
     with pytest.raises(InvalidRequest, match="blocks"):
@@ -136,14 +174,15 @@ def test_gpu_kernels_at_llama_shapes(rng, qtype):
     for n, k in ((4096, 4096), (1024, 14336)):
         blocks = random_weight(qtype, n, k, rng)
         x = torch.from_numpy(rng.standard_normal((64, k), dtype=np.float32))
-        ys = {m: interp_free(x[:m].cuda(), blocks.cuda(), qtype, n, k).cpu()
+        held, kind = stored(blocks.cuda(), qtype, k)
+        ys = {m: interp_free(x[:m].cuda(), held, kind, n, k).cpu()
               for m in (1, 2, 3, 16, 64)}
         for y in ys.values():
             check(y, x[:y.shape[0]], blocks, qtype)
         assert all(torch.equal(ys[1][0], y[0]) for y in ys.values())
 
 
-def interp_free(x: torch.Tensor, blocks: torch.Tensor, qtype: T, n: int, k: int):
+def interp_free(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int, k: int):
     from kernels.qint import qint_triton
 
-    return qint_triton(x, blocks, int(qtype), (n, k))
+    return qint_triton(x, blocks, qtype, (n, k))

@@ -20,7 +20,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from engine.errors import GGUFFormatError
 from engine.layers.ggml_linear import GGMLLinear
-from kernels.qint import dequantized_x_reference
+from kernels.qint import Q6_K_A, dequantized_x_reference
 
 F16_FIELDS = {T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}
 
@@ -109,34 +109,36 @@ def test_wrong_byte_count_is_a_format_error(rng):
 
 
 def build_act8(rng, k: int):
-    """A q|k|v layer like QKV with act8: -> (layer, [(type, rows, raw)])."""
-    parts = [(qtype, n, random_raw(qtype, n, k, rng)) for qtype, n in QKV]
+    """A q|k|v layer like QKV, and rows of a type without an 8-bit kernel (Q8_0), with
+    act8: -> (layer, [(type, rows, raw)])."""
+    parts = [(qtype, n, random_raw(qtype, n, k, rng)) for qtype, n in QKV + [(T.Q8_0, 16)]]
     layer = GGMLLinear.fuse([GGMLLinear.from_raw(torch.from_numpy(raw), int(qtype), (n, k),
                                                  act8=True) for qtype, n, raw in parts])
     return layer, parts
 
 
 def check_act8(y: torch.Tensor, x: torch.Tensor, parts) -> None:
-    """Q4_K rows: gguf-py's weights times x quantized to 8 bits (kernels/qint.py's
-    definition) within 2^-16; Q6_K rows: the plain product within 2^-7 (bf16 operands)."""
+    """Q4_K and Q6_K rows: gguf-py's weights times x quantized to 8 bits (kernels/qint.py's
+    definition) within 2^-16; other rows: the plain product within 2^-7 (bf16 operands)."""
     m, k = x.shape
     xq = dequantized_x_reference(x)
     row = 0
     for qtype, n, raw in parts:
         w = dense64(raw, qtype, n, k)
-        xx, tol = (xq, 2**-16) if qtype == T.Q4_K else (x.double(), 2**-7)
+        xx, tol = (xq, 2**-16) if qtype in (T.Q4_K, T.Q6_K) else (x.double(), 2**-7)
         err = (y[:, row:row + n].double() - xx @ w.T).abs()
         assert (err <= tol * (xx.abs() @ w.abs().T) + 1e-9).all(), (qtype, float(err.max()))
         row += n
 
 
 @pytest.mark.parametrize("m", [1, 5])
-def test_act8_layer_multiplies_q4k_with_8bit_x(triton_worker, rng, m):
-    """The q8 layout: Q4_K parts through kernels/qint.py (quantized x), the others as
-    before; the torch path (CPU) gives the same numerics through qint_reference."""
+def test_act8_layer_multiplies_q4k_q6k_with_8bit_x(triton_worker, rng, m):
+    """The q8 layout: Q4_K and Q6_K parts through kernels/qint.py (quantized x; Q6_K held
+    in its aligned rows), the others as before; the torch path (CPU) gives the same
+    numerics through qint_reference."""
     k = 512
     layer, parts = build_act8(rng, k)
-    assert layer.act8 and [p.ggml_type for p in layer.parts] == [T.Q4_K, T.Q6_K]
+    assert layer.act8 and [p.ggml_type for p in layer.parts] == [T.Q4_K, Q6_K_A, T.Q8_0]
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
     check_act8(triton_worker.call("operator:call", layer, x), x, parts)
     check_act8(operator.call(layer, x), x, parts)
