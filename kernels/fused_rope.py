@@ -7,8 +7,8 @@ rope.py's Rope.cos_sin, computed once per step and shared by every layer):
     x0, x1 = the pairs (x[i], x[i + d/2]) (neox) or (x[2i], x[2i + 1]) (original layout)
     out0 = x0 cos - x1 sin,  out1 = x0 sin + x1 cos
 
-One program per token rotates all its q heads and then all its k heads (GQA: fewer k
-heads), reading q and k in place from the fused qkv projection (any row and head
+One program per (token, head) rotates one q or k head (GQA: fewer k heads), reading q and
+k in place from the fused qkv projection (any row and head
 strides) and writing new contiguous (T, heads, d) tensors. Float32 throughout.
 """
 
@@ -83,18 +83,24 @@ if HAS_TRITON:
     def _rope_qk_kernel(
         q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st, eps,
-        H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr,
-        KVHP: tl.constexpr, HALFP: tl.constexpr, NEOX: tl.constexpr, HAS_NORM: tl.constexpr,
+        H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, HALFP: tl.constexpr,
+        NEOX: tl.constexpr, HAS_NORM: tl.constexpr,
     ):
-        """Token t: its q heads, then its k heads, with the token's cos/sin row."""
+        """Token t (program 0), head h (program 1: the q heads, then the k heads), with
+        the token's cos/sin row: a decode step's few tokens still spread over the device."""
         t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
         i = tl.arange(0, HALFP)[None, :]
         cos = tl.load(cos_ptr + t * stride_ct + i, mask=i < HALF, other=0.0)  # (1, HALFP)
         sin = tl.load(sin_ptr + t * stride_st + i, mask=i < HALF, other=0.0)
-        _rope_heads(q_ptr + t * stride_qt, stride_qh, qo_ptr + t * (H * 2 * HALF), cos, sin,
-                    qw_ptr, eps, H, HALF, HP, HALFP, NEOX, HAS_NORM)
-        _rope_heads(k_ptr + t * stride_kt, stride_kh, ko_ptr + t * (KVH * 2 * HALF), cos, sin,
-                    kw_ptr, eps, KVH, HALF, KVHP, HALFP, NEOX, HAS_NORM)
+        if h < H:
+            _rope_heads(q_ptr + t * stride_qt + h * stride_qh, stride_qh,
+                        qo_ptr + (t * H + h) * (2 * HALF), cos, sin, qw_ptr, eps, 1, HALF, 1,
+                        HALFP, NEOX, HAS_NORM)
+        else:
+            _rope_heads(k_ptr + t * stride_kt + (h - H) * stride_kh, stride_kh,
+                        ko_ptr + (t * KVH + h - H) * (2 * HALF), cos, sin, kw_ptr, eps, 1,
+                        HALF, 1, HALFP, NEOX, HAS_NORM)
 
 
 def _check(q, k, cos, sin, q_weight, k_weight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,12 +142,12 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     k_out = torch.empty(tokens, kv_heads, dim, dtype=torch.float32, device=q.device)
     if tokens:
         norm = q_weight is not None
-        launcher(_rope_qk_kernel, q.device)[(tokens,)](
+        launcher(_rope_qk_kernel, q.device)[(tokens, heads + kv_heads)](
             q, k, cos, sin, q_weight if norm else cos, k_weight if norm else cos, q_out, k_out,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-            float(eps), H=heads, KVH=kv_heads, HALF=dim // 2, HP=next_pow2(heads),
-            KVHP=next_pow2(kv_heads), HALFP=next_pow2(dim // 2), NEOX=bool(neox),
-            HAS_NORM=norm, num_warps=4)
+            float(eps), H=heads, KVH=kv_heads, HALF=dim // 2, HALFP=next_pow2(dim // 2),
+            NEOX=bool(neox),
+            HAS_NORM=norm, num_warps=1)
     return q_out, k_out
 
 
@@ -156,8 +162,8 @@ def aot_specs(spec: type) -> list:
                                  "stride_ct", "stride_st")}, "eps": "fp32"}
     out = []
     for name, heads, neox, norm in (("llama", 32, False, False), ("qk_norm", 16, True, True)):
-        consts = {"H": heads, "KVH": 8, "HALF": 64, "HP": heads, "KVHP": 8, "HALFP": 64,
-                  "NEOX": neox, "HAS_NORM": norm}
+        consts = {"H": heads, "KVH": 8, "HALF": 64, "HALFP": 64, "NEOX": neox,
+                  "HAS_NORM": norm}
         out.append(spec(f"rope_qk_{name}", _rope_qk_kernel,
-                        {**sig, **{k: "constexpr" for k in consts}}, consts, 4, False))
+                        {**sig, **{k: "constexpr" for k in consts}}, consts, 1, False))
     return out
