@@ -23,6 +23,10 @@ __all__ = ["FORMAT_IDS", "AttnConfig", "AttnPlan", "plan_attention"]
 # KV format name -> the kernel's constexpr: 0 f16, 1 q8, 2 q4 (rotation is done outside).
 FORMAT_IDS = {"f16": 0, "q8": 1, "q8_plain": 1, "q4": 2, "q4_plain": 2}
 WORK_FIELDS = 6  # row, q_begin, q_count, key_lo, key_hi, split
+# Key positions per split of a decode row: a decode step has one query block per KV head
+# and row, so its keys are cut to keep the device busy (one stream: 8 programs a layer for
+# Llama 3 8B without splits); more splits cost one merge term each.
+SPLIT_KEYS = 256
 
 
 class AttnConfig(NamedTuple):
@@ -39,9 +43,9 @@ class AttnConfig(NamedTuple):
         gfx1151: the largest tiles whose AOT build spills no VGPR for every format pair.
         """
         if backend == "hip":
-            return cls(max(32, next_pow2(group)), 16, 1024, 4, 1)
+            return cls(max(32, next_pow2(group)), 16, SPLIT_KEYS, 4, 1)
         wide = max(dim, dim_v) > 128  # keep the (block_m, Dv) accumulator in registers
-        return cls(max(32 if wide else 64, next_pow2(group)), 32 if wide else 64, 1024)
+        return cls(max(32 if wide else 64, next_pow2(group)), 32 if wide else 64, SPLIT_KEYS)
 
     def tokens_per_block(self, group: int) -> int:
         return self.block_m // group

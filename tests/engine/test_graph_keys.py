@@ -15,8 +15,11 @@ from engine.layers.attention import decode_splits
 from engine.loader import load
 from engine.runner import ModelRunner
 from engine.synthetic import SyntheticSpec, write_synthetic_gguf
+from kernels.paged_attention_plan import SPLIT_KEYS
 
-CONTEXT = 4096  # the attention splits keys every 1024 positions: 1, 2 or 4 splits
+K = SPLIT_KEYS  # a decode row's keys are split every K positions
+CONTEXT = 16 * K  # 1, 2, 4, 8 or 16 splits
+KEYS = (CONTEXT // K).bit_length()  # distinct split counts of the full-attention group
 
 
 class CountingCapture:
@@ -46,21 +49,23 @@ def test_splits_follow_the_attention_plan(model):
                          capture=CountingCapture())
     layers = runner._layers
     top = {g: decode_splits(layer, CONTEXT, torch.device("cpu")) for g, layer in layers.items()}
-    for longest in (1, 2, 1023, 1024, 1025, 2047, 2048, 2049, 3000, 4095, 4096):
+    for longest in (1, 2, K - 1, K, K + 1, 2 * K - 1, 2 * K, 2 * K + 1, 3 * K, 4 * K - 1,
+                    4 * K, 9 * K, CONTEXT - 1, CONTEXT):
         want = {g: min(1 << (decode_splits(layer, longest, torch.device("cpu")) - 1)
                        .bit_length(), top[g]) for g, layer in layers.items()}
         assert runner._splits_for(longest) == want, longest
-    assert runner._splits_for(2049) == {"full": 4, "sliding": 2}
+    assert runner._splits_for(2 * K + 1) == {"full": 4, "sliding": 2}
 
 
 def test_prepared_graphs_cover_every_row_length(model):
     fake = CountingCapture()
     runner = ModelRunner(model, 300, 16, cuda_graphs=True, max_context=CONTEXT, capture=fake)
     assert runner.graphs is not None
-    assert runner.prepare_graphs(CONTEXT) == 3 * 7  # splits 1, 2, 4 (sliding: 1, 2, 2)
-    assert fake.captures == 21
+    assert runner.prepare_graphs(CONTEXT) == KEYS * 7  # splits 1, 2, 4 ... (sliding: 1, 2, 2 ...)
+    assert fake.captures == KEYS * 7
     replays = runner.graphs.num_replays
-    for lengths in ((5,), (1100,), (2500,), (4000,), (5, 1100, 3), (4000, 7)):
+    for lengths in ((5,), (K + 76,), (2 * K + 452,), (CONTEXT - 96,), (5, K + 76, 3),
+                    (CONTEXT - 96, 7)):
         seqs = [SeqPages(runner.pool) for _ in lengths]
         try:
             for s, n in zip(seqs, lengths, strict=True):
@@ -71,7 +76,7 @@ def test_prepared_graphs_cover_every_row_length(model):
         finally:
             for s in seqs:
                 s.free()
-    assert fake.captures == 21 and runner.graphs.num_replays == replays + 6
+    assert fake.captures == KEYS * 7 and runner.graphs.num_replays == replays + 6
     fresh = ModelRunner(model, 300, 16, cuda_graphs=True, max_context=CONTEXT,
                         capture=CountingCapture())
     assert fresh.prepare_graphs() == 7  # one key for short rows

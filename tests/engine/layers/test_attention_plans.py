@@ -65,11 +65,13 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("kv_quant,window", [("f16", None), ("k8v4", None), ("q8", 20)])
 def test_decode_plan_attention_matches_reference(triton_worker, gen, kv_quant, window):
-    # a padding-like row (1 token of context), short rows, and one over the 1024-key split
+    # a padding-like row (1 token of context), short rows, and one over several key splits
     spans = [(1, 1), (1, 23), (1, 77), (1, 5)] + ([(1, 1100)] if window is None else [])
     layer, kv, batch, q, k, v = make_case(gen, spans, kv_quant, window)
     group = kv.group_of(0)
-    planned = plan_decode(batch, {group: layer}, PAGE, {group: 3})
+    splits = decode_splits(layer, max(n for _, n in spans), torch.device("cpu")) + 1
+    assert splits > 2 or window is not None
+    planned = plan_decode(batch, {group: layer}, PAGE, {group: splits})  # one left empty
     assert torch.equal(planned.write_slots(group, PAGE), batch.write_slots(group, PAGE))
     out = triton_worker.call("engine.layers.attention:attend", layer, q, k, v, planned, kv)
     assert_close(out, attend(layer, q, k, v, batch, kv))  # the CPU default: the reference
