@@ -6,7 +6,9 @@
     y  = rmsnorm(h) * weight,  rmsnorm(z) = z / sqrt(mean(z^2) + eps)
 
 The decoder keeps the residual stream `h` and feeds `y` to the next matmul, so a block's
-"x = x + f(...); y = norm(x)" pairs become one kernel each. Float32 in and out, one
+"x = x + f(...); y = norm(x)" pairs become one kernel each. With `quantize` the kernel also
+writes y quantized for kernels/qint.py's products (its quantize_x bits), sparing that
+launch before each of them. Float32 in and out, one
 program per row (rows are independent, so a row's result does not depend on the batch).
 The reference is torch's F.rms_norm in float32, as engine/layers/norm.py computes it.
 """
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import InvalidRequest
+from kernels.qint import QK, QuantX, empty_quant_x, quantize_x_reference
 from kernels.triton_util import (
     HAS_TRITON,
     helper,
@@ -37,20 +40,28 @@ OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class NormOut(NamedTuple):
     h: torch.Tensor  # (rows, dim) float32: the residual stream after the add
     y: torch.Tensor  # (rows, dim) out_dtype: rmsnorm(h) * weight
+    xq: QuantX | None = None  # y quantized (kernels/qint.py), when asked for
 
 
 def add_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
                            residual: torch.Tensor | None = None,
                            residual_weight: torch.Tensor | None = None,
-                           out_dtype: torch.dtype = torch.float32) -> NormOut:
+                           out_dtype: torch.dtype = torch.float32,
+                           quantize: bool = False) -> NormOut:
     """x, residual (rows, dim) -> NormOut; without a residual h is x itself. y is computed
-    in float32 and rounded to `out_dtype` (a bf16 matmul's input: no cast kernel)."""
+    in float32 and rounded to `out_dtype` (a bf16 matmul's input: no cast kernel); with
+    `quantize` y is also quantized as kernels/qint.py defines it."""
     x = x.float()
     if residual is not None:
         if residual_weight is not None:
             residual = F.rms_norm(residual.float(), (x.shape[-1],), residual_weight, eps)
         x = x + residual
-    return NormOut(x, F.rms_norm(x, (x.shape[-1],), weight, eps).to(out_dtype))
+    y = F.rms_norm(x, (x.shape[-1],), weight, eps).to(out_dtype)
+    xq = None
+    if quantize:
+        q, dx = quantize_x_reference(y)
+        xq = QuantX(q.to(torch.int8), dx, q.reshape(q.shape[0], -1, 16).sum(-1).int())
+    return NormOut(x, y, xq)
 
 
 if HAS_TRITON:
@@ -65,13 +76,16 @@ if HAS_TRITON:
             return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         return y.to(ptr.dtype.element_ty)
 
+    from kernels.qint import quantize_store
+
     @jit
     def _add_rms_norm_kernel(
-        x_ptr, r_ptr, rw_ptr, w_ptr, h_ptr, y_ptr, stride_x, stride_r, stride_h, stride_y,
-        dim, eps, HAS_RESIDUAL: tl.constexpr, HAS_RES_NORM: tl.constexpr,
-        BLOCK_D: tl.constexpr,
+        x_ptr, r_ptr, rw_ptr, w_ptr, h_ptr, y_ptr, q_ptr, dx_ptr, bs_ptr, stride_x, stride_r,
+        stride_h, stride_y, dim, eps, HAS_RESIDUAL: tl.constexpr, HAS_RES_NORM: tl.constexpr,
+        BLOCK_D: tl.constexpr, QUANT: tl.constexpr = False,
     ):
-        """One row: h = x + rmsnorm(r) * rw (or x + r), y = rmsnorm(h) * w."""
+        """One row: h = x + rmsnorm(r) * rw (or x + r), y = rmsnorm(h) * w; with QUANT also
+        y (as stored) quantized per 256 columns (dim a multiple of 256)."""
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         ok = d < dim
@@ -84,8 +98,13 @@ if HAS_TRITON:
             h = h + r
             tl.store(h_ptr + row * stride_h + d, h, mask=ok)
         inv = tl.rsqrt(tl.sum(h * h, 0) / dim + eps)
-        y = h * inv * tl.load(w_ptr + d, mask=ok, other=0.0)
-        tl.store(y_ptr + row * stride_y + d, cast_out(y, y_ptr), mask=ok)
+        y = cast_out(h * inv * tl.load(w_ptr + d, mask=ok, other=0.0), y_ptr)
+        tl.store(y_ptr + row * stride_y + d, y, mask=ok)
+        if QUANT:
+            NB: tl.constexpr = BLOCK_D // 256
+            b = tl.arange(0, NB)
+            quantize_store(tl.reshape(y.to(tl.float32), (NB, 256)), b, b < dim // 256, row,
+                           q_ptr, dx_ptr, bs_ptr, dim)
 
 
 def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...], device) -> None:
@@ -101,15 +120,20 @@ def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...], device) ->
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None,
                  residual_weight: torch.Tensor | None = None,
-                 out_dtype: torch.dtype = torch.float32) -> NormOut:
-    """x, residual (rows, dim) float32, weights (dim,) -> NormOut(h, y), one launch; y in
-    `out_dtype` (float32, bfloat16 or float16).
+                 out_dtype: torch.dtype = torch.float32, quantize: bool = False) -> NormOut:
+    """x, residual (rows, dim) float32, weights (dim,) -> NormOut(h, y[, xq]), one launch;
+    y in `out_dtype` (float32, bfloat16 or float16); `quantize` (dim a multiple of 256):
+    also y quantized for kernels/qint.py.
 
     The kernel runs on a GPU (or on the CPU when the interpreter is active), else the
     reference. A residual weight needs a residual.
     """
+    if quantize and x.shape[-1] % QK:
+        raise InvalidRequest(f"add_rms_norm: quantize needs a multiple of {QK} columns, "
+                             f"got {x.shape[-1]}")
     if not (HAS_TRITON and (x.device.type != "cpu" or interpreter_active())):
-        return add_rms_norm_reference(x, weight, eps, residual, residual_weight, out_dtype)
+        return add_rms_norm_reference(x, weight, eps, residual, residual_weight, out_dtype,
+                                      quantize)
     if out_dtype not in OUT_DTYPES:
         raise InvalidRequest(f"add_rms_norm: out_dtype {out_dtype} is not one of {OUT_DTYPES}")
     if x.dim() != 2 or (residual is None and residual_weight is not None):
@@ -124,15 +148,17 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _check(name, w, (dim,), x.device)
     y = torch.empty(rows, dim, dtype=out_dtype, device=x.device)
     h = x if residual is None else torch.empty(rows, dim, dtype=torch.float32, device=x.device)
+    xq = empty_quant_x(rows, dim, x.device) if quantize else None
     if rows:
-        block = next_pow2(dim)
+        block = max(QK, next_pow2(dim))
         r = x if residual is None else residual
         launcher(_add_rms_norm_kernel, x.device)[(rows,)](
             x, r, weight if residual_weight is None else residual_weight, weight, h, y,
-            x.stride(0), r.stride(0), h.stride(0), y.stride(0), dim, float(eps),
-            HAS_RESIDUAL=residual is not None, HAS_RES_NORM=residual_weight is not None,
-            BLOCK_D=block, num_warps=_warps(block))
-    return NormOut(h, y)
+            *(xq or (y, y, y)), x.stride(0), r.stride(0), h.stride(0), y.stride(0), dim,
+            float(eps), HAS_RESIDUAL=residual is not None,
+            HAS_RES_NORM=residual_weight is not None, BLOCK_D=block, QUANT=quantize,
+            num_warps=_warps(block))
+    return NormOut(h, y, xq)
 
 
 def _warps(block: int) -> int:
@@ -145,14 +171,17 @@ def aot_specs(spec: type) -> list:
     (residual norm) variants, and a bf16 y."""
     if not HAS_TRITON:
         return []
-    sig = {**{n: "*fp32" for n in ("x_ptr", "r_ptr", "rw_ptr", "w_ptr", "h_ptr", "y_ptr")},
+    sig = {**{n: "*fp32" for n in ("x_ptr", "r_ptr", "rw_ptr", "w_ptr", "h_ptr", "y_ptr",
+                                   "dx_ptr")}, "q_ptr": "*i8", "bs_ptr": "*i32",
            **{n: "i32" for n in ("stride_x", "stride_r", "stride_h", "stride_y", "dim")},
            "eps": "fp32"}
     out = []
-    for name, res, res_norm, y_type in (("", False, False, "*fp32"), ("_add", True, False, "*fp32"),
-                                        ("_add_norm", True, True, "*fp32"),
-                                        ("_add_bf16", True, False, "*bf16")):
-        consts = {"HAS_RESIDUAL": res, "HAS_RES_NORM": res_norm, "BLOCK_D": 4096}
+    for name, res, res_norm, y_type, quant in (
+            ("", False, False, "*fp32", False), ("_add", True, False, "*fp32", False),
+            ("_add_norm", True, True, "*fp32", False), ("_add_bf16", True, False, "*bf16", False),
+            ("_add_q8", True, False, "*fp32", True)):
+        consts = {"HAS_RESIDUAL": res, "HAS_RES_NORM": res_norm, "BLOCK_D": 4096,
+                  "QUANT": quant}
         out.append(spec(f"add_rms_norm{name}", _add_rms_norm_kernel,
                         {**sig, "y_ptr": y_type, **{k: "constexpr" for k in consts}}, consts,
                         _warps(4096), False))

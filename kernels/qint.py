@@ -20,10 +20,10 @@ the independent reference.
 The x quantization costs accuracy: q carries about 8 bits per element relative to the
 block's largest, as llama.cpp's own quantized-activation kernels (q8_1, q8_K).
 
-Launches: `quantize_x` (one small kernel) writes q, dx and the sums of q over each 16
-columns; then one product kernel, whose split partials (the super-blocks of a row cut
-into `split` ranges, by (type, N, K) only) are added in split order by the last program
-of each tile:
+Launches: `quantize_x` (one small kernel, or fused into the norm before the product:
+kernels/fused_norm.py) writes q (int8), dx and the sums of q over each 16 columns; then
+one product kernel, whose split partials (the super-blocks of a row cut into `split`
+ranges, by (type, N, K) only) are added in split order by the last program of each tile:
 - `_qint_gemv_kernel` (up to GEMV_MAX_M rows) on the CUDA cores: a program owns BLOCK_N
   weight rows, the codes stay packed four to a u32 word against a word of x's int8 codes
   (dp4a on NVIDIA, byte by byte elsewhere: the same integer), each row of x in turn;
@@ -54,7 +54,8 @@ from kernels.qtiles import Q4_K, Q6_K, _columns, _f16, _f16lo, _p32
 from kernels.triton_util import HAS_TRITON, helper, launcher, next_pow2, tl, triton
 
 __all__ = ["ACT8_STORED", "Q6_K_A", "QINT_TYPES", "QIntConfig", "default_qint_config",
-           "dequantized_x_reference", "qint_reference", "qint_triton", "quantize_x",
+           "QuantX", "dequantized_x_reference", "empty_quant_x", "qint_reference",
+           "qint_triton", "quantize_x",
            "quantize_x_reference", "repack_q6k", "row_bytes", "unpack_q6k"]
 
 Q6_K_A = 1014  # Q6_K in aligned rows (not a GGML type: this module's storage of Q6_K)
@@ -155,24 +156,33 @@ if HAS_TRITON:
     _NIB16_LO = tl.constexpr(nibble_asm(False, 0x6400))
     _NIB16_HI = tl.constexpr(nibble_asm(True, 0x6400))
 
-    @triton.jit
-    def _quantize_x_kernel(x_ptr, q_ptr, dx_ptr, bs_ptr, K, stride_xm):
-        """Row m (program 0), super-block b (program 1) of x -> q (M, K) in q_ptr's type
-        (int8, or f16 for the matrix unit: exact), dx (M, K / 256) and the sums of q over
-        each 16 columns, int32 (M, K / 16)."""
-        m = tl.program_id(0).to(tl.int64)
-        b = tl.program_id(1)
-        cols = b * 256 + tl.arange(0, 256)
-        x = tl.load(x_ptr + m * stride_xm + cols).to(tl.float32)
-        a = tl.max(tl.abs(x), axis=0)
+    @helper
+    def quantize_store(x, b, ok, row, q_ptr, dx_ptr, bs_ptr, K):
+        """Quantizes super-blocks b (NB,) of row `row` (x (NB, 256) float32, where `ok`)
+        into q (M, K) int8, dx (M, K / 256) and the int32 sums of q over each 16 columns
+        (M, K / 16): the definition of the module docstring (also fused into the norm,
+        kernels/fused_norm.py)."""
+        a = tl.max(tl.abs(x), axis=1)
         pos = a > 0
         inv = tl.where(pos, tl.math.div_rn(127.0, tl.where(pos, a, 1.0)), 0.0)
         dx = tl.where(pos, tl.math.div_rn(a, 127.0), 0.0)
-        q = tl.minimum(tl.maximum(tl.floor(tl.fma(x, inv, 0.5)), -127.0), 127.0).to(tl.int32)
-        tl.store(q_ptr + m * K + cols, q.to(q_ptr.dtype.element_ty))
-        tl.store(dx_ptr + m * (K // 256) + b, dx)
-        sums = tl.sum(tl.reshape(q, (16, 16)), axis=1)
-        tl.store(bs_ptr + m * (K // 16) + b * 16 + tl.arange(0, 16), sums)
+        q = tl.floor(tl.fma(x, inv[:, None], 0.5))
+        q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32)
+        cols = b[:, None] * 256 + tl.arange(0, 256)[None, :]
+        tl.store(q_ptr + row * K + cols, q.to(tl.int8), mask=ok[:, None])
+        tl.store(dx_ptr + row * (K // 256) + b, dx, mask=ok)
+        sums = tl.sum(tl.reshape(q, (q.shape[0], 16, 16)), axis=2)
+        tl.store(bs_ptr + row * (K // 16) + b[:, None] * 16 + tl.arange(0, 16)[None, :], sums,
+                 mask=ok[:, None])
+
+    @triton.jit
+    def _quantize_x_kernel(x_ptr, q_ptr, dx_ptr, bs_ptr, K, stride_xm):
+        """Row m (program 0), super-block b (program 1) of x -> quantize_store."""
+        m = tl.program_id(0).to(tl.int64)
+        b = tl.program_id(1) + tl.zeros((1,), tl.int32)
+        cols = b[:, None] * 256 + tl.arange(0, 256)[None, :]
+        x = tl.load(x_ptr + m * stride_xm + cols).to(tl.float32)  # (1, 256)
+        quantize_store(x, b, b >= 0, m, q_ptr, dx_ptr, bs_ptr, K)
 
     @helper
     def _dp4a(a, b, PTX: tl.constexpr):
@@ -468,19 +478,28 @@ def _num_sms(device: torch.device) -> int:
         device.type == "cuda" else 0
 
 
-def quantize_x(x: torch.Tensor, dtype: torch.dtype = torch.int8,
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (M, K) -> (q (M, K) in `dtype` (int8, or float16 for the matrix-unit kernel),
-    dx float32 (M, K / 256), int32 sums of q over each 16 columns (M, K / 16)) by the
-    kernel (quantize_x_reference's bits)."""
+class QuantX(NamedTuple):
+    """x quantized for the product kernels (quantize_x or a fused producer)."""
+
+    q: torch.Tensor  # (M, K) int8
+    dx: torch.Tensor  # (M, K / 256) float32
+    bs: torch.Tensor  # (M, K / 16) int32: sums of q over each 16 columns
+
+
+def empty_quant_x(m: int, k: int, device: torch.device) -> QuantX:
+    return QuantX(torch.empty(m, k, dtype=torch.int8, device=device),
+                  torch.empty(m, k // QK, dtype=torch.float32, device=device),
+                  torch.empty(m, k // 16, dtype=torch.int32, device=device))
+
+
+def quantize_x(x: torch.Tensor) -> QuantX:
+    """x (M, K) -> QuantX by the kernel (quantize_x_reference's bits)."""
     m, k = x.shape
-    q = torch.empty(m, k, dtype=dtype, device=x.device)
-    dx = torch.empty(m, k // QK, dtype=torch.float32, device=x.device)
-    bs = torch.empty(m, k // 16, dtype=torch.int32, device=x.device)
+    out = empty_quant_x(m, k, x.device)
     if m:
-        launcher(_quantize_x_kernel, x.device)[(m, k // QK)](x, q, dx, bs, k, x.stride(0),
+        launcher(_quantize_x_kernel, x.device)[(m, k // QK)](x, *out, k, x.stride(0),
                                                               num_warps=2)
-    return q, dx, bs
+    return out
 
 
 @functools.lru_cache(maxsize=4096)
@@ -498,11 +517,14 @@ def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
 
 
 def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int],
-                config: QIntConfig | None = None, *, num_sms: int | None = None) -> torch.Tensor:
+                config: QIntConfig | None = None, *, num_sms: int | None = None,
+                xq: QuantX | None = None) -> torch.Tensor:
     """y = x @ W.T (float32, (M, N)) for x (M, K) float32 or bf16 with contiguous rows,
     with the 8-bit activations of the module docstring (the interpreter on CPU tensors).
-    `num_sms` (default: the device's; 0 on the CPU) decides whether the matrix-unit kernel
-    runs the splits as programs of their own; the bits are the same either way."""
+    `xq`: x already quantized (quantize_x or a fused producer; x then only gives the
+    shape). `num_sms` (default: the device's; 0 on the CPU) decides whether the
+    matrix-unit kernel runs the splits as programs of their own; the bits are the same
+    either way."""
     n, k = (int(s) for s in shape)
     m = x.shape[0]
     if int(ggml_type) not in QINT_TYPES:
@@ -523,8 +545,10 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return y
+    if xq is not None and (tuple(xq.q.shape) != (m, k) or xq.q.dtype != torch.int8):
+        raise InvalidRequest(f"qint: xq must hold ({m}, {k}) int8 codes")
     gemv = m <= GEMV_MAX_M
-    q, dx, bs = quantize_x(x, torch.int8 if gemv else torch.float16)
+    q, dx, bs = xq if xq is not None else quantize_x(x)
     stages = {} if cfg.num_stages is None else {"num_stages": cfg.num_stages}
     if gemv:
         grid = (-(-n // cfg.block_n), cfg.split)
@@ -587,7 +611,7 @@ def aot_specs(spec: type) -> list:
             consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": bn, "DOT_F64": False,
                       "PTX": backend == "cuda"}
             out.append(spec(f"qint_{name}_tiled", _qint_mm_kernel,
-                            {**sig, "q_ptr": "*fp16", "splits_per_program": "i32",
+                            {**sig, "splits_per_program": "i32",
                              **{k: "constexpr" for k in consts}},
                             consts, warps, True, backend, st[0] if st else None, divisible))
     return out

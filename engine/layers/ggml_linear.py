@@ -21,7 +21,15 @@ import torch
 from engine.errors import GGUFFormatError
 from engine.kernel_select import use_triton
 from kernels.dequant import block_geometry, dequantize
-from kernels.qint import ACT8_STORED, QINT_TYPES, qint_reference, qint_triton, repack_q6k
+from kernels.qint import (
+    ACT8_STORED,
+    QINT_TYPES,
+    QuantX,
+    qint_reference,
+    qint_triton,
+    quantize_x,
+    repack_q6k,
+)
 from kernels.qmatmul import SUPPORTED_TYPES, qmatmul, qmatmul_reference
 
 # The GGML types that the q8 layout (act8) multiplies with 8-bit activations: Q4_K and
@@ -102,6 +110,12 @@ class GGMLLinear:
         return cls(parts, in_features, bias, act8=linears[0].act8)
 
     @property
+    def takes_xq(self) -> bool:
+        """Whether a call uses x quantized to 8 bits (kernels.qint.QuantX), which a caller
+        may hand over already made (the norm kernel before it)."""
+        return self.act8 and any(p.ggml_type in QINT_TYPES for p in self.parts)
+
+    @property
     def device(self) -> torch.device:
         return self.parts[0].weight.device
 
@@ -109,23 +123,27 @@ class GGMLLinear:
     def nbytes(self) -> int:
         return sum(p.weight.numel() * p.weight.element_size() for p in self.parts)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x (n, in) float32 -> (n, out) float32."""
+    def __call__(self, x: torch.Tensor, xq: QuantX | None = None) -> torch.Tensor:
+        """x (n, in) float32 -> (n, out) float32; `xq`: x quantized (kernels/qint.py), for
+        the q8 parts on the Triton path (made here once for all of them when not given)."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         triton = use_triton(x.device)
-        outs = [self._part(part, x, triton) for part in self.parts]
+        if triton and self.takes_xq and xq is None:
+            xq = quantize_x(x)
+        outs = [self._part(part, x, triton, xq) for part in self.parts]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         return y if self.bias is None else y + self.bias
 
-    def _part(self, part: GGMLPart, x: torch.Tensor, triton: bool) -> torch.Tensor:
+    def _part(self, part: GGMLPart, x: torch.Tensor, triton: bool,
+              xq: QuantX | None) -> torch.Tensor:
         if part.ggml_type is None:
             w = part.weight
             return torch.matmul(x.to(w.dtype), w.t()).float()
         shape = (part.out_features, self.in_features)
         if self.act8 and part.ggml_type in QINT_TYPES:
             if triton:
-                return qint_triton(x, part.weight, part.ggml_type, shape)
+                return qint_triton(x, part.weight, part.ggml_type, shape, xq=xq)
             return qint_reference(x, part.weight, part.ggml_type, shape).float()
         if triton:
             return qmatmul(x, part.weight, part.ggml_type, shape)

@@ -21,12 +21,19 @@ from engine.layers.norm import rms_norm
 from engine.layers.rope import Rope
 from engine.models.config import ModelConfig
 from engine.models.weights import WeightLoader
-from kernels.fused_norm import add_rms_norm
+from kernels.fused_norm import NormOut, add_rms_norm
 from kernels.fused_rope import rope_qk
 from kernels.gated_act import gated_act
+from kernels.qint import QuantX
 
 # A block output on its way into the residual stream: (output, post-norm weight or None).
 _Residual = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def _act8(linear: object, fused: bool) -> bool:
+    """Whether the norm kernel before `linear` also quantizes its output for it (a linear
+    of the q8 layout, which would otherwise launch that quantization itself)."""
+    return fused and getattr(linear, "takes_xq", False)
 
 
 @dataclass(slots=True)
@@ -123,13 +130,15 @@ class DecoderModel:
         pending: _Residual | None = None  # the previous block's MLP output, not yet added
         for i, blk in enumerate(self.blocks):
             rope, cs = (self.rope_swa, cos_sin_swa) if cfg.is_sliding(i) else (self.rope, cos_sin)
-            x, h = self._add_norm(x, pending, blk.attn_norm, fused, self._mm_dtype)
-            o = self._attention(blk, h, rope, cs, batch, kv, fused)
+            x, h, hq = self._add_norm(x, pending, blk.attn_norm, fused, self._mm_dtype,
+                                      _act8(blk.qkv, fused))
+            o = self._attention(blk, h, hq, rope, cs, batch, kv, fused)
             if i == last:  # only the requested rows go through the last MLP
                 x, o = x[batch.logits_rows], o[batch.logits_rows]
-            x, h = self._add_norm(x, (o, blk.post_attn_norm), blk.ffn_norm, fused,
-                                  self._mm_dtype)
-            pending = (blk.down(self._mlp_act(blk.gate_up(h), fused)), blk.post_ffn_norm)
+            x, h, hq = self._add_norm(x, (o, blk.post_attn_norm), blk.ffn_norm, fused,
+                                      self._mm_dtype, _act8(blk.gate_up, fused))
+            gate_up = blk.gate_up(h) if hq is None else blk.gate_up(h, xq=hq)
+            pending = (blk.down(self._mlp_act(gate_up, fused)), blk.post_ffn_norm)
         return self._add_norm(x, pending, self.output_norm, fused)[1]
 
     def _mlp_act(self, gate_up: torch.Tensor, fused: bool) -> torch.Tensor:
@@ -140,25 +149,28 @@ class DecoderModel:
         return self._act(gate, up)
 
     def _add_norm(self, x: torch.Tensor, residual: _Residual | None, weight: torch.Tensor,
-                  fused: bool, out_dtype: torch.dtype = torch.float32,
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + post_norm(r), rms_norm(x + post_norm(r)) * weight) for residual (r, post-norm
-        weight or None); x itself and its norm without a residual. The fused kernel writes
-        the norm in `out_dtype`; the torch path leaves that rounding to the matmul."""
+                  fused: bool, out_dtype: torch.dtype = torch.float32, quantize: bool = False,
+                  ) -> NormOut:
+        """(x + post_norm(r), rms_norm(x + post_norm(r)) * weight, the norm quantized for
+        kernels/qint.py or None) for residual (r, post-norm weight or None); x itself and
+        its norm without a residual. The fused kernel writes the norm in `out_dtype` (and
+        with `quantize` its 8-bit codes); the torch path leaves that rounding to the matmul."""
         r, r_weight = residual if residual is not None else (None, None)
         if fused:
-            return add_rms_norm(x, weight, self.cfg.rms_eps, r, r_weight, out_dtype)
+            return add_rms_norm(x, weight, self.cfg.rms_eps, r, r_weight, out_dtype, quantize)
         if r is not None:
             x = x + (r if r_weight is None else rms_norm(r, r_weight, self.cfg.rms_eps))
-        return x, rms_norm(x, weight, self.cfg.rms_eps)
+        return NormOut(x, rms_norm(x, weight, self.cfg.rms_eps))
 
-    def _attention(self, blk: Block, h: torch.Tensor, rope: Rope,
+    def _attention(self, blk: Block, h: torch.Tensor, hq: QuantX | None, rope: Rope,
                    cs: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
                    kv: KVCache, fused: bool) -> torch.Tensor:
-        """-> the output projection, before the post-attention norm (see _add_norm)."""
+        """-> the output projection, before the post-attention norm (see _add_norm); hq: h
+        quantized by the norm kernel for a q8 projection."""
         cfg, n = self.cfg, h.shape[0]
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = blk.qkv(h).split([q_dim, kv_dim, cfg.num_kv_heads * cfg.head_dim_v], dim=-1)
+        qkv = blk.qkv(h) if hq is None else blk.qkv(h, xq=hq)
+        q, k, v = qkv.split([q_dim, kv_dim, cfg.num_kv_heads * cfg.head_dim_v], dim=-1)
         q = q.reshape(n, cfg.num_heads, cfg.head_dim)
         k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim_v)

@@ -103,9 +103,22 @@ def test_quantize_kernel_bits(interp, rng):
         assert q.dtype == torch.int8 and torch.equal(q.int(), q_ref)
         assert torch.equal(dx, dx_ref)
         assert torch.equal(bs, q_ref.reshape(3, 32, 16).sum(-1).int())
-        q16, dx16, _ = interp.call("kernels.qint:quantize_x", xx, torch.float16)
-        assert q16.dtype == torch.float16 and torch.equal(q16.int(), q_ref)
-        assert torch.equal(dx16, dx_ref)
+
+
+@pytest.mark.parametrize("m", [2, 6])
+def test_prequantized_x_gives_the_same_bits(interp, rng, m):
+    """qint_triton with x quantized beforehand (as a fused producer hands it over) is the
+    product of x itself, bit for bit, on both kernels; a mismatched QuantX is refused."""
+    n, k = 24, 512
+    blocks = random_weight(T.Q4_K, n, k, rng)
+    x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
+    xq = interp.call("kernels.qint:quantize_x", x)
+    plain = interp.call(KERNEL, x, blocks, int(T.Q4_K), (n, k), QIntConfig(16, 1))
+    given = interp.call(KERNEL, torch.empty(m, k), blocks, int(T.Q4_K), (n, k),
+                        QIntConfig(16, 1), xq=xq)
+    assert torch.equal(plain, given)
+    with pytest.raises(InvalidRequest, match="xq"):
+        interp.call(KERNEL, x[:1], blocks, int(T.Q4_K), (n, k), xq=xq)
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)

@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType as T
 from span_batch import span_batch
 
 from engine.batch import ForwardBatch
+from engine.build import EngineOptions, load_for
 from engine.kv.pool import SeqPages
 from engine.loader import load
 from engine.runner import ModelRunner
@@ -78,4 +79,35 @@ def test_fused_forward_matches_torch_path(triton_worker, tmp_path, vocab_dir, fa
         top = ref.topk(2, dim=-1).values
         clear = top[:, 0] - top[:, 1] > 0.05  # random tiny models have near ties
         assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
+Q8_TYPES = {"attn_q.weight": T.Q4_K, "attn_k.weight": T.Q4_K, "attn_v.weight": T.Q6_K,
+            "attn_output.weight": T.Q4_K, "ffn_gate.weight": T.Q4_K, "ffn_up.weight": T.Q4_K,
+            "ffn_down.weight": T.Q6_K}
+
+
+def test_q8_layout_forward_matches_torch_path(triton_worker, tmp_path, vocab_dir):
+    """The q8 layout on the Triton path: the norm kernels hand their output over already
+    quantized (q|k|v, gate|up), the other products quantize x once per linear, Q6_K in
+    qint's aligned rows; the torch path quantizes the same way in qint_reference."""
+    spec = SyntheticSpec("llama", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                         head_dim=64, ffn_size=512, types=Q8_TYPES, default_type=T.F32)
+    path = tmp_path / "q8.gguf"
+    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-spm.gguf", seed=13)
+    model = load_for(path, EngineOptions(device="cpu", dtype="f32", weights="q8")).model
+    assert model.blocks[0].qkv.takes_xq and model.blocks[0].down.takes_xq
+    runner = ModelRunner(model, 24, 16, "f16", max_context=96)
+    seqs = [SeqPages(runner.pool) for _ in range(3)]
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**63))
+    runner.forward(span_batch(runner, seqs, [(i, rng.integers(3, 1000, n).tolist())
+                                             for i, n in enumerate((9, 21, 3))]))
+    for spans in ([(0, [5]), (1, [6]), (2, [7])],  # 3 rows: the CUDA-core kernel
+                  [(0, [8]), (2, [11, 12, 13]), (1, [9])]):  # 5: the matrix-unit one
+        batch = span_batch(runner, seqs, spans)
+        got = on_triton(triton_worker, runner, batch)
+        ref = runner.forward(batch)
+        rel = (got - ref).norm() / ref.norm()
+        # the kernel's norm and torch's round differently: a few codes move by one
+        print(f"rel {float(rel):.2e}")
+        assert torch.isfinite(got).all() and rel < 2e-2, float(rel)
     assert runner.triton is False  # the reference side really ran the torch path
