@@ -107,7 +107,7 @@ def test_q8_layout_forward_matches_torch_path(triton_worker, tmp_path, vocab_dir
         got = on_triton(triton_worker, runner, batch)
         ref = runner.forward(batch)
         rel = (got - ref).norm() / ref.norm()
-        # the kernel's norm and torch's round differently: a few codes move by one
-        print(f"rel {float(rel):.2e}")
-        assert torch.isfinite(got).all() and rel < 2e-2, float(rel)
+        # the kernel's norm and torch's round differently: codes that move by one move the
+        # logits of these random models by 0.2-1.1% (seen); a wrong layout or code by O(1)
+        assert torch.isfinite(got).all() and rel < 5e-2, float(rel)
     assert runner.triton is False  # the reference side really ran the torch path
