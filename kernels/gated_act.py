@@ -4,7 +4,8 @@ The decoder's gate_up matmul writes (rows, 2 F): gate in the first F columns, up
 last F. SwiGLU (llama, qwen) is silu(g) * u with silu(g) = g / (1 + e^-g); GeGLU (gemma)
 is gelu_tanh(g) * u with gelu_tanh(g) = g / 2 * (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))
 (ggml_gelu's approximation, as engine/layers/activation.py computes it). Torch runs two
-kernels (the activation, the product); here one, float32 in and out.
+kernels (the activation, the product); here one, float32 in and out. `gated_act_quant`
+also writes the output quantized for kernels/qint.py (the q8 layout's down projection).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import torch.nn.functional as F
 
 from engine.errors import InvalidRequest
 from kernels.fused_norm import OUT_DTYPES
+from kernels.qint import QK, QuantX, empty_quant_x, quantize_x_reference
 from kernels.triton_util import HAS_TRITON, interpreter_active, jit, launcher, tl
 
-__all__ = ["ACTIVATION_IDS", "gated_act", "gated_act_reference"]
+__all__ = ["ACTIVATION_IDS", "gated_act", "gated_act_quant", "gated_act_reference"]
 
 ACTIVATION_IDS = {"silu": 0, "gelu": 1}
 _BLOCK = 1024
@@ -34,11 +36,13 @@ def gated_act_reference(gate_up: torch.Tensor, activation: str,
 
 if HAS_TRITON:
     from kernels.fused_norm import cast_out
+    from kernels.qint import quantize_store
 
     @jit
-    def _gated_act_kernel(gu_ptr, out_ptr, ffn, stride_gu, stride_out, ACT: tl.constexpr,
-                          BLOCK: tl.constexpr):
-        """Columns [BLOCK * j, BLOCK * (j + 1)) of one row."""
+    def _gated_act_kernel(gu_ptr, out_ptr, q_ptr, dx_ptr, bs_ptr, ffn, stride_gu, stride_out,
+                          ACT: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr = False):
+        """Columns [BLOCK * j, BLOCK * (j + 1)) of one row (BLOCK a multiple of 256); with
+        QUANT also their super-blocks quantized (ffn a multiple of 256)."""
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = col < ffn
@@ -49,7 +53,13 @@ if HAS_TRITON:
         else:  # tanh(z) = 1 - 2 / (e^2z + 1): exact limits +-1 where e^2z over/underflows
             z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
             a = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
-        tl.store(out_ptr + row * stride_out + col, cast_out(a * u, out_ptr), mask=ok)
+        y = cast_out(a * u, out_ptr)
+        tl.store(out_ptr + row * stride_out + col, y, mask=ok)
+        if QUANT:
+            NB: tl.constexpr = BLOCK // 256
+            b = tl.program_id(1) * NB + tl.arange(0, NB)
+            quantize_store(tl.reshape(y.to(tl.float32), (NB, 256)), b, b < ffn // 256, row,
+                           q_ptr, dx_ptr, bs_ptr, ffn)
 
 
 def gated_act(gate_up: torch.Tensor, activation: str,
@@ -57,8 +67,27 @@ def gated_act(gate_up: torch.Tensor, activation: str,
     """gate_up (rows, 2 F) float32 (contiguous last dim) -> (rows, F) in `out_dtype`
     (float32, bfloat16 or float16; a bf16 matmul's input: no cast kernel), one launch on a
     GPU (or on the CPU when the interpreter is active), else the reference."""
+    return _gated_act(gate_up, activation, out_dtype, False)[0]
+
+
+def gated_act_quant(gate_up: torch.Tensor, activation: str,
+                    out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, QuantX]:
+    """gated_act, and its output quantized as kernels/qint.py's quantize_x would (F a
+    multiple of 256), in the same launch."""
+    return _gated_act(gate_up, activation, out_dtype, True)
+
+
+def _gated_act(gate_up: torch.Tensor, activation: str, out_dtype: torch.dtype,
+               quantize: bool) -> tuple[torch.Tensor, QuantX | None]:
+    if quantize and gate_up.shape[-1] % (2 * QK):
+        raise InvalidRequest(f"gated_act: quantize needs F a multiple of {QK}, got "
+                             f"{gate_up.shape[-1] // 2}")
     if not (HAS_TRITON and (gate_up.device.type != "cpu" or interpreter_active())):
-        return gated_act_reference(gate_up, activation, out_dtype)
+        out = gated_act_reference(gate_up, activation, out_dtype)
+        if not quantize:
+            return out, None
+        q, dx = quantize_x_reference(out)
+        return out, QuantX(q.to(torch.int8), dx, q.reshape(q.shape[0], -1, 16).sum(-1).int())
     if activation not in ACTIVATION_IDS or out_dtype not in OUT_DTYPES:
         raise InvalidRequest(f"gated_act: unknown activation {activation!r} or out_dtype "
                              f"{out_dtype}")
@@ -68,20 +97,23 @@ def gated_act(gate_up: torch.Tensor, activation: str,
                              f"last dim, got {gate_up.dtype} {tuple(gate_up.shape)}")
     rows, ffn = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, ffn, dtype=out_dtype, device=gate_up.device)
+    xq = empty_quant_x(rows, ffn, gate_up.device) if quantize else None
     if rows and ffn:
         launcher(_gated_act_kernel, gate_up.device)[(rows, -(-ffn // _BLOCK))](
-            gate_up, out, ffn, gate_up.stride(0), out.stride(0),
-            ACT=ACTIVATION_IDS[activation], BLOCK=_BLOCK, num_warps=4)
-    return out
+            gate_up, out, *(xq or (out, out, out)), ffn, gate_up.stride(0), out.stride(0),
+            ACT=ACTIVATION_IDS[activation], BLOCK=_BLOCK, QUANT=quantize, num_warps=4)
+    return out, xq
 
 
 def aot_specs(spec: type) -> list:
     """kernels/aot.py: both activations, float32 and bf16 out."""
     if not HAS_TRITON:
         return []
-    sig = {"gu_ptr": "*fp32", "out_ptr": "*fp32", "ffn": "i32", "stride_gu": "i32",
-           "stride_out": "i32", "ACT": "constexpr", "BLOCK": "constexpr"}
+    sig = {"gu_ptr": "*fp32", "out_ptr": "*fp32", "q_ptr": "*i8", "dx_ptr": "*fp32",
+           "bs_ptr": "*i32", "ffn": "i32", "stride_gu": "i32", "stride_out": "i32",
+           "ACT": "constexpr", "BLOCK": "constexpr", "QUANT": "constexpr"}
     return [spec(f"gated_act_{name}{suffix}", _gated_act_kernel, {**sig, "out_ptr": out},
-                 {"ACT": act, "BLOCK": _BLOCK}, 4, False)
+                 {"ACT": act, "BLOCK": _BLOCK, "QUANT": quant}, 4, False)
             for name, act in ACTIVATION_IDS.items()
-            for suffix, out in (("", "*fp32"), ("_bf16", "*bf16"))]
+            for suffix, out, quant in (("", "*fp32", False), ("_bf16", "*bf16", False),
+                                       ("_q8", "*fp32", True))]

@@ -23,7 +23,7 @@ from engine.models.config import ModelConfig
 from engine.models.weights import WeightLoader
 from kernels.fused_norm import NormOut, add_rms_norm
 from kernels.fused_rope import rope_qk
-from kernels.gated_act import gated_act
+from kernels.gated_act import gated_act, gated_act_quant
 from kernels.qint import QuantX
 
 # A block output on its way into the residual stream: (output, post-norm weight or None).
@@ -138,7 +138,12 @@ class DecoderModel:
             x, h, hq = self._add_norm(x, (o, blk.post_attn_norm), blk.ffn_norm, fused,
                                       self._mm_dtype, _act8(blk.gate_up, fused))
             gate_up = blk.gate_up(h) if hq is None else blk.gate_up(h, xq=hq)
-            pending = (blk.down(self._mlp_act(gate_up, fused)), blk.post_ffn_norm)
+            if _act8(blk.down, fused):  # the activation kernel quantizes for the q8 down
+                act, aq = gated_act_quant(gate_up, self.cfg.activation, self._mm_dtype)
+                down = blk.down(act, xq=aq)
+            else:
+                down = blk.down(self._mlp_act(gate_up, fused))
+            pending = (down, blk.post_ffn_norm)
         return self._add_norm(x, pending, self.output_norm, fused)[1]
 
     def _mlp_act(self, gate_up: torch.Tensor, fused: bool) -> torch.Tensor:

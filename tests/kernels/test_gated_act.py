@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequest
-from kernels.gated_act import gated_act, gated_act_reference
+from kernels.gated_act import gated_act, gated_act_quant, gated_act_reference
+from kernels.qint import quantize_x_reference
 
 KERNEL = "kernels.gated_act:gated_act"
 
@@ -68,6 +69,22 @@ def test_kernel_bf16_output(interp, gen, activation):
 def test_reference_matches_float64(gen, activation):
     gu = case(gen, 5, 300, False)
     assert_close32(gated_act_reference(gu, activation), gu, activation)
+
+
+@pytest.mark.parametrize("rows,ffn,strided", [(2, 1280, True), (3, 256, False)])
+def test_quant_variant_writes_qint_codes(interp, gen, rows, ffn, strided):
+    """gated_act_quant: the same output, and it quantized with kernels/qint.py's bits
+    (1280 columns: the second 1024-column program holds one super-block)."""
+    gu = case(gen, rows, ffn, strided)
+    out, xq = interp.call("kernels.gated_act:gated_act_quant", gu, "silu")
+    assert torch.equal(out, interp.call(KERNEL, gu, "silu"))
+    q, dx, bs = interp.call("kernels.qint:quantize_x", out)
+    assert torch.equal(xq.q, q) and torch.equal(xq.dx, dx) and torch.equal(xq.bs, bs)
+    assert torch.equal(q.int(), quantize_x_reference(out)[0])
+    ref, ref_q = gated_act_quant(gu, "silu")  # no interpreter here: the reference
+    assert torch.equal(ref_q.q.int(), quantize_x_reference(ref)[0])
+    with pytest.raises(InvalidRequest, match="256"):
+        interp.call("kernels.gated_act:gated_act_quant", gu[:, :200], "silu")
 
 
 def test_wrapper_rejects_bad_inputs(interp, gen):
