@@ -172,6 +172,44 @@ def profile_decode(runner, rows: int, context: int, steps: int = 3, top: int = 1
                     for e in kernels[:top]]}
 
 
+def profile_steps(core, prompt: tuple[int, ...], tokens: int, top: int = 25) -> dict:
+    """One stream's decode steps, driven here (before the engine thread starts) under
+    cProfile and torch's profiler: the host's time per token by function (own time) and
+    the device's busy time per token, to show where a step waits on the host."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    def generate(rid: str) -> None:
+        core.add(Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=tokens,
+                                                      ignore_eos=True)))
+        while core.has_work():
+            core.step()
+
+    generate("step-profile-warm-up")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if torch.cuda.is_available() else [])
+    prof, calls = cProfile.Profile(), None
+    with profile(activities=activities) as tprof:
+        t = time.perf_counter()
+        prof.enable()
+        generate("step-profile")
+        prof.disable()
+        wall = time.perf_counter() - t
+    stats = pstats.Stats(prof)
+    calls = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # by own time
+    device_us = sum(e.self_device_time_total for e in tprof.key_averages()
+                    if e.device_type == torch.autograd.DeviceType.CUDA)
+    return {"tokens": tokens, "wall_ms_per_token": round(wall / tokens * 1e3, 3),
+            "device_busy_ms_per_token": round(device_us / tokens / 1e3, 3),
+            "host_top": [{"function": f"{Path(file).name}:{line} {fn}",
+                          "calls_per_token": round(nc / tokens, 2),
+                          "own_ms_per_token": round(tt / tokens * 1e3, 4),
+                          "cumulative_ms_per_token": round(ct / tokens * 1e3, 4)}
+                         for (file, line, fn), (_, nc, tt, ct, _) in calls]}
+
+
 def scheduler_state(core) -> dict:
     """The ITL policy's state after a run: target, margin, first-token bursts so far, and
     the recent mixed steps it judges the margin by."""
@@ -235,6 +273,12 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
         out["profile"] = {}
         for rows in sorted({1, max(levels)}):
             attempt(out["profile"], str(rows), profile_decode, runner, rows, ctx)
+    if args.step_profile:  # before the engine's thread drives the core
+        attempt(out, "step_profile", profile_steps, core,
+                tuple(torch.randint(1000, loaded.config.vocab_size, (32,),
+                                    generator=gen).tolist()), args.tokens)
+        print(f"[{name}] step profile: {json.dumps(out['step_profile'], indent=1)}",
+              flush=True)
     timer = StepTimer(core)
     engine = Engine(core, name=path.stem, loaded=loaded).start()
     vocab = loaded.config.vocab_size
@@ -316,6 +360,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prefill", default="512,4096")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--step-profile", action="store_true",
+                    help="profile one stream's decode steps (host operations, device busy)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu for a smoke run")
     args = ap.parse_args()
