@@ -6,7 +6,9 @@ The partial kernel runs one work item (kernels/paged_attention_plan.py) per prog
 one KV head per program along the second axis: the item's query tokens times the group's
 query heads fill the MMA's M side, keys stream in BLOCK_N blocks with an online softmax in
 base 2. It writes unnormalized partials (max, sum, acc) to the item's split slots; the
-merge kernel combines each token's splits in split order and applies the sinks.
+merge kernel combines each token's splits in split order and applies the sinks. When every
+token has one split and there are no sinks (short decode rows, prefill), the partial
+kernel writes the output itself and the merge is not launched.
 """
 
 from __future__ import annotations
@@ -65,8 +67,11 @@ if HAS_TRITON:
         D: tl.constexpr, DV: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
         PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        DIRECT: tl.constexpr = False,
     ):
-        """Partials of one work item (program 0) and KV head (program 1); base-2 logits."""
+        """Partials of one work item (program 0) and KV head (program 1); base-2 logits.
+        DIRECT (every token in one split, no sinks): the output acc / l itself into acc_ptr,
+        the merge's bits (its weights are exp2(0) = 1), and no merge launch."""
         item = work_ptr + tl.program_id(0) * 6
         kvh = tl.program_id(1)
         row, q_begin, q_count = tl.load(item), tl.load(item + 1), tl.load(item + 2)
@@ -105,9 +110,12 @@ if HAS_TRITON:
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
             m_i = m_new
         out = (tl.load(tok_base_ptr + t, mask=ok, other=0) + split).to(tl.int64) * (KVH * G) + h
-        tl.store(m_ptr + out, m_i, mask=ok)
-        tl.store(l_ptr + out, l_i, mask=ok)
         dv = tl.arange(0, DVP)
+        if DIRECT:  # slot t: the token's row of out (T, H, Dv)
+            acc = acc / tl.where(ok, l_i, 1.0)[:, None]
+        else:
+            tl.store(m_ptr + out, m_i, mask=ok)
+            tl.store(l_ptr + out, l_i, mask=ok)
         tl.store(acc_ptr + out[:, None] * DV + dv[None, :], acc,
                  mask=ok[:, None] & (dv < DV)[None, :])
 
@@ -155,15 +163,22 @@ def launch(q: torch.Tensor, planes: tuple[torch.Tensor, ...], formats: tuple[int
            positions: torch.Tensor, page_table: torch.Tensor, page_size: int,
            params: tuple[float, int | None, float | None], sinks: torch.Tensor | None,
            plan: AttnPlan, cfg: AttnConfig, out: torch.Tensor) -> None:
-    """Both kernels, writing out (T, H, Dv) float32; planes are (k0, k1, v0, v1), formats the
+    """Both kernels (the partial one alone when every token has one split and there are no
+    sinks), writing out (T, H, Dv) float32; planes are (k0, k1, v0, v1), formats the
     FORMAT_IDS of K and V, params (scale, window, softcap). Partial buffers are (slots, H)
     and (slots, H, Dv) float32."""
     (num_tokens, num_heads, dim), dim_v, dev = q.shape, out.shape[2], q.device
     kv_heads = planes[0].shape[1]
     scale, window, softcap = params
-    m_part = torch.empty(plan.num_slots, num_heads, dtype=torch.float32, device=dev)
-    l_part = torch.empty_like(m_part)
-    acc_part = torch.empty(plan.num_slots, num_heads, dim_v, dtype=torch.float32, device=dev)
+    # one split a token and no sinks: the partial kernel writes out itself (no merge)
+    direct = plan.num_slots == num_tokens and sinks is None and out.is_contiguous()
+    if direct:
+        m_part = l_part = acc_part = out
+    else:
+        m_part = torch.empty(plan.num_slots, num_heads, dtype=torch.float32, device=dev)
+        l_part = torch.empty_like(m_part)
+        acc_part = torch.empty(plan.num_slots, num_heads, dim_v, dtype=torch.float32,
+                               device=dev)
     table = page_table.to(device=dev, dtype=torch.int32).contiguous()
     launcher(_attn_partial_kernel, dev)[(plan.work.shape[0], kv_heads)](
         q, *planes, table, positions.to(device=dev, dtype=torch.int32), plan.work,
@@ -172,9 +187,11 @@ def launch(q: torch.Tensor, planes: tuple[torch.Tensor, ...], formats: tuple[int
         K_FMT=formats[0], V_FMT=formats[1], KVH=kv_heads, G=num_heads // kv_heads, D=dim,
         DV=dim_v, DP=next_pow2(dim), DVP=next_pow2(dim_v), PAGE=page_size,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DIRECT=direct, num_warps=cfg.num_warps,
         **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
     )
+    if direct:
+        return
     sink = m_part if sinks is None else (sinks.float() * _LOG2E).contiguous()
     # One token per program on a GPU (its (H, Dv) accumulator fills the registers); the
     # interpreter pays per program, so it takes many.

@@ -77,6 +77,22 @@ def test_decode_plan_attention_matches_reference(triton_worker, gen, kv_quant, w
     assert_close(out, attend(layer, q, k, v, batch, kv))  # the CPU default: the reference
 
 
+def test_one_split_writes_the_output_without_the_merge(triton_worker, gen):
+    """Rows within one key split: the partial kernel writes the output itself (no merge
+    launch); the same values as the merge of the same work padded with an empty split."""
+    spans = [(1, 1), (1, 40), (1, 100)]
+    layer, kv, batch, q, k, v = make_case(gen, spans, "f16", None)
+    group = kv.group_of(0)
+    outs = []
+    for splits in (1, 2):
+        planned = plan_decode(batch, {group: layer}, PAGE, {group: splits})
+        assert (planned.attn[group].plan.num_slots == 3) == (splits == 1)
+        outs.append(triton_worker.call("engine.layers.attention:attend", layer, q, k, v,
+                                       planned, kv))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    assert_close(outs[0], attend(layer, q, k, v, batch, kv))
+
+
 @pytest.mark.parametrize("kv_quant,window", [("f16", 12), ("k4v8", None)])
 def test_mixed_plan_attention_matches_reference(triton_worker, gen, kv_quant, window):
     layer, kv, batch, q, k, v = make_case(gen, [(1, 30), (9, 40), (1, 3), (40, 40)], kv_quant,
