@@ -43,6 +43,7 @@ qh, scales: 16-byte aligned, read as whole words) and then their f16 d's.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -54,8 +55,8 @@ from kernels.qtiles import Q4_K, Q6_K, _columns, _f16, _f16lo, _p32
 from kernels.triton_util import HAS_TRITON, helper, launcher, next_pow2, tl, triton
 
 __all__ = ["ACT8_STORED", "Q6_K_A", "QINT_TYPES", "QIntConfig", "default_qint_config",
-           "QuantX", "dequantized_x_reference", "empty_quant_x", "qint_reference",
-           "qint_triton", "quantize_x",
+           "QuantX", "dequantized_x_reference", "empty_quant_x", "qint_parts",
+           "qint_reference", "qint_triton", "quantize_x",
            "quantize_x_reference", "repack_q6k", "row_bytes", "unpack_q6k"]
 
 Q6_K_A = 1014  # Q6_K in aligned rows (not a GGML type: this module's storage of Q6_K)
@@ -313,34 +314,52 @@ if HAS_TRITON:
         """Column gi of a (BN, G) tensor as (BN,)."""
         return tl.sum(tl.where(g == gi, t, 0), axis=1)
 
-    @triton.jit(do_not_specialize=["M", "N"])
-    def _qint_gemv_kernel(
-        q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
-        sb_per_split, nsplit, ticket,
-        QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        PTX: tl.constexpr = False,
-    ):
-        """y[m, n] = the product of x's row m (quantized: q, dx, 16-column sums bs) and W's
-        row n; grid (N tiles, splits), a program's sum over its range of super-blocks
-        finished by qgemv.finish_splits."""
-        pid_n = tl.program_id(0)
-        split = tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
-        row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes  # past N: row 0
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        sb0 = split * sb_per_split
-        for i in range(0, sb_per_split):
+    @helper
+    def _gemv_sbs(acc, w_ptr, row_off, sb0, count, q_ptr, dx_ptr, bs_ptr, K, M,
+                  QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, PTX: tl.constexpr):
+        """acc + super-blocks sb0 .. sb0 + count - 1 of the rows at row_off."""
+        for i in range(0, count):
             if QTYPE == 12:  # Q4_K
                 acc = _sb_q4k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
                               BLOCK_M, PTX)
             else:
                 acc = _sb_q6k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
                               BLOCK_M, PTX)
+        return acc
+
+    @triton.jit(do_not_specialize=["M", "N"])
+    def _qint_gemv_kernel(
+        q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
+        sb_per_split, nsplit, ticket, w2_ptr, n1, row_bytes2,
+        QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        PTX: tl.constexpr = False, QTYPE2: tl.constexpr = 0,
+    ):
+        """y[m, n] = the product of x's row m (quantized: q, dx, 16-column sums bs) and W's
+        row n; grid (N tiles, splits), a program's sum over its range of super-blocks
+        finished by qgemv.finish_splits. With QTYPE2, W's rows from n1 on (a multiple of
+        BLOCK_N) are the second part's (w2_ptr, row_bytes2, QTYPE2): q|k and v of two
+        types in one launch, into one output."""
+        pid_n = tl.program_id(0)
+        split = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        sb0 = split * sb_per_split
+        if QTYPE2 != 0:
+            second = pid_n * BLOCK_N >= n1
+        else:
+            second = False
+        if second:
+            row_off = tl.where(rn < N, rn - n1, 0).to(tl.int64) * row_bytes2  # past N: row 0
+            acc = _gemv_sbs(acc, w2_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
+                            M, QTYPE2, BLOCK_M, PTX)
+        else:
+            row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
+            acc = _gemv_sbs(acc, w_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
+                            M, QTYPE, BLOCK_M, PTX)
         offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
         finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, offs,
                       (rm < M)[None, :] & (rn < N)[:, None], ticket)
-
 
     @helper
     def _codes_sc(byte, sc, HIGH: tl.constexpr, PTX: tl.constexpr):
@@ -526,34 +545,60 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
     matrix-unit kernel runs the splits as programs of their own; the bits are the same
     either way."""
     n, k = (int(s) for s in shape)
+    return qint_parts(x, [(blocks, ggml_type, n)], k, config, num_sms=num_sms, xq=xq)
+
+
+def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], k: int,
+               config: QIntConfig | None = None, *, num_sms: int | None = None,
+               xq: QuantX | None = None) -> torch.Tensor:
+    """qint_triton of the weight whose rows are the parts' (blocks, type, rows) in order:
+    y (M, sum of rows). The split is the whole weight's (default_qint_config of its rows),
+    so each part's bits are the same on every path; up to GEMV_MAX_M rows of x, two parts
+    whose first fills whole programs run as one launch (a fused q|k|v of two types)."""
     m = x.shape[0]
-    if int(ggml_type) not in QINT_TYPES:
-        hint = " (repack Q6_K with repack_q6k: Q6_K_A)" if int(ggml_type) == Q6_K else ""
-        raise InvalidRequest(f"qint: no kernel for GGML type {ggml_type}{hint}")
     if x.dim() != 2 or x.shape[1] != k or k % QK or x.stride(1) != 1:
         raise InvalidRequest(f"qint: x must be (M, {k}) with K a multiple of 256 and "
                              f"contiguous rows, got {tuple(x.shape)}")
-    width = row_bytes(int(ggml_type), k)
-    if tuple(blocks.shape) != (n, width) or blocks.data_ptr() % 4:
-        raise InvalidRequest(f"qint: blocks must be ({n}, {width}) uint8 at a 4-byte "
-                             "aligned address")
+    for blocks, ggml_type, n in parts:
+        if int(ggml_type) not in QINT_TYPES:
+            hint = " (repack Q6_K with repack_q6k: Q6_K_A)" if int(ggml_type) == Q6_K else ""
+            raise InvalidRequest(f"qint: no kernel for GGML type {ggml_type}{hint}")
+        width = row_bytes(int(ggml_type), k)
+        if tuple(blocks.shape) != (n, width) or blocks.data_ptr() % 4:
+            raise InvalidRequest(f"qint: blocks must be ({n}, {width}) uint8 at a 4-byte "
+                                 "aligned address")
+    n_all = sum(n for _, _, n in parts)
     sms = _num_sms(x.device) if num_sms is None else int(num_sms)
     backend = "hip" if x.device.type == "cuda" and torch.version.hip else "cuda"
-    cfg = config or default_qint_config(int(ggml_type), n, k, sms, backend)
+    cfg = config or default_qint_config(int(parts[0][1]), n_all, k, sms, backend)
     if (k // QK) % cfg.split:
         raise InvalidRequest(f"qint: {cfg} does not divide {k // QK} super-blocks")
-    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    if m == 0 or n == 0:
-        return y
+    if m == 0 or n_all == 0:
+        return torch.empty(m, n_all, dtype=torch.float32, device=x.device)
     if xq is not None and (tuple(xq.q.shape) != (m, k) or xq.q.dtype != torch.int8):
         raise InvalidRequest(f"qint: xq must hold ({m}, {k}) int8 codes")
+    xq = xq if xq is not None else quantize_x(x)
     gemv = m <= GEMV_MAX_M
-    q, dx, bs = xq if xq is not None else quantize_x(x)
+    if gemv and (len(parts) == 1 or len(parts) == 2 and parts[0][2] % cfg.block_n == 0):
+        return _launch(xq, parts, m, k, cfg, sms, backend, gemv)
+    outs = [_launch(xq, [part], m, k, cfg, sms, backend, gemv) for part in parts]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, k: int,
+            cfg: QIntConfig, sms: int, backend: str, gemv: bool) -> torch.Tensor:
+    """One product kernel over checked inputs (two parts: the CUDA-core kernel only)."""
+    (blocks, ggml_type, n1), device = parts[0], xq.q.device
+    n = sum(p[2] for p in parts)
+    blocks2, type2, _ = parts[1] if len(parts) == 2 else (blocks, 0, 0)
+    y = torch.empty(m, n, dtype=torch.float32, device=device)
     stages = {} if cfg.num_stages is None else {"num_stages": cfg.num_stages}
     if gemv:
         grid = (-(-n // cfg.block_n), cfg.split)
         kernel, extra = _qint_gemv_kernel, {"BLOCK_M": next_pow2(m), "BLOCK_N": cfg.block_n,
-                                            "num_warps": cfg.num_warps, **stages}
+                                            "num_warps": cfg.num_warps, "QTYPE2": int(type2),
+                                            **stages}
+        pair = (blocks2, n1, blocks2.shape[1])
     else:
         bm, bn, warps, *st = tiled_tile(m, backend)
         tiles = -(-m // bm) * -(-n // bn)
@@ -562,18 +607,17 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
         per_program = 1 if tiles < 4 * sms else cfg.split
         grid = (-(-m // bm), -(-n // bn), cfg.split // per_program)
         kernel, extra = _qint_mm_kernel, {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps,
-                                          "DOT_F64": x.device.type == "cpu",
+                                          "DOT_F64": device.type == "cpu",
                                           **({"num_stages": st[0]} if st else {})}
+        pair = (cfg.split // grid[-1],)
     splits = grid[-1]
-    part = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32,
-                                             device=x.device)
+    part = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=device)
     tiles = grid[0] * (grid[1] if len(grid) == 3 else 1)
     ticket = tiles <= _TICKETS
-    launcher(kernel, x.device)[grid](
-        q, dx, bs, blocks, y, part, _tickets(x.device), m, n, k, blocks.shape[1],
-        k // QK // cfg.split, splits, int(ticket),
-        *(() if gemv else (cfg.split // splits,)), QTYPE=int(ggml_type),
-        PTX=ptx(x.device), **extra)
+    launcher(kernel, device)[grid](
+        *xq, blocks, y, part, _tickets(device), m, n, k, blocks.shape[1],
+        k // QK // cfg.split, splits, int(ticket), *pair, QTYPE=int(ggml_type),
+        PTX=ptx(device), **extra)
     if splits > 1 and not ticket:
         from kernels.qmatmul import sum_splits
 
@@ -582,9 +626,9 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
 
 
 def aot_specs(spec: type) -> list:
-    """kernels/aot.py: x's quantization; the CUDA-core kernel of each type at 1 and
-    GEMV_MAX_M rows (dp4a on cuda), and the matrix-unit one at its 16-row tile (f16 dots:
-    WMMA on gfx1151, wgmma on sm_90)."""
+    """kernels/aot.py: x's quantization; the CUDA-core kernel of each type and of the
+    Q4_K + Q6_K pair at 1 and GEMV_MAX_M rows (dp4a on cuda), and the matrix-unit one at
+    its 16-row tile (f16 dots: WMMA on gfx1151, wgmma on sm_90)."""
     if not HAS_TRITON:
         return []
     sig = {"q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*i32", "w_ptr": "*u8",
@@ -597,15 +641,21 @@ def aot_specs(spec: type) -> list:
                 {"x_ptr": "*bf16", "q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*i32",
                  "K": "i32", "stride_xm": "i32"}, {}, 2, False, None, None,
                 ("x_ptr", "q_ptr", "dx_ptr", "bs_ptr", "K", "stride_xm"))]
-    for qtype, name in ((Q4_K, "Q4_K"), (Q6_K_A, "Q6_K")):
+    gemv_sig = {**sig, "w2_ptr": "*u8", "n1": "i32", "row_bytes2": "i32"}
+    # each type alone, and q|k in Q4_K with v in Q6_K in one launch (Q4_K_M's attention)
+    for qtype, qtype2, name in ((Q4_K, 0, "Q4_K"), (Q6_K_A, 0, "Q6_K"),
+                                (Q4_K, Q6_K_A, "Q4_K_Q6_K")):
         for bm in (1, GEMV_MAX_M):
             for backend in ("hip", "cuda"):
                 cfg = default_qint_config(qtype, 4096, 4096, backend=backend)
                 consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": cfg.block_n,
-                          "PTX": backend == "cuda"}
+                          "PTX": backend == "cuda", "QTYPE2": qtype2}
                 out.append(spec(f"qint_{name}_m{bm}", _qint_gemv_kernel,
-                                {**sig, **{k: "constexpr" for k in consts}}, consts,
-                                cfg.num_warps, False, backend, cfg.num_stages, divisible))
+                                {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,
+                                cfg.num_warps, False, backend, cfg.num_stages,
+                                divisible + ("w2_ptr", "row_bytes2")))
+        if qtype2:
+            continue
         for backend in ("hip", "cuda"):
             bm, bn, warps, *st = tiled_tile(16, backend)
             consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": bn, "DOT_F64": False,

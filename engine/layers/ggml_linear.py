@@ -25,6 +25,7 @@ from kernels.qint import (
     ACT8_STORED,
     QINT_TYPES,
     QuantX,
+    qint_parts,
     qint_reference,
     qint_triton,
     quantize_x,
@@ -131,6 +132,11 @@ class GGMLLinear:
         triton = use_triton(x.device)
         if triton and self.takes_xq and xq is None:
             xq = quantize_x(x)
+        if triton and self.act8 and all(p.ggml_type in QINT_TYPES for p in self.parts):
+            # all parts at once (q|k in Q4_K and v in Q6_K: one launch at decode)
+            y = qint_parts(x, [(p.weight, p.ggml_type, p.out_features) for p in self.parts],
+                           self.in_features, xq=xq)
+            return y if self.bias is None else y + self.bias
         outs = [self._part(part, x, triton, xq) for part in self.parts]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         return y if self.bias is None else y + self.bias

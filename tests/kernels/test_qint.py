@@ -162,6 +162,24 @@ def test_rows_independent_of_batch_and_path(interp, rng, qtype):
     assert not interp.call("kernels.qgemv:_tickets", torch.device("cpu")).any()
 
 
+def test_two_parts_in_one_launch(interp, rng):
+    """qint_parts: q|k-like Q4_K rows and v-like Q6_K rows. Up to 4 rows of x one launch
+    when the first part fills whole programs (else one per part), more rows one matrix-unit
+    launch per part; the split is the whole weight's, so a row's bits are the same every
+    way, each part within 2^-16 of its definition."""
+    k, n1, n2 = 1024, 48, 24
+    b1, b2 = random_weight(T.Q4_K, n1, k, rng), random_weight(T.Q6_K, n2, k, rng)
+    parts = [(b1, int(T.Q4_K), n1), (repack_q6k(b2, k), Q6_K_A, n2)]
+    x = torch.from_numpy(rng.standard_normal((6, k), dtype=np.float32))
+    fused = interp.call("kernels.qint:qint_parts", x[:2], parts, k, QIntConfig(16, 2))
+    apart = interp.call("kernels.qint:qint_parts", x[:2], parts, k, QIntConfig(32, 2))  # 48 % 32
+    many = interp.call("kernels.qint:qint_parts", x, parts, k, QIntConfig(16, 2))
+    assert fused.shape == (2, n1 + n2) and torch.equal(fused, apart)
+    assert torch.equal(fused, many[:2])
+    check(many[:, :n1], x, b1, T.Q4_K)
+    check(many[:, n1:], x, b2, T.Q6_K)
+
+
 def test_rejects_bad_input(interp, rng):
     blocks = random_weight(T.Q4_K, 8, 256, rng)
     with pytest.raises(InvalidRequest, match="no kernel"):
