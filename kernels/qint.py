@@ -20,8 +20,8 @@ the independent reference.
 The x quantization costs accuracy: q carries about 8 bits per element relative to the
 block's largest, as llama.cpp's own quantized-activation kernels (q8_1, q8_K).
 
-Launches: `quantize_x` (one small kernel, or fused into the norm before the product:
-kernels/fused_norm.py) writes q (int8), dx and the sums of q over each 16 columns; then
+Launches: `quantize_x` (one small kernel, or fused into the norm or gated activation
+before the product) writes q (int8), dx and the sums of q over each 16 columns; then
 one product kernel, whose split partials (the super-blocks of a row cut into `split`
 ranges, by (type, N, K) only) are added in split order by the last program of each tile:
 - `_qint_gemv_kernel` (up to GEMV_MAX_M rows) on the CUDA cores: a program owns BLOCK_N
@@ -161,8 +161,8 @@ if HAS_TRITON:
     def quantize_store(x, b, ok, row, q_ptr, dx_ptr, bs_ptr, K):
         """Quantizes super-blocks b (NB,) of row `row` (x (NB, 256) float32, where `ok`)
         into q (M, K) int8, dx (M, K / 256) and the int32 sums of q over each 16 columns
-        (M, K / 16): the definition of the module docstring (also fused into the norm,
-        kernels/fused_norm.py)."""
+        (M, K / 16): the definition of the module docstring (also the epilogue of the norm
+        and gated activation kernels: kernels/fused_norm.py, kernels/gated_act.py)."""
         a = tl.max(tl.abs(x), axis=1)
         pos = a > 0
         inv = tl.where(pos, tl.math.div_rn(127.0, tl.where(pos, a, 1.0)), 0.0)
