@@ -8,8 +8,8 @@
 The decoder keeps the residual stream `h` and feeds `y` to the next matmul, so a block's
 "x = x + f(...); y = norm(x)" pairs become one kernel each. With `quantize` the kernel also
 writes y quantized for kernels/qint.py's products (its quantize_x bits), sparing that
-launch before each of them. Float32 in and out, one
-program per row (rows are independent, so a row's result does not depend on the batch).
+launch before each of them. Float32 in and out, one program per row (rows are
+independent, so a row's result does not depend on the batch).
 The reference is torch's F.rms_norm in float32, as engine/layers/norm.py computes it.
 """
 
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import InvalidRequest
-from kernels.qint import QK, QuantX, empty_quant_x, quantize_x_reference
+from kernels.qint import QK, QuantX, empty_quant_x, quant_x_reference
 from kernels.triton_util import (
     HAS_TRITON,
     helper,
@@ -57,11 +57,7 @@ def add_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
             residual = F.rms_norm(residual.float(), (x.shape[-1],), residual_weight, eps)
         x = x + residual
     y = F.rms_norm(x, (x.shape[-1],), weight, eps).to(out_dtype)
-    xq = None
-    if quantize:
-        q, dx = quantize_x_reference(y)
-        xq = QuantX(q.to(torch.int8), dx, q.reshape(q.shape[0], -1, 16).sum(-1).int())
-    return NormOut(x, y, xq)
+    return NormOut(x, y, quant_x_reference(y) if quantize else None)
 
 
 if HAS_TRITON:

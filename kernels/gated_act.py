@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from engine.errors import InvalidRequest
 from kernels.fused_norm import OUT_DTYPES
-from kernels.qint import QK, QuantX, empty_quant_x, quantize_x_reference
+from kernels.qint import QK, QuantX, empty_quant_x, quant_x_reference
 from kernels.triton_util import HAS_TRITON, interpreter_active, jit, launcher, tl
 
 __all__ = ["ACTIVATION_IDS", "gated_act", "gated_act_quant", "gated_act_reference"]
@@ -84,10 +84,7 @@ def _gated_act(gate_up: torch.Tensor, activation: str, out_dtype: torch.dtype,
                              f"{gate_up.shape[-1] // 2}")
     if not (HAS_TRITON and (gate_up.device.type != "cpu" or interpreter_active())):
         out = gated_act_reference(gate_up, activation, out_dtype)
-        if not quantize:
-            return out, None
-        q, dx = quantize_x_reference(out)
-        return out, QuantX(q.to(torch.int8), dx, q.reshape(q.shape[0], -1, 16).sum(-1).int())
+        return out, quant_x_reference(out) if quantize else None
     if activation not in ACTIVATION_IDS or out_dtype not in OUT_DTYPES:
         raise InvalidRequest(f"gated_act: unknown activation {activation!r} or out_dtype "
                              f"{out_dtype}")

@@ -56,7 +56,7 @@ from kernels.triton_util import HAS_TRITON, helper, launcher, next_pow2, tl, tri
 
 __all__ = ["ACT8_STORED", "Q6_K_A", "QINT_TYPES", "QIntConfig", "default_qint_config",
            "QuantX", "dequantized_x_reference", "empty_quant_x", "qint_parts",
-           "qint_reference", "qint_triton", "quantize_x",
+           "qint_reference", "qint_triton", "quant_x_reference", "quantize_x",
            "quantize_x_reference", "repack_q6k", "row_bytes", "unpack_q6k"]
 
 Q6_K_A = 1014  # Q6_K in aligned rows (not a GGML type: this module's storage of Q6_K)
@@ -87,6 +87,14 @@ class QIntConfig(NamedTuple):
     split: int  # the super-blocks of a row are cut into `split` equal ranges
     num_warps: int = 4
     num_stages: int | None = None
+
+
+class QuantX(NamedTuple):
+    """x quantized for the product kernels (quantize_x or a fused producer)."""
+
+    q: torch.Tensor  # (M, K) int8
+    dx: torch.Tensor  # (M, K / 256) float32
+    bs: torch.Tensor  # (M, K / 16) int32: sums of q over each 16 columns
 
 
 def quantize_x_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,6 +137,12 @@ def unpack_q6k(rows: torch.Tensor, k: int) -> torch.Tensor:
     n, nsb = rows.shape[0], k // QK
     return torch.cat([rows[:, :nsb * 208].reshape(n, nsb, 208),
                       rows[:, nsb * 208:nsb * 210].reshape(n, nsb, 2)], dim=2).reshape(n, -1)
+
+
+def quant_x_reference(x: torch.Tensor) -> QuantX:
+    """quantize_x's result by the definition (quantize_x_reference), on any device."""
+    q, dx = quantize_x_reference(x)
+    return QuantX(q.to(torch.int8), dx, q.reshape(q.shape[0], -1, 16).sum(-1).int())
 
 
 def dequantized_x_reference(x: torch.Tensor) -> torch.Tensor:
@@ -495,14 +509,6 @@ def tiled_tile(m: int, backend: str = "cuda") -> tuple[int, ...]:
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if \
         device.type == "cuda" else 0
-
-
-class QuantX(NamedTuple):
-    """x quantized for the product kernels (quantize_x or a fused producer)."""
-
-    q: torch.Tensor  # (M, K) int8
-    dx: torch.Tensor  # (M, K / 256) float32
-    bs: torch.Tensor  # (M, K / 16) int32: sums of q over each 16 columns
 
 
 def empty_quant_x(m: int, k: int, device: torch.device) -> QuantX:
