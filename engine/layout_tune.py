@@ -145,7 +145,7 @@ def gpu_measure(device: torch.device, *, replays: int = 5) -> Measure:
                 call = lambda w: qmatmul(x, w, ggml_type, (n, k))  # noqa: E731
         else:  # dense (either layout for types without a kernel)
             call = lambda w: x @ w.t()  # noqa: E731
-        key = (layout == "q8", blocks, ggml_type if blocks else None, n, k)
+        key = (blocks, ggml_type if blocks else None, n, k, width if blocks else None)
         if key not in held:
             held.clear()
             if blocks:

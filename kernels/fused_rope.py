@@ -59,25 +59,23 @@ def rope_qk_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
 if HAS_TRITON:
 
     @helper
-    def _rope_heads(src, stride_h, dst, cos, sin, w_ptr, eps, NH: tl.constexpr,
-                    HALF: tl.constexpr, NHP: tl.constexpr, HALFP: tl.constexpr,
-                    NEOX: tl.constexpr, HAS_NORM: tl.constexpr):
-        """All NH heads of one token: src row (heads at stride_h) -> dst row (NH, 2 HALF)."""
-        h = tl.arange(0, NHP)[:, None]
+    def _rope_head(src, dst, cos, sin, w_ptr, eps, HALF: tl.constexpr, HALFP: tl.constexpr,
+                   NEOX: tl.constexpr, HAS_NORM: tl.constexpr):
+        """One head of one token: src (2 HALF values) -> dst, with cos/sin (1, HALFP)."""
         i = tl.arange(0, HALFP)[None, :]
-        ok = (h < NH) & (i < HALF)
+        ok = i < HALF
         if NEOX:
             i0, i1 = i, i + HALF
         else:
             i0, i1 = 2 * i, 2 * i + 1
-        x0 = tl.load(src + h * stride_h + i0, mask=ok, other=0.0)
-        x1 = tl.load(src + h * stride_h + i1, mask=ok, other=0.0)
-        if HAS_NORM:  # per head over its 2 HALF elements
+        x0 = tl.load(src + i0, mask=ok, other=0.0)
+        x1 = tl.load(src + i1, mask=ok, other=0.0)
+        if HAS_NORM:  # over the head's 2 HALF elements
             inv = tl.rsqrt((tl.sum(x0 * x0, 1) + tl.sum(x1 * x1, 1)) / (2 * HALF) + eps)
-            x0 = x0 * inv[:, None] * tl.load(w_ptr + i0, mask=i < HALF, other=0.0)
-            x1 = x1 * inv[:, None] * tl.load(w_ptr + i1, mask=i < HALF, other=0.0)
-        tl.store(dst + h * (2 * HALF) + i0, x0 * cos - x1 * sin, mask=ok)
-        tl.store(dst + h * (2 * HALF) + i1, x0 * sin + x1 * cos, mask=ok)
+            x0 = x0 * inv[:, None] * tl.load(w_ptr + i0, mask=ok, other=0.0)
+            x1 = x1 * inv[:, None] * tl.load(w_ptr + i1, mask=ok, other=0.0)
+        tl.store(dst + i0, x0 * cos - x1 * sin, mask=ok)
+        tl.store(dst + i1, x0 * sin + x1 * cos, mask=ok)
 
     @jit
     def _rope_qk_kernel(
@@ -94,13 +92,12 @@ if HAS_TRITON:
         cos = tl.load(cos_ptr + t * stride_ct + i, mask=i < HALF, other=0.0)  # (1, HALFP)
         sin = tl.load(sin_ptr + t * stride_st + i, mask=i < HALF, other=0.0)
         if h < H:
-            _rope_heads(q_ptr + t * stride_qt + h * stride_qh, stride_qh,
-                        qo_ptr + (t * H + h) * (2 * HALF), cos, sin, qw_ptr, eps, 1, HALF, 1,
-                        HALFP, NEOX, HAS_NORM)
+            _rope_head(q_ptr + t * stride_qt + h * stride_qh, qo_ptr + (t * H + h) * (2 * HALF),
+                       cos, sin, qw_ptr, eps, HALF, HALFP, NEOX, HAS_NORM)
         else:
-            _rope_heads(k_ptr + t * stride_kt + (h - H) * stride_kh, stride_kh,
-                        ko_ptr + (t * KVH + h - H) * (2 * HALF), cos, sin, kw_ptr, eps, 1,
-                        HALF, 1, HALFP, NEOX, HAS_NORM)
+            _rope_head(k_ptr + t * stride_kt + (h - H) * stride_kh,
+                       ko_ptr + (t * KVH + h - H) * (2 * HALF), cos, sin, kw_ptr, eps, HALF,
+                       HALFP, NEOX, HAS_NORM)
 
 
 def _check(q, k, cos, sin, q_weight, k_weight) -> tuple[torch.Tensor, torch.Tensor]:

@@ -604,7 +604,7 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
         kernel, extra = _qint_gemv_kernel, {"BLOCK_M": next_pow2(m), "BLOCK_N": cfg.block_n,
                                             "num_warps": cfg.num_warps, "QTYPE2": int(type2),
                                             **stages}
-        pair = (blocks2, n1, blocks2.shape[1])
+        own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
     else:
         bm, bn, warps, *st = tiled_tile(m, backend)
         tiles = -(-m // bm) * -(-n // bn)
@@ -615,14 +615,14 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
         kernel, extra = _qint_mm_kernel, {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps,
                                           "DOT_F64": device.type == "cpu",
                                           **({"num_stages": st[0]} if st else {})}
-        pair = (cfg.split // grid[-1],)
+        own = (cfg.split // grid[-1],)  # splits a program sums itself
     splits = grid[-1]
     part = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=device)
     tiles = grid[0] * (grid[1] if len(grid) == 3 else 1)
     ticket = tiles <= _TICKETS
     launcher(kernel, device)[grid](
         *xq, blocks, y, part, _tickets(device), m, n, k, blocks.shape[1],
-        k // QK // cfg.split, splits, int(ticket), *pair, QTYPE=int(ggml_type),
+        k // QK // cfg.split, splits, int(ticket), *own, QTYPE=int(ggml_type),
         PTX=ptx(device), **extra)
     if splits > 1 and not ticket:
         from kernels.qmatmul import sum_splits

@@ -190,7 +190,7 @@ def profile_steps(core, prompt: tuple[int, ...], tokens: int, top: int = 25) -> 
     generate("step-profile-warm-up")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                            if torch.cuda.is_available() else [])
-    prof, calls = cProfile.Profile(), None
+    prof = cProfile.Profile()
     with profile(activities=activities) as tprof:
         t = time.perf_counter()
         prof.enable()

@@ -62,6 +62,10 @@ class GGMLLinear:
         self.in_features = int(in_features)
         self.out_features = sum(p.out_features for p in self.parts)
         self.bias = None if bias is None else bias.float()
+        qint = [self.act8 and p.ggml_type in QINT_TYPES for p in self.parts]
+        # whether a call uses x quantized to 8 bits (kernels.qint.QuantX), which a caller
+        # may hand over already made (the norm kernel before it); all parts: one qint call
+        self.takes_xq, self._all_qint = any(qint), all(qint)
 
     @classmethod
     def from_raw(cls, raw: torch.Tensor, ggml_type: int, shape: tuple[int, int],
@@ -111,12 +115,6 @@ class GGMLLinear:
         return cls(parts, in_features, bias, act8=linears[0].act8)
 
     @property
-    def takes_xq(self) -> bool:
-        """Whether a call uses x quantized to 8 bits (kernels.qint.QuantX), which a caller
-        may hand over already made (the norm kernel before it)."""
-        return self.act8 and any(p.ggml_type in QINT_TYPES for p in self.parts)
-
-    @property
     def device(self) -> torch.device:
         return self.parts[0].weight.device
 
@@ -132,7 +130,7 @@ class GGMLLinear:
         triton = use_triton(x.device)
         if triton and self.takes_xq and xq is None:
             xq = quantize_x(x)
-        if triton and self.act8 and all(p.ggml_type in QINT_TYPES for p in self.parts):
+        if triton and self._all_qint:
             # all parts at once (q|k in Q4_K and v in Q6_K: one launch at decode)
             y = qint_parts(x, [(p.weight, p.ggml_type, p.out_features) for p in self.parts],
                            self.in_features, xq=xq)
