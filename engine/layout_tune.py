@@ -97,8 +97,10 @@ def choose_layout(mf: ModelFile, cfg: ModelConfig, *, sessions: int, context: in
     bf16_fits = budget_bytes is None or plans["bf16"] <= budget_bytes
     shapes = linear_shapes(mf)
     timed: dict[tuple[str, LinearShape, int], float] = {}  # ms of all of a shape's linears
-    for layout in ("ggml", "q8") + (("bf16",) if bf16_fits else ()):
-        for s in shapes:  # every row count of one shape in a row: its weights are made once
+    # every layout and row count of one shape in a row: its weights are made once (ggml's
+    # serve q8 where the bytes are the same)
+    for s in shapes:
+        for layout in ("ggml", "q8") + (("bf16",) if bf16_fits else ()):
             for m in ROWS:
                 if layout == "q8" and s.ggml_type not in ACT8_TYPES:  # ggml's kernels
                     timed[layout, s, m] = timed["ggml", s, m]
