@@ -48,6 +48,9 @@ class EngineOptions:
     prefix_cache_fraction: float = 0.5  # extra full-layer pages for cached prefixes
     device: str = "auto"  # auto: the GPU when present
     cuda_graphs: bool = True  # replay captured decode steps on a GPU (never on the CPU)
+    # With graphs: launch the next decode step from the sampled ids on the device before
+    # the host reads them, so the host's work between steps overlaps the device's.
+    look_ahead: bool = True
     # Weight layout: ggml keeps the file's blocks (fused dequant kernels), q8 too with the
     # Q4_K products on 8-bit activations (kernels/qint.py), bf16 dense matrices in `dtype`;
     # auto: dense on the CPU, on a GPU the faster of ggml and bf16 as measured at load
@@ -80,7 +83,8 @@ def build_core(loaded: LoadedModel, opts: EngineOptions) -> EngineCore:
                             prefill_chunk=opts.prefill_chunk, mixed_batch=opts.mixed_batch,
                             itl_target_ms=opts.itl_target_ms,
                             max_pending_per_client=opts.max_pending_per_client)
-    return EngineCore(runner, loaded.tokenizer, sched, vocab_size=cfg.vocab_size)
+    return EngineCore(runner, loaded.tokenizer, sched, vocab_size=cfg.vocab_size,
+                      look_ahead=opts.look_ahead)
 
 
 def load_for(model: str | os.PathLike, opts: EngineOptions) -> LoadedModel:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from engine.batch import ForwardBatch, pad_tables
-from engine.errors import ContextOverflow, InvalidRequest
+from engine.errors import ContextOverflow, InvalidRequest, OutOfKVPages
 from engine.kv.pool import RECURRENT, KVPool
 from engine.kv.radix import RadixCache
 from engine.sampler import Sampler, SamplerState
@@ -63,7 +63,7 @@ class EngineCore:
     def __init__(self, runner: Runner, tokenizer: TokenizerLike, config: SchedulerConfig,
                  *, vocab_size: int, detokenizer: DetokenizerFactory | None = None,
                  draft_source: DraftSource | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, look_ahead: bool = True) -> None:
         self.runner = runner
         self.pool = runner.pool
         self.tokenizer = tokenizer
@@ -90,6 +90,12 @@ class EngineCore:
         self._aborts: list[str] = []
         self._decode_step_s: deque[float] = deque(maxlen=256)  # decode-only step times
         self._recent_itl_s: deque[float] = deque(maxlen=512)
+        # Decode steps launched from the device's samples before the host reads them
+        # (runners with decode graphs): the host's work between steps then overlaps the
+        # device's.
+        self.look_ahead = look_ahead
+        self._ahead: _Ahead | None = None
+        self.num_ahead_steps = 0  # steps whose logits came from such a launch
 
     # -- requests ------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -136,15 +142,22 @@ class EngineCore:
         chunks = self._reap_aborts()
         self._update_itl_target()
         plan = self.scheduler.schedule()
+        ahead, self._ahead = self._ahead, None
         if plan.is_empty:
             return chunks
-        logits = self.runner.forward(build_batch(plan, list(self.pool.groups)))
+        logits = None if ahead is None else ahead.logits_for(plan)
+        if logits is not None:
+            self.num_ahead_steps += 1
+            replayed = True
+        else:
+            logits = self.runner.forward(build_batch(plan, list(self.pool.groups)))
+            replayed = getattr(self.runner, "last_replayed", False)
         chunks += self._postprocess(plan, logits)
         self.num_steps += 1
         elapsed = self.clock() - start
         # The ITL cost model predicts eager steps (every step with prefill is one); a graph
         # replay's decode-only step costs a fraction of its eager twin and would skew it.
-        if not getattr(self.runner, "last_replayed", False):
+        if not replayed:
             self.scheduler.observe(plan, elapsed)
         if plan.prefill_row is None:
             self._decode_step_s.append(elapsed)
@@ -181,6 +194,8 @@ class EngineCore:
         give: a draft is kept only if sampling agrees with it)."""
         now = self.clock()
         pending: list[list] = []  # [row, first logits row, drafts accepted so far]
+        launch = (lambda ids: self._launch_ahead(plan, ids)) if self._may_look_ahead(plan) \
+            else None
         offset = 0
         for row in plan.rows:
             num = row.num_logits  # before committing: it depends on num_computed
@@ -194,7 +209,9 @@ class EngineCore:
             # Decode-only steps need every logits row in order: no gather.
             rows = logits if index == list(range(logits.shape[0])) else \
                 logits[torch.tensor(index, dtype=torch.long)]
-            out = self.sampler.sample(rows, [p[0].seq.sampler for p in pending])
+            out = self.sampler.sample(rows, [p[0].seq.sampler for p in pending],
+                                      on_device=launch)
+            launch = None  # verify rows' later passes: no plan qualifies anyway
             accepted = []
             for p, token, logprob in zip(pending, out.token_ids, out.logprobs, strict=True):
                 row, _, i = p
@@ -210,6 +227,40 @@ class EngineCore:
             pending = accepted
         self.scheduler.update(plan)
         return [r.seq.take_output() for r in plan.rows if r.seq.has_output()]
+
+    # -- the next step, launched before this one's tokens reach the host ----------------
+    def _may_look_ahead(self, plan: StepPlan) -> bool:
+        """Whether the next step is this one's decoders again, one position on (so it can
+        start from the sampled ids on the device): nothing waits, nobody prefills, every
+        decoder is in this plan, each draw depends only on its logits (no penalties, no
+        grammar), and one of them may still continue."""
+        sched = self.scheduler
+        if not self.look_ahead or not getattr(self.runner, "can_look_ahead", False) or \
+                plan.prefill_row is not None or sched.num_waiting or self._aborts or \
+                len(plan.rows) != len(sched.running) or \
+                len(plan.rows) != len(sched.decode_queue):
+            return False
+        return all(r.kind is RowKind.DECODE and not r.draft_ids and r.seq.sampler.is_stateless
+                   for r in plan.rows) and any(r.seq.num_remaining > 1 for r in plan.rows)
+
+    def _launch_ahead(self, plan: StepPlan, token_ids: torch.Tensor) -> None:
+        """Launch the next decode step of this plan's rows, its token ids `token_ids` (the
+        samples still on the device). A row that stops now, or a next plan that differs,
+        discards its logits: its K/V land at the position after the sequence's last
+        computed one, in a page it holds (or held: the device writes them before any later
+        step's), where nothing reads them before they are written again."""
+        seqs = [r.seq for r in plan.rows]
+        try:
+            for seq in seqs:
+                assert seq.pages is not None
+                seq.pages.ensure(seq.num_computed + 2)  # usually allocates nothing
+        except OutOfKVPages:
+            return
+        batch = _decode_batch(seqs, list(self.pool.groups), ahead=True)
+        logits = self.runner.forward_ahead(batch, token_ids)  # type: ignore[attr-defined]
+        if logits is not None:
+            self._ahead = _Ahead({s: (i, s.num_computed + 1) for i, s in enumerate(seqs)},
+                                 logits)
 
     # -- dashboard -----------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -284,14 +335,39 @@ def build_batch(plan: StepPlan, groups: list[str]) -> ForwardBatch:
                                   {g: pad_tables(t) for g, t in tables.items()}, logits_rows)
 
 
-def _decode_batch(seqs: list[Sequence], groups: list[str]) -> ForwardBatch:
-    """The steady step: one row per decoder, its last sampled token at num_computed."""
+def _decode_batch(seqs: list[Sequence], groups: list[str], ahead: bool = False) -> ForwardBatch:
+    """The steady step: one row per decoder, its last sampled token at num_computed
+    (`ahead`: the step after it, whose tokens are not yet on the host: ids 0 stand in)."""
     tables: dict[str, list[list[int]]] = {g: [] for g in groups}
     for seq in seqs:
         pages = seq.pages
         assert pages is not None
         for g in groups:
             tables[g].append(pages.table(g))
-    starts = np.fromiter((s.num_computed for s in seqs), np.int64, len(seqs))
-    return ForwardBatch.decode([s.token_ids[-1] for s in seqs], starts,
-                               {g: pad_tables(t) for g, t in tables.items()})
+    starts = np.fromiter((s.num_computed + ahead for s in seqs), np.int64, len(seqs))
+    ids = [0] * len(seqs) if ahead else [s.token_ids[-1] for s in seqs]
+    return ForwardBatch.decode(ids, starts, {g: pad_tables(t) for g, t in tables.items()})
+
+
+class _Ahead:
+    """A decode step launched before the host read the tokens it continues: each
+    sequence's logits row and position, and the logits (computed in order on the device)."""
+
+    __slots__ = ("logits", "rows")
+
+    def __init__(self, rows: dict[Sequence, tuple[int, int]], logits: torch.Tensor) -> None:
+        self.rows, self.logits = rows, logits
+
+    def logits_for(self, plan: StepPlan) -> torch.Tensor | None:
+        """The plan's logits if it is this step (decode rows of these sequences at these
+        positions; rows that stopped since are left out), else None."""
+        index = []
+        for row in plan.rows:
+            hit = self.rows.get(row.seq)
+            if row.kind is not RowKind.DECODE or row.draft_ids or hit is None or \
+                    hit[1] != row.seq.num_computed:
+                return None
+            index.append(hit[0])
+        if index == list(range(self.logits.shape[0])):
+            return self.logits
+        return self.logits[torch.tensor(index, dtype=torch.long).to(self.logits.device)]

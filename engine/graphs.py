@@ -132,9 +132,12 @@ class DecodeGraphs:
             batch = self.static_batch(bucket)
             self._graphs[key] = self._capture(lambda: self.step(batch, splits))
 
-    def run(self, batch: ForwardBatch, splits: Splits) -> torch.Tensor:
+    def run(self, batch: ForwardBatch, splits: Splits,
+            input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (rows, vocab) of a batch that `fits`, from its bucket's graph for `splits`
-        (enough for its longest row), captured first if need be."""
+        (enough for its longest row), captured first if need be. `input_ids` (rows,) on the
+        device replace the batch's token ids (a step launched from the sampled tokens of
+        the one before it, before the host has read them)."""
         n = batch.num_rows
         bucket = bucket_for(n, self.buckets)
         assert bucket is not None  # the caller checked fits(batch)
@@ -142,6 +145,8 @@ class DecodeGraphs:
         replay, out = self._graphs[(bucket, tuple(sorted(splits.items())))]
         self._stage(batch, bucket)
         self._upload(bucket)
+        if input_ids is not None:
+            self._dev[:n, 0].copy_(input_ids)
         replay()
         self.num_replays += 1
         return out[:n].clone()  # the next replay overwrites `out`

@@ -18,7 +18,7 @@ from engine.errors import OutOfKVPages
 from engine.graphs import Capturer, DecodeGraphs, bucket_for
 from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache
-from engine.kv.pool import KVPool, SeqPages
+from engine.kv.pool import RECURRENT, KVPool, SeqPages
 from engine.layers.attention import (
     attn_config,
     decode_splits,
@@ -89,6 +89,25 @@ class ModelRunner:
                 self.last_replayed = True
                 return self.graphs.run(batch, splits)
         return self.forward_eager(batch)
+
+    @property
+    def can_look_ahead(self) -> bool:
+        """Whether `forward_ahead` can run: decode graphs, and no recurrent state (a step
+        run ahead and then discarded would have advanced it)."""
+        return self.graphs is not None and RECURRENT not in self.pool.groups
+
+    @torch.inference_mode()
+    def forward_ahead(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Launch a decode-only step whose token ids are still on the device (`input_ids`,
+        the step before's samples) by replaying its graph: -> its logits, not yet
+        computed, or None when no graph takes it (the caller then runs the step later)."""
+        if not self.can_look_ahead or not self.graphs.fits(batch):  # type: ignore[union-attr]
+            return None
+        splits = self._decode_splits(batch)
+        if not self._captured(bucket_for(batch.num_rows, self.graphs.buckets), splits):  # type: ignore[union-attr]
+            return None
+        assert self.graphs is not None
+        return self.graphs.run(batch, splits, input_ids)
 
     @torch.inference_mode()
     def prepare_graphs(self, context: int = 1) -> int:

@@ -23,7 +23,7 @@ grammar mask) in float32: the model's distribution, as OpenAI and vLLM's default
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -85,6 +85,9 @@ class SamplerState:
     num_output_tokens: int = 0
     table_row: tuple[float, ...] = ()  # its parameter table row (_T.._PRES), built once
     is_plain_greedy: bool = False  # greedy, no penalties, no grammar: the raw logits' argmax
+    # no penalties, no grammar: a draw depends on the logits and the uniform stream only,
+    # not on the tokens before it, so the device can feed it to the next step
+    is_stateless: bool = False
 
     @classmethod
     def create(
@@ -111,8 +114,8 @@ class SamplerState:
         if state.has_penalties:
             # float32 holds counts exactly up to 2**24 and has atomic adds everywhere.
             state.output_counts = torch.zeros(vocab_size, dtype=torch.float32)
-        state.is_plain_greedy = params.is_greedy and not state.has_penalties \
-            and params.grammar is None
+        state.is_stateless = not state.has_penalties and params.grammar is None
+        state.is_plain_greedy = params.is_greedy and state.is_stateless
         return state
 
     @property
@@ -145,12 +148,15 @@ class Sampler:
     """Stateless: all per-sequence state lives in SamplerState."""
 
     def sample(
-        self, logits: torch.Tensor, states: Sequence[SamplerState], *, record: bool = True
+        self, logits: torch.Tensor, states: Sequence[SamplerState], *, record: bool = True,
+        on_device: Callable[[torch.Tensor], None] | None = None,
     ) -> SampleOutput:
         """logits (num_rows, vocab) -> one token per row.
 
         With record=True (the default) each chosen token is passed to its state's record()
         (penalty counts, grammar.accept); the caller then must not record it again.
+        `on_device` gets the chosen ids (rows,) on the logits' device before the host reads
+        them (the engine launches the next decode step from them, engine/core.py).
         """
         if not states:
             return SampleOutput([], [])
@@ -161,7 +167,7 @@ class Sampler:
             token_ids = logits.argmax(dim=-1)
         else:
             token_ids = self._draw(logits, states)
-        tokens, logprobs = _to_host(logits, states, token_ids)
+        tokens, logprobs = _to_host(logits, states, token_ids, on_device)
         if record:
             for state, token in zip(states, tokens, strict=True):
                 state.record(token)
@@ -319,22 +325,27 @@ def _filtered_weights(
 
 
 def _to_host(
-    logits: torch.Tensor, states: Sequence[SamplerState], token_ids: torch.Tensor
+    logits: torch.Tensor, states: Sequence[SamplerState], token_ids: torch.Tensor,
+    on_device: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """Token ids (rows,) on the logits' device -> (ids, logprobs) on the host, in one
-    device->host copy. Logprobs come from the raw logits."""
+    device->host copy. Logprobs come from the raw logits. `on_device(token_ids)` runs
+    after the copy is queued and before the host waits for it, so that work it queues
+    on the device runs while the host reads."""
     out: list[TokenLogprobs | None] = [None] * len(states)
     wanted = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-    if not wanted:
-        return token_ids.tolist(), out
-    rows = _Rows(wanted, len(states), logits.device)
-    lp = torch.log_softmax(rows.of(logits).to(torch.float32), dim=-1)  # (r, vocab)
-    chosen = lp.gather(-1, rows.of(token_ids).unsqueeze(-1))  # (r, 1)
-    k_max = max(states[i].params.logprobs or 0 for i in wanted)
-    top_vals, top_ids = lp.topk(k_max, dim=-1)  # (r, k_max), most likely first
-    # Every row's token id, then per wanted row (1 + 2 k_max): its logprob and the top pairs
-    packed = torch.cat([t.double() for t in (chosen, top_ids, top_vals)], dim=-1)
-    flat = torch.cat([token_ids.double(), packed.flatten()]).tolist()  # float64: exact ids
+    k_max = max((states[i].params.logprobs or 0 for i in wanted), default=0)
+    packed = token_ids
+    if wanted:
+        rows = _Rows(wanted, len(states), logits.device)
+        lp = torch.log_softmax(rows.of(logits).to(torch.float32), dim=-1)  # (r, vocab)
+        chosen = lp.gather(-1, rows.of(token_ids).unsqueeze(-1))  # (r, 1)
+        top_vals, top_ids = lp.topk(k_max, dim=-1)  # (r, k_max), most likely first
+        # Every row's token id, then per wanted row (1 + 2 k_max): its logprob and the
+        # top pairs; float64 holds the ids exactly
+        pairs = torch.cat([t.double() for t in (chosen, top_ids, top_vals)], dim=-1)
+        packed = torch.cat([token_ids.double(), pairs.flatten()])
+    flat = _read(packed, on_device, token_ids)
     n, width = len(states), 1 + 2 * k_max
     for j, i in enumerate(wanted):
         row = flat[n + j * width : n + (j + 1) * width]
@@ -342,3 +353,20 @@ def _to_host(
         top = zip(map(int, row[1 : 1 + k]), row[1 + k_max : 1 + k_max + k], strict=True)
         out[i] = TokenLogprobs(int(flat[i]), row[0], tuple(top))
     return [int(t) for t in flat[:n]], out
+
+
+def _read(packed: torch.Tensor, on_device: Callable[[torch.Tensor], None] | None,
+          token_ids: torch.Tensor) -> list:
+    """packed.tolist(), with `on_device(token_ids)` called between queueing the copy and
+    waiting for it (a plain .tolist() after it would wait for its work too)."""
+    if on_device is None:
+        return packed.tolist()
+    if packed.device.type == "cpu":
+        on_device(token_ids)
+        return packed.tolist()
+    host = packed.to("cpu", non_blocking=True)  # into pinned memory, in stream order
+    copied = torch.cuda.Event()
+    copied.record()
+    on_device(token_ids)
+    copied.synchronize()
+    return host.tolist()

@@ -3,7 +3,8 @@
 Run on the device machine (see bench/RESULTS.md for the command):
     python bench/gpu/engine_bench.py --synthetic llama-3.1-8b:Q4_K_M --vocab VOCAB.gguf
 One invocation measures several variants (`--variants`, default: GGML blocks and dense
-bf16 weights, each with and without CUDA graphs; `+itloff` turns the ITL target off).
+bf16 weights, each with and without CUDA graphs; `+itloff` turns the ITL target off,
+`+noahead` the look-ahead decode steps).
 Per variant: the forward step alone (runner.forward timed with a device sync, decode
 batches of each concurrency), engine decode at each concurrency (fixed output length,
 ignore_eos) with a per-step breakdown (schedule + batch building, forward launch,
@@ -249,8 +250,9 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
     context = max(lengths) + args.tokens + 64
     opts = EngineOptions(sessions=max(levels), context=context, prefill_chunk=512,
                          device=args.device, max_pending_per_client=None, cuda_graphs=graphs,
-                         weights=weights, itl_target_ms=None if "itloff" in parts else "auto")
-    out.update({"weights": weights, "cuda_graphs": graphs})
+                         weights=weights, itl_target_ms=None if "itloff" in parts else "auto",
+                         look_ahead="noahead" not in parts)
+    out.update({"weights": weights, "cuda_graphs": graphs, "look_ahead": "noahead" not in parts})
     t0 = time.perf_counter()
     loaded = load_for(str(path), opts)
     core = build_core(loaded, opts)
@@ -296,6 +298,7 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
             row = attempt(out["decode"], str(c), run_batch, engine, prompts(c), args.tokens)
             if "error" not in row:
                 row["per_step_ms"] = timer.per_step_ms()
+                row["ahead_steps_so_far"] = core.num_ahead_steps
                 row["scheduler"] = scheduler_state(core)
             print(f"[{name}] decode {c}: {row}", flush=True)
         for n in lengths:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+from graph_fakes import FakeCapture
 from span_batch import span_batch
 
 from engine.batch import ForwardBatch
@@ -18,23 +19,6 @@ from engine.runner import ModelRunner
 from engine.synthetic import SyntheticSpec, write_synthetic_gguf
 
 PAGES, CONTEXT = 24, 96
-
-
-class FakeCapture:
-    """Runs `fn` as CudaGraphCapturer does (warm-ups, then the captured run); replay runs
-    it again into the same output tensor."""
-
-    def __init__(self, on_warmed=None) -> None:
-        self.captures = 0
-        self.on_warmed = on_warmed
-
-    def __call__(self, fn):
-        self.captures += 1
-        fn()
-        if self.on_warmed is not None:
-            self.on_warmed()
-        out = fn()
-        return (lambda: out.copy_(fn())), out
 
 
 @pytest.fixture(scope="module")

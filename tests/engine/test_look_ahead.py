@@ -1,0 +1,130 @@
+"""Look-ahead decode steps (EngineCore launches the next decode step from the sampled ids
+still on the device, before the host reads them): on the CPU with a fake graph capture,
+the tokens, finishes and pages are those of the same engine without look-ahead, through
+rows that stop (length and abort), a request that arrives mid-decode, sampled and
+penalised rows, and a pool too small for the next page."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from graph_fakes import FakeCapture
+
+from engine.batch import ForwardBatch
+from engine.core import EngineCore
+from engine.loader import load
+from engine.runner import ModelRunner
+from engine.sampler import SamplingParams
+from engine.scheduler.request import Request
+from engine.scheduler.scheduler import SchedulerConfig
+from engine.synthetic import SyntheticSpec, write_synthetic_gguf
+
+CONTEXT = 96
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory, vocab_dir):
+    spec = SyntheticSpec("llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                         head_dim=16, ffn_size=128, default_type=T.F32)
+    path = tmp_path_factory.mktemp("ahead") / "tiny.gguf"
+    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-spm.gguf", seed=5)
+    return load(path, torch.float32, "cpu")
+
+
+def make_core(loaded, look_ahead: bool, pages: int = 40, graphs: bool = True) -> EngineCore:
+    runner = ModelRunner(loaded.model, pages, 16, "f16", cuda_graphs=graphs,
+                         max_context=CONTEXT, capture=FakeCapture() if graphs else None)
+    config = SchedulerConfig(max_sessions=4, context=CONTEXT, prefill_chunk=32,
+                             itl_target_ms=None, max_pending_per_client=None)
+    return EngineCore(runner, loaded.tokenizer, config, vocab_size=loaded.config.vocab_size,
+                      look_ahead=look_ahead)
+
+
+def prompt(i: int, n: int) -> list[int]:
+    gen = torch.Generator().manual_seed(100 + i)
+    return torch.randint(3, 1000, (n,), generator=gen).tolist()
+
+
+def request(rid: str, ids: list[int], **sampling) -> Request:
+    sampling.setdefault("ignore_eos", True)
+    return Request(rid, tuple(ids), SamplingParams(**sampling))
+
+
+def drive(core: EngineCore, script: dict[int, list], aborts: dict[int, str]) -> dict:
+    """Step until idle; `script` adds requests before step n, `aborts` aborts one.
+    -> request id -> (token ids, finish reason)."""
+    out: dict[str, tuple[list[int], str | None]] = {}
+    n = 0
+    while n <= max(script) or core.has_work():
+        for r in script.get(n, []):
+            core.add(r)
+        if n in aborts:
+            core.abort(aborts[n])
+        for chunk in core.step():
+            ids, _ = out.get(chunk.request_id, ([], None))
+            out[chunk.request_id] = (ids + list(chunk.token_ids), chunk.finish_reason)
+        n += 1
+    return out
+
+
+def free_pages(core: EngineCore) -> dict[str, int]:
+    if core.radix is not None:
+        core.radix.evict(10**9)
+    return {g: p.num_free for g, p in core.pool.groups.items()}
+
+
+def test_same_tokens_as_without_look_ahead(loaded):
+    script = {0: [request("long", prompt(0, 9), temperature=0.0, max_tokens=30),
+                  request("short", prompt(1, 20), temperature=0.0, max_tokens=5),
+                  request("drawn", prompt(2, 14), temperature=0.9, top_p=0.9, seed=7,
+                          max_tokens=24)],
+              12: [request("late", prompt(3, 40), temperature=0.0, max_tokens=10)],
+              30: [request("penalised", prompt(4, 6), temperature=0.0, max_tokens=8,
+                           repetition_penalty=1.3)]}
+    aborts = {18: "drawn"}
+    cores = [make_core(loaded, look_ahead) for look_ahead in (True, False)]
+    before = [free_pages(c) for c in cores]
+    ahead, plain = (drive(c, script, aborts) for c in cores)
+    assert ahead == plain
+    assert [len(ahead[r][0]) for r in ("long", "short", "late", "penalised")] == [30, 5, 10, 8]
+    assert ahead["drawn"][1] == "abort" and 0 < len(ahead["drawn"][0]) < 24
+    # most decode steps came from a launch ahead; none without look-ahead
+    assert cores[0].num_ahead_steps > 20 and cores[1].num_ahead_steps == 0
+    assert cores[0].num_ahead_steps < cores[0].num_steps
+    assert [free_pages(c) for c in cores] == before  # the pages ahead-steps took came back
+
+
+def test_no_look_ahead_without_graphs_or_with_penalties(loaded):
+    core = make_core(loaded, True, graphs=False)
+    out = drive(core, {0: [request("a", prompt(0, 9), temperature=0.0, max_tokens=12)]}, {})
+    assert len(out["a"][0]) == 12 and core.num_ahead_steps == 0
+    core = make_core(loaded, True)
+    out = drive(core, {0: [request("p", prompt(0, 9), temperature=0.0, max_tokens=12,
+                                   frequency_penalty=0.5)]}, {})
+    assert len(out["p"][0]) == 12 and core.num_ahead_steps == 0
+
+
+def test_a_full_pool_runs_the_step_in_turn(loaded):
+    """Three pages for two sequences of two pages each: the step that would need the
+    last page for one of them is not launched ahead, the scheduler preempts the other in
+    turn, and the tokens stay those of a roomy pool without look-ahead."""
+    script = {0: [request(r, prompt(i, 12), temperature=0.0, max_tokens=20)
+                  for i, r in enumerate("ab")]}
+    small, roomy = make_core(loaded, True, pages=3), make_core(loaded, False)
+    assert drive(small, script, {}) == drive(roomy, script, {})
+    assert small.scheduler.num_preemptions > 0
+    assert 0 < small.num_ahead_steps < small.num_steps - 2
+
+
+def test_forward_ahead_reads_its_ids_from_the_device(loaded):
+    runner = ModelRunner(loaded.model, 8, 16, "f16", cuda_graphs=True, max_context=CONTEXT,
+                         capture=FakeCapture())
+    tables = {g: [[0], [1]] for g in runner.pool.groups}
+    spans = [([5], 3), ([6], 0)]
+    want = runner.forward_eager(ForwardBatch.build([([7], 3), ([9], 0)], tables))
+    got = runner.forward_ahead(ForwardBatch.build(spans, tables), torch.tensor([7, 9]))
+    assert got is not None and torch.equal(got, want)
+    wide = {g: [[0] * 7, [1]] for g in runner.pool.groups}  # past max_context's tables
+    assert runner.forward_ahead(ForwardBatch.build([([5], 100), ([6], 0)], wide),
+                                torch.tensor([7, 9])) is None
