@@ -101,6 +101,7 @@ def test_gpu_greedy_tokens_match_cpu(tiny, weights, graphs):
     gpu, core = generate(tiny, opts("cuda", weights, graphs), prompts)
     graphs_of = core.runner.graphs
     assert (graphs_of is not None and graphs_of.num_replays > 0) == graphs
+    assert (core.num_ahead_steps > 0) == graphs  # look-ahead steps replay graphs
     for prompt, a, b in zip(prompts, cpu, gpu, strict=True):
         if a == b:
             continue
