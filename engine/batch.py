@@ -156,3 +156,11 @@ def pad_tables(rows: list[list[int]]) -> np.ndarray:
 def _ids(ids: list[int]) -> torch.Tensor:
     """(n,) int64 from Python ints (through numpy: a third of torch.tensor's cost)."""
     return torch.from_numpy(np.array(ids, dtype=np.int64))
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting for the device's queued work: on a
+    GPU through pinned memory, in stream order (a pageable copy waits for the stream)."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)

@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from engine.batch import ForwardBatch, pad_tables
+from engine.batch import ForwardBatch, pad_tables, to_device
 from engine.errors import ContextOverflow, InvalidRequest, OutOfKVPages
 from engine.kv.pool import RECURRENT, KVPool
 from engine.kv.radix import RadixCache
@@ -370,4 +370,4 @@ class _Ahead:
             index.append(hit[0])
         if index == list(range(self.logits.shape[0])):
             return self.logits
-        return self.logits[torch.tensor(index, dtype=torch.long).to(self.logits.device)]
+        return self.logits[to_device(torch.tensor(index, dtype=torch.long), self.logits.device)]

@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.batch import to_device
 from engine.errors import InvalidRequest
 from engine.sampler_filters import filtered_weights
 from engine.sampling_params import Grammar, SamplingParams
@@ -231,7 +232,7 @@ def _param_table(states: Sequence[SamplerState], uniforms: list[float],
                  device: torch.device) -> torch.Tensor:
     """(rows, 8) float64; top_k as a count (vocab when off), u the row's uniform draw."""
     rows = [(*state.table_row, u) for state, u in zip(states, uniforms, strict=True)]
-    return torch.tensor(rows, dtype=torch.float64).reshape(-1, 8).to(device)
+    return to_device(torch.tensor(rows, dtype=torch.float64).reshape(-1, 8), device)
 
 
 def _check_shape(logits: torch.Tensor, states: Sequence[SamplerState]) -> None:
@@ -249,7 +250,7 @@ class _Rows:
 
     def __init__(self, rows: list[int], num_rows: int, device: torch.device) -> None:
         self.index = None if len(rows) == num_rows else \
-            torch.tensor(rows, dtype=torch.long).to(device)
+            to_device(torch.tensor(rows, dtype=torch.long), device)
 
     def of(self, t: torch.Tensor) -> torch.Tensor:
         """The subset's rows of t (rows, ...)."""

@@ -4,7 +4,8 @@ Run on the device machine (see bench/RESULTS.md for the command):
     python bench/gpu/engine_bench.py --synthetic llama-3.1-8b:Q4_K_M --vocab VOCAB.gguf
 One invocation measures several variants (`--variants`, default: GGML blocks and dense
 bf16 weights, each with and without CUDA graphs; `+itloff` turns the ITL target off,
-`+noahead` the look-ahead decode steps).
+`+noahead` the look-ahead decode steps; `+sampled` decodes at temperature 0.8, top-p 0.95
+instead of greedily).
 Per variant: the forward step alone (runner.forward timed with a device sync, decode
 batches of each concurrency), engine decode at each concurrency (fixed output length,
 ignore_eos) with a per-step breakdown (schedule + batch building, forward launch,
@@ -50,8 +51,10 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_batch(engine: Engine, prompts: list[tuple[int, ...]], max_tokens: int) -> dict:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def run_batch(engine: Engine, prompts: list[tuple[int, ...]], max_tokens: int,
+              temperature: float = 0.0) -> dict:
+    params = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0,
+                            seed=0, max_tokens=max_tokens, ignore_eos=True)
     times: dict[int, list[float]] = {}
     start = time.perf_counter()
 
@@ -295,7 +298,8 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
             attempt(out["warmup"], str(c), run_batch, engine, prompts(c), 4)
         for c in levels:
             timer.reset()
-            row = attempt(out["decode"], str(c), run_batch, engine, prompts(c), args.tokens)
+            row = attempt(out["decode"], str(c), run_batch, engine, prompts(c), args.tokens,
+                          0.8 if "sampled" in parts else 0.0)
             if "error" not in row:
                 row["per_step_ms"] = timer.per_step_ms()
                 row["ahead_steps_so_far"] = core.num_ahead_steps
