@@ -212,12 +212,22 @@ if HAS_TRITON:
         return out
 
     @helper
+    def _stream(p):
+        """Weight words: read once, so they should not push x's codes out of the cache."""
+        return tl.load(p, eviction_policy="evict_first")
+
+    @helper
+    def _keep(p):
+        """x's codes: every program of the launch reads them."""
+        return tl.load(p, eviction_policy="evict_last")
+
+    @helper
     def _k4_scales(w_ptr, blk, g):
         """Q4_K super-blocks at byte offsets blk (BN,): d, dmin (BN,) float32 and the int32
         scales and mins (BN, 4) of sub-blocks 2 g and 2 g + 1 (g: (1, 4) group index). The
         16-byte head: word 0 = d | dmin << 16, words 1-3 = scales[12] (qtiles._scales_k4)."""
         j = tl.arange(0, 4)[None, :]
-        head = tl.load((_p32(w_ptr) + blk // 4)[:, None] + j)  # (BN, 4)
+        head = _stream((_p32(w_ptr) + blk // 4)[:, None] + j)  # (BN, 4)
         w0 = tl.sum(tl.where(j == 0, head, 0), axis=1)
         w1 = tl.sum(tl.where(j == 1, head, 0), axis=1)[:, None]
         w2 = tl.sum(tl.where(j == 2, head, 0), axis=1)[:, None]
@@ -253,8 +263,8 @@ if HAS_TRITON:
         g = tl.arange(0, 4)[None, :]
         ii = tl.arange(0, 8)[None, None, :]
         at = g[:, :, None] * 8 + ii + 0 * blk[:, None, None].to(tl.int32)  # (BN, 4, 8)
-        w = tl.load(_p32(w_ptr) + ((blk + 16) // 4)[:, None, None] + at).to(tl.int32,
-                                                                                bitcast=True)
+        w = _stream(_p32(w_ptr) + ((blk + 16) // 4)[:, None, None] + at).to(tl.int32,
+                                                                            bitcast=True)
         lo = w & 0x0F0F0F0F
         hi = (w >> 4) & 0x0F0F0F0F
         d, dmin, sc0, sc1, mn0, mn1 = _k4_scales(w_ptr, blk, g)
@@ -265,8 +275,8 @@ if HAS_TRITON:
                 # x's code words in the weight words' shape (and so their register layout):
                 # elements 64 g + 4 i .. + 3 (low nibbles) and 32 further on (high)
                 xrow = q32 + m * (K // 4) + sb * 64 + at + g[:, :, None] * 8
-                xa = tl.load(xrow)
-                xb = tl.load(xrow + 8)
+                xa = _keep(xrow)
+                xb = _keep(xrow + 8)
                 dot = (sc0 * tl.sum(_dp4a(lo, xa, PTX), axis=2)
                        + sc1 * tl.sum(_dp4a(hi, xb, PTX), axis=2))
                 bs = bs_ptr + m * (K // 16) + sb * 16 + g * 4  # 16-sums: 2 per sub-block
@@ -292,15 +302,15 @@ if HAS_TRITON:
         r = tl.arange(0, 4)[None, None, :]
         zero = 0 * b3.to(tl.int32)  # (BN, 1, 1): every index below in the codes' shape
         p = _p32(w_ptr) + b3 // 4
-        ql = tl.load(p + (4 * s8 + r + zero)).to(tl.int32, bitcast=True)  # (BN, 8, 4)
-        qh = tl.load(p + (32 + 8 * (s8 // 4) + 4 * (s8 % 2) + r + zero)).to(tl.int32,
+        ql = _stream(p + (4 * s8 + r + zero)).to(tl.int32, bitcast=True)  # (BN, 8, 4)
+        qh = _stream(p + (32 + 8 * (s8 // 4) + 4 * (s8 % 2) + r + zero)).to(tl.int32,
                                                                              bitcast=True)
         a2 = 2 * (s8 // 2 % 2)
         q_lo = (ql & 0x0F0F0F0F) | (((qh >> a2) & 0x03030303) << 4)
         q_hi = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (a2 + 4)) & 0x03030303) << 4)
         # scales: sub(s) is byte s % 4 of word 2 (s // 4), sub(s) + 4 of the word after
         j = tl.arange(0, 4)[None, :]
-        sw = tl.load((_p32(w_ptr) + base // 4 + 48)[:, None] + j).to(tl.int32, bitcast=True)
+        sw = _stream((_p32(w_ptr) + base // 4 + 48)[:, None] + j).to(tl.int32, bitcast=True)
         i = tl.arange(0, 8)[None, :]
         low = i < 4
         sh = 24 - 8 * (i % 4)
@@ -314,8 +324,8 @@ if HAS_TRITON:
         for m in tl.static_range(BLOCK_M):
             if m < M:
                 xrow = q32 + m * (K // 4) + sb * 64 + (4 * sub3 + r + zero)  # (BN, 8, 4)
-                xa = tl.load(xrow)
-                xb = tl.load(xrow + 16)
+                xa = _keep(xrow)
+                xb = _keep(xrow + 16)
                 bs = bs_ptr + m * (K // 16) + sb * 16 + sub  # (1, 8)
                 isum = (sc_a * (tl.sum(_dp4a(q_lo, xa, PTX), axis=2) - 32 * tl.load(bs))
                         + sc_b * (tl.sum(_dp4a(q_hi, xb, PTX), axis=2) - 32 * tl.load(bs + 4)))
@@ -409,7 +419,7 @@ if HAS_TRITON:
         for hf in tl.static_range(2):  # columns 128 hf .. 128 hf + 127: groups 2 hf, 2 hf + 1
             gg = 2 * hf + tl.arange(0, 2)[None, :]
             _, _, sc0, sc1, _, _ = _k4_scales(w_ptr, blk, gg)  # (BN, 2)
-            byte = tl.load((w_ptr + blk + 16)[:, None, None] + gg[:, :, None] * 32
+            byte = _stream((w_ptr + blk + 16)[:, None, None] + gg[:, :, None] * 32
                            + ll[None, None, :])  # (BN, 2, 32)
             wt = _columns(_codes_sc(byte, sc0, False, PTX), _codes_sc(byte, sc1, True, PTX),
                           BN, 128)
@@ -445,10 +455,10 @@ if HAS_TRITON:
             # element 128 h + 32 j + l: nibble j // 2 of ql[64 h + 32 (j % 2) + l], top bits
             # 2 j of qh[32 h + l]
             b3 = base[:, None, None]
-            ql = tl.load(w_ptr + b3 + 64 * h + 32 * (j % 2) + ll + zero).to(tl.int32)
-            qh = tl.load(w_ptr + b3 + 128 + 32 * h + ll + zero).to(tl.int32)
+            ql = _stream(w_ptr + b3 + 64 * h + 32 * (j % 2) + ll + zero).to(tl.int32)
+            qh = _stream(w_ptr + b3 + 128 + 32 * h + ll + zero).to(tl.int32)
             code = (((ql >> (4 * (j // 2))) & 15) | (((qh >> (2 * j)) & 3) << 4)) - 32
-            sc = tl.load((w_ptr + base + 192 + 8 * h)[:, None] + tl.arange(0, 8)[None, :])
+            sc = _stream((w_ptr + base + 192 + 8 * h)[:, None] + tl.arange(0, 8)[None, :])
             sc = tl.reshape(sc.to(tl.int8, bitcast=True).to(tl.int32), (BN, 4, 2, 1))
             code = tl.reshape(code, (BN, 4, 2, 16))
             hi = tl.reshape(code * (sc >> 4), (BN, 128)).to(tl.float16)
