@@ -294,12 +294,13 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
 
     try:
         out["decode"], out["prefill"], out["warmup"] = {}, {}, {}
+        temperature = 0.8 if "sampled" in parts else 0.0
         for c in levels:  # warm-up: compiles, captures the buckets the runs will use
-            attempt(out["warmup"], str(c), run_batch, engine, prompts(c), 4)
+            attempt(out["warmup"], str(c), run_batch, engine, prompts(c), 4, temperature)
         for c in levels:
             timer.reset()
             row = attempt(out["decode"], str(c), run_batch, engine, prompts(c), args.tokens,
-                          0.8 if "sampled" in parts else 0.0)
+                          temperature)
             if "error" not in row:
                 row["per_step_ms"] = timer.per_step_ms()
                 row["ahead_steps_so_far"] = core.num_ahead_steps
