@@ -109,6 +109,8 @@ def test_q8_layout_forward_matches_torch_path(triton_worker, tmp_path, vocab_dir
         ref = runner.forward(batch)
         rel = (got - ref).norm() / ref.norm()
         # the kernel's norm and torch's round differently: codes that move by one move the
-        # logits of these random models by 0.2-1.1% (seen); a wrong layout or code by O(1)
-        assert torch.isfinite(got).all() and rel < 5e-2, float(rel)
+        # logits of these random models by 0-4% a row (20 inputs seen; once 9.7% over a
+        # batch, when a moved code fed the next layer's quantization); a wrong layout or
+        # code moves them by O(1)
+        assert torch.isfinite(got).all() and rel < 0.2, float(rel)
     assert runner.triton is False  # the reference side really ran the torch path
