@@ -79,6 +79,9 @@ TILED_TILES = ((16, (16, 64, 4)), (32, (32, 64, 4)), (1 << 62, (64, 64, 4)))
 # spills (64 spill 30-85 VGPRs); the matrix-unit one spills at every tile tried, least at
 # 16 x 32 with one stage (Q4_K 75, Q6_K 267): to be tuned on the box.
 HIP_BLOCK_N = 32
+# From this many rows the CUDA-core kernel takes 128 rows a program: 10-20% faster on the
+# H200 at 14336 x 4096 (bench/RESULTS.md, 2026-11-30).
+WIDE_N = 8192
 HIP_TILED_TILE = (16, 32, 4, 1)
 
 
@@ -254,32 +257,57 @@ if HAS_TRITON:
         return tl.where(col == m, v, acc)
 
     @helper
+    def _k4_six(wa, w3, s, NIB: tl.constexpr):
+        """The 6-bit scale (wa = head word 1, NIB 0) or min (word 2, NIB 4) of Q4_K
+        sub-block s (uint32, any shape) from the head words (BN, 1)."""
+        sh = 8 * (s % 4)
+        return tl.where(s >= 4, ((w3 >> (sh + NIB)) & 15) | (((wa >> (sh + 6)) & 3) << 4),
+                        (wa >> sh) & 63).to(tl.int32)
+
+    @helper
     def _sb_q4k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M: tl.constexpr,
                 PTX: tl.constexpr):
         """acc (BN, BM) + super-block sb of BN Q4_K rows times the quantized x rows. The
-        codes stay packed: a u32 word of group g holds 4 bytes, low nibbles 4 codes of
-        sub-block 2g, high nibbles 4 of 2g + 1, against one word of x's int8 codes each."""
+        codes stay packed: word c (of 32) holds 4 bytes of group g = c // 8, low nibbles 4
+        codes of sub-block 2g, high nibbles 4 of 2g + 1, against one word of x's int8 codes
+        each. The words lie flat, (BN, 32): a thread holds 4 words of several rows, which
+        share x's words (loaded once) and a group's scales."""
         blk = row_off + sb * 144  # (BN,) 16-byte aligned super-blocks
-        g = tl.arange(0, 4)[None, :]
-        ii = tl.arange(0, 8)[None, None, :]
-        at = g[:, :, None] * 8 + ii + 0 * blk[:, None, None].to(tl.int32)  # (BN, 4, 8)
-        w = _stream(_p32(w_ptr) + ((blk + 16) // 4)[:, None, None] + at).to(tl.int32,
-                                                                            bitcast=True)
+        c = tl.arange(0, 32)[None, :]
+        zero = 0 * blk[:, None].to(tl.int32)  # (BN, 1): the indices below in the codes' shape
+        w = _stream(_p32(w_ptr) + ((blk + 16) // 4)[:, None] + (c + zero)).to(tl.int32,
+                                                                              bitcast=True)
         lo = w & 0x0F0F0F0F
         hi = (w >> 4) & 0x0F0F0F0F
-        d, dmin, sc0, sc1, mn0, mn1 = _k4_scales(w_ptr, blk, g)
+        # the 16-byte head: word 0 = d | dmin << 16, words 1-3 = scales[12]
+        j = tl.arange(0, 4)[None, :]
+        head = _stream((_p32(w_ptr) + blk // 4)[:, None] + j)  # (BN, 4)
+        w0 = _col(head, j, 0)
+        w1 = _col(head, j, 1)[:, None]
+        w2 = _col(head, j, 2)[:, None]
+        w3 = _col(head, j, 3)[:, None]
+        q = tl.arange(0, 8)[None, :]  # quad of words q: words 4 q .. 4 q + 3, group q // 2
+        s_lo = (2 * (q // 2)).to(tl.uint32)  # sub-block of the quad's low nibbles
+        sc_lo = _k4_six(w1, w3, s_lo, 0)  # (BN, 8)
+        sc_hi = _k4_six(w1, w3, s_lo + 1, 0)
+        g2 = (2 * j).to(tl.uint32)
+        mn0 = _k4_six(w2, w3, g2, 4)  # (BN, 4): the mins of sub-blocks 2g, 2g + 1
+        mn1 = _k4_six(w2, w3, g2 + 1, 4)
+        d = _f16lo(w0)
+        dmin = _f16lo(w0 >> 16)
         col = tl.arange(0, BLOCK_M)[None, :]
         q32 = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        xw = c + 8 * (c // 8) + zero  # x's word for word c's low nibbles: elements 64 g + 4 i
         for m in tl.static_range(BLOCK_M):
             if m < M:
-                # x's code words in the weight words' shape (and so their register layout):
-                # elements 64 g + 4 i .. + 3 (low nibbles) and 32 further on (high)
-                xrow = q32 + m * (K // 4) + sb * 64 + at + g[:, :, None] * 8
+                xrow = q32 + m * (K // 4) + sb * 64 + xw
                 xa = _keep(xrow)
-                xb = _keep(xrow + 8)
-                dot = (sc0 * tl.sum(_dp4a(lo, xa, PTX), axis=2)
-                       + sc1 * tl.sum(_dp4a(hi, xb, PTX), axis=2))
-                bs = bs_ptr + m * (K // 16) + sb * 16 + g * 4  # 16-sums: 2 per sub-block
+                xb = _keep(xrow + 8)  # 32 elements on: the high nibbles' sub-block
+                # a quad's 4 words lie in one thread: their sums need no exchange
+                p_lo = tl.sum(tl.reshape(_dp4a(lo, xa, PTX), (lo.shape[0], 8, 4)), axis=2)
+                p_hi = tl.sum(tl.reshape(_dp4a(hi, xb, PTX), (lo.shape[0], 8, 4)), axis=2)
+                dot = sc_lo * p_lo + sc_hi * p_hi  # (BN, 8)
+                bs = bs_ptr + m * (K // 16) + sb * 16 + j * 4  # 16-sums: 2 per sub-block
                 msum = mn0 * (tl.load(bs) + tl.load(bs + 1)) + mn1 * (
                     tl.load(bs + 2) + tl.load(bs + 3))  # (BN, 4)
                 dx = tl.load(dx_ptr + m * (K // 256) + sb)
@@ -288,47 +316,58 @@ if HAS_TRITON:
         return acc
 
     @helper
+    def _q6k_scales(sw, j, s):
+        """Q6_K_A scales (int32) of sub-blocks sub(s) and sub(s) + 4 (s: any shape) from
+        the scale words sw (BN, 4): sub(s) is byte s % 4 of word 2 (s // 4), sub(s) + 4 of
+        the word after."""
+        low = s < 4
+        sh = 24 - 8 * (s % 4)
+        sc_a = (tl.where(low, _col(sw, j, 0)[:, None], _col(sw, j, 2)[:, None]) << sh) >> 24
+        sc_b = (tl.where(low, _col(sw, j, 1)[:, None], _col(sw, j, 3)[:, None]) << sh) >> 24
+        return sc_a, sc_b
+
+    @helper
     def _sb_q6k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M: tl.constexpr,
                 PTX: tl.constexpr):
         """acc (BN, BM) + super-block sb of BN Q6_K_A rows times the quantized x rows. Its
         208-byte record (ql[128], qh[64], scales[16]) is 16-byte aligned and read as u32
-        words; d sits in the row's tail. Word j = 4 s + r (s < 8, r < 4) of ql holds, in
+        words; d sits in the row's tail. Word c = 4 s + r (s < 8, r < 4) of ql holds, in
         its low nibbles, 4 codes of 16-element sub-block sub(s) = s + 4 (s // 4) and in its
         high nibbles 4 of sub(s) + 4; their top 2 bits are bits 2 a (4 + 2 a) of qh word
-        8 (s // 4) + 4 (s % 2) + r, a = s // 2 % 2."""
+        8 (s // 4) + 4 (s % 2) + r, a = s // 2 % 2. The words lie flat, (BN, 32), as in
+        _sb_q4k."""
         base = row_off + sb * 208  # (BN,)
-        b3 = base[:, None, None]
-        s8 = tl.arange(0, 8)[None, :, None]
-        r = tl.arange(0, 4)[None, None, :]
-        zero = 0 * b3.to(tl.int32)  # (BN, 1, 1): every index below in the codes' shape
-        p = _p32(w_ptr) + b3 // 4
-        ql = _stream(p + (4 * s8 + r + zero)).to(tl.int32, bitcast=True)  # (BN, 8, 4)
-        qh = _stream(p + (32 + 8 * (s8 // 4) + 4 * (s8 % 2) + r + zero)).to(tl.int32,
-                                                                             bitcast=True)
-        a2 = 2 * (s8 // 2 % 2)
+        c = tl.arange(0, 32)[None, :]
+        s = c // 4
+        r = c % 4
+        zero = 0 * base[:, None].to(tl.int32)  # (BN, 1): the indices below in the codes' shape
+        p = _p32(w_ptr) + (base // 4)[:, None]
+        ql = _stream(p + (c + zero)).to(tl.int32, bitcast=True)  # (BN, 32)
+        qh = _stream(p + (32 + 8 * (s // 4) + 4 * (s % 2) + r + zero)).to(tl.int32,
+                                                                          bitcast=True)
+        a2 = 2 * (s // 2 % 2)
         q_lo = (ql & 0x0F0F0F0F) | (((qh >> a2) & 0x03030303) << 4)
         q_hi = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (a2 + 4)) & 0x03030303) << 4)
-        # scales: sub(s) is byte s % 4 of word 2 (s // 4), sub(s) + 4 of the word after
         j = tl.arange(0, 4)[None, :]
         sw = _stream((_p32(w_ptr) + base // 4 + 48)[:, None] + j).to(tl.int32, bitcast=True)
         i = tl.arange(0, 8)[None, :]
-        low = i < 4
-        sh = 24 - 8 * (i % 4)
-        sc_a = (tl.where(low, _col(sw, j, 0)[:, None], _col(sw, j, 2)[:, None]) << sh) >> 24
-        sc_b = (tl.where(low, _col(sw, j, 1)[:, None], _col(sw, j, 3)[:, None]) << sh) >> 24
+        sc_a, sc_b = _q6k_scales(sw, j, i)  # (BN, 8): sub(i) and sub(i) + 4
         d = _f16(w_ptr + row_off + (K // 256) * 208 + 2 * sb)
         sub = i + 4 * (i // 4)  # (1, 8)
         col = tl.arange(0, BLOCK_M)[None, :]
         q32 = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-        sub3 = s8 + 4 * (s8 // 4)
+        xw = 4 * (s + 4 * (s // 4)) + r + zero  # x's word for word c's low nibbles
         for m in tl.static_range(BLOCK_M):
             if m < M:
-                xrow = q32 + m * (K // 4) + sb * 64 + (4 * sub3 + r + zero)  # (BN, 8, 4)
+                xrow = q32 + m * (K // 4) + sb * 64 + xw  # (BN, 32)
                 xa = _keep(xrow)
                 xb = _keep(xrow + 16)
+                # word c = 4 s + r: a quad (one s) lies in one thread, summed without exchange
+                p_lo = tl.sum(tl.reshape(_dp4a(q_lo, xa, PTX), (ql.shape[0], 8, 4)), axis=2)
+                p_hi = tl.sum(tl.reshape(_dp4a(q_hi, xb, PTX), (ql.shape[0], 8, 4)), axis=2)
                 bs = bs_ptr + m * (K // 16) + sb * 16 + sub  # (1, 8)
-                isum = (sc_a * (tl.sum(_dp4a(q_lo, xa, PTX), axis=2) - 32 * tl.load(bs))
-                        + sc_b * (tl.sum(_dp4a(q_hi, xb, PTX), axis=2) - 32 * tl.load(bs + 4)))
+                # codes are q - 32: minus 32 times x's sum over the sub-block
+                isum = (sc_a * (p_lo - 32 * tl.load(bs)) + sc_b * (p_hi - 32 * tl.load(bs + 4)))
                 dx = tl.load(dx_ptr + m * (K // 256) + sb)
                 acc = _put(acc, col, m, tl.sum(isum, axis=1), d * dx)
         return acc
@@ -540,15 +579,18 @@ def quantize_x(x: torch.Tensor) -> QuantX:
 @functools.lru_cache(maxsize=4096)
 def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
                         backend: str = "cuda") -> QIntConfig:
-    """64 rows a program (HIP_BLOCK_N on "hip"), 4 warps; the super-blocks split while the
-    N tiles alone give fewer than 4 programs per compute unit (num_sms 0: no split). No
-    M: the split is in a row's bits."""
+    """64 rows a program (128 from WIDE_N rows on; HIP_BLOCK_N on "hip"), 4 warps; the
+    super-blocks split while 64-row tiles alone give fewer than 4 programs per compute
+    unit (num_sms 0: no split). No M: the split is in a row's bits (the rows a program
+    takes are not)."""
     sbs = k // QK
     split = 1
     tiles = -(-n // 64)
     while tiles * split < 4 * num_sms and sbs % (2 * split) == 0 and split < 16:
         split *= 2
-    return QIntConfig(HIP_BLOCK_N if backend == "hip" else 64, split)
+    if backend == "hip":
+        return QIntConfig(HIP_BLOCK_N, split)
+    return QIntConfig(128 if n >= WIDE_N else 64, split)
 
 
 def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int],
@@ -662,11 +704,14 @@ def aot_specs(spec: type) -> list:
     for qtype, qtype2, name in ((Q4_K, 0, "Q4_K"), (Q6_K_A, 0, "Q6_K"),
                                 (Q4_K, Q6_K_A, "Q4_K_Q6_K")):
         for bm in (1, GEMV_MAX_M):
-            for backend in ("hip", "cuda"):
-                cfg = default_qint_config(qtype, 4096, 4096, backend=backend)
+            for backend, n in (("hip", 4096), ("cuda", 4096), ("hip", WIDE_N), ("cuda", WIDE_N)):
+                if n == WIDE_N and qtype2:
+                    continue  # a fused q|k|v of two types is never that wide
+                cfg = default_qint_config(qtype, n, 4096, backend=backend)
                 consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": cfg.block_n,
                           "PTX": backend == "cuda", "QTYPE2": qtype2}
-                out.append(spec(f"qint_{name}_m{bm}", _qint_gemv_kernel,
+                wide = "_wide" if n == WIDE_N else ""
+                out.append(spec(f"qint_{name}_m{bm}{wide}", _qint_gemv_kernel,
                                 {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,
                                 cfg.num_warps, False, backend, cfg.num_stages,
                                 divisible + ("w2_ptr", "row_bytes2")))

@@ -20,7 +20,9 @@ from engine.errors import InvalidRequest
 from kernels.qint import (
     ACT8_STORED,
     Q6_K_A,
+    WIDE_N,
     QIntConfig,
+    default_qint_config,
     dequantized_x_reference,
     qint_reference,
     quantize_x_reference,
@@ -217,3 +219,18 @@ def interp_free(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int, k: in
     from kernels.qint import qint_triton
 
     return qint_triton(x, blocks, qtype, (n, k))
+
+
+def test_default_config_rows_a_program_leave_the_split_alone():
+    """From WIDE_N rows a program takes 128 rows on CUDA; the split (a row's bits) still
+    counts 64-row tiles: while fewer than 4 programs a compute unit, up to 16, dividing
+    the super-blocks evenly."""
+    sms = 132
+    want = {4096: (64, 16), WIDE_N - 1: (64, 8), WIDE_N: (128, 8), 14336: (128, 4),
+            28672: (128, 2), 128256: (128, 1)}
+    for n, (block_n, split) in want.items():
+        assert default_qint_config(T.Q4_K, n, 4096, sms) == QIntConfig(block_n, split), n
+        hip = default_qint_config(T.Q4_K, n, 4096, sms, backend="hip")
+        assert hip.split == split and hip.block_n < 64, n
+    assert default_qint_config(T.Q4_K, 4096, 14336, sms).split == 8  # 56 super-blocks
+    assert default_qint_config(T.Q4_K, 4096, 4096).split == 1  # no compute units given
