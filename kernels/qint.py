@@ -82,6 +82,9 @@ HIP_BLOCK_N = 32
 # From this many rows the CUDA-core kernel takes 128 rows a program: 10-20% faster on the
 # H200 at 14336 x 4096 (bench/RESULTS.md, 2026-11-30).
 WIDE_N = 8192
+# More splits than this cost more in partial sums than they gain in programs (H200, 4096 x
+# 4096 at one row: 8.5 us at 8 splits, 9.6 at 16).
+MAX_SPLIT = 8
 HIP_TILED_TILE = (16, 32, 4, 1)
 
 
@@ -581,12 +584,12 @@ def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
                         backend: str = "cuda") -> QIntConfig:
     """64 rows a program (128 from WIDE_N rows on; HIP_BLOCK_N on "hip"), 4 warps; the
     super-blocks split while 64-row tiles alone give fewer than 4 programs per compute
-    unit (num_sms 0: no split). No M: the split is in a row's bits (the rows a program
-    takes are not)."""
+    unit, up to MAX_SPLIT (num_sms 0: no split). No M: the split is in a row's bits (the
+    rows a program takes are not)."""
     sbs = k // QK
     split = 1
     tiles = -(-n // 64)
-    while tiles * split < 4 * num_sms and sbs % (2 * split) == 0 and split < 16:
+    while tiles * split < 4 * num_sms and sbs % (2 * split) == 0 and split < MAX_SPLIT:
         split *= 2
     if backend == "hip":
         return QIntConfig(HIP_BLOCK_N, split)
