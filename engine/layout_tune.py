@@ -5,11 +5,12 @@ the file's bytes) or is dequantized at load to bf16 (`bf16`: torch matmuls, 2 by
 weight). Which decodes faster depends on the device: where bandwidth is plentiful and the
 quantized kernels fall short of it (the H200: bench/RESULTS.md) the bf16 copies win; on a
 bandwidth-poor APU (the appliance's ~212 GB/s) a quarter of the bytes wins. So `auto`
-times both on the model's own linear shapes, at 1 and at 16 rows (one stream; a full
-batch), each weight read from memory as decode reads it (copies beyond the L2, replayed in
-a CUDA graph), weighs each shape by how many linears have it, and takes the faster layout
-whose weights and KV cache fit the device's free memory. Within 5% the blocks win: fewer
-bytes leave more room for sessions.
+times both on the model's own linear shapes, at 1 and at 16 rows and at the configured
+sessions' full batch (one stream; a full box), each weight read from memory as decode
+reads it (copies beyond the L2, replayed in a CUDA graph), weighs each shape by how many
+linears have it, and takes the layout fastest at one row plus the full batch whose weights
+and KV cache fit the device's free memory. Within 5% the blocks win: fewer bytes leave
+more room for sessions.
 
 The blocks come two ways: `ggml` (bf16 operands, the exact codes) and `q8` (the same
 blocks, Q4_K and Q6_K multiplied with 8-bit activations: kernels/qint.py). q8 is timed on the
@@ -38,7 +39,7 @@ from engine.planner import plan
 
 log = logging.getLogger(__name__)
 
-ROWS = (1, 16)
+ROWS = (1, 16)  # always timed (and reported); a session count between adds its own
 TIE_MARGIN = 0.05  # ggml wins unless bf16 is more than 5% faster
 MEMORY_FRACTION = 0.9  # of the device's free memory at load
 L2_MISS_BYTES = 256 << 20  # weight bytes per timing: beyond any GPU's L2
@@ -86,10 +87,23 @@ def linear_shapes(mf: ModelFile) -> list[LinearShape]:
     return [LinearShape(t, n, k, c) for (t, n, k), c in sorted(counts.items())]
 
 
+def tune_rows(sessions: int) -> tuple[int, ...]:
+    """The row counts timed: ROWS and the batch of `sessions` decoders (at most the last
+    of ROWS)."""
+    return tuple(sorted({*ROWS, full_rows(sessions)}))
+
+
+def full_rows(sessions: int) -> int:
+    return max(1, min(sessions, ROWS[-1]))
+
+
 def choose_layout(mf: ModelFile, cfg: ModelConfig, *, sessions: int, context: int,
                   kv_quant: str, budget_bytes: int | None, measure: Measure) -> LayoutChoice:
     """The layout for `mf` on the device `measure` times (see the module docstring);
-    `budget_bytes` None: memory is not checked."""
+    `budget_bytes` None: memory is not checked. A layout's score is its time at one row
+    plus its time at the configured sessions' full batch (up to 16 rows): one stream's
+    speed and a full box's weigh the same, so a box set up for few sessions is not
+    judged by a 16-row batch it never runs."""
     plans = {layout: plan(mf, cfg, sessions=sessions, context=context, kv_quant=kv_quant,
                           backend=backend).total_bytes
              for layout, backend in (("ggml", "gpu"), ("bf16", "cpu"))}
@@ -99,23 +113,26 @@ def choose_layout(mf: ModelFile, cfg: ModelConfig, *, sessions: int, context: in
     timed: dict[tuple[str, LinearShape, int], float] = {}  # ms of all of a shape's linears
     # every layout and row count of one shape in a row: its weights are made once (ggml's
     # serve q8 where the bytes are the same)
+    rows = tune_rows(sessions)
     for s in shapes:
         for layout in ("ggml", "q8") + (("bf16",) if bf16_fits else ()):
-            for m in ROWS:
+            for m in rows:
                 if layout == "q8" and s.ggml_type not in ACT8_TYPES:  # ggml's kernels
                     timed[layout, s, m] = timed["ggml", s, m]
                 else:
                     timed[layout, s, m] = 1e3 * s.count * measure(
                         layout, s.ggml_type, s.out_features, s.in_features, m)
-    cost = {layout: {m: sum(timed[layout, s, m] for s in shapes) for m in ROWS}
+    cost = {layout: {m: sum(timed[layout, s, m] for s in shapes) for m in rows}
             for layout in dict.fromkeys(lay for lay, _, _ in timed)}
-    score = {layout: sum(by_rows.values()) for layout, by_rows in cost.items()}
+    full = full_rows(sessions)
+    score = {layout: by_rows[1] + by_rows[full] for layout, by_rows in cost.items()}
     blocks = "q8" if score["q8"] < (1 - TIE_MARGIN) * score["ggml"] else "ggml"
     layout = "bf16" if bf16_fits and score["bf16"] < (1 - TIE_MARGIN) * score[blocks] else blocks
-    per_rows = {name: "/".join(f"{by_rows[m]:.2f}" for m in ROWS)
+    per_rows = {name: "/".join(f"{by_rows[m]:.2f}" for m in rows)
                 for name, by_rows in cost.items()}
-    reason = (f"linears of one forward at {'/'.join(map(str, ROWS))} rows: "
-              + ", ".join(f"{name} {per_rows[name]} ms" for name in cost))
+    reason = (f"linears of one forward at {'/'.join(map(str, rows))} rows: "
+              + ", ".join(f"{name} {per_rows[name]} ms" for name in cost)
+              + f"; scored at 1 + {full} rows ({sessions} sessions)")
     if not bf16_fits:
         reason += (f"; bf16 weights and KV ({plans['bf16'] >> 20} MiB) exceed the "
                    f"{budget_bytes >> 20} MiB free")

@@ -14,7 +14,7 @@ from engine.build import EngineOptions, load_for
 from engine.errors import InvalidRequest
 from engine.gguf import ModelFile
 from engine.inspect import inspect_model
-from engine.layout_tune import ROWS, choose_layout, linear_shapes
+from engine.layout_tune import choose_layout, linear_shapes, tune_rows
 from engine.models.registry import read_config
 from engine.planner import plan
 from engine.synthetic import SyntheticSpec, write_synthetic_gguf
@@ -95,18 +95,39 @@ def test_the_faster_layout_wins_and_a_near_tie_keeps_the_blocks(with_head, bf16_
     choice, shapes = choose(with_head, measure)
     assert choice.layout == expected
     # every distinct shape timed once per layout and row count, weighed by its count
+    assert tune_rows(4) == (1, 4, 16)  # choose's default: 4 sessions
     want_calls = [(lay, s.ggml_type, s.out_features, s.in_features, m)
-                  for lay in ("ggml", "q8", "bf16") for s in shapes for m in ROWS
+                  for lay in ("ggml", "q8", "bf16") for s in shapes for m in (1, 4, 16)
                   if lay != "q8" or s.ggml_type in (T.Q4_K, T.Q6_K)]
     assert sorted(calls) == sorted(want_calls)
     for layout, ns in (("ggml", 1.0), ("bf16", bf16_ns), ("q8", None)):
-        for m in ROWS:
+        for m in (1, 4, 16):
             want = sum(s.count * (ns or (q8_ns if s.ggml_type in (T.Q4_K, T.Q6_K) else 1.0))
                        * 1e-6
                        * type_weight(s.ggml_type) * s.out_features * s.in_features
                        * (1 + m / 16) for s in shapes)
             assert choice.forward_ms[layout][m] == pytest.approx(want)
     assert all(name in choice.reason for name in ("bf16", "ggml", "q8"))
+
+
+def test_the_score_is_one_row_plus_the_sessions_full_batch(with_head):
+    """q8 fast at one row and slow at many, bf16 flat: few sessions take q8, a box set up
+    for many takes bf16; more than 16 sessions are judged at 16 rows."""
+    calls: list[tuple] = []
+    per_row = {"ggml": (1.0, 0.5), "q8": (0.4, 0.5), "bf16": (0.8, 0.02)}  # ns at 1, + a row
+
+    def measure(layout, ggml_type, n, k, m):
+        calls.append(m)
+        first, more = per_row[layout]
+        return (first + more * (m - 1)) * 1e-9 * n * k
+
+    for sessions, rows, layout in ((1, (1, 16), "q8"), (2, (1, 2, 16), "q8"),
+                                   (8, (1, 8, 16), "bf16"), (64, (1, 16), "bf16")):
+        calls.clear()
+        choice, _ = choose(with_head, measure, sessions=sessions)
+        assert tune_rows(sessions) == rows and sorted(set(calls)) == list(rows)
+        assert choice.layout == layout, (sessions, choice.reason)
+        assert f"1 + {min(sessions, 16)} rows" in choice.reason
 
 
 def test_bf16_that_does_not_fit_is_not_measured(with_head):
