@@ -24,7 +24,7 @@ Launches: `quantize_x` (one small kernel, or fused into the norm or gated activa
 before the product) writes q (int8), dx and the sums of q over each 16 columns; then
 one product kernel, whose split partials (the super-blocks of a row cut into `split`
 ranges, by (type, N, K) only) are added in split order by the last program of each tile:
-- `_qint_gemv_kernel` (up to GEMV_MAX_M rows) on the CUDA cores: a program owns BLOCK_N
+- `_qint_gemv_kernel` (up to gemv_max_m rows: 4, Q6_K 8) on the CUDA cores: a program owns BLOCK_N
   weight rows, the codes stay packed four to a u32 word against a word of x's int8 codes
   (dp4a on NVIDIA, byte by byte elsewhere: the same integer), each row of x in turn;
 - `_qint_mm_kernel` (more rows) on the matrix unit with f16 operands that hold integers
@@ -69,7 +69,11 @@ QK = 256  # columns per super-block, and per x scale
 # matrix unit's beyond: on the H200 (bench/RESULTS.md, 2026-11-30) Q4_K's at 1-2 rows is
 # 1.3-1.9x faster than qmatmul's bf16 kernel and at 4 rows still ahead of the matrix-unit
 # one (39 vs 48 us at 14336 x 4096), at 8 behind.
-GEMV_MAX_M = 4
+GEMV_MAX_M = 4  # rows up to which Q4_K (and a launch of two types) runs on the CUDA cores
+# Q6_K's matrix-unit step decodes its codes slowly: the CUDA-core kernel stays faster up
+# to 8 rows (H200 at 8 rows: 50 against 97 us at 14336 x 4096, 320 against 746 on the
+# head; bench/RESULTS.md 2026-11-30). The bits are the same on both paths.
+GEMV_MAX_M_OF = {Q6_K_A: 8}
 # The matrix-unit kernel's (block_m, block_n, num_warps) by rows of x, the first whose
 # bound holds: the sums are exact, so the tile may depend on M without changing a bit.
 # Swept on the H200 at 14336 x 4096 (bench/gpu/qint_bench.py): 16 x 64 best at 16 rows,
@@ -614,7 +618,8 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
                xq: QuantX | None = None) -> torch.Tensor:
     """qint_triton of the weight whose rows are the parts' (blocks, type, rows) in order:
     y (M, sum of rows). The split is the whole weight's (default_qint_config of its rows),
-    so each part's bits are the same on every path; up to GEMV_MAX_M rows of x, two parts
+    so each part's bits are the same on every path; a part of up to gemv_max_m(type)
+    rows runs on the CUDA cores, more on the matrix unit; up to GEMV_MAX_M rows, two parts
     whose first fills whole programs run as one launch (a fused q|k|v of two types)."""
     m = x.shape[0]
     if x.dim() != 2 or x.shape[1] != k or k % QK or x.stride(1) != 1:
@@ -639,11 +644,18 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
     if xq is not None and (tuple(xq.q.shape) != (m, k) or xq.q.dtype != torch.int8):
         raise InvalidRequest(f"qint: xq must hold ({m}, {k}) int8 codes")
     xq = xq if xq is not None else quantize_x(x)
-    gemv = m <= GEMV_MAX_M
-    if gemv and (len(parts) == 1 or len(parts) == 2 and parts[0][2] % cfg.block_n == 0):
-        return _launch(xq, parts, m, k, cfg, sms, backend, gemv)
-    outs = [_launch(xq, [part], m, k, cfg, sms, backend, gemv) for part in parts]
+    gemv = [m <= gemv_max_m(t) for _, t, _ in parts]
+    if all(gemv) and (len(parts) == 1 or len(parts) == 2 and m <= GEMV_MAX_M
+                      and parts[0][2] % cfg.block_n == 0):
+        return _launch(xq, parts, m, k, cfg, sms, backend, True)
+    outs = [_launch(xq, [part], m, k, cfg, sms, backend, g)
+            for part, g in zip(parts, gemv, strict=True)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def gemv_max_m(qtype: int) -> int:
+    """The most rows of x a weight of `qtype` multiplies on the CUDA cores."""
+    return GEMV_MAX_M_OF.get(int(qtype), GEMV_MAX_M)
 
 
 def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, k: int,
@@ -706,7 +718,7 @@ def aot_specs(spec: type) -> list:
     # each type alone, and q|k in Q4_K with v in Q6_K in one launch (Q4_K_M's attention)
     for qtype, qtype2, name in ((Q4_K, 0, "Q4_K"), (Q6_K_A, 0, "Q6_K"),
                                 (Q4_K, Q6_K_A, "Q4_K_Q6_K")):
-        for bm in (1, GEMV_MAX_M):
+        for bm in sorted({1, GEMV_MAX_M, GEMV_MAX_M if qtype2 else gemv_max_m(qtype)}):
             for backend, n in (("hip", 4096), ("cuda", 4096), ("hip", WIDE_N), ("cuda", WIDE_N)):
                 if n == WIDE_N and qtype2:
                     continue  # a fused q|k|v of two types is never that wide

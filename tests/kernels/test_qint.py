@@ -19,11 +19,13 @@ from test_qmatmul import random_weight
 from engine.errors import InvalidRequest
 from kernels.qint import (
     ACT8_STORED,
+    GEMV_MAX_M,
     Q6_K_A,
     WIDE_N,
     QIntConfig,
     default_qint_config,
     dequantized_x_reference,
+    gemv_max_m,
     qint_reference,
     quantize_x_reference,
     repack_q6k,
@@ -142,9 +144,10 @@ def test_kernel_matches_gguf(interp, rng, qtype, m, n, k, cfg):
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_rows_independent_of_batch_and_path(interp, rng, qtype):
     """A row's bits are the same alone and among 2 rows (the CUDA-core kernel, any tile
-    height), among 5 and 40 (the matrix-unit kernel: two M tiles, the second partial),
-    at the same split: the super-block sums are exact integers and the float fmas run in
-    K order on both paths."""
+    height), among 5 (the matrix-unit kernel for Q4_K, the CUDA-core one with 8-row tiles
+    for Q6_K) and 40 (the matrix-unit kernel: two M tiles, the second partial), at the
+    same split: the super-block sums are exact integers and the float fmas run in K order
+    on both paths."""
     n, k = 72, 1024
     blocks = random_weight(qtype, n, k, rng)
     held = stored(blocks, qtype, k)
@@ -166,9 +169,10 @@ def test_rows_independent_of_batch_and_path(interp, rng, qtype):
 
 def test_two_parts_in_one_launch(interp, rng):
     """qint_parts: q|k-like Q4_K rows and v-like Q6_K rows. Up to 4 rows of x one launch
-    when the first part fills whole programs (else one per part), more rows one matrix-unit
-    launch per part; the split is the whole weight's, so a row's bits are the same every
-    way, each part within 2^-16 of its definition."""
+    when the first part fills whole programs (else one per part), more rows one launch per
+    part (6 rows: Q4_K on the matrix unit, Q6_K still on the CUDA cores); the split is the
+    whole weight's, so a row's bits are the same every way, each part within 2^-16 of its
+    definition."""
     k, n1, n2 = 1024, 48, 24
     b1, b2 = random_weight(T.Q4_K, n1, k, rng), random_weight(T.Q6_K, n2, k, rng)
     parts = [(b1, int(T.Q4_K), n1), (repack_q6k(b2, k), Q6_K_A, n2)]
@@ -234,3 +238,26 @@ def test_default_config_rows_a_program_leave_the_split_alone():
         assert hip.split == split and hip.block_n < 64, n
     assert default_qint_config(T.Q4_K, 4096, 14336, sms).split == 8  # 56 super-blocks
     assert default_qint_config(T.Q4_K, 4096, 4096).split == 1  # no compute units given
+
+
+def test_q6k_stays_on_the_cuda_cores_up_to_8_rows(monkeypatch):
+    """Which kernel each part runs, by rows: Q4_K up to GEMV_MAX_M on the CUDA cores,
+    Q6_K up to 8; two parts share a launch only up to GEMV_MAX_M."""
+    import kernels.qint as qint
+
+    launches = []
+    monkeypatch.setattr(qint, "_launch", lambda xq, parts, m, k, cfg, sms, backend, gemv:
+                        launches.append((tuple(p[1] for p in parts), gemv))
+                        or torch.zeros(m, sum(p[2] for p in parts)))
+    assert gemv_max_m(int(T.Q4_K)) == GEMV_MAX_M == 4 and gemv_max_m(Q6_K_A) == 8
+    k = 256
+    parts = [(torch.zeros(64, row_bytes(int(T.Q4_K), k), dtype=torch.uint8), int(T.Q4_K), 64),
+             (torch.zeros(32, row_bytes(Q6_K_A, k), dtype=torch.uint8), Q6_K_A, 32)]
+    for m, want in ((4, [((12, Q6_K_A), True)]),
+                    (5, [((12,), False), ((Q6_K_A,), True)]),
+                    (8, [((12,), False), ((Q6_K_A,), True)]),
+                    (9, [((12,), False), ((Q6_K_A,), False)])):
+        launches.clear()
+        qint.qint_parts(torch.zeros(m, k), parts, k, QIntConfig(64, 1),
+                        xq=qint.empty_quant_x(m, k, torch.device("cpu")))
+        assert launches == want, m
