@@ -232,36 +232,13 @@ if HAS_TRITON:
         return tl.load(p, eviction_policy="evict_last")
 
     @helper
-    def _k4_scales(w_ptr, blk, g):
-        """Q4_K super-blocks at byte offsets blk (BN,): d, dmin (BN,) float32 and the int32
-        scales and mins (BN, 4) of sub-blocks 2 g and 2 g + 1 (g: (1, 4) group index). The
-        16-byte head: word 0 = d | dmin << 16, words 1-3 = scales[12] (qtiles._scales_k4)."""
+    def _k4_head(w_ptr, blk):
+        """The 16-byte heads of Q4_K super-blocks at byte offsets blk (BN,): word 0 (BN,)
+        = d | dmin << 16, words 1-3 (BN, 1) = scales[12] (qtiles._scales_k4)."""
         j = tl.arange(0, 4)[None, :]
         head = _stream((_p32(w_ptr) + blk // 4)[:, None] + j)  # (BN, 4)
-        w0 = tl.sum(tl.where(j == 0, head, 0), axis=1)
-        w1 = tl.sum(tl.where(j == 1, head, 0), axis=1)[:, None]
-        w2 = tl.sum(tl.where(j == 2, head, 0), axis=1)[:, None]
-        w3 = tl.sum(tl.where(j == 3, head, 0), axis=1)[:, None]
-        s0 = (2 * g).to(tl.uint32)
-        sh0 = 8 * (s0 % 4)
-        sh1 = sh0 + 8
-        upper = s0 >= 4
-        sc0 = tl.where(upper, ((w3 >> sh0) & 15) | (((w1 >> (sh0 + 6)) & 3) << 4),
-                       (w1 >> sh0) & 63).to(tl.int32)
-        sc1 = tl.where(upper, ((w3 >> sh1) & 15) | (((w1 >> (sh1 + 6)) & 3) << 4),
-                       (w1 >> sh1) & 63).to(tl.int32)
-        mn0 = tl.where(upper, ((w3 >> (sh0 + 4)) & 15) | (((w2 >> (sh0 + 6)) & 3) << 4),
-                       (w2 >> sh0) & 63).to(tl.int32)
-        mn1 = tl.where(upper, ((w3 >> (sh1 + 4)) & 15) | (((w2 >> (sh1 + 6)) & 3) << 4),
-                       (w2 >> sh1) & 63).to(tl.int32)
-        return _f16lo(w0), _f16lo(w0 >> 16), sc0, sc1, mn0, mn1
-
-    @helper
-    def _put(acc, col, m, isum, scale):
-        """acc[:, m] = fma(isum, scale, acc[:, m]) for (BN,) sums and scales; the other
-        columns unchanged."""
-        v = tl.fma(isum.to(tl.float32)[:, None], scale[:, None], acc)
-        return tl.where(col == m, v, acc)
+        return (_col(head, j, 0), _col(head, j, 1)[:, None], _col(head, j, 2)[:, None],
+                _col(head, j, 3)[:, None])
 
     @helper
     def _k4_six(wa, w3, s, NIB: tl.constexpr):
@@ -270,6 +247,22 @@ if HAS_TRITON:
         sh = 8 * (s % 4)
         return tl.where(s >= 4, ((w3 >> (sh + NIB)) & 15) | (((wa >> (sh + 6)) & 3) << 4),
                         (wa >> sh) & 63).to(tl.int32)
+
+    @helper
+    def _k4_scales(w_ptr, blk, g):
+        """Q4_K super-blocks at byte offsets blk (BN,): d, dmin (BN,) float32 and the int32
+        scales and mins of sub-blocks 2 g and 2 g + 1 (g: (1, G) group index)."""
+        w0, w1, w2, w3 = _k4_head(w_ptr, blk)
+        s0 = (2 * g).to(tl.uint32)
+        return (_f16lo(w0), _f16lo(w0 >> 16), _k4_six(w1, w3, s0, 0),
+                _k4_six(w1, w3, s0 + 1, 0), _k4_six(w2, w3, s0, 4), _k4_six(w2, w3, s0 + 1, 4))
+
+    @helper
+    def _put(acc, col, m, isum, scale):
+        """acc[:, m] = fma(isum, scale, acc[:, m]) for (BN,) sums and scales; the other
+        columns unchanged."""
+        v = tl.fma(isum.to(tl.float32)[:, None], scale[:, None], acc)
+        return tl.where(col == m, v, acc)
 
     @helper
     def _sb_q4k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M: tl.constexpr,
@@ -286,13 +279,8 @@ if HAS_TRITON:
                                                                               bitcast=True)
         lo = w & 0x0F0F0F0F
         hi = (w >> 4) & 0x0F0F0F0F
-        # the 16-byte head: word 0 = d | dmin << 16, words 1-3 = scales[12]
+        w0, w1, w2, w3 = _k4_head(w_ptr, blk)
         j = tl.arange(0, 4)[None, :]
-        head = _stream((_p32(w_ptr) + blk // 4)[:, None] + j)  # (BN, 4)
-        w0 = _col(head, j, 0)
-        w1 = _col(head, j, 1)[:, None]
-        w2 = _col(head, j, 2)[:, None]
-        w3 = _col(head, j, 3)[:, None]
         q = tl.arange(0, 8)[None, :]  # quad of words q: words 4 q .. 4 q + 3, group q // 2
         s_lo = (2 * (q // 2)).to(tl.uint32)  # sub-block of the quad's low nibbles
         sc_lo = _k4_six(w1, w3, s_lo, 0)  # (BN, 8)
