@@ -26,15 +26,36 @@ from kernels import qgemv  # noqa: E402
 from kernels.qmatmul import QMMConfig, _lut, qmatmul_tiled  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--type", default="Q4_K", choices=sorted(GGML_TYPES))
+def shape_parser(doc: str, types: list[str], cfg_help: str) -> argparse.ArgumentParser:
+    """One launch shape's options: --type --n --k --m --reps --cfg."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--type", default="Q4_K", choices=types)
     ap.add_argument("--n", type=int, default=14336)
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--reps", type=int, default=8)
-    ap.add_argument("--cfg", help="block_m,block_n,block_k,split_k,num_warps,num_stages")
-    args = ap.parse_args(argv)
+    ap.add_argument("--cfg", help=cfg_help)
+    return ap
+
+
+def launch_us(call, reps: int) -> float:
+    """Mean us of `reps` launches of `call` after 3 warm-ups (no graph: a profiler sees
+    each launch)."""
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = shape_parser(__doc__, sorted(GGML_TYPES),
+                        "block_m,block_n,block_k,split_k,num_warps,num_stages").parse_args(argv)
     run = Run(argparse.Namespace(smoke=False, budget_s=60.0))
     qtype = GGML_TYPES[args.type]
     blocks = random_blocks(run, args.type, args.n, args.k)
@@ -51,16 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         def call():
             return qmatmul_tiled(x, blocks, qtype, args.n, lut, cfg, num_sms=run.sms)
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(args.reps):
-        call()
-    end.record()
-    torch.cuda.synchronize()
-    us = start.elapsed_time(end) * 1e3 / args.reps
+    us = launch_us(call, args.reps)
     print(f"{args.type} ({args.n},{args.k}) M={args.m} {cfg}: {us:.1f} us, "
           f"{blocks.numel() / us / 1e3:.0f} GB/s (L2-warm launches)")
     return 0

@@ -20,20 +20,14 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench" / "gpu")]
 
 import torch  # noqa: E402
 from kernels_check import GGML_TYPES, random_blocks  # noqa: E402
+from qgemv_profile import launch_us, shape_parser  # noqa: E402
 from qmatmul_bench import Run  # noqa: E402
 
 from kernels import qint  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--type", default="Q4_K", choices=["Q4_K", "Q6_K"])
-    ap.add_argument("--n", type=int, default=14336)
-    ap.add_argument("--k", type=int, default=4096)
-    ap.add_argument("--m", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=8)
-    ap.add_argument("--cfg", help="block_n,split,num_warps")
-    args = ap.parse_args(argv)
+    args = shape_parser(__doc__, ["Q4_K", "Q6_K"], "block_n,split,num_warps").parse_args(argv)
     run = Run(argparse.Namespace(smoke=False, budget_s=60.0))
     blocks = random_blocks(run, args.type, args.n, args.k)
     qtype = qint.ACT8_STORED[GGML_TYPES[args.type]]
@@ -46,16 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     def call():
         return qint.qint_triton(x, blocks, qtype, (args.n, args.k), cfg, xq=xq)
 
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(args.reps):
-        call()
-    end.record()
-    torch.cuda.synchronize()
-    us = start.elapsed_time(end) * 1e3 / args.reps
+    us = launch_us(call, args.reps)
     used = cfg or qint.default_qint_config(qtype, args.n, args.k, run.sms)
     print(f"{args.type} ({args.n},{args.k}) M={args.m} {used}: {us:.1f} us, "
           f"{blocks.numel() / us / 1e3:.0f} GB/s (L2-warm launches)")
