@@ -230,13 +230,16 @@ class EngineCore:
 
     # -- the next step, launched before this one's tokens reach the host ----------------
     def _may_look_ahead(self, plan: StepPlan) -> bool:
-        """Whether the next step is this one's decoders again, one position on (so it can
-        start from the sampled ids on the device): nothing waits, nobody prefills, every
-        decoder is in this plan, each draw depends only on its logits (no penalties, no
-        grammar), and one of them may still continue."""
+        """Whether the next step is likely this one's decoders again, one position on (so
+        it can start from the sampled ids on the device): nobody prefills, every decoder is
+        in this plan, no request waits for a free session (one waiting for a full box's
+        slot leaves the plan alone unless the fair share swaps it in), each draw depends
+        only on its logits (no penalties, no grammar), and one of them may still continue.
+        A next plan that differs after all only costs the launched step."""
         sched = self.scheduler
         if not self.look_ahead or not getattr(self.runner, "can_look_ahead", False) or \
-                plan.prefill_row is not None or sched.num_waiting or self._aborts or \
+                plan.prefill_row is not None or \
+                sched.num_waiting and len(sched.running) < self.config.max_sessions or \
                 len(plan.rows) != len(sched.running) or \
                 len(plan.rows) != len(sched.decode_queue):
             return False

@@ -43,10 +43,11 @@ def sliding(tmp_path_factory, vocab_dir):
     return tiny(tmp_path_factory, vocab_dir, "gemma3", window=24)
 
 
-def make_core(loaded, look_ahead: bool, pages: int = 40, graphs: bool = True) -> EngineCore:
+def make_core(loaded, look_ahead: bool, pages: int = 40, graphs: bool = True,
+              sessions: int = 4) -> EngineCore:
     runner = ModelRunner(loaded.model, pages, 16, "f16", cuda_graphs=graphs,
                          max_context=CONTEXT, capture=FakeCapture() if graphs else None)
-    config = SchedulerConfig(max_sessions=4, context=CONTEXT, prefill_chunk=32,
+    config = SchedulerConfig(max_sessions=sessions, context=CONTEXT, prefill_chunk=32,
                              itl_target_ms=None, max_pending_per_client=None)
     return EngineCore(runner, loaded.tokenizer, config, vocab_size=loaded.config.vocab_size,
                       look_ahead=look_ahead)
@@ -120,6 +121,28 @@ def test_same_tokens_as_without_look_ahead(model, request_fixture):
     assert cores[0].num_ahead_steps > 20 and cores[1].num_ahead_steps == 0
     assert cores[0].num_ahead_steps < cores[0].num_steps
     assert [free_pages(c) for c in cores] == before  # the pages ahead-steps took came back
+
+
+def test_a_queue_behind_a_full_box_does_not_stop_it(loaded):
+    """Two sessions, five requests (two clients' worth): while requests wait for a slot
+    the decoders still look ahead; each finish admits the next (the launched step's rows
+    of the others still count), and the tokens are those without look-ahead."""
+    script = {0: [request(f"r{i}", prompt(i, 6 + 3 * i), temperature=0.0, max_tokens=8 + 2 * i)
+                  for i in range(5)]}
+    cores = [make_core(loaded, look_ahead, sessions=2) for look_ahead in (True, False)]
+    ahead, plain = (drive(c, script, {}) for c in cores)
+    assert {r: v[:2] for r, v in ahead.items()} == {r: v[:2] for r, v in plain.items()}
+    assert [len(ahead[f"r{i}"][0]) for i in range(5)] == [8, 10, 12, 14, 16]
+    waiting_steps = []
+    core = make_core(loaded, True, sessions=2)
+    for r in script[0]:
+        core.add(r)
+    while core.has_work():
+        before = core.num_ahead_steps
+        core.step()
+        if core.scheduler.num_waiting:
+            waiting_steps.append(core.num_ahead_steps - before)
+    assert sum(waiting_steps) > 10  # looked ahead while requests queued
 
 
 def test_no_look_ahead_without_graphs_or_with_penalties(loaded):
