@@ -1,8 +1,9 @@
 """Look-ahead decode steps (EngineCore launches the next decode step from the sampled ids
 still on the device, before the host reads them): on the CPU with a fake graph capture,
 the tokens, finishes and pages are those of the same engine without look-ahead, through
-rows that stop (length and abort), a request that arrives mid-decode, sampled and
-penalised rows, and a pool too small for the next page."""
+rows that stop (length and abort), a request that arrives mid-decode, requests queued
+behind a full box, sampled and penalised rows, a sliding window, logprobs, and a pool too
+small for the next page."""
 
 from __future__ import annotations
 
@@ -124,9 +125,9 @@ def test_same_tokens_as_without_look_ahead(model, request_fixture):
 
 
 def test_a_queue_behind_a_full_box_does_not_stop_it(loaded):
-    """Two sessions, five requests (two clients' worth): while requests wait for a slot
-    the decoders still look ahead; each finish admits the next (the launched step's rows
-    of the others still count), and the tokens are those without look-ahead."""
+    """Two sessions, five requests: while requests wait for a slot the decoders still
+    look ahead; each finish admits the next (the launched step is then discarded), and
+    the tokens are those without look-ahead."""
     script = {0: [request(f"r{i}", prompt(i, 6 + 3 * i), temperature=0.0, max_tokens=8 + 2 * i)
                   for i in range(5)]}
     cores = [make_core(loaded, look_ahead, sessions=2) for look_ahead in (True, False)]
