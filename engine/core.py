@@ -288,7 +288,8 @@ class EngineCore:
             itl_target_ms=None if target is None else target * 1e3,
             recent_itl_ms=tuple(x * 1e3 for x in self._recent_itl_s),
             prefix_hit_tokens=self.radix.num_hit_tokens if self.radix else 0,
-            prefix_query_tokens=self.radix.num_query_tokens if self.radix else 0)
+            prefix_query_tokens=self.radix.num_query_tokens if self.radix else 0,
+            num_ahead_steps=self.num_ahead_steps)
 
 
 def _session_stats(seq: Sequence) -> SessionStats:

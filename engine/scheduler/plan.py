@@ -143,3 +143,4 @@ class EngineStats:
     recent_itl_ms: tuple[float, ...]  # recent inter-token gaps over all sequences
     prefix_hit_tokens: int
     prefix_query_tokens: int
+    num_ahead_steps: int = 0  # steps whose logits came from a look-ahead launch

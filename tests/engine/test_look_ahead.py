@@ -121,6 +121,7 @@ def test_same_tokens_as_without_look_ahead(model, request_fixture):
     # most decode steps came from a launch ahead; none without look-ahead
     assert cores[0].num_ahead_steps > 20 and cores[1].num_ahead_steps == 0
     assert cores[0].num_ahead_steps < cores[0].num_steps
+    assert cores[0].stats().num_ahead_steps == cores[0].num_ahead_steps  # the dashboard's
     assert [free_pages(c) for c in cores] == before  # the pages ahead-steps took came back
 
 

@@ -101,7 +101,8 @@ def engine_state(handle: Any) -> dict[str, Any]:
                            "sessions_max": handle.options.sessions, "context": handle.context}
     if stats is None:  # the engine has not stepped yet
         pool = handle.engine.core.pool.groups
-        out.update(sessions=[], clients=[], num_waiting=0, num_steps=0, num_preemptions=0,
+        out.update(sessions=[], clients=[], num_waiting=0, num_steps=0, num_ahead_steps=0,
+                   num_preemptions=0,
                    itl_target_ms=None, recent_itl_ms=[], prefix_hit_tokens=0,
                    prefix_query_tokens=0, last_plan=None,
                    kv=[{"group": g, "format": handle.options.kv_quant, "num_pages": p.num_pages,
@@ -113,6 +114,7 @@ def engine_state(handle: Any) -> dict[str, Any]:
         kv=[{**dataclasses.asdict(g), "format": handle.options.kv_quant} for g in stats.kv],
         clients=[dataclasses.asdict(c) for c in stats.clients],
         num_waiting=stats.num_waiting, num_steps=stats.num_steps,
+        num_ahead_steps=stats.num_ahead_steps,
         num_preemptions=stats.num_preemptions, itl_target_ms=stats.itl_target_ms,
         recent_itl_ms=list(stats.recent_itl_ms[-RECENT_ITL:]),
         prefix_hit_tokens=stats.prefix_hit_tokens, prefix_query_tokens=stats.prefix_query_tokens,
