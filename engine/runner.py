@@ -82,13 +82,9 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> (len(batch.logits_rows), vocab) float32. `last_replayed` says whether this
         step replayed a captured graph (its cost has another shape than an eager step's)."""
-        self.last_replayed = False
-        if self.graphs is not None and self.graphs.fits(batch):
-            splits = self._decode_splits(batch)
-            if self._captured(bucket_for(batch.num_rows, self.graphs.buckets), splits):
-                self.last_replayed = True
-                return self.graphs.run(batch, splits)
-        return self.forward_eager(batch)
+        logits = self._replay(batch)
+        self.last_replayed = logits is not None
+        return logits if logits is not None else self.forward_eager(batch)
 
     @property
     def can_look_ahead(self) -> bool:
@@ -101,12 +97,17 @@ class ModelRunner:
         """Launch a decode-only step whose token ids are still on the device (`input_ids`,
         the step before's samples) by replaying its graph: -> its logits, not yet
         computed, or None when no graph takes it (the caller then runs the step later)."""
-        if not self.can_look_ahead or not self.graphs.fits(batch):  # type: ignore[union-attr]
+        return self._replay(batch, input_ids) if self.can_look_ahead else None
+
+    def _replay(self, batch: ForwardBatch,
+                input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The batch's logits from its decode graph (captured first if need be), or None
+        when no graph takes it."""
+        if self.graphs is None or not self.graphs.fits(batch):
             return None
         splits = self._decode_splits(batch)
-        if not self._captured(bucket_for(batch.num_rows, self.graphs.buckets), splits):  # type: ignore[union-attr]
+        if not self._captured(bucket_for(batch.num_rows, self.graphs.buckets), splits):
             return None
-        assert self.graphs is not None
         return self.graphs.run(batch, splits, input_ids)
 
     @torch.inference_mode()
