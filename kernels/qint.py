@@ -232,6 +232,12 @@ if HAS_TRITON:
         return tl.load(p, eviction_policy="evict_last")
 
     @helper
+    def _quad_dots(w, x, PTX: tl.constexpr):
+        """(BN, 32) code words and x's words -> (BN, 8) int32: each quad of 4 words' dp4a
+        sums (a quad lies in one thread: no exchange)."""
+        return tl.sum(tl.reshape(_dp4a(w, x, PTX), (w.shape[0], 8, 4)), axis=2)
+
+    @helper
     def _k4_head(w_ptr, blk):
         """The 16-byte heads of Q4_K super-blocks at byte offsets blk (BN,): word 0 (BN,)
         = d | dmin << 16, words 1-3 (BN, 1) = scales[12] (qtiles._scales_k4)."""
@@ -298,9 +304,8 @@ if HAS_TRITON:
                 xrow = q32 + m * (K // 4) + sb * 64 + xw
                 xa = _keep(xrow)
                 xb = _keep(xrow + 8)  # 32 elements on: the high nibbles' sub-block
-                # a quad's 4 words lie in one thread: their sums need no exchange
-                p_lo = tl.sum(tl.reshape(_dp4a(lo, xa, PTX), (lo.shape[0], 8, 4)), axis=2)
-                p_hi = tl.sum(tl.reshape(_dp4a(hi, xb, PTX), (lo.shape[0], 8, 4)), axis=2)
+                p_lo = _quad_dots(lo, xa, PTX)
+                p_hi = _quad_dots(hi, xb, PTX)
                 dot = sc_lo * p_lo + sc_hi * p_hi  # (BN, 8)
                 bs = bs_ptr + m * (K // 16) + sb * 16 + j * 4  # 16-sums: 2 per sub-block
                 msum = mn0 * (tl.load(bs) + tl.load(bs + 1)) + mn1 * (
@@ -357,9 +362,8 @@ if HAS_TRITON:
                 xrow = q32 + m * (K // 4) + sb * 64 + xw  # (BN, 32)
                 xa = _keep(xrow)
                 xb = _keep(xrow + 16)
-                # word c = 4 s + r: a quad (one s) lies in one thread, summed without exchange
-                p_lo = tl.sum(tl.reshape(_dp4a(q_lo, xa, PTX), (ql.shape[0], 8, 4)), axis=2)
-                p_hi = tl.sum(tl.reshape(_dp4a(q_hi, xb, PTX), (ql.shape[0], 8, 4)), axis=2)
+                p_lo = _quad_dots(q_lo, xa, PTX)
+                p_hi = _quad_dots(q_hi, xb, PTX)
                 bs = bs_ptr + m * (K // 16) + sb * 16 + sub  # (1, 8)
                 # codes are q - 32: minus 32 times x's sum over the sub-block
                 isum = (sc_a * (p_lo - 32 * tl.load(bs)) + sc_b * (p_hi - 32 * tl.load(bs + 4)))
