@@ -107,6 +107,8 @@ def check_asm(spec: KernelSpec, target: str, kernel: Any) -> dict[str, Any]:
         found = info["wmma"]
     else:
         ops = re.findall(r"\b(?:mma\.sync|wgmma\.mma_async)\.[\w.]+", asm.get("ptx", ""))
+        # programmatic dependent launch (kernels/triton_util.py): the wait before the inputs
+        info["gdc_waits"] = asm.get("ptx", "").count("griddepcontrol.wait")
         info["mma"] = len(ops)
         info["ops"] = sorted(set(ops))
         found = info["mma"]

@@ -24,6 +24,7 @@ from engine.errors import InvalidRequest
 from kernels.qint import QK, QuantX, empty_quant_x, quant_x_reference
 from kernels.triton_util import (
     HAS_TRITON,
+    await_inputs,
     helper,
     interpreter_active,
     jit,
@@ -78,13 +79,14 @@ if HAS_TRITON:
     def _add_rms_norm_kernel(
         x_ptr, r_ptr, rw_ptr, w_ptr, h_ptr, y_ptr, q_ptr, dx_ptr, bs_ptr, stride_x, stride_r,
         stride_h, stride_y, dim, eps, HAS_RESIDUAL: tl.constexpr, HAS_RES_NORM: tl.constexpr,
-        BLOCK_D: tl.constexpr, QUANT: tl.constexpr = False,
+        BLOCK_D: tl.constexpr, QUANT: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
         """One row: h = x + rmsnorm(r) * rw (or x + r), y = rmsnorm(h) * w; with QUANT also
         y (as stored) quantized per 256 columns (dim a multiple of 256)."""
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         ok = d < dim
+        await_inputs(PDL)
         h = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(r_ptr + row * stride_r + d, mask=ok, other=0.0)

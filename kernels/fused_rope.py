@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from engine.errors import InvalidRequest
 from kernels.triton_util import (
     HAS_TRITON,
+    await_inputs,
     helper,
     interpreter_active,
     jit,
@@ -82,13 +83,14 @@ if HAS_TRITON:
         q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st, eps,
         H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, HALFP: tl.constexpr,
-        NEOX: tl.constexpr, HAS_NORM: tl.constexpr,
+        NEOX: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr = False,
     ):
         """Token t (program 0), head h (program 1: the q heads, then the k heads), with
         the token's cos/sin row: a decode step's few tokens still spread over the device."""
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         i = tl.arange(0, HALFP)[None, :]
+        await_inputs(PDL)
         cos = tl.load(cos_ptr + t * stride_ct + i, mask=i < HALF, other=0.0)  # (1, HALFP)
         sin = tl.load(sin_ptr + t * stride_st + i, mask=i < HALF, other=0.0)
         if h < H:

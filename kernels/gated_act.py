@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from engine.errors import InvalidRequest
 from kernels.fused_norm import OUT_DTYPES
 from kernels.qint import QK, QuantX, empty_quant_x, quant_x_reference
-from kernels.triton_util import HAS_TRITON, interpreter_active, jit, launcher, tl
+from kernels.triton_util import HAS_TRITON, await_inputs, interpreter_active, jit, launcher, tl
 
 __all__ = ["ACTIVATION_IDS", "gated_act", "gated_act_quant", "gated_act_reference"]
 
@@ -40,12 +40,14 @@ if HAS_TRITON:
 
     @jit
     def _gated_act_kernel(gu_ptr, out_ptr, q_ptr, dx_ptr, bs_ptr, ffn, stride_gu, stride_out,
-                          ACT: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr = False):
+                          ACT: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr = False,
+                          PDL: tl.constexpr = False):
         """Columns [BLOCK * j, BLOCK * (j + 1)) of one row (BLOCK a multiple of 256); with
         QUANT also their super-blocks quantized (ffn a multiple of 256)."""
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = col < ffn
+        await_inputs(PDL)
         g = tl.load(gu_ptr + row * stride_gu + col, mask=ok, other=0.0)
         u = tl.load(gu_ptr + row * stride_gu + ffn + col, mask=ok, other=0.0)
         if ACT == 0:

@@ -25,7 +25,16 @@ import torch
 from engine.errors import InvalidRequest
 from engine.kv.formats import FORMATS
 from engine.kv.hadamard import H_SCALE, rotate_exact
-from kernels.triton_util import HAS_TRITON, helper, interpreter_active, jit, launcher, next_pow2, tl
+from kernels.triton_util import (
+    HAS_TRITON,
+    await_inputs,
+    helper,
+    interpreter_active,
+    jit,
+    launcher,
+    next_pow2,
+    tl,
+)
 
 __all__ = ["kv_encode_reference", "kv_store", "kv_store_reference", "rotate_exact"]
 
@@ -126,9 +135,11 @@ if HAS_TRITON:
         KVH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K_FMT: tl.constexpr,
         K_ROT: tl.constexpr, V_FMT: tl.constexpr, V_ROT: tl.constexpr, HP: tl.constexpr,
         DKP: tl.constexpr, DVP: tl.constexpr, RKP: tl.constexpr, RVP: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         """Program (t, 0) stores token t's K, (t, 1) its V."""
         t = tl.program_id(0).to(tl.int64)
+        await_inputs(PDL)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if tl.program_id(1) == 0:
             _encode(k_ptr + t * stride_kt, stride_kh, slot, k0_ptr, k1_ptr, K_FMT, K_ROT, KVH,

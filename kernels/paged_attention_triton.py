@@ -18,7 +18,7 @@ import itertools
 import torch
 
 from kernels.paged_attention_plan import FORMAT_IDS, AttnConfig, AttnPlan
-from kernels.triton_util import HAS_TRITON, helper, jit, launcher, next_pow2, tl
+from kernels.triton_util import HAS_TRITON, await_inputs, helper, jit, launcher, next_pow2, tl
 
 __all__ = ["aot_specs", "launch"]
 
@@ -67,13 +67,14 @@ if HAS_TRITON:
         D: tl.constexpr, DV: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
         PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        DIRECT: tl.constexpr = False,
+        DIRECT: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
         """Partials of one work item (program 0) and KV head (program 1); base-2 logits.
         DIRECT (every token in one split, no sinks): the output acc / l itself into acc_ptr,
         the merge's bits (its weights are exp2(0) = 1), and no merge launch."""
         item = work_ptr + tl.program_id(0) * 6
         kvh = tl.program_id(1)
+        await_inputs(PDL)
         row, q_begin, q_count = tl.load(item), tl.load(item + 1), tl.load(item + 2)
         key_lo, key_hi, split = tl.load(item + 3), tl.load(item + 4), tl.load(item + 5)
         r = tl.arange(0, BLOCK_M)
@@ -123,11 +124,12 @@ if HAS_TRITON:
     def _attn_merge_kernel(
         m_ptr, l_ptr, acc_ptr, tok_base_ptr, tok_splits_ptr, sink_ptr, out_ptr, num_tokens,
         H: tl.constexpr, HP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-        HAS_SINKS: tl.constexpr, BLOCK_T: tl.constexpr,
+        HAS_SINKS: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = False,
     ):
         """out[t] = merge of token t's splits in split order, for BLOCK_T tokens."""
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = t < num_tokens
+        await_inputs(PDL)
         base = tl.load(tok_base_ptr + t, mask=t_ok, other=0).to(tl.int64)
         num = tl.load(tok_splits_ptr + t, mask=t_ok, other=0)
         h = tl.arange(0, HP)
@@ -222,7 +224,7 @@ def aot_specs(spec: type) -> list:
         consts = {"K_FMT": FORMAT_IDS[k_fmt], "V_FMT": FORMAT_IDS[v_fmt], "KVH": 8, "G": 4,
                   "D": 128, "DV": 128, "DP": 128, "DVP": 128, "PAGE": 16,
                   "HAS_WINDOW": extras, "HAS_SOFTCAP": extras, "BLOCK_M": cfg.block_m,
-                  "BLOCK_N": cfg.block_n}
+                  "BLOCK_N": cfg.block_n, "PDL": backend == "cuda"}
         signature = {**sig, "k0_ptr": plane[k_fmt], "v0_ptr": plane[v_fmt],
                      **{k: "constexpr" for k in consts}}
         name = f"paged_attention_k{k_fmt}_v{v_fmt}" + ("_window_softcap" if extras else "")

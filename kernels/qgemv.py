@@ -36,7 +36,7 @@ import torch
 
 from kernels import qscaled, qtiles
 from kernels.qtiles import GEOMETRY
-from kernels.triton_util import HAS_TRITON, helper, launcher, tl, triton
+from kernels.triton_util import HAS_TRITON, await_inputs, helper, launcher, tl, triton
 
 __all__ = ["MMA_SYNC_TYPES", "SKINNY_MAX_M", "X_LEFT_TYPES", "QMMConfig", "aot_specs",
            "default_config", "k_plan", "ptx", "qgemv_triton", "x_left"]
@@ -177,7 +177,7 @@ if HAS_TRITON:
         x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, lut_ptr, M, N, row_bytes, k_per_split,
         stride_xm, split_k, ticket, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F64: tl.constexpr,
-        X_LEFT: tl.constexpr, PTX: tl.constexpr = False,
+        X_LEFT: tl.constexpr, PTX: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
         """y[m, n] = sum over k of x[m, k] * W[n, k] for the M (<= BLOCK_M) rows of x;
         grid (N tiles, split_k). With split_k > 1 each program writes its partial to
@@ -191,6 +191,7 @@ if HAS_TRITON:
         row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
         acc = qtiles.acc_zeros(BLOCK_M, BLOCK_N, X_LEFT)
         k_begin = split * k_per_split
+        await_inputs(PDL)
         for kk in range(0, k_per_split, BLOCK_K):
             k0 = k_begin + kk
             acc = qscaled.step(acc, QTYPE, w_ptr, row_off, k0, lut_ptr, x_ptr, rm, m_ok,
@@ -203,7 +204,7 @@ if HAS_TRITON:
     def _qgemv_fma_kernel(
         x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, lut_ptr, M, N, row_bytes, k_per_split,
         stride_xm, split_k, ticket, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
     ):
         """The same product without the matrix unit (an experiment for decode): float32
         weights times x in per-thread fma chains, (BM, BN, BK) partial sums reduced over K
@@ -217,6 +218,7 @@ if HAS_TRITON:
         x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm  # (BM, 1)
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
         k_begin = split * k_per_split
+        await_inputs(PDL)
         for kk in range(0, k_per_split, BLOCK_K):
             k0 = k_begin + kk
             w = qtiles.dequant_tile(QTYPE, w_ptr, row_off, k0, lut_ptr, BLOCK_N, BLOCK_K)

@@ -52,7 +52,7 @@ from engine.errors import InvalidRequest
 from kernels.qgemv import _TICKETS, _tickets, ptx
 from kernels.qscaled import _sub_dot, nibble_asm
 from kernels.qtiles import Q4_K, Q6_K, _columns, _f16, _f16lo, _p32
-from kernels.triton_util import HAS_TRITON, helper, launcher, next_pow2, tl, triton
+from kernels.triton_util import HAS_TRITON, await_inputs, helper, launcher, next_pow2, tl, triton
 
 __all__ = ["ACT8_STORED", "Q6_K_A", "QINT_TYPES", "QIntConfig", "default_qint_config",
            "QuantX", "dequantized_x_reference", "empty_quant_x", "qint_parts",
@@ -201,10 +201,12 @@ if HAS_TRITON:
                  mask=ok[:, None])
 
     @triton.jit
-    def _quantize_x_kernel(x_ptr, q_ptr, dx_ptr, bs_ptr, K, stride_xm):
+    def _quantize_x_kernel(x_ptr, q_ptr, dx_ptr, bs_ptr, K, stride_xm,
+                           PDL: tl.constexpr = False):
         """Row m (program 0), super-block b (program 1) of x -> quantize_store."""
         m = tl.program_id(0).to(tl.int64)
         b = tl.program_id(1) + tl.zeros((1,), tl.int32)
+        await_inputs(PDL)
         cols = b[:, None] * 256 + tl.arange(0, 256)[None, :]
         x = tl.load(x_ptr + m * stride_xm + cols).to(tl.float32)  # (1, 256)
         quantize_store(x, b, b >= 0, m, q_ptr, dx_ptr, bs_ptr, K)
@@ -272,12 +274,14 @@ if HAS_TRITON:
 
     @helper
     def _sb_q4k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M: tl.constexpr,
-                PTX: tl.constexpr):
+                PTX: tl.constexpr, PDL: tl.constexpr):
         """acc (BN, BM) + super-block sb of BN Q4_K rows times the quantized x rows. The
         codes stay packed: word c (of 32) holds 4 bytes of group g = c // 8, low nibbles 4
         codes of sub-block 2g, high nibbles 4 of 2g + 1, against one word of x's int8 codes
         each. The words lie flat, (BN, 32): a thread holds 4 words of several rows, which
-        share x's words (loaded once) and a group's scales."""
+        share x's words (loaded once) and a group's scales. Its weight loads come before
+        await_inputs (only the first one waits): the launch's first words are on their way
+        while the kernel before it finishes."""
         blk = row_off + sb * 144  # (BN,) 16-byte aligned super-blocks
         c = tl.arange(0, 32)[None, :]
         zero = 0 * blk[:, None].to(tl.int32)  # (BN, 1): the indices below in the codes' shape
@@ -296,6 +300,7 @@ if HAS_TRITON:
         mn1 = _k4_six(w2, w3, g2 + 1, 4)
         d = _f16lo(w0)
         dmin = _f16lo(w0 >> 16)
+        await_inputs(PDL)
         col = tl.arange(0, BLOCK_M)[None, :]
         q32 = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         xw = c + 8 * (c // 8) + zero  # x's word for word c's low nibbles: elements 64 g + 4 i
@@ -328,14 +333,14 @@ if HAS_TRITON:
 
     @helper
     def _sb_q6k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M: tl.constexpr,
-                PTX: tl.constexpr):
+                PTX: tl.constexpr, PDL: tl.constexpr):
         """acc (BN, BM) + super-block sb of BN Q6_K_A rows times the quantized x rows. Its
         208-byte record (ql[128], qh[64], scales[16]) is 16-byte aligned and read as u32
         words; d sits in the row's tail. Word c = 4 s + r (s < 8, r < 4) of ql holds, in
         its low nibbles, 4 codes of 16-element sub-block sub(s) = s + 4 (s // 4) and in its
         high nibbles 4 of sub(s) + 4; their top 2 bits are bits 2 a (4 + 2 a) of qh word
         8 (s // 4) + 4 (s % 2) + r, a = s // 2 % 2. The words lie flat, (BN, 32), as in
-        _sb_q4k."""
+        _sb_q4k, and like it waits for its inputs after the weight loads."""
         base = row_off + sb * 208  # (BN,)
         c = tl.arange(0, 32)[None, :]
         s = c // 4
@@ -353,6 +358,7 @@ if HAS_TRITON:
         i = tl.arange(0, 8)[None, :]
         sc_a, sc_b = _q6k_scales(sw, j, i)  # (BN, 8): sub(i) and sub(i) + 4
         d = _f16(w_ptr + row_off + (K // 256) * 208 + 2 * sb)
+        await_inputs(PDL)
         sub = i + 4 * (i // 4)  # (1, 8)
         col = tl.arange(0, BLOCK_M)[None, :]
         q32 = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -378,15 +384,16 @@ if HAS_TRITON:
 
     @helper
     def _gemv_sbs(acc, w_ptr, row_off, sb0, count, q_ptr, dx_ptr, bs_ptr, K, M,
-                  QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, PTX: tl.constexpr):
-        """acc + super-blocks sb0 .. sb0 + count - 1 of the rows at row_off."""
+                  QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, PTX: tl.constexpr,
+                  PDL: tl.constexpr):
+        """acc + super-blocks sb0 .. sb0 + count - 1 (count >= 1) of the rows at row_off."""
         for i in range(0, count):
             if QTYPE == 12:  # Q4_K
                 acc = _sb_q4k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
-                              BLOCK_M, PTX)
+                              BLOCK_M, PTX, PDL)
             else:
                 acc = _sb_q6k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
-                              BLOCK_M, PTX)
+                              BLOCK_M, PTX, PDL)
         return acc
 
     @triton.jit(do_not_specialize=["M", "N"])
@@ -394,7 +401,7 @@ if HAS_TRITON:
         q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
         sb_per_split, nsplit, ticket, w2_ptr, n1, row_bytes2,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        PTX: tl.constexpr = False, QTYPE2: tl.constexpr = 0,
+        PTX: tl.constexpr = False, QTYPE2: tl.constexpr = 0, PDL: tl.constexpr = False,
     ):
         """y[m, n] = the product of x's row m (quantized: q, dx, 16-column sums bs) and W's
         row n; grid (N tiles, splits), a program's sum over its range of super-blocks
@@ -414,11 +421,11 @@ if HAS_TRITON:
         if second:
             row_off = tl.where(rn < N, rn - n1, 0).to(tl.int64) * row_bytes2  # past N: row 0
             acc = _gemv_sbs(acc, w2_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
-                            M, QTYPE2, BLOCK_M, PTX)
+                            M, QTYPE2, BLOCK_M, PTX, PDL)
         else:
             row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
             acc = _gemv_sbs(acc, w_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
-                            M, QTYPE, BLOCK_M, PTX)
+                            M, QTYPE, BLOCK_M, PTX, PDL)
         offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
         finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, offs,
                       (rm < M)[None, :] & (rn < N)[:, None], ticket)
@@ -514,7 +521,7 @@ if HAS_TRITON:
         q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
         sb_per_split, nsplit, ticket, splits_per_program,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        DOT_F64: tl.constexpr = False, PTX: tl.constexpr = False,
+        DOT_F64: tl.constexpr = False, PTX: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
         """The tiled path (many rows of x): grid (M tiles, N tiles, nsplit), else as
         _qint_gemv_kernel, with the same bits. A program sums `splits_per_program`
@@ -528,6 +535,7 @@ if HAS_TRITON:
         m_ok = rm < M
         row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
         total = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        await_inputs(PDL)
         for v in range(0, splits_per_program):
             acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # each split starts at 0
             sb0 = (z * splits_per_program + v) * sb_per_split
@@ -693,7 +701,8 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
 def aot_specs(spec: type) -> list:
     """kernels/aot.py: x's quantization; the CUDA-core kernel of each type and of the
     Q4_K + Q6_K pair at 1 and GEMV_MAX_M rows (dp4a on cuda), and the matrix-unit one at
-    its 16-row tile (f16 dots: WMMA on gfx1151, wgmma on sm_90)."""
+    its 16-row tile (f16 dots: WMMA on gfx1151, wgmma on sm_90); the sm_90 builds as
+    programmatic dependent launches (kernels/triton_util.py)."""
     if not HAS_TRITON:
         return []
     sig = {"q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*i32", "w_ptr": "*u8",
@@ -716,7 +725,7 @@ def aot_specs(spec: type) -> list:
                     continue  # a fused q|k|v of two types is never that wide
                 cfg = default_qint_config(qtype, n, 4096, backend=backend)
                 consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": cfg.block_n,
-                          "PTX": backend == "cuda", "QTYPE2": qtype2}
+                          "PTX": backend == "cuda", "QTYPE2": qtype2, "PDL": backend == "cuda"}
                 wide = "_wide" if n == WIDE_N else ""
                 out.append(spec(f"qint_{name}_m{bm}{wide}", _qint_gemv_kernel,
                                 {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,
@@ -727,7 +736,7 @@ def aot_specs(spec: type) -> list:
         for backend in ("hip", "cuda"):
             bm, bn, warps, *st = tiled_tile(16, backend)
             consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": bn, "DOT_F64": False,
-                      "PTX": backend == "cuda"}
+                      "PTX": backend == "cuda", "PDL": backend == "cuda"}
             out.append(spec(f"qint_{name}_tiled", _qint_mm_kernel,
                             {**sig, "splits_per_program": "i32",
                              **{k: "constexpr" for k in consts}},

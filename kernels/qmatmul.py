@@ -41,7 +41,15 @@ from kernels.qgemv import (
     x_left,
 )
 from kernels.qtiles import GEOMETRY, IQ4_XS, MXFP4, NAMES
-from kernels.triton_util import HAS_TRITON, interpreter_active, jit, launcher, tl, triton
+from kernels.triton_util import (
+    HAS_TRITON,
+    await_inputs,
+    interpreter_active,
+    jit,
+    launcher,
+    tl,
+    triton,
+)
 
 __all__ = ["QMMConfig", "SUPPORTED_TYPES", "default_config", "qmatmul", "qmatmul_reference",
            "qmatmul_tiled", "qmatmul_triton", "sum_splits"]
@@ -83,7 +91,7 @@ if HAS_TRITON:
         x_ptr, w_ptr, out_ptr, lut_ptr, M, N, row_bytes, k_per_split, splits_per_program,
         stride_xm, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, DOT_F64: tl.constexpr, X_LEFT: tl.constexpr,
-        PTX: tl.constexpr = False,
+        PTX: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
         """out[z, m, n] = the sum, in split order, of each split's own K-range sum of
         x[m, k] * W[n, k], over the `splits_per_program` splits of grid z (either all of
@@ -97,6 +105,7 @@ if HAS_TRITON:
         # Out-of-range rows read row 0 (valid memory); their results are never stored.
         row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
         total = qtiles.acc_zeros(BLOCK_M, BLOCK_N, X_LEFT)
+        await_inputs(PDL)
         for v in range(0, splits_per_program):
             acc = qtiles.acc_zeros(BLOCK_M, BLOCK_N, X_LEFT)  # each split starts at 0
             k_begin = (z * splits_per_program + v) * k_per_split
@@ -110,10 +119,12 @@ if HAS_TRITON:
         tl.store(out_ptr + z.to(tl.int64) * M * N + offs, total, mask=mask)
 
     @jit
-    def _sum_splits_kernel(part_ptr, y_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    def _sum_splits_kernel(part_ptr, y_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr = False):
         """y[i] = part[0, i] + part[1, i] + ... in that order (a fixed reduction order)."""
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = i < numel
+        await_inputs(PDL)
         acc = tl.load(part_ptr + i, mask=ok, other=0.0)
         for s in tl.static_range(1, SPLIT_K):
             acc += tl.load(part_ptr + s * numel + i, mask=ok, other=0.0)

@@ -11,6 +11,16 @@ Three ways a kernel runs:
   is how CI checks kernel logic without a GPU (tests run it in a worker process);
 - ahead of time (kernels/aot.py): `triton.compile` for a named target, no device needed.
 
+On NVIDIA GPUs from sm_90 on, kernels with a `PDL` constexpr launch as programmatic
+dependent launches (`launcher` adds the flags): such a kernel may start while the one
+before it in the stream is still running, and `await_inputs(PDL)` is where it waits for
+that kernel's results. Before that point a kernel may only read what no kernel of the
+same stream writes (weights, the step's uploaded inputs) and must write nothing; after
+it, everything. So a launch's start-up (and a matmul's first weight loads) overlaps the
+previous kernel's tail. Every such kernel must reach `await_inputs` on every path: the
+kernel after it waits only for it, and so, through its wait, for all before. ROCm has no
+such launch; there `PDL` stays False and the call is nothing. MBUFO_PDL=0 turns it off.
+
 Helpers called from inside kernels are declared with `helper` rather than `triton.jit`:
 the interpreter resolves a nested call through the module's globals, where a plain
 JITFunction refuses to run on the host; `helper` objects are JITFunctions to the compiler
@@ -20,6 +30,7 @@ and interpreted functions when the interpreter calls them.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +50,7 @@ except ImportError:  # the CPU torch build: kernels fall back to their reference
 
 __all__ = [
     "HAS_TRITON",
+    "await_inputs",
     "compiled",
     "helper",
     "interpreted",
@@ -46,6 +58,7 @@ __all__ = [
     "jit",
     "launcher",
     "next_pow2",
+    "pdl_enabled",
     "tl",
     "triton",
 ]
@@ -76,6 +89,17 @@ if HAS_TRITON:
     def _compiled_fn(fn: Callable) -> Any:
         return JITFunction(fn)
 
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @_Helper
+    def await_inputs(PDL: tl.constexpr):
+        """With PDL: let the next kernel's programs start (they wait in turn), then wait
+        until the previous kernel has finished and its writes are visible. Nothing
+        without (see the module docstring)."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+
     @functools.lru_cache(maxsize=1)
     def _fix_scalar_index() -> None:
         """Let interpreted scalars index `range` under numpy >= 2.4.
@@ -92,6 +116,10 @@ if HAS_TRITON:
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
         interpreter._patch_lang_tensor = patch
+
+
+else:
+    await_inputs = None  # kernels are never defined without Triton
 
 
 def interpreter_active() -> bool:
@@ -129,8 +157,33 @@ def compiled(kernel: Any) -> Any:
     return _compiled_fn(kernel.fn)
 
 
+@functools.lru_cache(maxsize=16)
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch as programmatic dependent launches: CUDA builds of
+    torch on sm_90 and later, unless MBUFO_PDL=0."""
+    return (HAS_TRITON and device.type == "cuda" and torch.version.hip is None
+            and os.environ.get("MBUFO_PDL", "1") != "0"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+class _PDLLaunch:
+    """kernel[grid](...) with PDL=True and the launch flag added."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        run = self.kernel[grid]
+        return lambda *args, **kwargs: run(*args, PDL=True, launch_pdl=True, **kwargs)
+
+
 def launcher(kernel: Any, device: torch.device) -> Any:
-    """What to launch for tensors on `device`: compiled on a GPU, interpreted on the CPU."""
+    """What to launch for tensors on `device`: compiled on a GPU, interpreted on the CPU;
+    a kernel with a `PDL` parameter launches as a programmatic dependent launch where
+    `pdl_enabled`."""
     if device.type == "cpu":
         return interpreted(kernel)
-    return compiled(kernel)
+    fn = compiled(kernel)
+    if "PDL" in fn.arg_names and pdl_enabled(device):
+        return _PDLLaunch(fn)
+    return fn

@@ -50,6 +50,20 @@ def test_dots_lower_to_tensor_cores(report):
         assert cuda["mma"] > 0 and all(f".{dtype}." in op for op in cuda["ops"]), cuda
 
 
+def test_pdl_builds_wait_for_their_inputs(report):
+    """The sm_90 builds made as programmatic dependent launches (PDL set) wait for the
+    previous kernel (griddepcontrol.wait); the others do not; no gfx1151 build sets it."""
+    from kernels.aot import kernel_specs
+
+    specs = kernel_specs(quick=True)
+    assert any(s.constexprs.get("PDL") for s in specs)
+    for spec in specs:
+        pdl = bool(spec.constexprs.get("PDL"))
+        assert not (pdl and spec.backend != "cuda"), spec.name
+        if spec.backend in (None, "cuda"):
+            assert (report[spec.name]["cuda:90"]["gdc_waits"] > 0) == pdl, spec.name
+
+
 def test_skinny_and_tiled_qmatmul_use_the_same_instruction(report):
     """Batch invariance needs a row's dot products to run through the same matrix
     instruction whether M takes the skinny kernel (kernels/qgemv.py, 16 columns of x) or
