@@ -93,12 +93,15 @@ if HAS_TRITON:
 
     @_Helper
     def await_inputs(PDL: tl.constexpr):
-        """With PDL: let the next kernel's programs start (they wait in turn), then wait
-        until the previous kernel has finished and its writes are visible. Nothing
-        without (see the module docstring)."""
+        """With PDL: wait until the previous kernel has finished and its writes are
+        visible, then let the next kernel's programs start (they wait in turn). Nothing
+        without (see the module docstring). Letting the next one start before the wait
+        measured slower (H200, q8 one stream: 311 tok/s against 343 without PDL and 382
+        so): the kernels after it pile up, their waiting programs placed while the
+        multiprocessors are busy; with no explicit start (only at each program's exit) 351."""
         if PDL:
-            gdc_launch_dependents()
             gdc_wait()
+            gdc_launch_dependents()
 
     @functools.lru_cache(maxsize=1)
     def _fix_scalar_index() -> None:
