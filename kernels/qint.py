@@ -97,6 +97,7 @@ class QIntConfig(NamedTuple):
     split: int  # the super-blocks of a row are cut into `split` equal ranges
     num_warps: int = 4
     num_stages: int | None = None
+    prefetch: bool = False  # the CUDA-core kernel loads super-block i + 1 before i's product
 
 
 class QuantX(NamedTuple):
@@ -240,13 +241,53 @@ if HAS_TRITON:
         return tl.sum(tl.reshape(_dp4a(w, x, PTX), (w.shape[0], 8, 4)), axis=2)
 
     @helper
-    def _k4_head(w_ptr, blk):
-        """The 16-byte heads of Q4_K super-blocks at byte offsets blk (BN,): word 0 (BN,)
-        = d | dmin << 16, words 1-3 (BN, 1) = scales[12] (qtiles._scales_k4)."""
+    def _k4_head_words(head):
+        """The 16-byte heads (BN, 4) of Q4_K super-blocks: word 0 (BN,) = d | dmin << 16,
+        words 1-3 (BN, 1) = scales[12] (qtiles._scales_k4)."""
         j = tl.arange(0, 4)[None, :]
-        head = _stream((_p32(w_ptr) + blk // 4)[:, None] + j)  # (BN, 4)
         return (_col(head, j, 0), _col(head, j, 1)[:, None], _col(head, j, 2)[:, None],
                 _col(head, j, 3)[:, None])
+
+    @helper
+    def _k4_head(w_ptr, blk):
+        """_k4_head_words of the super-blocks at byte offsets blk (BN,)."""
+        j = tl.arange(0, 4)[None, :]
+        return _k4_head_words(_stream((_p32(w_ptr) + blk // 4)[:, None] + j))
+
+    @helper
+    def _ld_q4k(w_ptr, row_off, sb, live):
+        """Super-block sb's raw words of the Q4_K rows at row_off (BN,): codes (BN, 32) and
+        head (BN, 4), as int32; zeros without loading where `live` (scalar) is false."""
+        blk = row_off + sb * 144  # (BN,) 16-byte aligned super-blocks
+        c = tl.arange(0, 32)[None, :]
+        zero = 0 * blk[:, None].to(tl.int32)  # (BN, 1): the indices below in the codes' shape
+        p = _p32(w_ptr)
+        w = tl.load(p + ((blk + 16) // 4)[:, None] + (c + zero), mask=live, other=0,
+                    eviction_policy="evict_first").to(tl.int32, bitcast=True)
+        head = tl.load((p + blk // 4)[:, None] + tl.arange(0, 4)[None, :], mask=live, other=0,
+                       eviction_policy="evict_first").to(tl.int32, bitcast=True)
+        return w, head
+
+    @helper
+    def _ld_q6k(w_ptr, row_off, sb, K, live):
+        """Super-block sb's raw words of the Q6_K_A rows at row_off (BN,): ql (BN, 32), qh
+        (BN, 32) in ql's word order (see _sb_q6k), scale words (BN, 4), d (BN,) f32."""
+        base = row_off + sb * 208  # (BN,)
+        c = tl.arange(0, 32)[None, :]
+        s = c // 4
+        r = c % 4
+        zero = 0 * base[:, None].to(tl.int32)
+        p = _p32(w_ptr) + (base // 4)[:, None]
+        ql = tl.load(p + (c + zero), mask=live, other=0,
+                     eviction_policy="evict_first").to(tl.int32, bitcast=True)
+        qh = tl.load(p + (32 + 8 * (s // 4) + 4 * (s % 2) + r + zero), mask=live, other=0,
+                     eviction_policy="evict_first").to(tl.int32, bitcast=True)
+        sw = tl.load(p + 48 + tl.arange(0, 4)[None, :], mask=live, other=0,
+                     eviction_policy="evict_first").to(tl.int32, bitcast=True)
+        dp = (w_ptr + row_off + (K // 256) * 208 + 2 * sb).to(tl.pointer_type(tl.uint16),
+                                                              bitcast=True)
+        d = tl.load(dp, mask=live, other=0, eviction_policy="evict_first")
+        return ql, qh, sw, d.to(tl.float16, bitcast=True).to(tl.float32)
 
     @helper
     def _k4_six(wa, w3, s, NIB: tl.constexpr):
@@ -273,23 +314,18 @@ if HAS_TRITON:
         return tl.where(col == m, v, acc)
 
     @helper
-    def _sb_q4k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M: tl.constexpr,
-                PTX: tl.constexpr, PDL: tl.constexpr):
-        """acc (BN, BM) + super-block sb of BN Q4_K rows times the quantized x rows. The
-        codes stay packed: word c (of 32) holds 4 bytes of group g = c // 8, low nibbles 4
-        codes of sub-block 2g, high nibbles 4 of 2g + 1, against one word of x's int8 codes
-        each. The words lie flat, (BN, 32): a thread holds 4 words of several rows, which
-        share x's words (loaded once) and a group's scales. Its weight loads come before
-        await_inputs (only the first one waits): the launch's first words are on their way
-        while the kernel before it finishes."""
-        blk = row_off + sb * 144  # (BN,) 16-byte aligned super-blocks
+    def _sb_q4k(acc, w, head, sb, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M: tl.constexpr,
+                PTX: tl.constexpr):
+        """acc (BN, BM) + super-block sb of BN Q4_K rows (its words from _ld_q4k) times the
+        quantized x rows. The codes stay packed: word c (of 32) holds 4 bytes of group
+        g = c // 8, low nibbles 4 codes of sub-block 2g, high nibbles 4 of 2g + 1, against
+        one word of x's int8 codes each. The words lie flat, (BN, 32): a thread holds 4
+        words of several rows, which share x's words (loaded once) and a group's scales."""
         c = tl.arange(0, 32)[None, :]
-        zero = 0 * blk[:, None].to(tl.int32)  # (BN, 1): the indices below in the codes' shape
-        w = _stream(_p32(w_ptr) + ((blk + 16) // 4)[:, None] + (c + zero)).to(tl.int32,
-                                                                              bitcast=True)
+        zero = tl.zeros((w.shape[0], 1), tl.int32)  # (BN, 1): indices in the codes' shape
         lo = w & 0x0F0F0F0F
         hi = (w >> 4) & 0x0F0F0F0F
-        w0, w1, w2, w3 = _k4_head(w_ptr, blk)
+        w0, w1, w2, w3 = _k4_head_words(head)
         j = tl.arange(0, 4)[None, :]
         q = tl.arange(0, 8)[None, :]  # quad of words q: words 4 q .. 4 q + 3, group q // 2
         s_lo = (2 * (q // 2)).to(tl.uint32)  # sub-block of the quad's low nibbles
@@ -300,7 +336,6 @@ if HAS_TRITON:
         mn1 = _k4_six(w2, w3, g2 + 1, 4)
         d = _f16lo(w0)
         dmin = _f16lo(w0 >> 16)
-        await_inputs(PDL)
         col = tl.arange(0, BLOCK_M)[None, :]
         q32 = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         xw = c + 8 * (c // 8) + zero  # x's word for word c's low nibbles: elements 64 g + 4 i
@@ -332,33 +367,25 @@ if HAS_TRITON:
         return sc_a, sc_b
 
     @helper
-    def _sb_q6k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M: tl.constexpr,
-                PTX: tl.constexpr, PDL: tl.constexpr):
-        """acc (BN, BM) + super-block sb of BN Q6_K_A rows times the quantized x rows. Its
-        208-byte record (ql[128], qh[64], scales[16]) is 16-byte aligned and read as u32
-        words; d sits in the row's tail. Word c = 4 s + r (s < 8, r < 4) of ql holds, in
-        its low nibbles, 4 codes of 16-element sub-block sub(s) = s + 4 (s // 4) and in its
-        high nibbles 4 of sub(s) + 4; their top 2 bits are bits 2 a (4 + 2 a) of qh word
-        8 (s // 4) + 4 (s % 2) + r, a = s // 2 % 2. The words lie flat, (BN, 32), as in
-        _sb_q4k, and like it waits for its inputs after the weight loads."""
-        base = row_off + sb * 208  # (BN,)
+    def _sb_q6k(acc, ql, qh, sw, d, sb, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M: tl.constexpr,
+                PTX: tl.constexpr):
+        """acc (BN, BM) + super-block sb of BN Q6_K_A rows (its words from _ld_q6k) times
+        the quantized x rows. Its 208-byte record (ql[128], qh[64], scales[16]) is 16-byte
+        aligned and read as u32 words; d sits in the row's tail. Word c = 4 s + r (s < 8,
+        r < 4) of ql holds, in its low nibbles, 4 codes of 16-element sub-block
+        sub(s) = s + 4 (s // 4) and in its high nibbles 4 of sub(s) + 4; their top 2 bits
+        are bits 2 a (4 + 2 a) of qh word 8 (s // 4) + 4 (s % 2) + r, a = s // 2 % 2 (qh
+        arrives in ql's order). The words lie flat, (BN, 32), as in _sb_q4k."""
         c = tl.arange(0, 32)[None, :]
         s = c // 4
         r = c % 4
-        zero = 0 * base[:, None].to(tl.int32)  # (BN, 1): the indices below in the codes' shape
-        p = _p32(w_ptr) + (base // 4)[:, None]
-        ql = _stream(p + (c + zero)).to(tl.int32, bitcast=True)  # (BN, 32)
-        qh = _stream(p + (32 + 8 * (s // 4) + 4 * (s % 2) + r + zero)).to(tl.int32,
-                                                                          bitcast=True)
+        zero = tl.zeros((ql.shape[0], 1), tl.int32)  # (BN, 1): indices in the codes' shape
         a2 = 2 * (s // 2 % 2)
         q_lo = (ql & 0x0F0F0F0F) | (((qh >> a2) & 0x03030303) << 4)
         q_hi = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (a2 + 4)) & 0x03030303) << 4)
         j = tl.arange(0, 4)[None, :]
-        sw = _stream((_p32(w_ptr) + base // 4 + 48)[:, None] + j).to(tl.int32, bitcast=True)
         i = tl.arange(0, 8)[None, :]
         sc_a, sc_b = _q6k_scales(sw, j, i)  # (BN, 8): sub(i) and sub(i) + 4
-        d = _f16(w_ptr + row_off + (K // 256) * 208 + 2 * sb)
-        await_inputs(PDL)
         sub = i + 4 * (i // 4)  # (1, 8)
         col = tl.arange(0, BLOCK_M)[None, :]
         q32 = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -385,15 +412,44 @@ if HAS_TRITON:
     @helper
     def _gemv_sbs(acc, w_ptr, row_off, sb0, count, q_ptr, dx_ptr, bs_ptr, K, M,
                   QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, PTX: tl.constexpr,
-                  PDL: tl.constexpr):
-        """acc + super-blocks sb0 .. sb0 + count - 1 (count >= 1) of the rows at row_off."""
-        for i in range(0, count):
+                  PDL: tl.constexpr, PREFETCH: tl.constexpr):
+        """acc + super-blocks sb0 .. sb0 + count - 1 (count >= 1) of the rows at row_off.
+        The first super-block's words are loaded before the wait for x (await_inputs;
+        later waits return at once); with PREFETCH each next one's before the current one
+        is multiplied (the first two before the wait), at the cost of a second set of
+        registers."""
+        if PREFETCH:
             if QTYPE == 12:  # Q4_K
-                acc = _sb_q4k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
-                              BLOCK_M, PTX, PDL)
+                w, head = _ld_q4k(w_ptr, row_off, sb0, True)
+                w_n, head_n = _ld_q4k(w_ptr, row_off, sb0 + 1, count > 1)
+                await_inputs(PDL)
+                for i in range(0, count):
+                    acc = _sb_q4k(acc, w, head, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
+                                  BLOCK_M, PTX)
+                    w, head = w_n, head_n
+                    w_n, head_n = _ld_q4k(w_ptr, row_off, sb0 + i + 2, i + 2 < count)
             else:
-                acc = _sb_q6k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
-                              BLOCK_M, PTX, PDL)
+                ql, qh, sw, d = _ld_q6k(w_ptr, row_off, sb0, K, True)
+                ql_n, qh_n, sw_n, d_n = _ld_q6k(w_ptr, row_off, sb0 + 1, K, count > 1)
+                await_inputs(PDL)
+                for i in range(0, count):
+                    acc = _sb_q6k(acc, ql, qh, sw, d, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
+                                  BLOCK_M, PTX)
+                    ql, qh, sw, d = ql_n, qh_n, sw_n, d_n
+                    ql_n, qh_n, sw_n, d_n = _ld_q6k(w_ptr, row_off, sb0 + i + 2, K,
+                                                    i + 2 < count)
+        else:
+            for i in range(0, count):
+                if QTYPE == 12:
+                    w, head = _ld_q4k(w_ptr, row_off, sb0 + i, True)
+                    await_inputs(PDL)
+                    acc = _sb_q4k(acc, w, head, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
+                                  BLOCK_M, PTX)
+                else:
+                    ql, qh, sw, d = _ld_q6k(w_ptr, row_off, sb0 + i, K, True)
+                    await_inputs(PDL)
+                    acc = _sb_q6k(acc, ql, qh, sw, d, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
+                                  BLOCK_M, PTX)
         return acc
 
     @triton.jit(do_not_specialize=["M", "N"])
@@ -402,6 +458,7 @@ if HAS_TRITON:
         sb_per_split, nsplit, ticket, w2_ptr, n1, row_bytes2,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PTX: tl.constexpr = False, QTYPE2: tl.constexpr = 0, PDL: tl.constexpr = False,
+        PREFETCH: tl.constexpr = False,
     ):
         """y[m, n] = the product of x's row m (quantized: q, dx, 16-column sums bs) and W's
         row n; grid (N tiles, splits), a program's sum over its range of super-blocks
@@ -421,11 +478,11 @@ if HAS_TRITON:
         if second:
             row_off = tl.where(rn < N, rn - n1, 0).to(tl.int64) * row_bytes2  # past N: row 0
             acc = _gemv_sbs(acc, w2_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
-                            M, QTYPE2, BLOCK_M, PTX, PDL)
+                            M, QTYPE2, BLOCK_M, PTX, PDL, PREFETCH)
         else:
             row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
             acc = _gemv_sbs(acc, w_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
-                            M, QTYPE, BLOCK_M, PTX, PDL)
+                            M, QTYPE, BLOCK_M, PTX, PDL, PREFETCH)
         offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
         finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, offs,
                       (rm < M)[None, :] & (rn < N)[:, None], ticket)
@@ -670,7 +727,7 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
         grid = (-(-n // cfg.block_n), cfg.split)
         kernel, extra = _qint_gemv_kernel, {"BLOCK_M": next_pow2(m), "BLOCK_N": cfg.block_n,
                                             "num_warps": cfg.num_warps, "QTYPE2": int(type2),
-                                            **stages}
+                                            "PREFETCH": cfg.prefetch, **stages}
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
     else:
         bm, bn, warps, *st = tiled_tile(m, backend)
