@@ -97,7 +97,6 @@ class QIntConfig(NamedTuple):
     split: int  # the super-blocks of a row are cut into `split` equal ranges
     num_warps: int = 4
     num_stages: int | None = None
-    prefetch: bool = False  # the CUDA-core kernel loads super-block i + 1 before i's product
 
 
 class QuantX(NamedTuple):
@@ -412,44 +411,22 @@ if HAS_TRITON:
     @helper
     def _gemv_sbs(acc, w_ptr, row_off, sb0, count, q_ptr, dx_ptr, bs_ptr, K, M,
                   QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, PTX: tl.constexpr,
-                  PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                  PDL: tl.constexpr):
         """acc + super-blocks sb0 .. sb0 + count - 1 (count >= 1) of the rows at row_off.
         The first super-block's words are loaded before the wait for x (await_inputs;
-        later waits return at once); with PREFETCH each next one's before the current one
-        is multiplied (the first two before the wait), at the cost of a second set of
-        registers."""
-        if PREFETCH:
+        later waits return at once). (Loading each next super-block's words before the
+        current one's product measured slower, bench/RESULTS.md.)"""
+        for i in range(0, count):
             if QTYPE == 12:  # Q4_K
-                w, head = _ld_q4k(w_ptr, row_off, sb0, True)
-                w_n, head_n = _ld_q4k(w_ptr, row_off, sb0 + 1, count > 1)
+                w, head = _ld_q4k(w_ptr, row_off, sb0 + i, True)
                 await_inputs(PDL)
-                for i in range(0, count):
-                    acc = _sb_q4k(acc, w, head, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
-                                  BLOCK_M, PTX)
-                    w, head = w_n, head_n
-                    w_n, head_n = _ld_q4k(w_ptr, row_off, sb0 + i + 2, i + 2 < count)
+                acc = _sb_q4k(acc, w, head, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M,
+                              PTX)
             else:
-                ql, qh, sw, d = _ld_q6k(w_ptr, row_off, sb0, K, True)
-                ql_n, qh_n, sw_n, d_n = _ld_q6k(w_ptr, row_off, sb0 + 1, K, count > 1)
+                ql, qh, sw, d = _ld_q6k(w_ptr, row_off, sb0 + i, K, True)
                 await_inputs(PDL)
-                for i in range(0, count):
-                    acc = _sb_q6k(acc, ql, qh, sw, d, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
-                                  BLOCK_M, PTX)
-                    ql, qh, sw, d = ql_n, qh_n, sw_n, d_n
-                    ql_n, qh_n, sw_n, d_n = _ld_q6k(w_ptr, row_off, sb0 + i + 2, K,
-                                                    i + 2 < count)
-        else:
-            for i in range(0, count):
-                if QTYPE == 12:
-                    w, head = _ld_q4k(w_ptr, row_off, sb0 + i, True)
-                    await_inputs(PDL)
-                    acc = _sb_q4k(acc, w, head, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
-                                  BLOCK_M, PTX)
-                else:
-                    ql, qh, sw, d = _ld_q6k(w_ptr, row_off, sb0 + i, K, True)
-                    await_inputs(PDL)
-                    acc = _sb_q6k(acc, ql, qh, sw, d, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
-                                  BLOCK_M, PTX)
+                acc = _sb_q6k(acc, ql, qh, sw, d, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
+                              BLOCK_M, PTX)
         return acc
 
     @triton.jit(do_not_specialize=["M", "N"])
@@ -458,7 +435,6 @@ if HAS_TRITON:
         sb_per_split, nsplit, ticket, w2_ptr, n1, row_bytes2,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PTX: tl.constexpr = False, QTYPE2: tl.constexpr = 0, PDL: tl.constexpr = False,
-        PREFETCH: tl.constexpr = False,
     ):
         """y[m, n] = the product of x's row m (quantized: q, dx, 16-column sums bs) and W's
         row n; grid (N tiles, splits), a program's sum over its range of super-blocks
@@ -478,11 +454,11 @@ if HAS_TRITON:
         if second:
             row_off = tl.where(rn < N, rn - n1, 0).to(tl.int64) * row_bytes2  # past N: row 0
             acc = _gemv_sbs(acc, w2_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
-                            M, QTYPE2, BLOCK_M, PTX, PDL, PREFETCH)
+                            M, QTYPE2, BLOCK_M, PTX, PDL)
         else:
             row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
             acc = _gemv_sbs(acc, w_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
-                            M, QTYPE, BLOCK_M, PTX, PDL, PREFETCH)
+                            M, QTYPE, BLOCK_M, PTX, PDL)
         offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
         finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, offs,
                       (rm < M)[None, :] & (rn < N)[:, None], ticket)
@@ -727,7 +703,7 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
         grid = (-(-n // cfg.block_n), cfg.split)
         kernel, extra = _qint_gemv_kernel, {"BLOCK_M": next_pow2(m), "BLOCK_N": cfg.block_n,
                                             "num_warps": cfg.num_warps, "QTYPE2": int(type2),
-                                            "PREFETCH": cfg.prefetch, **stages}
+                                            **stages}
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
     else:
         bm, bn, warps, *st = tiled_tile(m, backend)

@@ -45,9 +45,9 @@ TILES = qint.TILED_TILES
 
 
 def sweep(base: QIntConfig) -> list[QIntConfig]:
-    out = [QIntConfig(bn, s, w, prefetch=pf) for bn in (32, 64, 128) for w in (2, 4, 8)
+    out = [QIntConfig(bn, s, w) for bn in (32, 64, 128) for w in (2, 4, 8)
            for s in sorted({max(1, base.split // 4), max(1, base.split // 2), base.split,
-                            base.split * 2}) for pf in (False, True)]
+                            base.split * 2})]
     return [c for c in out if c != base]
 
 
