@@ -197,7 +197,8 @@ def _warps(block: int) -> int:
 
 def aot_specs(spec: type) -> list:
     """kernels/aot.py: Llama-8B's hidden size, with the plain, residual and Gemma-style
-    (residual norm) variants, and a bf16 y."""
+    (residual norm) variants, a bf16 y, and a quantizing one with the row cut over
+    programs."""
     if not HAS_TRITON:
         return []
     sig = {**{n: "*fp32" for n in ("x_ptr", "r_ptr", "rw_ptr", "w_ptr", "h_ptr", "y_ptr",
@@ -205,12 +206,14 @@ def aot_specs(spec: type) -> list:
            **{n: "i32" for n in ("stride_x", "stride_r", "stride_h", "stride_y", "dim")},
            "eps": "fp32"}
     out = []
-    for name, res, res_norm, y_type, quant in (
-            ("", False, False, "*fp32", False), ("_add", True, False, "*fp32", False),
-            ("_add_norm", True, True, "*fp32", False), ("_add_bf16", True, False, "*bf16", False),
-            ("_add_q8", True, False, "*fp32", True)):
+    for name, res, res_norm, y_type, quant, cols in (
+            ("", False, False, "*fp32", False, 0), ("_add", True, False, "*fp32", False, 0),
+            ("_add_norm", True, True, "*fp32", False, 0),
+            ("_add_bf16", True, False, "*bf16", False, 0),
+            ("_add_q8", True, False, "*fp32", True, 0),
+            ("_add_norm_q8_cols", True, True, "*fp32", True, SPLIT_COLS)):
         consts = {"HAS_RESIDUAL": res, "HAS_RES_NORM": res_norm, "BLOCK_D": 4096,
-                  "QUANT": quant}
+                  "QUANT": quant, "COLS": cols}
         out.append(spec(f"add_rms_norm{name}", _add_rms_norm_kernel,
                         {**sig, "y_ptr": y_type, **{k: "constexpr" for k in consts}}, consts,
                         _warps(4096), False))
