@@ -30,7 +30,6 @@ import torch
 from engine.errors import InvalidRequest
 from kernels.paged_attention_plan import FORMAT_IDS, AttnConfig, AttnPlan, plan_attention
 from kernels.paged_attention_triton import aot_specs, launch
-from kernels.qint import QK, QuantX, empty_quant_x, quant_x_reference, quantize_x
 from kernels.triton_util import HAS_TRITON, interpreter_active
 
 # aot_specs: kernels/aot.py collects every module's specs from here.
@@ -159,33 +158,13 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
     plan: AttnPlan | None = None,
     config: AttnConfig | None = None,
-    quantize: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, QuantX]:
-    """q (T, H, D) -> (T, H * Dv) float32; with `quantize` (H * Dv a multiple of 256) also
-    the output quantized for kernels/qint.py's products (quantize_x's bits), by the
-    attention kernel itself where it writes the output directly.
+) -> torch.Tensor:
+    """q (T, H, D) -> (T, H * Dv) float32.
 
     Runs the kernels on a GPU (or on the CPU when the interpreter is active), else the
     reference. `plan` (plan_attention, built from the host copies of query_start and
     seq_lens) may be shared by every layer of a step with the same window and config.
     """
-    out = _paged_attention(q, k_planes, v_planes, k_format, v_format, query_start, seq_lens,
-                           positions, page_table, page_size, scale, window, softcap, sinks,
-                           plan, config, quantize)
-    if not quantize or isinstance(out, tuple):
-        return out
-    if out.shape[1] % QK:
-        raise InvalidRequest(f"paged_attention: quantize needs H * Dv a multiple of {QK}, "
-                             f"got {out.shape[1]}")
-    if not HAS_TRITON or (out.device.type == "cpu" and not interpreter_active()):
-        return out, quant_x_reference(out)
-    return out, quantize_x(out)
-
-
-def _paged_attention(q, k_planes, v_planes, k_format, v_format, query_start, seq_lens,
-                     positions, page_table, page_size, scale, window, softcap, sinks, plan,
-                     config, quantize):
-    """paged_attention -> out, or (out, xq) when the kernel quantized it."""
     kwargs = dict(query_start=query_start, seq_lens=seq_lens, positions=positions,
                   page_table=page_table, page_size=page_size, scale=scale, window=window,
                   softcap=softcap, sinks=sinks)
@@ -214,15 +193,9 @@ def _paged_attention(q, k_planes, v_planes, k_format, v_format, query_start, seq
     if k_format in ("q8", "q4"):
         q = _rotate(q)
     out = torch.empty(num_tokens, num_heads, dim_v, dtype=torch.float32, device=q.device)
-    rotated = v_format in ("q8", "q4")  # the output turns back after the kernel
-    xq = empty_quant_x(num_tokens, num_heads * dim_v, q.device) if quantize and \
-        not rotated and (num_heads * dim_v) % QK == 0 else None
-    done = False
     if num_tokens:
-        done = launch(q, (k0, k1, v0, v1), (FORMAT_IDS[k_format], FORMAT_IDS[v_format]),
-                      positions, page_table, page_size, (scale, window, softcap), sinks, plan,
-                      cfg, out, xq)
-    if rotated:
+        launch(q, (k0, k1, v0, v1), (FORMAT_IDS[k_format], FORMAT_IDS[v_format]), positions,
+               page_table, page_size, (scale, window, softcap), sinks, plan, cfg, out)
+    if v_format in ("q8", "q4"):
         out = _rotate(out)
-    out = out.reshape(num_tokens, num_heads * dim_v)
-    return (out, xq) if done or (xq is not None and not num_tokens) else out
+    return out.reshape(num_tokens, num_heads * dim_v)

@@ -20,12 +20,11 @@ import torch
 from kernels.paged_attention_plan import FORMAT_IDS, AttnConfig, AttnPlan
 from kernels.triton_util import HAS_TRITON, await_inputs, helper, jit, launcher, next_pow2, tl
 
-__all__ = ["aot_specs", "can_quantize", "launch"]
+__all__ = ["aot_specs", "launch"]
 
 _LOG2E = 1.4426950408889634
 
 if HAS_TRITON:
-    from kernels.qint import quantize_store
 
     @helper
     def _load_kv(p0, p1, slot, kvh, FMT: tl.constexpr, KVH: tl.constexpr, DIM: tl.constexpr,
@@ -63,25 +62,20 @@ if HAS_TRITON:
     @jit
     def _attn_partial_kernel(
         q_ptr, k0_ptr, k1_ptr, v0_ptr, v1_ptr, pt_ptr, pos_ptr, work_ptr, tok_base_ptr,
-        m_ptr, l_ptr, acc_ptr, q8_ptr, dx_ptr, bs_ptr, stride_qt, stride_qh, stride_pt,
-        qk_scale, softcap, window, K_FMT: tl.constexpr, V_FMT: tl.constexpr,
-        KVH: tl.constexpr, G: tl.constexpr,
+        m_ptr, l_ptr, acc_ptr, stride_qt, stride_qh, stride_pt, qk_scale, softcap, window,
+        K_FMT: tl.constexpr, V_FMT: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
         D: tl.constexpr, DV: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
         PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        DIRECT: tl.constexpr = False, PDL: tl.constexpr = False, QUANT: tl.constexpr = False,
+        DIRECT: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
         """Partials of one work item (program 0) and KV head (program 1); base-2 logits.
         DIRECT (every token in one split, no sinks): the output acc / l itself into acc_ptr,
-        the merge's bits (its weights are exp2(0) = 1), and no merge launch. QUANT (with
-        DIRECT; G * DV a multiple of 256, DV = DVP): also the output quantized for
-        kernels/qint.py (q8, dx, bs of the (T, H * DV) rows): the program's G heads of a
-        token are whole super-blocks of its row."""
+        the merge's bits (its weights are exp2(0) = 1), and no merge launch."""
         item = work_ptr + tl.program_id(0) * 6
         kvh = tl.program_id(1)
-        # The work item and positions are the step's inputs, written before the kernels
-        # before this one: read while the previous kernel (the K/V store) runs. (Its
-        # pages read a block ahead too cost the sm_90 build 176 bytes of spills.)
+        # The work item, positions and page table are the step's inputs, written before
+        # the kernels before this one: read while the previous kernel (the K/V store) runs.
         row, q_begin, q_count = tl.load(item), tl.load(item + 1), tl.load(item + 2)
         key_lo, key_hi, split = tl.load(item + 3), tl.load(item + 4), tl.load(item + 5)
         r = tl.arange(0, BLOCK_M)
@@ -91,6 +85,8 @@ if HAS_TRITON:
         d = tl.arange(0, DP)
         pos = tl.load(pos_ptr + t, mask=ok, other=-1)
         pages = pt_ptr + row * stride_pt
+        kp = key_lo + tl.arange(0, BLOCK_N)
+        page = tl.load(pages + kp // PAGE, mask=kp < key_hi, other=0)  # the first block's
         await_inputs(PDL)
         q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
                     mask=ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float16)
@@ -100,8 +96,9 @@ if HAS_TRITON:
         for start in range(key_lo, key_hi, BLOCK_N):
             kp = start + tl.arange(0, BLOCK_N)
             k_ok = kp < key_hi
-            page = tl.load(pages + kp // PAGE, mask=k_ok, other=0)
             slot = page * PAGE + kp % PAGE  # int32, see _load_kv
+            nxt = kp + BLOCK_N  # the next block's pages, a block ahead of their use
+            page = tl.load(pages + nxt // PAGE, mask=nxt < key_hi, other=0)
             k = _load_kv(k0_ptr, k1_ptr, slot, kvh, K_FMT, KVH, D, DP, BLOCK_N)
             s = tl.dot(q, tl.trans(k)) * qk_scale  # (BM, BN) in log2 units
             if HAS_SOFTCAP:  # c * tanh(s / c), tanh(x) = 1 - 2 / (exp(2x) + 1)
@@ -128,17 +125,6 @@ if HAS_TRITON:
             tl.store(l_ptr + out, l_i, mask=ok)
         tl.store(acc_ptr + out[:, None] * DV + dv[None, :], acc,
                  mask=ok[:, None] & (dv < DV)[None, :])
-        if QUANT:  # a token's G heads are super-blocks b of its row, read back as written
-            NBP: tl.constexpr = G * DV // 256
-            i = tl.arange(0, BLOCK_M // G * NBP)
-            tok = i // NBP
-            b = kvh * NBP + i % NBP
-            live = tok < q_count
-            t_row = (q_begin + tok).to(tl.int64) * (KVH * G * DV)
-            tl.debug_barrier()  # the block's stores above are visible to all its threads
-            y = tl.load(acc_ptr + t_row[:, None] + b[:, None] * 256 + tl.arange(0, 256)[None, :],
-                        mask=live[:, None], other=0.0)
-            quantize_store(y, b, live, q_begin + tok, q8_ptr, dx_ptr, bs_ptr, KVH * G * DV)
 
     @jit
     def _attn_merge_kernel(
@@ -184,13 +170,11 @@ if HAS_TRITON:
 def launch(q: torch.Tensor, planes: tuple[torch.Tensor, ...], formats: tuple[int, int],
            positions: torch.Tensor, page_table: torch.Tensor, page_size: int,
            params: tuple[float, int | None, float | None], sinks: torch.Tensor | None,
-           plan: AttnPlan, cfg: AttnConfig, out: torch.Tensor, xq: tuple | None = None) -> bool:
+           plan: AttnPlan, cfg: AttnConfig, out: torch.Tensor) -> None:
     """Both kernels (the partial one alone when every token has one split and there are no
     sinks), writing out (T, H, Dv) float32; planes are (k0, k1, v0, v1), formats the
     FORMAT_IDS of K and V, params (scale, window, softcap). Partial buffers are (slots, H)
-    and (slots, H, Dv) float32. With `xq` (kernels/qint.py's QuantX of (T, H * Dv)) the
-    partial kernel also quantizes out when it writes out itself and the shapes allow
-    (can_quantize): -> whether it did."""
+    and (slots, H, Dv) float32."""
     (num_tokens, num_heads, dim), dim_v, dev = q.shape, out.shape[2], q.device
     kv_heads = planes[0].shape[1]
     scale, window, softcap = params
@@ -204,22 +188,18 @@ def launch(q: torch.Tensor, planes: tuple[torch.Tensor, ...], formats: tuple[int
         acc_part = torch.empty(plan.num_slots, num_heads, dim_v, dtype=torch.float32,
                                device=dev)
     table = page_table.to(device=dev, dtype=torch.int32).contiguous()
-    group = num_heads // kv_heads
-    quant = xq is not None and direct and can_quantize(group, dim_v, cfg.block_m)
     launcher(_attn_partial_kernel, dev)[(plan.work.shape[0], kv_heads)](
         q, *planes, table, positions.to(device=dev, dtype=torch.int32), plan.work,
-        plan.tok_base, m_part, l_part, acc_part, *(xq if quant else (out, out, out)),
-        q.stride(0), q.stride(1), table.stride(0),
+        plan.tok_base, m_part, l_part, acc_part, q.stride(0), q.stride(1), table.stride(0),
         scale * _LOG2E, float(softcap or 1.0), int(window or 0),
         K_FMT=formats[0], V_FMT=formats[1], KVH=kv_heads, G=num_heads // kv_heads, D=dim,
         DV=dim_v, DP=next_pow2(dim), DVP=next_pow2(dim_v), PAGE=page_size,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DIRECT=direct, QUANT=quant,
-        num_warps=cfg.num_warps,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DIRECT=direct, num_warps=cfg.num_warps,
         **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
     )
     if direct:
-        return quant
+        return
     sink = m_part if sinks is None else (sinks.float() * _LOG2E).contiguous()
     # One token per program on a GPU (its (H, Dv) accumulator fills the registers); the
     # interpreter pays per program, so it takes many.
@@ -229,42 +209,31 @@ def launch(q: torch.Tensor, planes: tuple[torch.Tensor, ...], formats: tuple[int
         H=num_heads, HP=next_pow2(num_heads), DV=dim_v, DVP=next_pow2(dim_v),
         HAS_SINKS=sinks is not None, BLOCK_T=block_t,
     )
-    return False
-
-
-def can_quantize(group: int, dim_v: int, block_m: int) -> bool:
-    """Whether the partial kernel can quantize its output (QUANT): a token's `group` heads
-    are whole 256-column super-blocks and the block holds whole tokens."""
-    return (group * dim_v) % 256 == 0 and dim_v == next_pow2(dim_v) and block_m % group == 0
 
 
 def aot_specs(spec: type) -> list:
     """kernels/aot.py: every K/V format pair's loader at Llama-like shapes (GQA 4:1,
-    head dim 128), one with window and softcap, one writing its output directly and
-    quantized; the merge with and without sinks."""
+    head dim 128), one with window and softcap; the merge with and without sinks."""
     if not HAS_TRITON:
         return []
     plane = {"f16": "*fp16", "q8": "*i8", "q4": "*u8"}
     sig = {"q_ptr": "*fp32", "k0_ptr": "", "k1_ptr": "*fp16", "v0_ptr": "", "v1_ptr": "*fp16",
            **{n: "*i32" for n in ("pt_ptr", "pos_ptr", "work_ptr", "tok_base_ptr")},
            **{n: "*fp32" for n in ("m_ptr", "l_ptr", "acc_ptr")},
-           "q8_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*i32", "stride_qt": "i32",
-           "stride_qh": "i32", "stride_pt": "i32", "qk_scale": "fp32", "softcap": "fp32",
-           "window": "i32"}
+           "stride_qt": "i32", "stride_qh": "i32", "stride_pt": "i32", "qk_scale": "fp32",
+           "softcap": "fp32", "window": "i32"}
     out = []
-    for (k_fmt, v_fmt, extras, quant), backend in itertools.product(
-            (("f16", "f16", False, False), ("q8", "q8", True, False), ("q4", "q4", False, False),
-             ("q8", "q4", False, False), ("f16", "f16", False, True)), ("hip", "cuda")):
+    for (k_fmt, v_fmt, extras), backend in itertools.product(
+            (("f16", "f16", False), ("q8", "q8", True), ("q4", "q4", False),
+             ("q8", "q4", False)), ("hip", "cuda")):
         cfg = AttnConfig.default(4, 128, 128, backend)
         consts = {"K_FMT": FORMAT_IDS[k_fmt], "V_FMT": FORMAT_IDS[v_fmt], "KVH": 8, "G": 4,
                   "D": 128, "DV": 128, "DP": 128, "DVP": 128, "PAGE": 16,
                   "HAS_WINDOW": extras, "HAS_SOFTCAP": extras, "BLOCK_M": cfg.block_m,
-                  "BLOCK_N": cfg.block_n, "DIRECT": quant, "PDL": backend == "cuda",
-                  "QUANT": quant}
+                  "BLOCK_N": cfg.block_n, "PDL": backend == "cuda"}
         signature = {**sig, "k0_ptr": plane[k_fmt], "v0_ptr": plane[v_fmt],
                      **{k: "constexpr" for k in consts}}
-        name = f"paged_attention_k{k_fmt}_v{v_fmt}" + ("_window_softcap" if extras else "") + (
-            "_direct_q8" if quant else "")
+        name = f"paged_attention_k{k_fmt}_v{v_fmt}" + ("_window_softcap" if extras else "")
         out.append(spec(name, _attn_partial_kernel, signature, consts, cfg.num_warps, True,
                         backend, cfg.num_stages))
     for sinks in (False, True):

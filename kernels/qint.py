@@ -183,12 +183,10 @@ if HAS_TRITON:
 
     @helper
     def quantize_store(x, b, ok, row, q_ptr, dx_ptr, bs_ptr, K):
-        """Quantizes super-blocks b (NB,) of row `row` (a scalar, or (NB,): each block's
-        row) (x (NB, 256) float32, where `ok`) into q (M, K) int8, dx (M, K / 256) and the
-        int32 sums of q over each 16 columns (M, K / 16): the definition of the module
-        docstring (also the epilogue of the norm, gated activation and attention kernels:
-        kernels/fused_norm.py, kernels/gated_act.py, kernels/paged_attention_triton.py)."""
-        row = (row + 0 * b).to(tl.int64)  # (NB,)
+        """Quantizes super-blocks b (NB,) of row `row` (x (NB, 256) float32, where `ok`)
+        into q (M, K) int8, dx (M, K / 256) and the int32 sums of q over each 16 columns
+        (M, K / 16): the definition of the module docstring (also the epilogue of the norm
+        and gated activation kernels: kernels/fused_norm.py, kernels/gated_act.py)."""
         a = tl.max(tl.abs(x), axis=1)
         pos = a > 0
         inv = tl.where(pos, tl.math.div_rn(127.0, tl.where(pos, a, 1.0)), 0.0)
@@ -196,11 +194,11 @@ if HAS_TRITON:
         q = tl.floor(tl.fma(x, inv[:, None], 0.5))
         q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32)
         cols = b[:, None] * 256 + tl.arange(0, 256)[None, :]
-        tl.store(q_ptr + row[:, None] * K + cols, q.to(tl.int8), mask=ok[:, None])
+        tl.store(q_ptr + row * K + cols, q.to(tl.int8), mask=ok[:, None])
         tl.store(dx_ptr + row * (K // 256) + b, dx, mask=ok)
         sums = tl.sum(tl.reshape(q, (q.shape[0], 16, 16)), axis=2)
-        tl.store(bs_ptr + row[:, None] * (K // 16) + b[:, None] * 16 + tl.arange(0, 16)[None, :],
-                 sums, mask=ok[:, None])
+        tl.store(bs_ptr + row * (K // 16) + b[:, None] * 16 + tl.arange(0, 16)[None, :], sums,
+                 mask=ok[:, None])
 
     @triton.jit
     def _quantize_x_kernel(x_ptr, q_ptr, dx_ptr, bs_ptr, K, stride_xm,

@@ -27,7 +27,6 @@ from engine.kv.cache import KVCache
 from engine.layers.attention_cpu import attend_cpu
 from kernels.paged_attention import AttnConfig, AttnPlan, paged_attention, plan_attention
 from kernels.paged_attention_plan import WORK_FIELDS
-from kernels.qint import QuantX, quant_x_reference
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,26 +63,20 @@ def attend(
     v: torch.Tensor,
     batch: ForwardBatch,
     kv: KVCache,
-    quantize: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, QuantX]:
-    """q (T, H, D), k (T, KVH, D), v (T, KVH, Dv) float32 -> (T, H * Dv) float32; with
-    `quantize` also that output quantized for a q8 output projection (kernels/qint.py),
-    by the attention kernel itself where it can."""
+) -> torch.Tensor:
+    """q (T, H, D), k (T, KVH, D), v (T, KVH, Dv) float32 -> (T, H * Dv) float32."""
     group = kv.group_of(layer.index)
     kv.write(layer.index, batch.write_slots(group, kv.page_size), k, v)
     if use_triton(q.device):
-        return attend_triton(layer, q, batch, kv, group, quantize)
+        return attend_triton(layer, q, batch, kv, group)
     if q.device.type == "cpu":
-        out = attend_cpu(layer, q, batch, kv, group)
-    else:
-        out = attend_reference(layer, q, batch, kv, group)
-    return (out, quant_x_reference(out)) if quantize else out
+        return attend_cpu(layer, q, batch, kv, group)
+    return attend_reference(layer, q, batch, kv, group)
 
 
 def attend_triton(
-    layer: AttnLayer, q: torch.Tensor, batch: ForwardBatch, kv: KVCache, group: str,
-    quantize: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, QuantX]:
+    layer: AttnLayer, q: torch.Tensor, batch: ForwardBatch, kv: KVCache, group: str
+) -> torch.Tensor:
     """One paged-attention launch for every row; without a PlannedBatch the plan is made
     here from the batch (a host synchronisation per layer)."""
     inputs = batch.attn.get(group) if isinstance(batch, PlannedBatch) else None
@@ -96,7 +89,7 @@ def attend_triton(
         page_table=batch.page_tables[group] if inputs is None else inputs.page_table,
         page_size=kv.page_size, scale=layer.scale, window=layer.window,
         softcap=layer.softcap, plan=None if inputs is None else inputs.plan,
-        config=attn_config(layer, q.device), quantize=quantize)
+        config=attn_config(layer, q.device))
 
 
 def attn_config(layer: AttnLayer, device: torch.device) -> AttnConfig:

@@ -186,9 +186,6 @@ class DecoderModel:
                 q = rms_norm(q, blk.q_norm, cfg.rms_eps)
                 k = rms_norm(k, blk.k_norm, cfg.rms_eps)
             q, k = rope.apply(q, *cs), rope.apply(k, *cs)
-        if _act8(blk.out, fused):  # the attention kernel quantizes for the q8 projection
-            o, oq = attend(blk.attn, q, k, v, batch, kv, quantize=True)
-            return blk.out(o, xq=oq)
         return blk.out(attend(blk.attn, q, k, v, batch, kv))
 
     @torch.inference_mode()

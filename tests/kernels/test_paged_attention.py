@@ -140,25 +140,3 @@ def test_checks_inputs(interp, rng):
         interp.call(KERNEL, q[:, :7], kv.k[0], kv.v[0], "q8", "q8", **kw)
     with pytest.raises(InvalidRequest):
         interp.call(KERNEL, q, kv.k[0], kv.v[0], "q8", "q8", **{**kw, "sinks": torch.zeros(3)})
-
-
-@pytest.mark.parametrize("kv_quant,split_keys", [("f16", 256), ("f16", 16), ("q8", 256)])
-def test_quantized_output_is_quantize_x_of_the_output(interp, rng, kv_quant, split_keys):
-    """With `quantize` the output comes with its quantization for a q8 projection, the bits
-    of quantize_x's definition: written by the partial kernel when it writes the output
-    itself (one split a token; a token's 4 heads of 128 are two super-blocks), else
-    quantized after the merge (16-key splits) or after the V rotation (q8). The output
-    itself is the same either way."""
-    from kernels.qint import quantize_x_reference
-
-    q, kv, batch = make_case(rng, kv_quant, heads=8, kv_heads=2, dim=128)
-    args = (q, kv.k[0], kv.v[0], kv.k_format.name, kv.v_format.name)
-    config = AttnConfig(64, 32, split_keys)
-    plain = interp.call(KERNEL, *args, config=config, **kwargs(batch, 128))
-    out, xq = interp.call(KERNEL, *args, config=config, quantize=True, **kwargs(batch, 128))
-    assert torch.equal(out, plain)
-    codes, dx = quantize_x_reference(out)
-    assert torch.equal(xq.q.int(), codes) and torch.equal(xq.dx, dx)
-    sums = xq.q.int().reshape(out.shape[0], -1, 16).sum(-1)
-    assert torch.equal(xq.bs, sums)
-    assert_close(out, paged_attention_reference(*args, **kwargs(batch, 128)))
