@@ -197,8 +197,7 @@ def _warps(block: int) -> int:
 
 def aot_specs(spec: type) -> list:
     """kernels/aot.py: Llama-8B's hidden size, with the plain, residual and Gemma-style
-    (residual norm) variants, a bf16 y, and a quantizing one with the row cut over
-    programs."""
+    (residual norm) variants, and a bf16 y."""
     if not HAS_TRITON:
         return []
     sig = {**{n: "*fp32" for n in ("x_ptr", "r_ptr", "rw_ptr", "w_ptr", "h_ptr", "y_ptr",
@@ -206,14 +205,12 @@ def aot_specs(spec: type) -> list:
            **{n: "i32" for n in ("stride_x", "stride_r", "stride_h", "stride_y", "dim")},
            "eps": "fp32"}
     out = []
-    for name, res, res_norm, y_type, quant, cols in (
-            ("", False, False, "*fp32", False, 0), ("_add", True, False, "*fp32", False, 0),
-            ("_add_norm", True, True, "*fp32", False, 0),
-            ("_add_bf16", True, False, "*bf16", False, 0),
-            ("_add_q8", True, False, "*fp32", True, 0),
-            ("_add_norm_q8_cols", True, True, "*fp32", True, SPLIT_COLS)):
+    for name, res, res_norm, y_type, quant in (
+            ("", False, False, "*fp32", False), ("_add", True, False, "*fp32", False),
+            ("_add_norm", True, True, "*fp32", False), ("_add_bf16", True, False, "*bf16", False),
+            ("_add_q8", True, False, "*fp32", True)):
         consts = {"HAS_RESIDUAL": res, "HAS_RES_NORM": res_norm, "BLOCK_D": 4096,
-                  "QUANT": quant, "COLS": cols}
+                  "QUANT": quant}
         out.append(spec(f"add_rms_norm{name}", _add_rms_norm_kernel,
                         {**sig, "y_ptr": y_type, **{k: "constexpr" for k in consts}}, consts,
                         _warps(4096), False))
