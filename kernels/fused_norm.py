@@ -9,9 +9,7 @@ The decoder keeps the residual stream `h` and feeds `y` to the next matmul, so a
 "x = x + f(...); y = norm(x)" pairs become one kernel each. With `quantize` the kernel also
 writes y quantized for kernels/qint.py's products (its quantize_x bits), sparing that
 launch before each of them. Float32 in and out, one program per row (rows are
-independent, so a row's result does not depend on the batch); up to SPLIT_ROWS rows, each
-row's columns are cut over several programs, each repeating the row's sums (the same
-bits: the sums run the same code either way).
+independent, so a row's result does not depend on the batch).
 The reference is torch's F.rms_norm in float32, as engine/layers/norm.py computes it.
 """
 
@@ -82,13 +80,9 @@ if HAS_TRITON:
         x_ptr, r_ptr, rw_ptr, w_ptr, h_ptr, y_ptr, q_ptr, dx_ptr, bs_ptr, stride_x, stride_r,
         stride_h, stride_y, dim, eps, HAS_RESIDUAL: tl.constexpr, HAS_RES_NORM: tl.constexpr,
         BLOCK_D: tl.constexpr, QUANT: tl.constexpr = False, PDL: tl.constexpr = False,
-        COLS: tl.constexpr = 0,
     ):
-        """One row (program 0): h = x + rmsnorm(r) * rw (or x + r), y = rmsnorm(h) * w;
-        with QUANT also y (as stored) quantized per 256 columns (dim a multiple of 256).
-        COLS (a multiple of 256 below BLOCK_D): program 1 writes only columns
-        [COLS j, COLS (j + 1)) and quantizes only those, after the same whole-row sums
-        (the same bits, from more programs a row: a decode step's few rows)."""
+        """One row: h = x + rmsnorm(r) * rw (or x + r), y = rmsnorm(h) * w; with QUANT also
+        y (as stored) quantized per 256 columns (dim a multiple of 256)."""
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         ok = d < dim
@@ -100,25 +94,13 @@ if HAS_TRITON:
                 r_inv = tl.rsqrt(tl.sum(r * r, 0) / dim + eps)
                 r = r * r_inv * tl.load(rw_ptr + d, mask=ok, other=0.0)
             h = h + r
+            tl.store(h_ptr + row * stride_h + d, h, mask=ok)
         inv = tl.rsqrt(tl.sum(h * h, 0) / dim + eps)
-        if COLS == 0:
-            c = d
-        else:  # this program's columns, h again from its inputs (elementwise: same bits)
-            c = tl.program_id(1) * COLS + tl.arange(0, COLS)
-            ok = c < dim
-            h = tl.load(x_ptr + row * stride_x + c, mask=ok, other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(r_ptr + row * stride_r + c, mask=ok, other=0.0)
-                if HAS_RES_NORM:
-                    r = r * r_inv * tl.load(rw_ptr + c, mask=ok, other=0.0)
-                h = h + r
-        if HAS_RESIDUAL:
-            tl.store(h_ptr + row * stride_h + c, h, mask=ok)
-        y = cast_out(h * inv * tl.load(w_ptr + c, mask=ok, other=0.0), y_ptr)
-        tl.store(y_ptr + row * stride_y + c, y, mask=ok)
+        y = cast_out(h * inv * tl.load(w_ptr + d, mask=ok, other=0.0), y_ptr)
+        tl.store(y_ptr + row * stride_y + d, y, mask=ok)
         if QUANT:
-            NB: tl.constexpr = (BLOCK_D if COLS == 0 else COLS) // 256
-            b = (0 if COLS == 0 else tl.program_id(1) * NB) + tl.arange(0, NB)
+            NB: tl.constexpr = BLOCK_D // 256
+            b = tl.arange(0, NB)
             quantize_store(tl.reshape(y.to(tl.float32), (NB, 256)), b, b < dim // 256, row,
                            q_ptr, dx_ptr, bs_ptr, dim)
 
@@ -168,26 +150,13 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if rows:
         block = max(QK, next_pow2(dim))
         r = x if residual is None else residual
-        cols = split_cols(rows, block)
-        launcher(_add_rms_norm_kernel, x.device)[(rows, block // (cols or block))](
+        launcher(_add_rms_norm_kernel, x.device)[(rows,)](
             x, r, weight if residual_weight is None else residual_weight, weight, h, y,
             *(xq or (y, y, y)), x.stride(0), r.stride(0), h.stride(0), y.stride(0), dim,
             float(eps), HAS_RESIDUAL=residual is not None,
             HAS_RES_NORM=residual_weight is not None, BLOCK_D=block, QUANT=quantize,
-            COLS=cols, num_warps=_warps(block))
+            num_warps=_warps(block))
     return NormOut(h, y, xq)
-
-
-# Up to this many rows a row's columns are cut over several programs (COLS each): one
-# program a row leaves a decode step's norm to a few multiprocessors.
-SPLIT_ROWS = 4
-SPLIT_COLS = 256
-
-
-def split_cols(rows: int, block: int) -> int:
-    """The kernel's COLS for `rows` rows of `block` columns: 0 (one program a row) or
-    SPLIT_COLS."""
-    return SPLIT_COLS if rows <= SPLIT_ROWS and block > SPLIT_COLS else 0
 
 
 def _warps(block: int) -> int:

@@ -134,20 +134,3 @@ def test_cpu_without_interpreter_runs_the_reference(gen):
     x, w, r, rw = case(gen, 4, 64, True, True, False)
     got, ref = add_rms_norm(x, w, EPS, r, rw), add_rms_norm_reference(x, w, EPS, r, rw)
     assert torch.equal(got.h, ref.h) and torch.equal(got.y, ref.y)
-
-
-@pytest.mark.parametrize("res_norm", [False, True])
-def test_split_rows_match_whole_rows_bit_for_bit(interp, gen, res_norm):
-    """Up to SPLIT_ROWS rows a row's columns are cut over several programs; more rows run
-    one program a row. A row's h, y and codes are the same bits either way."""
-    from kernels.fused_norm import SPLIT_ROWS, split_cols
-
-    rows = SPLIT_ROWS + 3
-    assert split_cols(SPLIT_ROWS, 1024) and not split_cols(rows, 1024)
-    x, w, r, rw = case(gen, rows, 768, True, res_norm, False)
-    whole = interp.call(KERNEL, x, w, EPS, residual=r, residual_weight=rw, quantize=True)
-    cut = interp.call(KERNEL, x[:2].clone(), w, EPS, residual=r[:2].clone(),
-                      residual_weight=rw, quantize=True)
-    assert torch.equal(cut.h, whole.h[:2]) and torch.equal(cut.y, whole.y[:2])
-    for a, b in zip(cut.xq, whole.xq, strict=True):
-        assert torch.equal(a, b[:2])
