@@ -74,8 +74,9 @@ if HAS_TRITON:
         the merge's bits (its weights are exp2(0) = 1), and no merge launch."""
         item = work_ptr + tl.program_id(0) * 6
         kvh = tl.program_id(1)
-        # The work item, positions and page table are the step's inputs, written before
-        # the kernels before this one: read while the previous kernel (the K/V store) runs.
+        # The work item and positions are the step's inputs, written before the kernels
+        # before this one: read while the previous kernel (the K/V store) runs. (Reading
+        # the pages a block ahead too cost the sm_90 build 176 bytes of spills.)
         row, q_begin, q_count = tl.load(item), tl.load(item + 1), tl.load(item + 2)
         key_lo, key_hi, split = tl.load(item + 3), tl.load(item + 4), tl.load(item + 5)
         r = tl.arange(0, BLOCK_M)
@@ -85,8 +86,6 @@ if HAS_TRITON:
         d = tl.arange(0, DP)
         pos = tl.load(pos_ptr + t, mask=ok, other=-1)
         pages = pt_ptr + row * stride_pt
-        kp = key_lo + tl.arange(0, BLOCK_N)
-        page = tl.load(pages + kp // PAGE, mask=kp < key_hi, other=0)  # the first block's
         await_inputs(PDL)
         q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
                     mask=ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float16)
@@ -96,9 +95,8 @@ if HAS_TRITON:
         for start in range(key_lo, key_hi, BLOCK_N):
             kp = start + tl.arange(0, BLOCK_N)
             k_ok = kp < key_hi
+            page = tl.load(pages + kp // PAGE, mask=k_ok, other=0)
             slot = page * PAGE + kp % PAGE  # int32, see _load_kv
-            nxt = kp + BLOCK_N  # the next block's pages, a block ahead of their use
-            page = tl.load(pages + nxt // PAGE, mask=nxt < key_hi, other=0)
             k = _load_kv(k0_ptr, k1_ptr, slot, kvh, K_FMT, KVH, D, DP, BLOCK_N)
             s = tl.dot(q, tl.trans(k)) * qk_scale  # (BM, BN) in log2 units
             if HAS_SOFTCAP:  # c * tanh(s / c), tanh(x) = 1 - 2 / (exp(2x) + 1)
