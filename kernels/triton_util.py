@@ -12,7 +12,8 @@ Three ways a kernel runs:
 - ahead of time (kernels/aot.py): `triton.compile` for a named target, no device needed.
 
 On NVIDIA GPUs from sm_90 on, kernels with a `PDL` constexpr launch as programmatic
-dependent launches (`launcher` adds the flags): such a kernel may start while the one
+dependent launches inside CUDA graph captures, i.e. in decode steps (`launcher` adds the
+flags): such a kernel may start while the one
 before it in the stream is still running, and `await_inputs(PDL)` is where it waits for
 that kernel's results. Before that point a kernel must write nothing and may read only
 what the previous kernel does not write: weights, and what earlier kernels or copies

@@ -27,10 +27,12 @@ class _Fake:
 
 @pytest.fixture
 def gpu(monkeypatch):
-    """A 'cuda' device whose PDL switch the test sets; compiled() passes fakes through."""
-    state = {"on": True}
+    """A 'cuda' device whose PDL switch and graph capture the test sets; compiled() passes
+    fakes through."""
+    state = {"on": True, "capturing": True}
     monkeypatch.setattr(triton_util, "compiled", lambda kernel: kernel)
     monkeypatch.setattr(triton_util, "pdl_enabled", lambda device: state["on"])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
     return state
 
 
@@ -40,13 +42,18 @@ def test_kernels_with_pdl_launch_as_dependent_launches(gpu):
     assert fake.calls == [((3, 2), (1, 2), {"BLOCK": 8, "PDL": True, "launch_pdl": True})]
 
 
-def test_no_flags_where_disabled_or_not_taken(gpu):
+def test_no_flags_where_disabled_not_taken_or_not_captured(gpu):
+    """Eager launches (prefill steps) stay plain: there cuBLAS's kernels let ours start
+    early and take multiprocessors its GEMMs still need."""
     plain = _Fake(["x_ptr", "n"])
     triton_util.launcher(plain, torch.device("cuda", 0))[(1,)](1)
     gpu["on"] = False
     takes = _Fake(["x_ptr", "PDL"])
     triton_util.launcher(takes, torch.device("cuda", 0))[(1,)](1)
-    assert plain.calls == [((1,), (1,), {})] and takes.calls == [((1,), (1,), {})]
+    gpu["on"], gpu["capturing"] = True, False
+    eager = _Fake(["x_ptr", "PDL"])
+    triton_util.launcher(eager, torch.device("cuda", 0))[(1,)](1)
+    assert plain.calls == takes.calls == eager.calls == [((1,), (1,), {})]
 
 
 def test_pdl_needs_cuda_sm90_and_can_be_turned_off(monkeypatch):
