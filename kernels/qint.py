@@ -254,21 +254,20 @@ if HAS_TRITON:
         return _k4_head_words(_stream((_p32(w_ptr) + blk // 4)[:, None] + j))
 
     @helper
-    def _ld_q4k(w_ptr, row_off, sb, live):
+    def _ld_q4k(w_ptr, row_off, sb):
         """Super-block sb's raw words of the Q4_K rows at row_off (BN,): codes (BN, 32) and
-        head (BN, 4), as int32; zeros without loading where `live` (scalar) is false."""
+        head (BN, 4), as int32."""
         blk = row_off + sb * 144  # (BN,) 16-byte aligned super-blocks
         c = tl.arange(0, 32)[None, :]
         zero = 0 * blk[:, None].to(tl.int32)  # (BN, 1): the indices below in the codes' shape
         p = _p32(w_ptr)
-        w = tl.load(p + ((blk + 16) // 4)[:, None] + (c + zero), mask=live, other=0,
-                    eviction_policy="evict_first").to(tl.int32, bitcast=True)
-        head = tl.load((p + blk // 4)[:, None] + tl.arange(0, 4)[None, :], mask=live, other=0,
-                       eviction_policy="evict_first").to(tl.int32, bitcast=True)
+        w = _stream(p + ((blk + 16) // 4)[:, None] + (c + zero)).to(tl.int32, bitcast=True)
+        head = _stream((p + blk // 4)[:, None] + tl.arange(0, 4)[None, :]).to(tl.int32,
+                                                                             bitcast=True)
         return w, head
 
     @helper
-    def _ld_q6k(w_ptr, row_off, sb, K, live):
+    def _ld_q6k(w_ptr, row_off, sb, K):
         """Super-block sb's raw words of the Q6_K_A rows at row_off (BN,): ql (BN, 32), qh
         (BN, 32) in ql's word order (see _sb_q6k), scale words (BN, 4), d (BN,) f32."""
         base = row_off + sb * 208  # (BN,)
@@ -277,15 +276,12 @@ if HAS_TRITON:
         r = c % 4
         zero = 0 * base[:, None].to(tl.int32)
         p = _p32(w_ptr) + (base // 4)[:, None]
-        ql = tl.load(p + (c + zero), mask=live, other=0,
-                     eviction_policy="evict_first").to(tl.int32, bitcast=True)
-        qh = tl.load(p + (32 + 8 * (s // 4) + 4 * (s % 2) + r + zero), mask=live, other=0,
-                     eviction_policy="evict_first").to(tl.int32, bitcast=True)
-        sw = tl.load(p + 48 + tl.arange(0, 4)[None, :], mask=live, other=0,
-                     eviction_policy="evict_first").to(tl.int32, bitcast=True)
-        dp = (w_ptr + row_off + (K // 256) * 208 + 2 * sb).to(tl.pointer_type(tl.uint16),
-                                                              bitcast=True)
-        d = tl.load(dp, mask=live, other=0, eviction_policy="evict_first")
+        ql = _stream(p + (c + zero)).to(tl.int32, bitcast=True)
+        qh = _stream(p + (32 + 8 * (s // 4) + 4 * (s % 2) + r + zero)).to(tl.int32,
+                                                                          bitcast=True)
+        sw = _stream(p + 48 + tl.arange(0, 4)[None, :]).to(tl.int32, bitcast=True)
+        d = _stream((w_ptr + row_off + (K // 256) * 208 + 2 * sb).to(tl.pointer_type(tl.uint16),
+                                                                     bitcast=True))
         return ql, qh, sw, d.to(tl.float16, bitcast=True).to(tl.float32)
 
     @helper
@@ -418,12 +414,12 @@ if HAS_TRITON:
         current one's product measured slower, bench/RESULTS.md.)"""
         for i in range(0, count):
             if QTYPE == 12:  # Q4_K
-                w, head = _ld_q4k(w_ptr, row_off, sb0 + i, True)
+                w, head = _ld_q4k(w_ptr, row_off, sb0 + i)
                 await_inputs(PDL)
                 acc = _sb_q4k(acc, w, head, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M,
                               PTX)
             else:
-                ql, qh, sw, d = _ld_q6k(w_ptr, row_off, sb0 + i, K, True)
+                ql, qh, sw, d = _ld_q6k(w_ptr, row_off, sb0 + i, K)
                 await_inputs(PDL)
                 acc = _sb_q6k(acc, ql, qh, sw, d, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
                               BLOCK_M, PTX)
