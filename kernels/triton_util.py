@@ -13,16 +13,15 @@ Three ways a kernel runs:
 
 On NVIDIA GPUs from sm_90 on, kernels with a `PDL` constexpr launch as programmatic
 dependent launches inside CUDA graph captures, i.e. in decode steps (`launcher` adds the
-flags): such a kernel may start while the one
-before it in the stream is still running, and `await_inputs(PDL)` is where it waits for
-that kernel's results. Before that point a kernel must write nothing and may read only
-what the previous kernel does not write: weights, and what earlier kernels or copies
-wrote (a kernel starts only once the one before it has passed its own wait, i.e. once
-every launch before that one has finished); after it, everything. So a launch's start-up
-(and a matmul's first weight loads) overlaps the previous kernel's tail. Every such
-kernel must reach `await_inputs` on every path: the kernel after it waits only for it,
-and so, through its wait, for all before. ROCm has no such launch; there `PDL` stays
-False and the call is nothing. MBUFO_PDL=0 turns it off.
+flags): such a kernel may start while the one before it in the stream is still running,
+and `await_inputs(PDL)` is where it waits for that kernel's results. Before that point a
+kernel must write nothing and may read only what the previous kernel does not write:
+weights, and what earlier kernels or copies wrote (a kernel starts only once the one
+before it has passed its own wait, i.e. once every launch before that one has finished);
+after it, everything. So a launch's start-up (and a matmul's first weight loads) overlaps
+the previous kernel's tail. Every such kernel must reach `await_inputs` on every path:
+the kernel after it waits only for it, and so, through its wait, for all before. ROCm has
+no such launch; there `PDL` stays False and the call is nothing. MBUFO_PDL=0 turns it off.
 
 Helpers called from inside kernels are declared with `helper` rather than `triton.jit`:
 the interpreter resolves a nested call through the module's globals, where a plain
