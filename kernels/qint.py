@@ -27,12 +27,12 @@ ranges, by (type, N, K) only) are added in split order by the last program of ea
 - `_qint_gemv_kernel` (up to gemv_max_m rows: 4, Q6_K 8) on the CUDA cores: a program owns BLOCK_N
   weight rows, the codes stay packed four to a u32 word against a word of x's int8 codes
   (dp4a on NVIDIA, byte by byte elsewhere: the same integer), each row of x in turn;
-- `_qint_mm_kernel` (more rows) on the matrix unit with f16 operands that hold integers
-  exactly: Q4_K codes times their sub-block scale (<= 945), Q6_K's signed codes times the
-  two halves of its scale (16 hi + lo), x's codes; every dot's partial sums stay below
-  2^24, so float32 adds them exactly in any order. On NVIDIA Q4_K's codes are decoded four
-  at a time (PTX: 1024 + q in f16 pairs, then one fma per value), elsewhere by integer
-  products; the same values.
+- `_qint_mm_kernel` (more rows) on the matrix unit's int8 path (wgmma/mma s8 on NVIDIA,
+  WMMA iu8 on RDNA): a sub-block's codes (Q4_K 0..15, Q6_K's q - 32) times x's codes is
+  an exact int32 dot, times the sub-block's integer scale; the mins' sums of Q4_K one f16
+  dot of integers (exact). On NVIDIA the codes are unpacked four to a word (PTX), elsewhere
+  byte by byte; the same values. Rows of x past M repeat the last row (their sums are not
+  stored): no masks on x's loads.
 
 Q6_K is held in aligned rows (Q6_K_A, `repack_q6k` at load, the same bytes plus at most
 15 of padding a row): a 210-byte super-block is only 2-byte aligned, so its words would
@@ -50,8 +50,8 @@ import torch
 
 from engine.errors import InvalidRequest
 from kernels.qgemv import _TICKETS, _tickets, ptx
-from kernels.qscaled import _sub_dot, nibble_asm
-from kernels.qtiles import Q4_K, Q6_K, _columns, _f16, _f16lo, _p32
+from kernels.qscaled import _sub_dot
+from kernels.qtiles import Q4_K, Q6_K, _f16, _f16lo, _p32
 from kernels.triton_util import HAS_TRITON, await_inputs, helper, launcher, next_pow2, tl, triton
 
 __all__ = ["ACT8_STORED", "Q6_K_A", "QINT_TYPES", "QIntConfig", "default_qint_config",
@@ -66,13 +66,14 @@ ACT8_STORED = {Q4_K: Q4_K, Q6_K: Q6_K_A}
 
 QK = 256  # columns per super-block, and per x scale
 # Rows of x up to which the CUDA-core kernel runs (its cost grows with each row), the
-# matrix unit's beyond: on the H200 (bench/RESULTS.md, 2026-11-30) Q4_K's at 1-2 rows is
-# 1.3-1.9x faster than qmatmul's bf16 kernel and at 4 rows still ahead of the matrix-unit
-# one (39 vs 48 us at 14336 x 4096), at 8 behind.
+# matrix unit's beyond. H200 (bench/RESULTS.md, "int8 matrix-unit path"), Q4_K at 4 rows:
+# 30.9 against 26.8 us at 14336 x 4096 but 11.1 against 13.0 at 4096 x 4096; at 8 rows
+# even (27.9 / 28.0 at 14336 x 4096).
 GEMV_MAX_M = 4  # rows up to which Q4_K (and a launch of two types) runs on the CUDA cores
-# Q6_K's matrix-unit step decodes its codes slowly: the CUDA-core kernel stays faster up
-# to 8 rows (H200 at 8 rows: 50 against 97 us at 14336 x 4096, 320 against 746 on the
-# head; bench/RESULTS.md 2026-11-30). The bits are the same on both paths.
+# Q6_K's matrix-unit step takes two int8 dots a 32-column run (its 16-column sub-blocks):
+# the CUDA-core kernel stays faster up to 8 rows (H200 at 8 rows: 41 against 64 us at
+# 4096 x 14336, 310 against 486 on the head before the packed code decode that took 16
+# rows from 65 to 46 us). The bits are the same on both paths.
 GEMV_MAX_M_OF = {Q6_K_A: 8}
 # The matrix-unit kernel's (block_m, block_n, num_warps) by rows of x, the first whose
 # bound holds: the sums are exact, so the tile may depend on M without changing a bit.
@@ -176,10 +177,6 @@ def qint_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int,
 
 if HAS_TRITON:
     from kernels.qgemv import finish_splits
-
-    # 4 code bytes -> f16 1024 + nibble, in pairs (kernels/qscaled.py's bf16 version)
-    _NIB16_LO = tl.constexpr(nibble_asm(False, 0x6400))
-    _NIB16_HI = tl.constexpr(nibble_asm(True, 0x6400))
 
     @helper
     def quantize_store(x, b, ok, row, q_ptr, dx_ptr, bs_ptr, K):
@@ -459,89 +456,121 @@ if HAS_TRITON:
         finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, offs,
                       (rm < M)[None, :] & (rn < N)[:, None], ticket)
 
+    def _q6_codes_asm(j: int) -> str:
+        """PTX: 4 ql bytes ($1) and 4 qh bytes ($2) -> 4 signed Q6_K codes (q - 32) of a
+        32-column run j: nibble j // 2 of ql, bits 2 j of qh; q ^ 32 sign-extended from 6
+        bits is q - 32."""
+        return ("{ .reg .b32 a, b; "
+                f"shr.b32 a, $1, {4 * (j // 2)}; and.b32 a, a, 0x0F0F0F0F; "
+                f"shr.b32 b, $2, {2 * j}; and.b32 b, b, 0x03030303; shl.b32 b, b, 4; "
+                "or.b32 a, a, b; xor.b32 a, a, 0x20202020; and.b32 b, a, 0x20202020; "
+                "mul.lo.u32 b, b, 6; or.b32 $0, a, b; }")
+
+    _Q6_CODES_0 = tl.constexpr(_q6_codes_asm(0))
+    _Q6_CODES_1 = tl.constexpr(_q6_codes_asm(1))
+    _Q6_CODES_2 = tl.constexpr(_q6_codes_asm(2))
+    _Q6_CODES_3 = tl.constexpr(_q6_codes_asm(3))
+
     @helper
-    def _codes_sc(byte, sc, HIGH: tl.constexpr, PTX: tl.constexpr):
-        """u8 code bytes (BN, G, 32) and int32 scales (BN, G) -> sc * (low or high nibble)
-        in f16 (exact: <= 945). With PTX four bytes become 1024 + q in two f16 pairs (prmt,
-        lop3: the bits 0x6400 | q) and one fma per value takes the 1024 back, exactly:
-        fma(1024 + q, sc, -1024 sc) rounds q sc once. Elsewhere an integer product."""
+    def _q6_codes(ql, qh, J: tl.constexpr, PTX: tl.constexpr):
+        """u8 ql and qh bytes (BN, 32) of run J -> the signed codes (q - 32) as int8."""
         if PTX:
-            t = tl.inline_asm_elementwise(_NIB16_HI if HIGH else _NIB16_LO, "=r,=r,r", [byte],
-                                          dtype=tl.float16, is_pure=True, pack=4)
-            s16 = sc.to(tl.float16)[:, :, None]
-            out = tl.fma(t, s16, -1024.0 * s16)
+            if J == 0:
+                asm: tl.constexpr = _Q6_CODES_0
+            elif J == 1:
+                asm: tl.constexpr = _Q6_CODES_1
+            elif J == 2:
+                asm: tl.constexpr = _Q6_CODES_2
+            else:
+                asm: tl.constexpr = _Q6_CODES_3
+            out = tl.inline_asm_elementwise(asm, "=r,r,r", [ql, qh], dtype=tl.int8,
+                                            is_pure=True, pack=4)
         else:
-            u = byte.to(tl.int32)
-            q = (u >> 4) if HIGH else (u & 15)
-            out = (q * sc[:, :, None]).to(tl.float16)
+            a = ql.to(tl.int32)
+            b = qh.to(tl.int32)
+            out = ((((a >> (4 * (J // 2))) & 15) | (((b >> (2 * J)) & 3) << 4)) - 32).to(tl.int8)
         return out
 
     @helper
-    def _mm_q4k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, rm, m_ok,
-                DOT_F64: tl.constexpr, PTX: tl.constexpr):
-        """The tiled kernel's super-block step for Q4_K: acc (BN, BM) + the same sums as
-        _sb_q4k, on the matrix unit. The sub-block scale goes into the codes (sc * q <= 945,
-        exact in f16), x's int8 codes are exact in f16, and a 128-column dot's partial sums
-        stay below 945 * 127 * 128 < 2^24: two exact f16 dots per super-block, whatever
-        the instruction's order. The mins' sum is a third: (BN, 16) mins (each twice) times
-        x's 16-column sums (<= 2032, exact in f16)."""
-        blk = row_off + sb * 144
-        BN: tl.constexpr = acc.shape[0]
-        ll = tl.arange(0, 32)
-        isum = tl.zeros(acc.shape, tl.int32)
-        x_rows = q_ptr + rm.to(tl.int64)[None, :] * K + sb * 256  # (1, BM)
-        for hf in tl.static_range(2):  # columns 128 hf .. 128 hf + 127: groups 2 hf, 2 hf + 1
-            gg = 2 * hf + tl.arange(0, 2)[None, :]
-            _, _, sc0, sc1, _, _ = _k4_scales(w_ptr, blk, gg)  # (BN, 2)
-            byte = _stream((w_ptr + blk + 16)[:, None, None] + gg[:, :, None] * 32
-                           + ll[None, None, :])  # (BN, 2, 32)
-            wt = _columns(_codes_sc(byte, sc0, False, PTX), _codes_sc(byte, sc1, True, PTX),
-                          BN, 128)
-            xt = tl.load(x_rows + 128 * hf + tl.arange(0, 128)[:, None], mask=m_ok[None, :],
-                         other=0).to(tl.float16)  # (128, BM)
-            isum += _sub_dot(wt, xt, DOT_F64).to(tl.int32)
-        j = tl.arange(0, 16)[None, :]
-        d, dmin, _, _, mn0, mn1 = _k4_scales(w_ptr, blk, j // 4)  # (BN, 16)
-        mins = tl.where(j // 2 % 2 == 0, mn0, mn1).to(tl.float16)  # sub-block j // 2's min
-        bs = tl.load(bs_ptr + rm.to(tl.int64)[None, :] * (K // 16) + sb * 16 + j.T,
-                     mask=m_ok[None, :], other=0).to(tl.float16)  # (16, BM)
-        msum = _sub_dot(mins, bs, DOT_F64).to(tl.int32)
-        dx = tl.load(dx_ptr + rm.to(tl.int64) * (K // 256) + sb, mask=m_ok, other=0.0)[None, :]
-        acc = tl.fma(isum.to(tl.float32), d[:, None] * dx, acc)
-        return tl.fma(-msum.to(tl.float32), dmin[:, None] * dx, acc)
+    def _k4_six_c(wa, w3, S: tl.constexpr, NIB: tl.constexpr):
+        """_k4_six of a constant sub-block S: (BN, 1) int32."""
+        if S >= 4:
+            out = ((w3 >> (8 * (S % 4) + NIB)) & 15) | (((wa >> (8 * (S % 4) + 6)) & 3) << 4)
+        else:
+            out = (wa >> (8 * S)) & 63
+        return out.to(tl.int32)
 
     @helper
-    def _mm_q6k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, rm, m_ok,
-                DOT_F64: tl.constexpr):
+    def _nibbles_i8(byte, PTX: tl.constexpr):
+        """u8 code bytes -> their low and high nibbles as int8 (0..15); with PTX four at a
+        time (one and, one shift and and per 32-bit word)."""
+        if PTX:
+            lo = tl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [byte],
+                                           dtype=tl.int8, is_pure=True, pack=4)
+            hi = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; shr.u32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }", "=r,r",
+                [byte], dtype=tl.int8, is_pure=True, pack=4)
+        else:
+            lo = (byte & 15).to(tl.int8)
+            hi = (byte >> 4).to(tl.int8)
+        return lo, hi
+
+    @helper
+    def _mm_q4k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, rx, DOT_F64: tl.constexpr,
+                PTX: tl.constexpr):
+        """The tiled kernel's super-block step for Q4_K: acc (BN, BM) + the same sums as
+        _sb_q4k for x's rows rx (BM,), on the matrix unit's int8 path: each 32-column
+        sub-block's codes (0..15) times x's codes is one exact int32 dot, times its 6-bit
+        scale. The mins' sum is an f16 dot: (BN, 16) mins (each twice) times x's 16-column
+        sums (<= 2032, exact in f16; the dot's partial sums below 2^24)."""
+        blk = row_off + sb * 144
+        ll = tl.arange(0, 32)
+        w0, w1, w2, w3 = _k4_head(w_ptr, blk)
+        x_rows = q_ptr + rx.to(tl.int64)[None, :] * K + sb * 256  # (1, BM)
+        isum = tl.zeros(acc.shape, tl.int32)
+        for g in tl.static_range(4):
+            byte = _stream((w_ptr + blk + 16 + 32 * g)[:, None] + ll[None, :])  # (BN, 32)
+            lo, hi = _nibbles_i8(byte, PTX)
+            xa = _keep(x_rows + 64 * g + ll[:, None])
+            xb = _keep(x_rows + 64 * g + 32 + ll[:, None])
+            isum += _k4_six_c(w1, w3, 2 * g, 0) * tl.dot(lo, xa, out_dtype=tl.int32)
+            isum += _k4_six_c(w1, w3, 2 * g + 1, 0) * tl.dot(hi, xb, out_dtype=tl.int32)
+        j = tl.arange(0, 16)[None, :]
+        mins = _k4_six(w2, w3, (j // 2).to(tl.uint32), 4).to(tl.float16)  # (BN, 16)
+        bs = tl.load(bs_ptr + rx.to(tl.int64)[None, :] * (K // 16) + sb * 16 + j.T).to(
+            tl.float16)  # (16, BM)
+        msum = _sub_dot(mins, bs, DOT_F64).to(tl.int32)
+        dx = tl.load(dx_ptr + rx.to(tl.int64) * (K // 256) + sb)[None, :]
+        acc = tl.fma(isum.to(tl.float32), _f16lo(w0)[:, None] * dx, acc)
+        return tl.fma(-msum.to(tl.float32), _f16lo(w0 >> 16)[:, None] * dx, acc)
+
+    @helper
+    def _mm_q6k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, rx, PTX: tl.constexpr):
         """The tiled kernel's super-block step for Q6_K: acc (BN, BM) + the same sums as
-        _sb_q6k, on the matrix unit. The int8 scale splits as sc = 16 hi + lo (hi in
-        -8..7, lo in 0..15), so (q - 32) * hi (|.| <= 256) and (q - 32) * lo (<= 480) are
-        exact in f16 and a 128-column dot of either with x's codes stays below 2^24:
-        isum = 16 dot(hi part) + dot(lo part), four exact dots per super-block."""
+        _sb_q6k for x's rows rx (BM,), on the matrix unit's int8 path: a 32-column run's
+        signed codes (-32..31) times x's codes of the run's first 16 columns, then of its
+        last 16 (x zeroed elsewhere; the int8 dot's K step is 32), two exact int32 dots,
+        each times its 16-column sub-block's int8 scale."""
         base = row_off + sb * 208  # the record; d in the row's tail
-        BN: tl.constexpr = acc.shape[0]
-        j = tl.arange(0, 4)[None, :, None]  # 32-column run of a half: columns 32 j + l
-        ll = tl.arange(0, 32)[None, None, :]
-        zero = 0 * base[:, None, None].to(tl.int32)
-        x_rows = q_ptr + rm.to(tl.int64)[None, :] * K + sb * 256
+        ll = tl.arange(0, 32)
+        x_rows = q_ptr + rx.to(tl.int64)[None, :] * K + sb * 256
+        first = (ll < 16)[:, None]
         isum = tl.zeros(acc.shape, tl.int32)
         for h in tl.static_range(2):
-            # element 128 h + 32 j + l: nibble j // 2 of ql[64 h + 32 (j % 2) + l], top bits
-            # 2 j of qh[32 h + l]
-            b3 = base[:, None, None]
-            ql = _stream(w_ptr + b3 + 64 * h + 32 * (j % 2) + ll + zero).to(tl.int32)
-            qh = _stream(w_ptr + b3 + 128 + 32 * h + ll + zero).to(tl.int32)
-            code = (((ql >> (4 * (j // 2))) & 15) | (((qh >> (2 * j)) & 3) << 4)) - 32
-            sc = _stream((w_ptr + base + 192 + 8 * h)[:, None] + tl.arange(0, 8)[None, :])
-            sc = tl.reshape(sc.to(tl.int8, bitcast=True).to(tl.int32), (BN, 4, 2, 1))
-            code = tl.reshape(code, (BN, 4, 2, 16))
-            hi = tl.reshape(code * (sc >> 4), (BN, 128)).to(tl.float16)
-            lo = tl.reshape(code * (sc & 15), (BN, 128)).to(tl.float16)
-            xt = tl.load(x_rows + 128 * h + tl.arange(0, 128)[:, None], mask=m_ok[None, :],
-                         other=0).to(tl.float16)  # (128, BM)
-            isum += (16 * _sub_dot(hi, xt, DOT_F64).to(tl.int32)
-                     + _sub_dot(lo, xt, DOT_F64).to(tl.int32))
-        dx = tl.load(dx_ptr + rm.to(tl.int64) * (K // 256) + sb, mask=m_ok, other=0.0)[None, :]
+            qh = _stream((w_ptr + base + 128 + 32 * h)[:, None] + ll[None, :])
+            sw = _stream((w_ptr + base + 192 + 8 * h)[:, None] + tl.arange(0, 8)[None, :])
+            sw = sw.to(tl.int8, bitcast=True).to(tl.int32)  # (BN, 8)
+            for j in tl.static_range(4):
+                # element 128 h + 32 j + l: nibble j // 2 of ql[64 h + 32 (j % 2) + l], top
+                # bits 2 j of qh[32 h + l]; sub-blocks 8 h + 2 j (l < 16) and the next
+                ql = _stream((w_ptr + base + 64 * h + 32 * (j % 2))[:, None] + ll[None, :])
+                code = _q6_codes(ql, qh, j, PTX)
+                xt = _keep(x_rows + 128 * h + 32 * j + ll[:, None])
+                da = tl.dot(code, tl.where(first, xt, 0).to(tl.int8), out_dtype=tl.int32)
+                db = tl.dot(code, tl.where(first, 0, xt).to(tl.int8), out_dtype=tl.int32)
+                isum += _col(sw, tl.arange(0, 8)[None, :], 2 * j)[:, None] * da
+                isum += _col(sw, tl.arange(0, 8)[None, :], 2 * j + 1)[:, None] * db
+        dx = tl.load(dx_ptr + rx.to(tl.int64) * (K // 256) + sb)[None, :]
         d = _f16(w_ptr + row_off + (K // 256) * 208 + 2 * sb)
         return tl.fma(isum.to(tl.float32), d[:, None] * dx, acc)
 
@@ -564,17 +593,18 @@ if HAS_TRITON:
         m_ok = rm < M
         row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
         total = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        rx = tl.minimum(rm, M - 1)  # rows past M repeat the last (their sums not stored)
         await_inputs(PDL)
         for v in range(0, splits_per_program):
             acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # each split starts at 0
             sb0 = (z * splits_per_program + v) * sb_per_split
             for i in range(0, sb_per_split):
                 if QTYPE == 12:  # Q4_K
-                    acc = _mm_q4k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rm,
-                                  m_ok, DOT_F64, PTX)
+                    acc = _mm_q4k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rx,
+                                  DOT_F64, PTX)
                 else:
-                    acc = _mm_q6k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rm,
-                                  m_ok, DOT_F64)
+                    acc = _mm_q6k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rx,
+                                  PTX)
             total = tl.where(v == 0, acc, total + acc)  # (p0 + p1) + p2 ..., as split sums
         split = z
         acc = total
@@ -730,7 +760,7 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
 def aot_specs(spec: type) -> list:
     """kernels/aot.py: x's quantization; the CUDA-core kernel of each type and of the
     Q4_K + Q6_K pair at 1 and GEMV_MAX_M rows (dp4a on cuda), and the matrix-unit one at
-    its 16-row tile (f16 dots: WMMA on gfx1151, wgmma on sm_90); the sm_90 builds as
+    its 16-row tile (int8 dots: WMMA iu8 on gfx1151, wgmma s8 on sm_90); the sm_90 builds as
     programmatic dependent launches (kernels/triton_util.py)."""
     if not HAS_TRITON:
         return []

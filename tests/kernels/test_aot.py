@@ -36,14 +36,24 @@ def test_every_kernel_builds_for_both_targets(report):
 
 
 def test_dots_lower_to_tensor_cores(report):
-    """bf16 dots (qmatmul) and f16 dots (attention, qint's tiled kernels: integer-valued
-    operands) use the matching WMMA / MMA ops; qint's CUDA-core kernels none."""
+    """bf16 dots (qmatmul) and f16 dots (attention) use the matching WMMA / MMA ops;
+    qint's tiled kernels the int8 ones (Q4_K also one f16 dot for its mins' sums); qint's
+    CUDA-core kernels none."""
+    int8 = {"hip:gfx1151": "v_wmma_i32_16x16x16_iu8", "cuda:90": ".s32.s8.s8"}
     for name, targets in report.items():
         if "merge" in name or "sum_splits" in name or "_fma_" in name:
             continue
         hip, cuda = targets["hip:gfx1151"], targets["cuda:90"]
         if name.startswith("qint_") and not name.endswith("_tiled"):
             assert hip["wmma"] == 0 and cuda["mma"] == 0, name
+            continue
+        if name.startswith("qint_"):
+            for target, info in targets.items():
+                assert any(int8[target] in op for op in info["ops"]), (name, target, info)
+                f16 = {op for op in info["ops"] if int8[target] not in op}
+                assert f16 <= {op for op in info["ops"] if op.endswith("_f16")
+                               or ".f16.f16" in op}, (name, target, info)
+                assert bool(f16) == ("Q4_K" in name), (name, target, info)
             continue
         dtype = "bf16" if name.startswith("qmatmul") else "f16"
         assert hip["wmma"] > 0 and all(op.endswith(f"_{dtype}") for op in hip["ops"]), hip
