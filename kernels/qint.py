@@ -77,12 +77,15 @@ GEMV_MAX_M = 4  # rows up to which Q4_K (and a launch of two types) runs on the 
 GEMV_MAX_M_OF = {Q6_K_A: 8}
 # The matrix-unit kernel's (block_m, block_n, num_warps) by rows of x, the first whose
 # bound holds: the sums are exact, so the tile may depend on M without changing a bit.
-# Swept on the H200 at 14336 x 4096 (bench/gpu/qint_bench.py): 16 x 64 best at 16 rows,
-# 64 x 64 at 64 (105 vs 166 us).
-TILED_TILES = ((16, (16, 64, 4)), (32, (32, 64, 4)), (1 << 62, (64, 64, 4)))
+# Swept on the H200 (int8 kernel, Q4_K 14336 x 4096 and 4096 x 14336, Q6_K 4096 x 14336):
+# 16 x 64 best at 16 rows; 32 x 128 at 32 (43 / 39 / 60 us against 46 / 51 / 67 at
+# 32 x 64); 64 x 128 at 64 (73 / 65 / 102 against 74 / 70 / 101 at 64 x 64) and at 512
+# (413 / 430 / 653 against 458 / 485 / 710).
+TILED_TILES = ((16, (16, 64, 4)), (32, (32, 128, 4)), (1 << 62, (64, 128, 4)))
 # gfx1151 (256 VGPRs a lane): the CUDA-core kernel with 32 rows a program builds without
-# spills (64 spill 30-85 VGPRs); the matrix-unit one spills at every tile tried, least at
-# 16 x 32 with one stage (Q4_K 75, Q6_K 267): to be tuned on the box.
+# spills (64 spill 30-85 VGPRs); the int8 matrix-unit one at 16 x 32 with one stage builds
+# without spills for both types (the f16 kernel before it spilled 29-267): tiles to be
+# tuned on the box.
 HIP_BLOCK_N = 32
 # From this many rows the CUDA-core kernel takes 128 rows a program: 10-20% faster on the
 # H200 at 14336 x 4096 (bench/RESULTS.md, 2026-11-30).
