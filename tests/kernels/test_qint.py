@@ -204,8 +204,9 @@ def test_rejects_bad_input(interp, rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_gpu_kernels_at_llama_shapes(rng, qtype):
-    """On the GPU (dp4a at 1-2 rows, the matrix unit beyond), at Llama-3.1-8B's shapes:
-    within 2^-16 of the definition, and row 0's bits the same at every M."""
+    """On the GPU (dp4a up to gemv_max_m rows, the matrix unit beyond: each of its tiles,
+    partly filled ones too), at Llama-3.1-8B's shapes: within 2^-16 of the definition,
+    and row 0's bits the same at every M."""
     if not torch.cuda.is_available():
         pytest.fail("no GPU: run the gpu tests on the device")
     for n, k in ((4096, 4096), (1024, 14336)):
@@ -213,7 +214,7 @@ def test_gpu_kernels_at_llama_shapes(rng, qtype):
         x = torch.from_numpy(rng.standard_normal((64, k), dtype=np.float32))
         held, kind = stored(blocks.cuda(), qtype, k)
         ys = {m: interp_free(x[:m].cuda(), held, kind, n, k).cpu()
-              for m in (1, 2, 3, 16, 64)}
+              for m in (1, 2, 3, 9, 16, 32, 33, 64)}
         for y in ys.values():
             check(y, x[:y.shape[0]], blocks, qtype)
         assert all(torch.equal(ys[1][0], y[0]) for y in ys.values())
