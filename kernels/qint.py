@@ -293,15 +293,6 @@ if HAS_TRITON:
                         (wa >> sh) & 63).to(tl.int32)
 
     @helper
-    def _k4_scales(w_ptr, blk, g):
-        """Q4_K super-blocks at byte offsets blk (BN,): d, dmin (BN,) float32 and the int32
-        scales and mins of sub-blocks 2 g and 2 g + 1 (g: (1, G) group index)."""
-        w0, w1, w2, w3 = _k4_head(w_ptr, blk)
-        s0 = (2 * g).to(tl.uint32)
-        return (_f16lo(w0), _f16lo(w0 >> 16), _k4_six(w1, w3, s0, 0),
-                _k4_six(w1, w3, s0 + 1, 0), _k4_six(w2, w3, s0, 4), _k4_six(w2, w3, s0 + 1, 4))
-
-    @helper
     def _put(acc, col, m, isum, scale):
         """acc[:, m] = fma(isum, scale, acc[:, m]) for (BN,) sums and scales; the other
         columns unchanged."""
