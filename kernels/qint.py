@@ -83,9 +83,10 @@ GEMV_MAX_M_OF = {Q6_K_A: 8}
 # (413 / 430 / 653 against 458 / 485 / 710).
 TILED_TILES = ((16, (16, 64, 4)), (32, (32, 128, 4)), (1 << 62, (64, 128, 4)))
 # gfx1151 (256 VGPRs a lane): the CUDA-core kernel with 32 rows a program builds without
-# spills (64 spill 30-85 VGPRs); the int8 matrix-unit one at 16 x 32 with one stage builds
-# without spills for both types (the f16 kernel before it spilled 29-267): tiles to be
-# tuned on the box.
+# spills (64 spill 30-85 VGPRs); the int8 matrix-unit one builds without spills for both
+# types at 16 x 32, 16 x 64 and 32 x 32 with one stage (32 x 64: 21 / 76 VGPRs spilled,
+# 64 x 64: 102 / 146; the f16 kernel before it spilled 29-267 at 16 x 32): tiles to be
+# tuned on the box, where prefill's many rows would rather take the larger ones.
 HIP_BLOCK_N = 32
 # From this many rows the CUDA-core kernel takes 128 rows a program: 10-20% faster on the
 # H200 at 14336 x 4096 (bench/RESULTS.md, 2026-11-30).
