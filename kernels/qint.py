@@ -487,15 +487,6 @@ if HAS_TRITON:
         return out
 
     @helper
-    def _k4_six_c(wa, w3, S: tl.constexpr, NIB: tl.constexpr):
-        """_k4_six of a constant sub-block S: (BN, 1) int32."""
-        if S >= 4:
-            out = ((w3 >> (8 * (S % 4) + NIB)) & 15) | (((wa >> (8 * (S % 4) + 6)) & 3) << 4)
-        else:
-            out = (wa >> (8 * S)) & 63
-        return out.to(tl.int32)
-
-    @helper
     def _nibbles_i8(byte, PTX: tl.constexpr):
         """u8 code bytes -> their low and high nibbles as int8 (0..15); with PTX four at a
         time (one and, one shift and and per 32-bit word)."""
@@ -528,8 +519,9 @@ if HAS_TRITON:
             lo, hi = _nibbles_i8(byte, PTX)
             xa = _keep(x_rows + 64 * g + ll[:, None])
             xb = _keep(x_rows + 64 * g + 32 + ll[:, None])
-            isum += _k4_six_c(w1, w3, 2 * g, 0) * tl.dot(lo, xa, out_dtype=tl.int32)
-            isum += _k4_six_c(w1, w3, 2 * g + 1, 0) * tl.dot(hi, xb, out_dtype=tl.int32)
+            s0 = tl.full((1, 1), 2 * g, tl.uint32)  # sub-blocks 2 g (low nibbles), 2 g + 1
+            isum += _k4_six(w1, w3, s0, 0) * tl.dot(lo, xa, out_dtype=tl.int32)
+            isum += _k4_six(w1, w3, s0 + 1, 0) * tl.dot(hi, xb, out_dtype=tl.int32)
         j = tl.arange(0, 16)[None, :]
         mins = _k4_six(w2, w3, (j // 2).to(tl.uint32), 4).to(tl.float16)  # (BN, 16)
         bs = tl.load(bs_ptr + rx.to(tl.int64)[None, :] * (K // 16) + sb * 16 + j.T).to(
