@@ -26,7 +26,8 @@ from engine.gguf import ModelFile
 
 MEM, TIMEOUT = int(sys.argv[1]), float(sys.argv[2])
 print(json.dumps({"torch_imported": "torch" in sys.modules,
-                  "vm_kib": int(open("/proc/self/status").read().split("VmSize:")[1].split()[0])}))
+                  "vm_kib": int(open("/proc/self/status").read().split("VmSize:")[1].split()[0])}),
+      flush=True)  # before any fork: a child must not inherit (and print) it again
 
 def work(kind, arg):
     if kind == "open":
@@ -44,15 +45,22 @@ def work(kind, arg):
     raise ValueError(kind)
 
 def child(job, w):
-    resource.setrlimit(resource.RLIMIT_AS, (MEM, MEM))
-    cpu = math.ceil(TIMEOUT) + 1
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
     try:
-        res = work(*job.split(":", 1))
-    except BaseException as e:
-        res = {"error": type(e).__name__, "message": str(e)[:2000]}
-    os.write(w, json.dumps(res).encode())
-    os._exit(0)
+        resource.setrlimit(resource.RLIMIT_AS, (MEM, MEM))
+        cpu = math.ceil(TIMEOUT) + 1
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+        err = None
+        try:
+            res = work(*job.split(":", 1))
+        except BaseException as e:
+            err = e  # no allocation here: the job may have used up the address space
+        if err is not None:
+            # drop the failed job's frames (and what they hold) before building the report
+            err.__traceback__ = err.__context__ = err.__cause__ = None
+            res = {"error": type(err).__name__, "message": str(err)[:2000]}
+        os.write(w, json.dumps(res).encode())
+    finally:
+        os._exit(0)  # never back into the runner's loop, whatever happened
 
 for job in sys.argv[3:]:
     r, w = os.pipe()
