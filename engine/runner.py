@@ -68,7 +68,7 @@ class ModelRunner:
         # Key positions per split. A step's splits are those of a row reaching the end of
         # the longest row's split (the same with today's decode_splits, and enough with any
         # that grows with the length): one cached dict per split, not one per length.
-        self._split_keys = {g: attn_config(layer, device).split_keys
+        self._split_keys = {g: attn_config(layer, device, decode=True).split_keys
                             for g, layer in self._layers.items()}
         self._splits_cache: dict[tuple[int, ...], dict[str, int]] = {}
         self.graphs = DecodeGraphs(self._decode_forward, sorted(pages), pages, page_size,

@@ -47,6 +47,19 @@ class AttnConfig(NamedTuple):
         wide = max(dim, dim_v) > 128  # keep the (block_m, Dv) accumulator in registers
         return cls(max(32 if wide else 64, next_pow2(group)), 32 if wide else 64, SPLIT_KEYS)
 
+    @classmethod
+    def decode(cls, group: int, dim: int, dim_v: int, backend: str = "cuda") -> AttnConfig:
+        """The config of decode-only steps (one query token a row, engine/layers/attention.py's
+        plan_decode): a row's item fills only `group` rows of the MMA's M side, so M is cut
+        to its 16-row minimum and the keys go in 128-key blocks (a decode item is a chain
+        of dependent loads, its time set by latency, not by its FLOPs; H200, Llama 3 8B,
+        bench/RESULTS.md: 4.1 against 5.4 us at 96 keys, 85 against 106 us for 16 rows of
+        4096). gfx1151 keeps `default` (not measured there)."""
+        base = cls.default(group, dim, dim_v, backend)
+        if backend == "hip" or max(dim, dim_v) > 128:
+            return base
+        return base._replace(block_m=max(16, next_pow2(group)), block_n=128)
+
     def tokens_per_block(self, group: int) -> int:
         return self.block_m // group
 

@@ -211,7 +211,8 @@ def launch(q: torch.Tensor, planes: tuple[torch.Tensor, ...], formats: tuple[int
 
 def aot_specs(spec: type) -> list:
     """kernels/aot.py: every K/V format pair's loader at Llama-like shapes (GQA 4:1,
-    head dim 128), one with window and softcap; the merge with and without sinks."""
+    head dim 128), one with window and softcap, decode steps' config where it differs;
+    the merge with and without sinks."""
     if not HAS_TRITON:
         return []
     plane = {"f16": "*fp16", "q8": "*i8", "q4": "*u8"}
@@ -221,17 +222,21 @@ def aot_specs(spec: type) -> list:
            "stride_qt": "i32", "stride_qh": "i32", "stride_pt": "i32", "qk_scale": "fp32",
            "softcap": "fp32", "window": "i32"}
     out = []
-    for (k_fmt, v_fmt, extras), backend in itertools.product(
-            (("f16", "f16", False), ("q8", "q8", True), ("q4", "q4", False),
-             ("q8", "q4", False)), ("hip", "cuda")):
-        cfg = AttnConfig.default(4, 128, 128, backend)
+    for (k_fmt, v_fmt, extras, decode), backend in itertools.product(
+            (("f16", "f16", False, False), ("q8", "q8", True, False), ("q4", "q4", False, False),
+             ("q8", "q4", False, False), ("f16", "f16", False, True), ("q8", "q8", False, True)),
+            ("hip", "cuda")):
+        cfg = (AttnConfig.decode if decode else AttnConfig.default)(4, 128, 128, backend)
+        if decode and cfg == AttnConfig.default(4, 128, 128, backend):
+            continue  # the same build as above
         consts = {"K_FMT": FORMAT_IDS[k_fmt], "V_FMT": FORMAT_IDS[v_fmt], "KVH": 8, "G": 4,
                   "D": 128, "DV": 128, "DP": 128, "DVP": 128, "PAGE": 16,
                   "HAS_WINDOW": extras, "HAS_SOFTCAP": extras, "BLOCK_M": cfg.block_m,
                   "BLOCK_N": cfg.block_n, "PDL": backend == "cuda"}
         signature = {**sig, "k0_ptr": plane[k_fmt], "v0_ptr": plane[v_fmt],
                      **{k: "constexpr" for k in consts}}
-        name = f"paged_attention_k{k_fmt}_v{v_fmt}" + ("_window_softcap" if extras else "")
+        name = (f"paged_attention{'_decode' if decode else ''}_k{k_fmt}_v{v_fmt}"
+                + ("_window_softcap" if extras else ""))
         out.append(spec(name, _attn_partial_kernel, signature, consts, cfg.num_warps, True,
                         backend, cfg.num_stages))
     for sinks in (False, True):

@@ -47,6 +47,7 @@ class GroupInputs(NamedTuple):
     plan: AttnPlan
     page_table: torch.Tensor  # (rows, max_pages) int32
     positions: torch.Tensor  # (tokens,) int32
+    config: AttnConfig  # what the plan was made for
 
 
 @dataclass(slots=True)
@@ -89,14 +90,16 @@ def attend_triton(
         page_table=batch.page_tables[group] if inputs is None else inputs.page_table,
         page_size=kv.page_size, scale=layer.scale, window=layer.window,
         softcap=layer.softcap, plan=None if inputs is None else inputs.plan,
-        config=attn_config(layer, q.device))
+        config=attn_config(layer, q.device) if inputs is None else inputs.config)
 
 
-def attn_config(layer: AttnLayer, device: torch.device) -> AttnConfig:
-    """The kernel config of `layer` (what paged_attention would choose itself)."""
+def attn_config(layer: AttnLayer, device: torch.device, decode: bool = False) -> AttnConfig:
+    """The kernel config of `layer` (what paged_attention would choose itself), or with
+    `decode` the one of decode-only steps (plan_decode)."""
     backend = "hip" if device.type == "cuda" and torch.version.hip else "cuda"
-    return AttnConfig.default(layer.num_heads // layer.num_kv_heads, layer.head_dim,
-                              layer.head_dim_v, backend)
+    make = AttnConfig.decode if decode else AttnConfig.default
+    return make(layer.num_heads // layer.num_kv_heads, layer.head_dim, layer.head_dim_v,
+                backend)
 
 
 def group_layers(layers: Iterable[AttnLayer], kv: KVCache) -> dict[str, AttnLayer]:
@@ -122,17 +125,19 @@ def plan_batch(host: ForwardBatch, batch: ForwardBatch, layers: dict[str, AttnLa
     positions = batch.positions.to(torch.int32)
     attn, slots = {}, {}
     for group, layer in layers.items():
+        config = attn_config(layer, dev)
         plan = plan_attention(host.query_start, host.seq_lens,
                               group=layer.num_heads // layer.num_kv_heads, window=layer.window,
-                              config=attn_config(layer, dev), device=dev)
-        attn[group] = GroupInputs(plan, batch.page_tables[group].to(torch.int32), positions)
+                              config=config, device=dev)
+        attn[group] = GroupInputs(plan, batch.page_tables[group].to(torch.int32), positions,
+                                  config)
         slots[group] = host.write_slots(group, page_size).to(dev)
     return _planned(batch, attn, slots)
 
 
 def decode_splits(layer: AttnLayer, max_context: int, device: torch.device) -> int:
     """Key splits a decode row of at most `max_context` tokens can need (plan_decode)."""
-    split_keys = attn_config(layer, device).split_keys
+    split_keys = attn_config(layer, device, decode=True).split_keys
     splits = -(-max_context // split_keys)
     if layer.window is not None:  # keys (pos - window, pos] touch at most this many
         splits = min(splits, -(-layer.window // split_keys) + 1)
@@ -152,9 +157,10 @@ def plan_decode(batch: ForwardBatch, layers: dict[str, AttnLayer], page_size: in
         table = batch.page_tables[group]  # (rows, max_pages) int64
         page = table.gather(1, (batch.positions // page_size)[:, None]).squeeze(1)
         slots[group] = page * page_size + batch.positions % page_size
-        plan = _decode_plan(batch.seq_lens, layer.window, attn_config(layer, dev).split_keys,
-                            splits[group], row_ids)
-        attn[group] = GroupInputs(plan, table.to(torch.int32), positions)
+        config = attn_config(layer, dev, decode=True)
+        plan = _decode_plan(batch.seq_lens, layer.window, config.split_keys, splits[group],
+                            row_ids)
+        attn[group] = GroupInputs(plan, table.to(torch.int32), positions, config)
     return _planned(batch, attn, slots)
 
 

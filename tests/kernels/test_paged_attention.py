@@ -103,6 +103,18 @@ def test_odd_head_dim_gqa3_and_splits(interp, rng):
     assert_close(out, ref)
 
 
+@pytest.mark.parametrize("kv_quant", ["f16", "q8"])
+def test_decode_config(interp, rng, kv_quant):
+    """Decode-only steps' config (16-row M, 128-key blocks on NVIDIA) on decode rows whose
+    keys span several blocks and splits, GQA 4:1 as in its AOT build."""
+    rows = [(1, 300), (1, 129), (1, 7)]
+    q, kv, batch = make_case(rng, kv_quant, rows, heads=8, kv_heads=2, dim=128)
+    config = AttnConfig.decode(4, 128, 128, "cuda")
+    assert config != AttnConfig.default(4, 128, 128, "cuda")
+    out, ref = run_both(interp, q, kv, kwargs(batch, 128), config)
+    assert_close(out, ref)
+
+
 def test_batch_invariance(interp, rng):
     """A decode row's output is bit-equal alone and inside a mixed batch."""
     q, kv, batch = make_case(rng, "k8v4")

@@ -133,3 +133,17 @@ def test_decode_splits_cover_the_context():
     assert decode_splits(layer, split_keys + 1, cpu) == 2
     windowed = AttnLayer(0, 8, 2, 64, 64, 0.125, split_keys)
     assert decode_splits(windowed, 100 * split_keys, cpu) == 2  # a window straddles a boundary
+
+
+def test_plans_carry_their_config(gen):
+    """plan_decode's plans are made for, and launched with, decode steps' config (its split
+    keys cut the rows); plan_batch's with the layer's default."""
+    layer, kv, batch, *_ = make_case(gen, [(1, 300), (1, 20)], "f16", None)
+    cpu = torch.device("cpu")
+    decode_cfg = AttnConfig.decode(HEADS // KV_HEADS, DIM, DIM)
+    splits = {"full": decode_splits(layer, 300, cpu)}
+    decoded = plan_decode(batch, {"full": layer}, PAGE, splits).attn["full"]
+    assert decoded.config == decode_cfg
+    assert decoded.plan.num_slots == 2 * -(-300 // decode_cfg.split_keys)
+    planned = plan_batch(batch, batch, {"full": layer}, PAGE).attn["full"]
+    assert planned.config == AttnConfig.default(HEADS // KV_HEADS, DIM, DIM)

@@ -1,0 +1,31 @@
+"""bench/gpu/attn_bench.py's logic at tiny shapes on the CPU (--smoke, interpreter): every
+config of every case is checked against the float64 reference and timed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="the CPU torch build has no Triton")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "attn_bench.py"
+
+
+def test_smoke_checks_and_times_every_config(tmp_path):
+    run = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    report = json.loads((tmp_path / "attn_bench.json").read_text())
+    rows = report["rows"]
+    assert {(r["kv"], r["config"]) for r in rows} == {
+        (kv, cfg) for kv in ("f16", "q8") for cfg in ("16x32x32:4", "64x64x256:4")}
+    assert all(r["ok"] and r["max_err"] < 2e-2 and r["us"] > 0 for r in rows)
+    # 40 keys in 32-key splits: two items per row and KV head
+    assert {r["programs"] for r in rows if r["config"].startswith("16x32x32")} == {2 * 2 * 8}
+    assert not report["errors"] and not report["skipped"]
