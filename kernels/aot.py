@@ -56,15 +56,13 @@ def kernel_specs(quick: bool = False) -> list[KernelSpec]:
         qgemv,
         qint,
         qmatmul,
-        rope_store,
     )
 
     specs = [*qgemv.aot_specs(KernelSpec), *qmatmul.aot_specs(KernelSpec),
              *paged_attention.aot_specs(KernelSpec), *qint.aot_specs(KernelSpec)]
     if not quick:  # CI builds these in tests/kernels/test_fused_aot.py (no dots to check)
         specs += [*fused_norm.aot_specs(KernelSpec), *fused_rope.aot_specs(KernelSpec),
-                  *kv_store.aot_specs(KernelSpec), *gated_act.aot_specs(KernelSpec),
-                  *rope_store.aot_specs(KernelSpec)]
+                  *kv_store.aot_specs(KernelSpec), *gated_act.aot_specs(KernelSpec)]
     if quick:  # q8 K and q4 V are each built in their own pair
         specs = [s for s in specs if not (s.name.endswith("_m16") and "Q4_K" not in s.name
                                           and "Q6_K" not in s.name

@@ -25,10 +25,8 @@ from engine.batch import ForwardBatch
 from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache
 from engine.layers.attention_cpu import attend_cpu
-from kernels.fused_rope import rope_qk
 from kernels.paged_attention import AttnConfig, AttnPlan, paged_attention, plan_attention
 from kernels.paged_attention_plan import WORK_FIELDS
-from kernels.rope_store import rope_qk_store
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,17 +57,6 @@ class PlannedBatch(ForwardBatch):
     attn: dict[str, GroupInputs] = field(default_factory=dict)
 
 
-class QKRope(NamedTuple):
-    """RoPE (after the optional per-head q/k norms) that `attend` applies to q and k."""
-
-    cos: torch.Tensor  # (T, D/2) or (T, 1, D/2), the tokens' positions
-    sin: torch.Tensor
-    neox: bool
-    q_weight: torch.Tensor | None
-    k_weight: torch.Tensor | None
-    eps: float
-
-
 def attend(
     layer: AttnLayer,
     q: torch.Tensor,
@@ -77,24 +64,10 @@ def attend(
     v: torch.Tensor,
     batch: ForwardBatch,
     kv: KVCache,
-    rope: QKRope | None = None,
 ) -> torch.Tensor:
-    """q (T, H, D), k (T, KVH, D), v (T, KVH, Dv) float32 -> (T, H * Dv) float32. With
-    `rope`, q and k arrive unrotated: on the Triton path one kernel rotates both and
-    stores K/V (kernels/rope_store.py, the bits of rope_qk then the store)."""
+    """q (T, H, D), k (T, KVH, D), v (T, KVH, Dv) float32 -> (T, H * Dv) float32."""
     group = kv.group_of(layer.index)
-    slots = batch.write_slots(group, kv.page_size)
-    if rope is not None and use_triton(q.device):
-        k_planes, v_planes = kv.k[layer.index], kv.v[layer.index]
-        assert k_planes is not None and v_planes is not None
-        q = rope_qk_store(q, k, v, rope.cos, rope.sin, rope.neox, slots, k_planes, v_planes,
-                          kv.k_format.name, kv.v_format.name, rope.q_weight, rope.k_weight,
-                          rope.eps)
-    else:
-        if rope is not None:
-            q, k = rope_qk(q, k, rope.cos, rope.sin, rope.neox, rope.q_weight, rope.k_weight,
-                           rope.eps)
-        kv.write(layer.index, slots, k, v)
+    kv.write(layer.index, batch.write_slots(group, kv.page_size), k, v)
     if use_triton(q.device):
         return attend_triton(layer, q, batch, kv, group)
     if q.device.type == "cpu":

@@ -1,8 +1,7 @@
-"""The decoder's small fused kernels (norm, RoPE, KV store, RoPE with the KV store, gated
-activation) build ahead of time for hip:gfx1151 and cuda:90 at the configurations
-kernels/aot.py registers, and every kernel of their modules is registered. Built here, in
-the test process (a few seconds); tests/kernels/test_aot.py's background build covers them
-as well."""
+"""The decoder's small fused kernels (norm, RoPE, KV store, gated activation) build ahead of
+time for hip:gfx1151 and cuda:90 at the configurations kernels/aot.py registers, and every
+kernel of their modules is registered. Built here, in the test process (a few seconds);
+tests/kernels/test_aot.py's background build covers them as well."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ import pytest
 from kernels.triton_util import HAS_TRITON
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="the CPU torch build has no Triton")
-MODULES = ("kernels.fused_norm", "kernels.fused_rope", "kernels.kv_store", "kernels.gated_act",
-           "kernels.rope_store")
+MODULES = ("kernels.fused_norm", "kernels.fused_rope", "kernels.kv_store", "kernels.gated_act")
 TARGETS = ("hip:gfx1151", "cuda:90")
 
 

@@ -90,11 +90,9 @@ def test_every_decode_kernel_takes_pdl():
         qgemv,
         qint,
         qmatmul,
-        rope_store,
     )
 
     kernels = [fused_norm._add_rms_norm_kernel, fused_rope._rope_qk_kernel,
-               rope_store._rope_qk_store_kernel,
                gated_act._gated_act_kernel, kv_store._kv_store_kernel,
                paged_attention_triton._attn_partial_kernel,
                paged_attention_triton._attn_merge_kernel, qgemv._qgemv_kernel,
