@@ -88,12 +88,13 @@ TILED_TILES = ((16, (16, 64, 4)), (32, (32, 128, 4)), (1 << 62, (64, 128, 4)))
 # 64 x 64: 102 / 146; the f16 kernel before it spilled 29-267 at 16 x 32): tiles to be
 # tuned on the box, where prefill's many rows would rather take the larger ones.
 HIP_BLOCK_N = 32
-# From this many rows the CUDA-core kernel takes 128 rows a program for Q6_K: 10-20% faster
-# on the H200 at 14336 x 4096 (bench/RESULTS.md, 2026-11-30). Q4_K takes 64 rows on 2
-# warps at any N (32 rows a warp, as 128 on 4, but more programs resident: 22.5 against
-# 25.3 us at 28672 x 4096, 7.9 against 10.0 at 6144 x 4096); Q6_K is slower on 2 warps.
+# From this many weight rows the CUDA-core kernel takes 128 rows a program: 10-20% faster
+# on the H200 at 14336 x 4096 (bench/RESULTS.md, 2026-11-30). Q4_K at up to
+# Q4K_NARROW_M rows of x takes 64 rows on 2 warps at any N instead (more programs
+# resident: 22.7 against 23.4 us at 28672 x 4096, 8.7 against 10.1 for the fused q|k|v
+# at one row; 30-40% slower from 3 rows); Q6_K is slower on 2 warps.
 WIDE_N = 8192
-Q4K_GEMV_WARPS = 2
+Q4K_NARROW_M = 2
 # More splits than this cost more in partial sums than they gain in programs (H200, 4096 x
 # 4096 at one row: 8.5 us at 8 splits, 9.6 at 16).
 MAX_SPLIT = 8
@@ -634,11 +635,12 @@ def quantize_x(x: torch.Tensor) -> QuantX:
 
 @functools.lru_cache(maxsize=4096)
 def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
-                        backend: str = "cuda") -> QIntConfig:
-    """64 rows a program (Q4_K on Q4K_GEMV_WARPS warps; Q6_K 128 rows from WIDE_N rows on,
-    4 warps; HIP_BLOCK_N on "hip"); the super-blocks split while 64-row tiles alone give
-    fewer than 4 programs per compute unit, up to MAX_SPLIT (num_sms 0: no split). No M:
-    the split is in a row's bits (the rows and warps a program takes are not)."""
+                        backend: str = "cuda", m: int = 1) -> QIntConfig:
+    """64 rows a program, 128 from WIDE_N rows on, 4 warps (Q4_K with up to Q4K_NARROW_M
+    rows of x: 64 rows on 2 warps; HIP_BLOCK_N on "hip"); the super-blocks split while
+    64-row tiles alone give fewer than 4 programs per compute unit, up to MAX_SPLIT
+    (num_sms 0: no split). The split never depends on `m` (x's rows): it is in a row's
+    bits (the rows and warps a program takes are not)."""
     sbs = k // QK
     split = 1
     tiles = -(-n // 64)
@@ -646,8 +648,8 @@ def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
         split *= 2
     if backend == "hip":
         return QIntConfig(HIP_BLOCK_N, split)
-    if ggml_type == Q4_K:
-        return QIntConfig(64, split, Q4K_GEMV_WARPS)
+    if ggml_type == Q4_K and m <= Q4K_NARROW_M:
+        return QIntConfig(64, split, 2)
     return QIntConfig(128 if n >= WIDE_N else 64, split)
 
 
@@ -687,7 +689,7 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
     n_all = sum(n for _, _, n in parts)
     sms = _num_sms(x.device) if num_sms is None else int(num_sms)
     backend = "hip" if x.device.type == "cuda" and torch.version.hip else "cuda"
-    cfg = config or default_qint_config(int(parts[0][1]), n_all, k, sms, backend)
+    cfg = config or default_qint_config(int(parts[0][1]), n_all, k, sms, backend, m)
     if (k // QK) % cfg.split:
         raise InvalidRequest(f"qint: {cfg} does not divide {k // QK} super-blocks")
     if m == 0 or n_all == 0:
@@ -774,10 +776,10 @@ def aot_specs(spec: type) -> list:
             for backend, n in (("hip", 4096), ("cuda", 4096), ("hip", WIDE_N), ("cuda", WIDE_N)):
                 if n == WIDE_N and qtype2:
                     continue  # a fused q|k|v of two types is never that wide
-                cfg = default_qint_config(qtype, n, 4096, backend=backend)
+                cfg = default_qint_config(qtype, n, 4096, backend=backend, m=bm)
                 if n == WIDE_N and cfg == default_qint_config(qtype, 4096, 4096,
-                                                              backend=backend):
-                    continue  # no wide config for this type and backend
+                                                              backend=backend, m=bm):
+                    continue  # no wide config for this type, backend and M
                 consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": cfg.block_n,
                           "PTX": backend == "cuda", "QTYPE2": qtype2, "PDL": backend == "cuda"}
                 wide = "_wide" if n == WIDE_N else ""
