@@ -7,8 +7,8 @@ Graphs are captured lazily, one per bucket of row counts (BUCKETS) and number of
 splits per row (a power of two that covers the step's longest row, so short contexts do
 not pay for the longest one). A step whose rows are all one-token decodes and whose row
 count fits a bucket copies its inputs into static buffers (one host-to-device copy),
-padded to the bucket, and replays that bucket's graph;
-prefill and mixed steps, and larger decode steps, run eagerly. A padding row decodes
+padded to the bucket, and replays that bucket's graph; larger decode steps run eagerly,
+and steps with prefill replay engine/mixed_graphs.py's graphs. A padding row decodes
 token 0 at position 0 of the scratch page, a page of each group that no sequence owns
 (the runner allocates it beyond the pool), so its K/V land where no real row reads.
 

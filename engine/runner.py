@@ -1,9 +1,10 @@
 """ModelRunner: ForwardBatch -> one forward over the weights -> logits of the requested rows.
 
 On a GPU with the Triton kernels (engine/kernel_select.py) every step gets its attention
-plans here, before the model runs: decode-only steps on the device (and, with
-`cuda_graphs`, by replaying a captured graph, engine/graphs.py), other steps on the host
-from the batch's CPU tensors. The CPU path runs the model on the batch as it is.
+plans here, before the model runs: decode-only steps on the device, other steps on the
+host from the batch's CPU tensors. With `cuda_graphs` both replay captured graphs where a
+bucket holds them (decode steps: engine/graphs.py; steps with prefill:
+engine/mixed_graphs.py). The CPU path runs the model on the batch as it is.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from engine.batch import ForwardBatch
 from engine.errors import OutOfKVPages
-from engine.graphs import Capturer, DecodeGraphs, bucket_for
+from engine.graphs import Capturer, CudaGraphCapturer, DecodeGraphs, bucket_for
 from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache
 from engine.kv.pool import RECURRENT, KVPool, SeqPages
@@ -26,6 +28,7 @@ from engine.layers.attention import (
     plan_batch,
     plan_decode,
 )
+from engine.mixed_graphs import MixedGraphs
 from engine.models.common import DecoderModel
 from kernels.triton_util import next_pow2
 
@@ -71,8 +74,17 @@ class ModelRunner:
         self._split_keys = {g: attn_config(layer, device, decode=True).split_keys
                             for g, layer in self._layers.items()}
         self._splits_cache: dict[tuple[int, ...], dict[str, int]] = {}
+        capturer = (capture or CudaGraphCapturer(device)) if graphs else None
         self.graphs = DecodeGraphs(self._decode_forward, sorted(pages), pages, page_size,
-                                   self.max_context, device, capture) if graphs else None
+                                   self.max_context, device, capturer) if graphs else None
+        # Mixed steps (prefill chunks beside decode rows) replay graphs too on the Triton
+        # path, unless a recurrent state would advance in their capture's warm-up runs.
+        self.mixed = None
+        if graphs and self.triton and RECURRENT not in self.pool.groups:
+            self.mixed = MixedGraphs(
+                lambda planned: self.model.logits(self.model.forward(planned, self.kv)),
+                self._layers, {g: attn_config(layer, device) for g, layer in self._layers.items()},
+                pages, page_size, self.max_context, self.graphs.buckets[-1], device, capturer)
 
     @property
     def page_size(self) -> int:
@@ -101,14 +113,29 @@ class ModelRunner:
 
     def _replay(self, batch: ForwardBatch,
                 input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The batch's logits from its decode graph (captured first if need be), or None
-        when no graph takes it."""
+        """The batch's logits from its decode or mixed-step graph (captured first if need
+        be), or None when no graph takes it."""
+        if input_ids is None and self.mixed is not None and self.mixed.fits(batch):
+            return self._replay_mixed(batch)
         if self.graphs is None or not self.graphs.fits(batch):
             return None
         splits = self._decode_splits(batch)
         if not self._captured(bucket_for(batch.num_rows, self.graphs.buckets), splits):
             return None
         return self.graphs.run(batch, splits, input_ids)
+
+    def _replay_mixed(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """A mixed step's logits from its graph; a failed capture turns mixed-step graphs
+        off (those steps then run eagerly) instead of failing the step."""
+        assert self.mixed is not None
+        lens = batch.seq_lens.numpy()[np.diff(batch.query_start.numpy()) == 1]
+        splits = self._splits_for(int(lens.max()) if lens.size else 1)
+        try:
+            return self.mixed.run(batch, splits)
+        except RuntimeError:
+            log.exception("mixed-step graph capture failed: mixed steps run eagerly from now on")
+            self.mixed = None
+            return None
 
     @torch.inference_mode()
     def prepare_graphs(self, context: int = 1) -> int:

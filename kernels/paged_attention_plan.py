@@ -99,8 +99,12 @@ def plan_attention(
     window: int | None,
     config: AttnConfig,
     device: torch.device | str,
+    decode_splits: int = 0,
 ) -> AttnPlan:
-    """Work items for rows (query_start (R + 1,), seq_lens (R,)); reads both on the host."""
+    """Work items for rows (query_start (R + 1,), seq_lens (R,)); reads both on the host.
+    `decode_splits` > 0: every one-token row gets exactly that many items (its splits, then
+    empty key ranges, which merge as exact zeros), as a captured graph's fixed plan sizes
+    need; it must cover the row's splits."""
     starts = [int(s) for s in query_start.tolist()]
     lens = [int(s) for s in seq_lens.tolist()]
     if len(starts) != len(lens) + 1 or starts[0] != 0:
@@ -119,6 +123,12 @@ def plan_attention(
             continue
         items = _row_items(row, starts[row], num_new, seq_len, block_q, window,
                            config.split_keys)
+        if decode_splits and num_new == 1:
+            if len(items) > decode_splits:
+                raise InvalidRequest(f"paged_attention: row {row} needs {len(items)} key "
+                                     f"splits, more than decode_splits {decode_splits}")
+            items += [(row, starts[row], 1, seq_len, seq_len, s)
+                      for s in range(len(items), decode_splits)]
         work.extend(items)
         splits.extend([len(items) if num_new <= block_q else 1] * num_new)
     tok_splits = torch.tensor(splits, dtype=torch.int32)

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 _KERNEL_TESTS = Path(__file__).resolve().parents[2] / "kernels"
-if str(_KERNEL_TESTS) not in sys.path:
-    sys.path.insert(0, str(_KERNEL_TESTS))
+# the worker imports this directory's test modules by name (functions it runs for them)
+for _dir in (_KERNEL_TESTS, Path(__file__).resolve().parent):
+    if str(_dir) not in sys.path:
+        sys.path.insert(0, str(_dir))
 
 from kernel_worker import InterpreterWorker  # noqa: E402
 

@@ -1,0 +1,210 @@
+"""Graph capture of mixed steps: prefill chunks beside decode rows (CUDA graphs; HIP graphs).
+
+An eager step launches a few hundred Triton kernels from Python, and their launch costs
+the host about 25 ms on the H200 whatever the step's size (bench/RESULTS.md), several
+times a small step's device time: every step that carries a new prompt's first tokens
+would stall every stream. A mixed step whose tokens fit a bucket (TOKEN_BUCKETS) instead
+replays a graph captured for its shape.
+
+The attention plans and write slots are made on the host from the batch's CPU tensors
+(as the eager path does; no synchronisation) and, with the tokens, positions, page tables
+and logits rows, staged in pinned memory and uploaded in one copy into the static buffers
+that the graph reads. A graph's key is what fixes its launch shapes: the token bucket, the
+logits rows and, per layer group, the number of work items and of partial-result slots
+(each rounded up to a power of two). Padding tokens take token 0 at position 0, belong to
+no row and no work item, and write their K/V to the scratch page (engine/graphs.py), so
+no real row reads them; padding items cover no keys. One-token rows get a fixed number of
+key splits (the decode graphs' rule), the unused ones empty, so the merge sums the same
+terms as the eager plan (the extra terms are exact zeros): a row's logits are the eager
+step's bits on the kernels whose bits do not depend on the token count (qint, qmatmul).
+
+A capture runs the step's own batch (its warm-up runs store the same K/V at the same
+slots), so it needs no recurrent state (the runner leaves those models eager). Captures
+are limited to MAX_GRAPHS; past that, and for batches that fit no bucket, steps run
+eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from engine.batch import ForwardBatch
+from engine.graphs import Capturer, Replay
+from engine.layers.attention import AttnLayer, GroupInputs, PlannedBatch
+from kernels.paged_attention_plan import AttnConfig, AttnPlan, plan_attention
+from kernels.triton_util import next_pow2
+
+log = logging.getLogger(__name__)
+
+# Up to 256 tokens: past that an eager step's device time hides its host time (a q8 8B
+# model computes about 200 tokens in the 25 ms the host takes to launch a step on the
+# H200), while padding to a bucket would add device time.
+TOKEN_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256)
+MAX_GRAPHS = 48
+MAX_WORK = 4096  # work items of a group, at most (more: the step runs eagerly)
+WORK = 6  # fields of a work item (kernels/paged_attention_plan.py)
+
+# One graph's shape: (token bucket, logits rows, ((group, work items, slots), ...)).
+Key = tuple[int, int, tuple[tuple[str, int, int], ...]]
+
+
+class MixedGraphs:
+    """Captured mixed-step forwards by Key. `step(planned)` maps a PlannedBatch on the
+    device to the logits of its logits rows; `configs` are the layer groups' attention
+    configs of mixed steps; rows past `max_rows` or tokens past the largest bucket run
+    eagerly."""
+
+    def __init__(self, step: Callable[[PlannedBatch], torch.Tensor],
+                 layers: dict[str, AttnLayer], configs: dict[str, AttnConfig],
+                 scratch_pages: dict[str, int], page_size: int, max_context: int,
+                 max_rows: int, device: torch.device, capture: Capturer,
+                 buckets: tuple[int, ...] = TOKEN_BUCKETS, max_graphs: int = MAX_GRAPHS) -> None:
+        self.step, self.layers, self.configs = step, dict(layers), dict(configs)
+        self.groups = sorted(self.layers)
+        self.scratch_pages, self.page_size = dict(scratch_pages), page_size
+        self.max_context, self.max_rows = max_context, max_rows
+        self.buckets, self.max_graphs = tuple(sorted(buckets)), max_graphs
+        self.width = -(-max_context // page_size)
+        self._capture = capture
+        self._graphs: dict[Key, tuple[Replay, torch.Tensor]] = {}
+        self._pin = device.type == "cuda"
+        self._device = device
+        # Staging buffers for every key within MAX_WORK items a group (graphs bind to the
+        # device buffer they were captured on, so it never changes)
+        size = self._size((self.buckets[-1], max_rows, tuple(
+            (g, MAX_WORK, 0) for g in self.groups)))
+        self._host = torch.zeros(size, dtype=torch.int64, pin_memory=self._pin)
+        self._dev = torch.zeros(size, dtype=torch.int64, device=device)
+        self._copied = torch.cuda.Event() if self._pin else None
+        self.num_replays = 0
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def fits(self, batch: ForwardBatch) -> bool:
+        """A host batch with more than decode rows that a bucket holds."""
+        return (not batch.is_decode_only() and 0 < batch.num_tokens <= self.buckets[-1]
+                and batch.num_rows <= self.max_rows
+                and 0 < batch.logits_rows.numel() <= self.max_rows
+                and batch.max_seq_len() <= self.max_context
+                and all(batch.page_tables[g].shape[1] <= self.width for g in self.groups))
+
+    def run(self, batch: ForwardBatch, splits: dict[str, int]) -> torch.Tensor | None:
+        """Logits (len(logits_rows), vocab) of a host batch that `fits`, from its graph
+        (captured first if need be), one-token rows with `splits[group]` key splits; None
+        when no graph may take it (the caller runs the step eagerly)."""
+        plans = {g: plan_attention(batch.query_start, batch.seq_lens,
+                                   group=layer.num_heads // layer.num_kv_heads,
+                                   window=layer.window, config=self.configs[g], device="cpu",
+                                   decode_splits=splits[g])
+                 for g, layer in self.layers.items()}
+        tokens = next(b for b in self.buckets if b >= batch.num_tokens)
+        logits = next_pow2(batch.logits_rows.numel())
+        key: Key = (tokens, logits, tuple(
+            (g, next_pow2(max(1, plans[g].work.shape[0])), _slots(plans[g].num_slots, tokens))
+            for g in self.groups))
+        if key not in self._graphs:
+            if len(self._graphs) >= self.max_graphs or self._size(key) > self._dev.numel():
+                return None
+            self._stage(batch, plans, key)
+            log.info("capturing the mixed-step graph %s", key)
+            self._graphs[key] = self._capture(self._static_step(key))
+        else:
+            self._stage(batch, plans, key)
+        replay, out = self._graphs[key]
+        replay()
+        self.num_replays += 1
+        return out[:batch.logits_rows.numel()].clone()  # the next replay overwrites `out`
+
+    def _size(self, key: Key) -> int:
+        return sum(n for _, n in self._layout(key).values())
+
+    def _layout(self, key: Key) -> dict[str, tuple[int, int]]:
+        """Name -> (offset, length) of each static input in the staging buffers."""
+        tokens, logits, groups = key
+        sizes = [("ids", tokens), ("pos", tokens), ("qs", self.max_rows + 1),
+                 ("lens", self.max_rows), ("logits", logits)]
+        for g, work, _ in groups:
+            sizes += [(f"slots:{g}", tokens), (f"base:{g}", tokens), (f"splits:{g}", tokens),
+                      (f"work:{g}", work * WORK), (f"table:{g}", self.max_rows * self.width)]
+        out, at = {}, 0
+        for name, n in sizes:
+            out[name] = (at, n)
+            at += n
+        return out
+
+    def _stage(self, batch: ForwardBatch, plans: dict[str, AttnPlan], key: Key) -> None:
+        """The batch's inputs, padded to `key`, staged and uploaded in one copy."""
+        layout = self._layout(key)
+        end = max(at + n for at, n in layout.values())
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous upload has left the staging buffer
+        host = self._host.numpy()
+
+        def put(name: str, values: np.ndarray, pad: int = 0) -> None:
+            at, n = layout[name]
+            host[at:at + len(values)] = values
+            host[at + len(values):at + n] = pad
+
+        t, rows = batch.num_tokens, batch.num_rows
+        put("ids", batch.input_ids.numpy())
+        put("pos", batch.positions.numpy())
+        put("qs", batch.query_start.numpy(), t)
+        put("lens", batch.seq_lens.numpy(), 1)
+        put("logits", batch.logits_rows.numpy())
+        for g in self.groups:
+            plan = plans[g]
+            scratch = self.scratch_pages[g] * self.page_size
+            put(f"slots:{g}", batch.write_slots(g, self.page_size).numpy(), scratch)
+            put(f"base:{g}", plan.tok_base.numpy())
+            put(f"splits:{g}", plan.tok_splits.numpy())
+            put(f"work:{g}", plan.work.numpy().reshape(-1))  # empty items: zeros
+            at, n = layout[f"table:{g}"]
+            table = np.full((self.max_rows, self.width), -1, dtype=np.int64)
+            src = batch.page_tables[g].numpy()
+            table[:rows, :src.shape[1]] = src
+            host[at:at + n] = table.reshape(-1)
+        self._dev[:end].copy_(self._host[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def _static_step(self, key: Key) -> Callable[[], torch.Tensor]:
+        """The forward over `key`'s views of the device buffer (what the graph captures)."""
+        layout, dev = self._layout(key), self._dev
+        tokens, logits, groups = key
+
+        def view(name: str) -> torch.Tensor:
+            at, n = layout[name]
+            return dev[at:at + n]
+
+        def step() -> torch.Tensor:
+            positions = view("pos")
+            tables = {g: view(f"table:{g}").view(self.max_rows, self.width)
+                      for g in self.groups}
+            pos32 = positions.to(torch.int32)
+            attn = {}
+            for g, work, slots in groups:
+                plan = AttnPlan(view(f"work:{g}").view(work, WORK).to(torch.int32),
+                                view(f"base:{g}").to(torch.int32),
+                                view(f"splits:{g}").to(torch.int32), slots, tokens)
+                attn[g] = GroupInputs(plan, tables[g].to(torch.int32), pos32, self.configs[g])
+            planned = PlannedBatch(view("ids"), positions, view("qs"), view("lens"), tables,
+                                   view("logits"),
+                                   _write_slots={g: view(f"slots:{g}") for g in self.groups},
+                                   attn=attn)
+            return self.step(planned)
+
+        return step
+
+
+def _slots(num_slots: int, tokens: int) -> int:
+    """Partial-result slots of a graph: a power of two, never the token count itself (the
+    attention would then take one split a token for granted and write the output
+    directly; the merge kernel gives the same bits)."""
+    slots = next_pow2(num_slots)
+    return 2 * slots if slots == tokens else slots

@@ -1,0 +1,84 @@
+"""Mixed-step graphs end to end on the Triton path (interpreted on the CPU, in the worker
+with MBUFO_KERNELS=triton): a runner whose steps replay captured graphs (a fake capture
+that runs the captured function) against one that runs every step eagerly, on the q8
+layout of a tiny model whose block products (qint) give a row the same bits at any token
+count; each step asks for 4 logits rows, a power of two, so the dense head multiplies as
+many rows on both sides. Prefill-only, decode-only and mixed steps, one-token rows with
+several key splits (32 keys a split here), a replayed key, and a step past the largest
+bucket: every logit bit-equal, the K/V of real slots bit-equal, padding written only to
+the scratch pages."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+from graph_fakes import FakeCapture
+from span_batch import span_batch
+
+from engine.build import EngineOptions, load_for
+from engine.kv.pool import SeqPages
+from engine.runner import ModelRunner
+from engine.synthetic import SyntheticSpec, write_synthetic_gguf
+
+PAGES, CONTEXT = 24, 256
+TYPES = {"attn_q.weight": T.Q4_K, "attn_k.weight": T.Q4_K, "attn_v.weight": T.Q6_K,
+         "attn_output.weight": T.Q4_K, "ffn_gate.weight": T.Q4_K, "ffn_up.weight": T.Q4_K,
+         "ffn_down.weight": T.Q6_K}
+
+
+def planes(runner: ModelRunner) -> list[torch.Tensor]:
+    return [p.clone() for side in (runner.kv.k, runner.kv.v) for layer in side
+            for p in layer.values()]
+
+
+def graph_against_eager(path: str, steps: list) -> dict:
+    """In the worker: the same steps on a runner with graphs and one without."""
+    import kernels.paged_attention_plan as plan_module
+
+    plan_module.SPLIT_KEYS = 32  # several key splits at these short contexts
+    model = load_for(path, EngineOptions(device="cpu", dtype="f32", weights="q8")).model
+    fake = FakeCapture()
+    graphed = ModelRunner(model, PAGES, 16, "f16", cuda_graphs=True, max_context=CONTEXT,
+                          capture=fake)
+    assert graphed.mixed is not None
+    graphed.mixed.buckets = (16, 32, 64)
+    plain = ModelRunner(model, PAGES, 16, "f16", max_context=CONTEXT)
+    seqs = {id(r): [SeqPages(r.pool) for _ in range(5)] for r in (graphed, plain)}
+    out = []
+    for spans in steps:
+        got = graphed.forward(span_batch(graphed, seqs[id(graphed)], spans))
+        replayed, mixed_graphs = graphed.last_replayed, graphed.mixed.num_graphs
+        want = plain.forward(span_batch(plain, seqs[id(plain)], spans))
+        out.append((got, want, replayed, mixed_graphs, fake.captures))
+    return {"steps": out, "graphed": planes(graphed), "plain": planes(plain),
+            "mixed_replays": graphed.mixed.num_replays, "real": PAGES * 16}
+
+
+def test_mixed_steps_replay_the_eager_bits(triton_worker, tmp_path, vocab_dir):
+    spec = SyntheticSpec("llama", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                         head_dim=64, ffn_size=512, types=TYPES, default_type=T.F32)
+    path = tmp_path / "q8.gguf"
+    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-spm.gguf", seed=17)
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**63))
+
+    def ids(n: int) -> list[int]:
+        return rng.integers(3, 1000, n).tolist()
+
+    steps = [
+        [(0, ids(40)), (1, ids(9)), (2, ids(3)), (4, ids(5))],  # prefill only: bucket 64
+        [(0, ids(1)), (1, ids(1)), (2, ids(1)), (4, ids(1))],  # decode only: decode graphs
+        [(0, ids(1)), (1, ids(1)), (3, ids(20)), (2, ids(1))],  # mixed; row 0: 2 splits
+        [(0, ids(1)), (1, ids(1)), (3, ids(20)), (2, ids(1))],  # the same key: a replay
+        [(0, ids(1)), (3, ids(70)), (1, ids(1)), (2, ids(1))],  # 73 tokens: eager
+    ]
+    res = triton_worker.call("test_mixed_graph_steps:graph_against_eager", str(path), steps)
+    flags = [(replayed, graphs) for _, _, replayed, graphs, _ in res["steps"]]
+    assert flags == [(True, 1), (True, 1), (True, 2), (True, 2), (False, 2)]
+    assert res["mixed_replays"] == 3 and res["steps"][-1][4] == 3  # 2 mixed + 1 decode graph
+    for got, want, *_ in res["steps"]:
+        assert torch.isfinite(want).all() and torch.equal(got, want)
+    real = res["real"]
+    for a, b in zip(res["graphed"], res["plain"], strict=True):
+        assert torch.equal(a[:real], b[:real])  # the real slots: the same K/V
+    assert any(p[real:].ne(0).any() for p in res["graphed"])  # padding went to scratch

@@ -1,0 +1,113 @@
+"""Mixed-step graph bookkeeping on the CPU (engine/mixed_graphs.py), with a fake capture and
+a fake step that returns the static inputs a captured forward reads: token and row
+padding (padding tokens write only the scratch page and belong to no work item), padded
+key splits of one-token rows, keys, the graph limit and what falls back to eager steps.
+The padded plan's items against kernels/paged_attention_plan.py's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from graph_fakes import FakeCapture
+
+from engine.batch import ForwardBatch
+from engine.errors import InvalidRequest
+from engine.layers.attention import AttnLayer
+from engine.mixed_graphs import MixedGraphs
+from kernels.paged_attention_plan import AttnConfig, plan_attention
+
+PAGE = 16
+SCRATCH = {"full": 40, "sliding": 50}
+LAYERS = {"full": AttnLayer(0, 4, 2, 32, 32, 0.1, None),
+          "sliding": AttnLayer(1, 4, 2, 32, 32, 0.1, 24)}
+CONFIG = AttnConfig(8, 16, 32)  # block_q 4 tokens, 32 keys a split
+
+
+def make(seen: list, **kw) -> MixedGraphs:
+    def fake_step(planned):
+        seen.append(planned)
+        return torch.stack([planned.input_ids, planned.positions,
+                            planned.write_slots("full", PAGE)], 1)[planned.logits_rows].float()
+
+    return MixedGraphs(fake_step, LAYERS, dict.fromkeys(LAYERS, CONFIG), SCRATCH, PAGE,
+                       max_context=128, max_rows=8, device=torch.device("cpu"),
+                       capture=FakeCapture(), buckets=(8, 16, 32), **kw)
+
+
+def mixed_batch() -> ForwardBatch:
+    """A 5-token prefill chunk at 0, decode rows at 70 and 3, a 2-token chunk at 40."""
+    tables = {"full": [[1], [2, 3, 4, 5, 6], [7], [8, 9, 10]],
+              "sliding": [[11], [-1, -1, -1, 12, 13], [14], [-1, 15, 16]]}
+    return ForwardBatch.build([([5, 6, 7, 8, 9], 0), ([10], 70), ([11], 3), ([12, 13], 40)],
+                              tables)
+
+
+def test_static_inputs_are_the_batch_padded():
+    seen: list = []
+    graphs = make(seen)
+    batch = mixed_batch()
+    assert graphs.fits(batch) and not graphs.fits(ForwardBatch.build([([1], 3)], {
+        "full": [[0]], "sliding": [[0]]}))  # decode-only: the decode graphs' step
+    out = graphs.run(batch, {"full": 4, "sliding": 2})
+    slots = batch.write_slots("full", PAGE)
+    want = torch.stack([batch.input_ids, batch.positions, slots], 1)[batch.logits_rows]
+    assert torch.equal(out, want.float())
+    planned = seen[-1]
+    assert planned.num_tokens == 16  # 9 tokens in the 16-token bucket
+    assert planned.input_ids[9:].tolist() == [0] * 7 and planned.positions[9:].tolist() == [0] * 7
+    for g in LAYERS:  # padding tokens write the scratch page only
+        written = planned.write_slots(g, PAGE)
+        assert written[:9].tolist() == batch.write_slots(g, PAGE).tolist()
+        assert written[9:].tolist() == [SCRATCH[g] * PAGE] * 7
+    assert planned.logits_rows.tolist() == batch.logits_rows.tolist()  # 4: a power of two
+    full = planned.attn["full"].plan
+    want_plan = plan_attention(batch.query_start, batch.seq_lens, group=2, window=None,
+                               config=CONFIG, device="cpu", decode_splits=4)
+    items = want_plan.work.shape[0]
+    assert full.work.shape[0] == 16 and torch.equal(full.work[:items], want_plan.work)
+    assert full.work[items:].abs().sum() == 0  # padding items: no tokens, no keys
+    assert full.tok_splits[:9].tolist() == want_plan.tok_splits.tolist()
+    assert full.tok_splits[9:].abs().sum() == 0  # padding tokens: no partial slots
+    assert full.num_slots >= want_plan.num_slots and full.num_slots != planned.num_tokens
+    assert planned.attn["full"].page_table[1, :5].tolist() == [2, 3, 4, 5, 6]
+    assert planned.attn["full"].page_table[4:].eq(-1).all()  # padding rows
+    assert planned.query_start[5:].tolist() == [9] * 4
+
+
+def test_keys_replays_limit_and_fallbacks():
+    seen: list = []
+    graphs = make(seen, max_graphs=2)
+    batch = mixed_batch()
+    graphs.run(batch, {"full": 4, "sliding": 2})
+    graphs.run(batch, {"full": 4, "sliding": 2})
+    assert graphs.num_graphs == 1 and graphs._capture.captures == 1 and graphs.num_replays == 2
+    graphs.run(batch, {"full": 8, "sliding": 2})  # more splits: more items, another graph
+    assert graphs.num_graphs == 2
+    assert graphs.run(batch, {"full": 16, "sliding": 2}) is None  # the limit: eager
+    big = ForwardBatch.build([(list(range(33)), 0)], {"full": [[1, 2, 3]], "sliding": [[1, 2, 3]]})
+    assert not graphs.fits(big)  # 33 tokens: past the largest bucket
+    wide = ForwardBatch.build([([1, 2], 200)], {"full": [[0] * 13], "sliding": [[0] * 13]})
+    assert not graphs.fits(wide)  # past max_context
+    many = ForwardBatch.build([([1], i) for i in range(9)] + [([1, 2], 0)],
+                              {"full": [[0]] * 10, "sliding": [[0]] * 10})
+    assert not graphs.fits(many)  # 10 rows > max_rows
+
+
+def test_padded_decode_splits():
+    batch = mixed_batch()
+    plain = plan_attention(batch.query_start, batch.seq_lens, group=2, window=None,
+                           config=CONFIG, device="cpu")
+    padded = plan_attention(batch.query_start, batch.seq_lens, group=2, window=None,
+                            config=CONFIG, device="cpu", decode_splits=4)
+    # the 2-token chunk at 40 is one query block: its 42 keys split too, unpadded
+    assert padded.tok_splits.tolist() == [1] * 5 + [4, 4, 2, 2]
+    rows = padded.work[:, 0].tolist()
+    assert rows.count(1) == 4 and rows.count(2) == 4
+    real = {tuple(w) for w in plain.work.tolist()}
+    extra = [w for w in padded.work.tolist() if tuple(w) not in real]
+    # row 1 (71 keys) has 3 real splits, row 2 (4 keys) one: 1 + 3 empty ones
+    assert sorted((w[0], w[5]) for w in extra) == [(1, 3), (2, 1), (2, 2), (2, 3)]
+    assert all(w[3] == w[4] for w in extra)
+    with pytest.raises(InvalidRequest, match="decode_splits"):
+        plan_attention(batch.query_start, batch.seq_lens, group=2, window=None,
+                       config=CONFIG, device="cpu", decode_splits=2)
