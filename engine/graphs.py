@@ -20,8 +20,10 @@ computes write slots and attention plans on the device from the static buffers
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -43,6 +45,22 @@ class Capturer(Protocol):
         ...
 
 
+@contextlib.contextmanager
+def no_collection() -> Iterator[None]:
+    """Collect garbage now and hold the cyclic collector off until the block ends: around a
+    graph capture, a collection could free objects that hold CUDA resources (a dropped
+    runner's graphs, pinned buffers), and freeing them while a stream captures is not
+    permitted (the capture fails). torch.cuda.graph no longer collects first itself."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 class CudaGraphCapturer:
     """torch.cuda.CUDAGraph capture; all graphs share one memory pool."""
 
@@ -60,7 +78,8 @@ class CudaGraphCapturer:
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads (HTTP, callers) may touch CUDA while this one captures
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with no_collection(), torch.cuda.graph(graph, pool=self.pool,
+                                               capture_error_mode="thread_local"):
             out = fn()
         return graph.replay, out
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.gguf import ModelFile
+from engine.graphs import no_collection
 from engine.layers.ggml_linear import ACT8_TYPES
 from engine.models.config import ModelConfig
 from engine.planner import plan
@@ -182,7 +183,7 @@ def gpu_measure(device: torch.device, *, replays: int = 5) -> Measure:
             call(w)
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with no_collection(), torch.cuda.graph(graph):
             for w in weights:
                 call(w)
         graph.replay()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -22,6 +23,8 @@ from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache
 from engine.kv.pool import RECURRENT, KVPool, SeqPages
 from engine.layers.attention import (
+    AttnLayer,
+    PlannedBatch,
     attn_config,
     decode_splits,
     group_layers,
@@ -74,16 +77,19 @@ class ModelRunner:
         self._split_keys = {g: attn_config(layer, device, decode=True).split_keys
                             for g, layer in self._layers.items()}
         self._splits_cache: dict[tuple[int, ...], dict[str, int]] = {}
+        # The graphs' step functions hold the model, not the runner: a dropped runner (an
+        # unloaded model) frees its graphs at once, never in a collection during a capture.
+        self._decode_step = _decode_step(model, self.kv, self._layers, page_size)
         capturer = (capture or CudaGraphCapturer(device)) if graphs else None
-        self.graphs = DecodeGraphs(self._decode_forward, sorted(pages), pages, page_size,
+        self.graphs = DecodeGraphs(self._decode_step, sorted(pages), pages, page_size,
                                    self.max_context, device, capturer) if graphs else None
         # Mixed steps (prefill chunks beside decode rows) replay graphs too on the Triton
         # path, unless a recurrent state would advance in their capture's warm-up runs.
         self.mixed = None
         if graphs and self.triton and RECURRENT not in self.pool.groups:
             self.mixed = MixedGraphs(
-                lambda planned: self.model.logits(self.model.forward(planned, self.kv)),
-                self._layers, {g: attn_config(layer, device) for g, layer in self._layers.items()},
+                _planned_step(model, self.kv), self._layers,
+                {g: attn_config(layer, device) for g, layer in self._layers.items()},
                 pages, page_size, self.max_context, self.graphs.buckets[-1], device, capturer)
 
     @property
@@ -241,5 +247,17 @@ class ModelRunner:
 
     def _decode_forward(self, batch: ForwardBatch, splits: dict[str, int]) -> torch.Tensor:
         """A decode-only batch on the device -> logits, with no host synchronisation."""
-        planned = plan_decode(batch, self._layers, self.page_size, splits)
-        return self.model.logits(self.model.forward(planned, self.kv))
+        return self._decode_step(batch, splits)
+
+
+def _planned_step(model: DecoderModel, kv: KVCache) -> Callable[[PlannedBatch], torch.Tensor]:
+    """A planned batch on the device -> the logits of its logits rows."""
+    return lambda planned: model.logits(model.forward(planned, kv))
+
+
+def _decode_step(model: DecoderModel, kv: KVCache, layers: dict[str, AttnLayer],
+                 page_size: int) -> Callable[[ForwardBatch, dict[str, int]], torch.Tensor]:
+    """A decode-only batch on the device and its key splits -> logits (plans made on the
+    device: no host synchronisation)."""
+    step = _planned_step(model, kv)
+    return lambda batch, splits: step(plan_decode(batch, layers, page_size, splits))

@@ -235,3 +235,42 @@ def test_warm_up_batches_run_through_the_model(model, monkeypatch):
     runner.warm_up(chunk=40)
     assert shapes == [1, 1, 2, 2, 16, 16, 17]
     assert _free_pages(runner) == free
+
+
+def test_a_dropped_runner_frees_its_graphs_without_a_collection(model):
+    """The graphs' step functions hold the model, not the runner: dropping a runner frees
+    it (and its graphs' CUDA resources, on a GPU) at once, never later in a collection that
+    could run while another graph captures."""
+    import gc
+    import weakref
+
+    runner = ModelRunner(model, PAGES, 16, "f16", cuda_graphs=True, max_context=CONTEXT,
+                         capture=FakeCapture())
+    seqs = [SeqPages(runner.pool) for _ in range(2)]
+    runner.forward(span_batch(runner, seqs, [(0, [5]), (1, [6])]))  # a decode graph
+    assert runner.graphs.num_graphs == 1
+    del seqs
+    gc.disable()
+    try:
+        dropped = weakref.ref(runner)
+        del runner
+        assert dropped() is None
+    finally:
+        gc.enable()
+
+
+def test_no_collection_holds_the_collector_off():
+    import gc
+
+    from engine.graphs import no_collection
+
+    with no_collection():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_collection():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # left as it was
+    finally:
+        gc.enable()
