@@ -50,7 +50,8 @@ def no_collection() -> Iterator[None]:
     """Collect garbage now and hold the cyclic collector off until the block ends: around a
     graph capture, a collection could free objects that hold CUDA resources (a dropped
     runner's graphs, pinned buffers), and freeing them while a stream captures is not
-    permitted (the capture fails). torch.cuda.graph no longer collects first itself."""
+    permitted (the capture fails). torch.cuda.graph collects first only with
+    TORCH_CUDAGRAPH_GC set."""
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
