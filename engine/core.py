@@ -155,10 +155,13 @@ class EngineCore:
         chunks += self._postprocess(plan, logits)
         self.num_steps += 1
         elapsed = self.clock() - start
-        # The ITL cost model predicts eager steps (every step with prefill is one); a graph
-        # replay's decode-only step costs a fraction of its eager twin and would skew it.
+        # The ITL cost model predicts eager steps; a graph replay costs a fraction of its
+        # eager twin and would skew it. A replayed step with prefill (a mixed-step graph)
+        # still shows how large chunks beside decoders have become.
         if not replayed:
             self.scheduler.observe(plan, elapsed)
+        elif plan.prefill_row is not None:
+            self.scheduler.note_replayed(plan)
         if plan.prefill_row is None:
             self._decode_step_s.append(elapsed)
         return chunks

@@ -260,6 +260,10 @@ class Scheduler:
         self.itl.observe_load(plan.num_decode_tokens, self._prefill_load, seconds)
         self.packer.burst.observe(plan.num_decode_tokens, seconds, self.itl.target_s)
 
+    def note_replayed(self, plan: StepPlan) -> None:
+        """A step with prefill that replayed a graph: its chunk size, not its time."""
+        self.itl.note_replayed(plan.num_decode_tokens, self._prefill_load.tokens)
+
     def finish(self, seq: Sequence) -> None:
         self._evict_resident(seq)
         self.seqs.pop(seq.request_id, None)

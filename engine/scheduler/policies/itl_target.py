@@ -160,6 +160,8 @@ class ItlTarget:
         self.model = StepCostModel()
         # the recent steps with prefill beside decoders: (rows, load, seconds)
         self._recent: deque[tuple[int, PrefillLoad, float]] = deque(maxlen=window)
+        # the prefill tokens of recent such steps that replayed a captured graph
+        self._replayed: deque[int] = deque(maxlen=window)
         self._margin: tuple[int, float] = (-1, 1.0)  # (observations when computed, margin)
         self.num_stalls = 0  # steps left out as stalls
         self._stall_run = 0  # consecutive stalls just left out
@@ -185,9 +187,19 @@ class ItlTarget:
         predicted = self.model.predict_load(decode_rows, load)
         return seconds > STALL_FACTOR * predicted and seconds - predicted > STALL_MIN_S
 
+    def note_replayed(self, decode_rows: int, prefill_tokens: int) -> None:
+        """A step with prefill that replayed a captured graph (engine/mixed_graphs.py):
+        its chunk counts toward the ceiling, so chunks beside decoders keep growing while
+        such steps replay, but not toward the cost model, which predicts eager steps, nor
+        the margin."""
+        if prefill_tokens and decode_rows:
+            self._replayed.append(prefill_tokens)
+
     def max_recent_prefill(self) -> int:
-        """The most prefill tokens one of the recent steps beside decoders carried."""
-        return max((load.tokens for _, load, _ in self._recent), default=0)
+        """The most prefill tokens one of the recent steps beside decoders carried (eager
+        or replayed)."""
+        return max(max((load.tokens for _, load, _ in self._recent), default=0),
+                   max(self._replayed, default=0))
 
     def recent_steps(self) -> list[tuple[int, int, float, float]]:
         """The recent steps with prefill beside decoders as (decode rows, prefill tokens,

@@ -93,6 +93,8 @@ class FakeRunner:
     noise: Callable[[int], float] | None = None  # step number -> factor on its cost
     # decode graphs: a decode-only step "replays" at this factor of its eager cost
     replay_factor: float | None = None
+    # mixed-step graphs: a step with prefill "replays" at this factor of its eager cost
+    mixed_replay_factor: float | None = None
     last_replayed: bool = False
 
     @property
@@ -130,9 +132,10 @@ class FakeRunner:
             decode = sum(len(t) == 1 for t, _ in spans)
             tokens = sum(len(t) for t, _ in spans if len(t) > 1)
             factor = 1.0 if self.noise is None else self.noise(len(self.batches))
-            self.last_replayed = self.replay_factor is not None and tokens == 0
-            if self.last_replayed:
-                factor *= self.replay_factor
+            replay = self.replay_factor if tokens == 0 else self.mixed_replay_factor
+            self.last_replayed = replay is not None
+            if replay is not None:
+                factor *= replay
             self.clock.now += (a + b * decode + c * tokens) * factor
         return torch.stack(out) if out else torch.zeros(0, VOCAB)
 

@@ -220,6 +220,29 @@ def test_graph_replayed_steps_stay_out_of_the_cost_model(replayed: bool) -> None
     assert added == (0 if replayed else 4)
 
 
+def test_replayed_mixed_steps_grow_the_chunks_but_stay_out_of_the_model() -> None:
+    """Mixed-step graphs: a replayed step with prefill costs a fraction of the eager step
+    the model predicts, so it stays out of the model (and the margin); its chunk still
+    counts toward the ceiling, so chunks beside decoders grow past the 64-token probe."""
+    core, runner = make_core(num_pages=1024, clock=FakeClock(), max_sessions=5,
+                             prefill_chunk=512, itl_target_ms=1000.0)  # the ceiling cuts
+    runner.mixed_replay_factor = 0.5
+    for i in range(4):
+        core.add(req(f"d{i}", prompt_of(i, 4), greedy(100)))
+        core.step()
+    itl = core.scheduler.itl
+    before = itl.model.num_prefill_observations
+    core.add(req("long", prompt_of(9, 1000), greedy(1)))
+    run_all(core)
+    mixed = [b for b in runner.batches if sum(len(t) > 1 for t, _ in b.spans)
+             and sum(len(t) == 1 for t, _ in b.spans) == 4]
+    chunks = [max(len(t) for t, _ in b.spans) for b in mixed]
+    assert chunks[:4] == [64, 128, 256, 512]  # 2x the most a recent step carried
+    assert itl.model.num_prefill_observations == before and not itl.recent_steps()
+    itl.note_replayed(4, 0)  # no prefill: nothing to note
+    assert itl.max_recent_prefill() == 512
+
+
 def test_auto_target_with_decode_graphs_counts_the_eager_step() -> None:
     """Replayed decode-only steps cost 0.3x their eager twin; steps with prefill run
     eagerly. The auto target is 3x the eager decode-only estimate (a + 4b = 6 ms -> 18 ms),
