@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -79,16 +78,16 @@ class ModelRunner:
         self._splits_cache: dict[tuple[int, ...], dict[str, int]] = {}
         # The graphs' step functions hold the model, not the runner: a dropped runner (an
         # unloaded model) frees its graphs at once, never in a collection during a capture.
-        self._decode_step = _decode_step(model, self.kv, self._layers, page_size)
+        self._step = ModelStep(model, self.kv, self._layers, page_size)
         capturer = (capture or CudaGraphCapturer(device)) if graphs else None
-        self.graphs = DecodeGraphs(self._decode_step, sorted(pages), pages, page_size,
+        self.graphs = DecodeGraphs(self._step.decode, sorted(pages), pages, page_size,
                                    self.max_context, device, capturer) if graphs else None
         # Mixed steps (prefill chunks beside decode rows) replay graphs too on the Triton
         # path, unless a recurrent state would advance in their capture's warm-up runs.
         self.mixed = None
         if graphs and self.triton and RECURRENT not in self.pool.groups:
             self.mixed = MixedGraphs(
-                _planned_step(model, self.kv), self._layers,
+                self._step.planned, self._layers,
                 {g: attn_config(layer, device) for g, layer in self._layers.items()},
                 pages, page_size, self.max_context, self.graphs.buckets[-1], device, capturer)
 
@@ -247,17 +246,22 @@ class ModelRunner:
 
     def _decode_forward(self, batch: ForwardBatch, splits: dict[str, int]) -> torch.Tensor:
         """A decode-only batch on the device -> logits, with no host synchronisation."""
-        return self._decode_step(batch, splits)
+        return self._step.decode(batch, splits)
 
 
-def _planned_step(model: DecoderModel, kv: KVCache) -> Callable[[PlannedBatch], torch.Tensor]:
-    """A planned batch on the device -> the logits of its logits rows."""
-    return lambda planned: model.logits(model.forward(planned, kv))
+class ModelStep:
+    """The model's forward over its KV cache -> logits: what the runner's graphs capture.
+    It holds the model, not the runner (no reference cycle), and pickles with it."""
 
+    def __init__(self, model: DecoderModel, kv: KVCache, layers: dict[str, AttnLayer],
+                 page_size: int) -> None:
+        self.model, self.kv, self.layers, self.page_size = model, kv, layers, page_size
 
-def _decode_step(model: DecoderModel, kv: KVCache, layers: dict[str, AttnLayer],
-                 page_size: int) -> Callable[[ForwardBatch, dict[str, int]], torch.Tensor]:
-    """A decode-only batch on the device and its key splits -> logits (plans made on the
-    device: no host synchronisation)."""
-    step = _planned_step(model, kv)
-    return lambda batch, splits: step(plan_decode(batch, layers, page_size, splits))
+    def planned(self, planned: PlannedBatch) -> torch.Tensor:
+        """A planned batch on the device -> the logits of its logits rows."""
+        return self.model.logits(self.model.forward(planned, self.kv))
+
+    def decode(self, batch: ForwardBatch, splits: dict[str, int]) -> torch.Tensor:
+        """A decode-only batch on the device and its key splits -> logits (plans made on
+        the device: no host synchronisation)."""
+        return self.planned(plan_decode(batch, self.layers, self.page_size, splits))
