@@ -777,9 +777,6 @@ def aot_specs(spec: type) -> list:
                 if n == WIDE_N and qtype2:
                     continue  # a fused q|k|v of two types is never that wide
                 cfg = default_qint_config(qtype, n, 4096, backend=backend, m=bm)
-                if n == WIDE_N and cfg == default_qint_config(qtype, 4096, 4096,
-                                                              backend=backend, m=bm):
-                    continue  # no wide config for this type, backend and M
                 consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": cfg.block_n,
                           "PTX": backend == "cuda", "QTYPE2": qtype2, "PDL": backend == "cuda"}
                 wide = "_wide" if n == WIDE_N else ""
