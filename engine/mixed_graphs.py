@@ -71,6 +71,7 @@ class MixedGraphs:
         self.width = -(-max_context // page_size)
         self._capture = capture
         self._graphs: dict[Key, tuple[Replay, torch.Tensor]] = {}
+        self._layouts: dict[Key, dict[str, tuple[int, int]]] = {}
         self._pin = device.type == "cuda"
         self._device = device
         # Staging buffers for every key within MAX_WORK items a group (graphs bind to the
@@ -125,7 +126,14 @@ class MixedGraphs:
         return sum(n for _, n in self._layout(key).values())
 
     def _layout(self, key: Key) -> dict[str, tuple[int, int]]:
-        """Name -> (offset, length) of each static input in the staging buffers."""
+        """Name -> (offset, length) of each static input in the staging buffers (made
+        once a key)."""
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = self._make_layout(key)
+        return layout
+
+    def _make_layout(self, key: Key) -> dict[str, tuple[int, int]]:
         tokens, logits, groups = key
         sizes = [("ids", tokens), ("pos", tokens), ("qs", self.max_rows + 1),
                  ("lens", self.max_rows), ("logits", logits)]
@@ -165,10 +173,11 @@ class MixedGraphs:
             put(f"splits:{g}", plan.tok_splits.numpy())
             put(f"work:{g}", plan.work.numpy().reshape(-1))  # empty items: zeros
             at, n = layout[f"table:{g}"]
-            table = np.full((self.max_rows, self.width), -1, dtype=np.int64)
+            table = host[at:at + n].reshape(self.max_rows, self.width)  # in place
             src = batch.page_tables[g].numpy()
             table[:rows, :src.shape[1]] = src
-            host[at:at + n] = table.reshape(-1)
+            table[:rows, src.shape[1]:] = -1
+            table[rows:] = -1
         self._dev[:end].copy_(self._host[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
@@ -176,7 +185,7 @@ class MixedGraphs:
     def _static_step(self, key: Key) -> Callable[[], torch.Tensor]:
         """The forward over `key`'s views of the device buffer (what the graph captures)."""
         layout, dev = self._layout(key), self._dev
-        tokens, logits, groups = key
+        tokens, _, groups = key
 
         def view(name: str) -> torch.Tensor:
             at, n = layout[name]
