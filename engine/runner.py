@@ -223,7 +223,7 @@ class ModelRunner:
         if not self.triton:
             return self.model.logits(self.model.forward(on_device, self.kv))
         if batch.is_decode_only() and batch.max_seq_len() <= self.max_context:
-            return self._decode_forward(on_device, self._decode_splits(batch))
+            return self._step.decode(on_device, self._decode_splits(batch))
         host = batch.to(torch.device("cpu"))
         planned = plan_batch(host, on_device, self._layers, self.page_size)
         return self.model.logits(self.model.forward(planned, self.kv))
@@ -243,10 +243,6 @@ class ModelRunner:
                 g: min(next_pow2(decode_splits(layer, end, device)), self._max_splits[g])
                 for (g, layer), end in zip(self._layers.items(), ends, strict=True)}
         return splits
-
-    def _decode_forward(self, batch: ForwardBatch, splits: dict[str, int]) -> torch.Tensor:
-        """A decode-only batch on the device -> logits, with no host synchronisation."""
-        return self._step.decode(batch, splits)
 
 
 class ModelStep:
