@@ -33,10 +33,18 @@ def planes(runner: ModelRunner) -> list[torch.Tensor]:
 
 
 def graph_against_eager(path: str, steps: list) -> dict:
-    """In the worker: the same steps on a runner with graphs and one without."""
+    """In the worker: the same steps on a runner with graphs and one without (the
+    worker is shared: its split size is put back after)."""
     import kernels.paged_attention_plan as plan_module
 
-    plan_module.SPLIT_KEYS = 32  # several key splits at these short contexts
+    split_keys, plan_module.SPLIT_KEYS = plan_module.SPLIT_KEYS, 32  # several splits here
+    try:
+        return _steps_on_both(path, steps)
+    finally:
+        plan_module.SPLIT_KEYS = split_keys
+
+
+def _steps_on_both(path: str, steps: list) -> dict:
     model = load_for(path, EngineOptions(device="cpu", dtype="f32", weights="q8")).model
     fake = FakeCapture()
     graphed = ModelRunner(model, PAGES, 16, "f16", cuda_graphs=True, max_context=CONTEXT,
