@@ -170,7 +170,7 @@ def aot_specs(spec: type) -> list:
     if not HAS_TRITON:
         return []
     sig = {**{n: "*fp32" for n in ("x_ptr", "r_ptr", "rw_ptr", "w_ptr", "h_ptr", "y_ptr",
-                                   "dx_ptr")}, "q_ptr": "*i8", "bs_ptr": "*i32",
+                                   "dx_ptr")}, "q_ptr": "*i8", "bs_ptr": "*fp16",
            **{n: "i32" for n in ("stride_x", "stride_r", "stride_h", "stride_y", "dim")},
            "eps": "fp32"}
     out = []

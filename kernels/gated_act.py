@@ -109,7 +109,7 @@ def aot_specs(spec: type) -> list:
     if not HAS_TRITON:
         return []
     sig = {"gu_ptr": "*fp32", "out_ptr": "*fp32", "q_ptr": "*i8", "dx_ptr": "*fp32",
-           "bs_ptr": "*i32", "ffn": "i32", "stride_gu": "i32", "stride_out": "i32",
+           "bs_ptr": "*fp16", "ffn": "i32", "stride_gu": "i32", "stride_out": "i32",
            "ACT": "constexpr", "BLOCK": "constexpr", "QUANT": "constexpr"}
     return [spec(f"gated_act_{name}{suffix}", _gated_act_kernel, {**sig, "out_ptr": out},
                  {"ACT": act, "BLOCK": _BLOCK, "QUANT": quant}, 4, False)

@@ -21,7 +21,8 @@ The x quantization costs accuracy: q carries about 8 bits per element relative t
 block's largest, as llama.cpp's own quantized-activation kernels (q8_1, q8_K).
 
 Launches: `quantize_x` (one small kernel, or fused into the norm or gated activation
-before the product) writes q (int8), dx and the sums of q over each 16 columns; then
+before the product) writes q (int8), dx and the sums of q over each 16 columns (float16,
+exact); then
 one product kernel, whose split partials (the super-blocks of a row cut into `split`
 ranges, by (type, N, K) only) are added in split order by the last program of each tile:
 - `_qint_gemv_kernel` (up to gemv_max_m rows: 4, Q6_K 8) on the CUDA cores: a program owns BLOCK_N
@@ -82,6 +83,10 @@ GEMV_MAX_M_OF = {Q6_K_A: 8}
 # 32 x 64); 64 x 128 at 64 (73 / 65 / 102 against 74 / 70 / 101 at 64 x 64) and at 512
 # (413 / 430 / 653 against 458 / 485 / 710).
 TILED_TILES = ((16, (16, 64, 4)), (32, (32, 128, 4)), (1 << 62, (64, 128, 4)))
+# At 16 rows, weights of fewer than WIDE_N rows take 2 pipeline stages instead of Triton's
+# 3 (H200, with the sums read as f16: 4096 x 4096 11.9 against 13.3 us, 5120 x 4096 13.6
+# against 15.3, 4096 x 14336 25.4 against 26.8; 28672 x 4096 46.7 against 42.9).
+NARROW_TILE_16 = (16, 64, 4, 2)
 # gfx1151 (256 VGPRs a lane): the CUDA-core kernel with 32 rows a program builds without
 # spills (64 spill 30-85 VGPRs); the int8 matrix-unit one builds without spills for both
 # types at 16 x 32, 16 x 64 and 32 x 32 with one stage (32 x 64: 21 / 76 VGPRs spilled,
@@ -113,7 +118,7 @@ class QuantX(NamedTuple):
 
     q: torch.Tensor  # (M, K) int8
     dx: torch.Tensor  # (M, K / 256) float32
-    bs: torch.Tensor  # (M, K / 16) int32: sums of q over each 16 columns
+    bs: torch.Tensor  # (M, K / 16) float16: sums of q over each 16 columns (exact)
 
 
 def quantize_x_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,7 +166,8 @@ def unpack_q6k(rows: torch.Tensor, k: int) -> torch.Tensor:
 def quant_x_reference(x: torch.Tensor) -> QuantX:
     """quantize_x's result by the definition (quantize_x_reference), on any device."""
     q, dx = quantize_x_reference(x)
-    return QuantX(q.to(torch.int8), dx, q.reshape(q.shape[0], -1, 16).sum(-1).int())
+    return QuantX(q.to(torch.int8), dx,
+                  q.reshape(q.shape[0], -1, 16).sum(-1).to(torch.float16))
 
 
 def dequantized_x_reference(x: torch.Tensor) -> torch.Tensor:
@@ -189,8 +195,8 @@ if HAS_TRITON:
     @helper
     def quantize_store(x, b, ok, row, q_ptr, dx_ptr, bs_ptr, K):
         """Quantizes super-blocks b (NB,) of row `row` (x (NB, 256) float32, where `ok`)
-        into q (M, K) int8, dx (M, K / 256) and the int32 sums of q over each 16 columns
-        (M, K / 16): the definition of the module docstring (also the epilogue of the norm
+        into q (M, K) int8, dx (M, K / 256) and the sums of q over each 16 columns
+        (M, K / 16) in float16 (exact: at most 2032 in magnitude): the definition of the module docstring (also the epilogue of the norm
         and gated activation kernels: kernels/fused_norm.py, kernels/gated_act.py)."""
         a = tl.max(tl.abs(x), axis=1)
         pos = a > 0
@@ -202,8 +208,8 @@ if HAS_TRITON:
         tl.store(q_ptr + row * K + cols, q.to(tl.int8), mask=ok[:, None])
         tl.store(dx_ptr + row * (K // 256) + b, dx, mask=ok)
         sums = tl.sum(tl.reshape(q, (q.shape[0], 16, 16)), axis=2)
-        tl.store(bs_ptr + row * (K // 16) + b[:, None] * 16 + tl.arange(0, 16)[None, :], sums,
-                 mask=ok[:, None])
+        tl.store(bs_ptr + row * (K // 16) + b[:, None] * 16 + tl.arange(0, 16)[None, :],
+                 sums.to(tl.float16), mask=ok[:, None])
 
     @triton.jit
     def _quantize_x_kernel(x_ptr, q_ptr, dx_ptr, bs_ptr, K, stride_xm,
@@ -237,6 +243,11 @@ if HAS_TRITON:
     def _keep(p):
         """x's codes: every program of the launch reads them."""
         return tl.load(p, eviction_policy="evict_last")
+
+    @helper
+    def _sums(p):
+        """x's 16-column sums at p as int32 (held in float16, exact)."""
+        return tl.load(p).to(tl.int32)
 
     @helper
     def _quad_dots(w, x, PTX: tl.constexpr):
@@ -339,8 +350,8 @@ if HAS_TRITON:
                 p_hi = _quad_dots(hi, xb, PTX)
                 dot = sc_lo * p_lo + sc_hi * p_hi  # (BN, 8)
                 bs = bs_ptr + m * (K // 16) + sb * 16 + j * 4  # 16-sums: 2 per sub-block
-                msum = mn0 * (tl.load(bs) + tl.load(bs + 1)) + mn1 * (
-                    tl.load(bs + 2) + tl.load(bs + 3))  # (BN, 4)
+                msum = mn0 * (_sums(bs) + _sums(bs + 1)) + mn1 * (
+                    _sums(bs + 2) + _sums(bs + 3))  # (BN, 4)
                 dx = tl.load(dx_ptr + m * (K // 256) + sb)
                 acc = _put(acc, col, m, tl.sum(dot, axis=1), d * dx)
                 acc = _put(acc, col, m, -tl.sum(msum, axis=1), dmin * dx)
@@ -390,7 +401,7 @@ if HAS_TRITON:
                 p_hi = _quad_dots(q_hi, xb, PTX)
                 bs = bs_ptr + m * (K // 16) + sb * 16 + sub  # (1, 8)
                 # codes are q - 32: minus 32 times x's sum over the sub-block
-                isum = (sc_a * (p_lo - 32 * tl.load(bs)) + sc_b * (p_hi - 32 * tl.load(bs + 4)))
+                isum = (sc_a * (p_lo - 32 * _sums(bs)) + sc_b * (p_hi - 32 * _sums(bs + 4)))
                 dx = tl.load(dx_ptr + m * (K // 256) + sb)
                 acc = _put(acc, col, m, tl.sum(isum, axis=1), d * dx)
         return acc
@@ -512,7 +523,8 @@ if HAS_TRITON:
         _sb_q4k for x's rows rx (BM,), on the matrix unit's int8 path: each 32-column
         sub-block's codes (0..15) times x's codes is one exact int32 dot, times its 6-bit
         scale. The mins' sum is an f16 dot: (BN, 16) mins (each twice) times x's 16-column
-        sums (<= 2032, exact in f16; the dot's partial sums below 2^24)."""
+        sums (<= 2032, held in f16 and read as the dot's operand as they are: no convert
+        through shared memory and no barrier; the dot's partial sums below 2^24)."""
         blk = row_off + sb * 144
         ll = tl.arange(0, 32)
         w0, w1, w2, w3 = _k4_head(w_ptr, blk)
@@ -528,12 +540,13 @@ if HAS_TRITON:
             isum += _k4_six(w1, w3, s0 + 1, 0) * tl.dot(hi, xb, out_dtype=tl.int32)
         j = tl.arange(0, 16)[None, :]
         mins = _k4_six(w2, w3, (j // 2).to(tl.uint32), 4).to(tl.float16)  # (BN, 16)
-        bs = tl.load(bs_ptr + rx.to(tl.int64)[None, :] * (K // 16) + sb * 16 + j.T).to(
-            tl.float16)  # (16, BM)
-        msum = _sub_dot(mins, bs, DOT_F64).to(tl.int32)
+        # rows of K / 16 sums (a multiple of 16: the load is vectorized and pipelined)
+        bs = _keep(bs_ptr + rx.to(tl.int64)[None, :] * tl.multiple_of(K // 16, 16) + sb * 16
+                   + j.T)  # (16, BM) float16
+        msum = _sub_dot(mins, bs, DOT_F64)  # an exact integer
         dx = tl.load(dx_ptr + rx.to(tl.int64) * (K // 256) + sb)[None, :]
         acc = tl.fma(isum.to(tl.float32), _f16lo(w0)[:, None] * dx, acc)
-        return tl.fma(-msum.to(tl.float32), _f16lo(w0 >> 16)[:, None] * dx, acc)
+        return tl.fma(-msum, _f16lo(w0 >> 16)[:, None] * dx, acc)
 
     @helper
     def _mm_q6k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, rx, PTX: tl.constexpr):
@@ -545,7 +558,7 @@ if HAS_TRITON:
         base = row_off + sb * 208  # the record; d in the row's tail
         ll = tl.arange(0, 32)
         x_rows = q_ptr + rx.to(tl.int64)[None, :] * K + sb * 256
-        first = (ll < 16)[:, None]
+        first = (ll < 16)[:, None]  # x's columns of a run's first sub-block
         isum = tl.zeros(acc.shape, tl.int32)
         for h in tl.static_range(2):
             qh = _stream((w_ptr + base + 128 + 32 * h)[:, None] + ll[None, :])
@@ -556,9 +569,13 @@ if HAS_TRITON:
                 # bits 2 j of qh[32 h + l]; sub-blocks 8 h + 2 j (l < 16) and the next
                 ql = _stream((w_ptr + base + 64 * h + 32 * (j % 2))[:, None] + ll[None, :])
                 code = _q6_codes(ql, qh, j, PTX)
-                xt = _keep(x_rows + 128 * h + 32 * j + ll[:, None])
-                da = tl.dot(code, tl.where(first, xt, 0).to(tl.int8), out_dtype=tl.int32)
-                db = tl.dot(code, tl.where(first, 0, xt).to(tl.int8), out_dtype=tl.int32)
+                # x's run twice, zeroed outside each sub-block by the loads' masks: each is
+                # the dot's operand as loaded (no convert through shared memory, no barrier)
+                xp = x_rows + 128 * h + 32 * j + ll[:, None]
+                xa = tl.load(xp, mask=first, other=0, eviction_policy="evict_last")
+                xb = tl.load(xp, mask=~first, other=0, eviction_policy="evict_last")
+                da = tl.dot(code, xa, out_dtype=tl.int32)
+                db = tl.dot(code, xb, out_dtype=tl.int32)
                 isum += _col(sw, tl.arange(0, 8)[None, :], 2 * j)[:, None] * da
                 isum += _col(sw, tl.arange(0, 8)[None, :], 2 * j + 1)[:, None] * db
         dx = tl.load(dx_ptr + rx.to(tl.int64) * (K // 256) + sb)[None, :]
@@ -604,10 +621,13 @@ if HAS_TRITON:
                       split, nsplit, M, N, offs, m_ok[None, :] & (rn < N)[:, None], ticket)
 
 
-def tiled_tile(m: int, backend: str = "cuda") -> tuple[int, ...]:
-    """The matrix-unit kernel's (block_m, block_n, num_warps[, num_stages]) for m rows."""
+def tiled_tile(m: int, backend: str = "cuda", n: int = WIDE_N) -> tuple[int, ...]:
+    """The matrix-unit kernel's (block_m, block_n, num_warps[, num_stages]) for m rows of
+    x and n weight rows."""
     if backend == "hip":
         return HIP_TILED_TILE
+    if m <= TILED_TILES[0][0] and n < WIDE_N:
+        return NARROW_TILE_16
     return next(tile for bound, tile in TILED_TILES if m <= bound)
 
 
@@ -620,7 +640,7 @@ def _num_sms(device: torch.device) -> int:
 def empty_quant_x(m: int, k: int, device: torch.device) -> QuantX:
     return QuantX(torch.empty(m, k, dtype=torch.int8, device=device),
                   torch.empty(m, k // QK, dtype=torch.float32, device=device),
-                  torch.empty(m, k // 16, dtype=torch.int32, device=device))
+                  torch.empty(m, k // 16, dtype=torch.float16, device=device))
 
 
 def quantize_x(x: torch.Tensor) -> QuantX:
@@ -726,7 +746,7 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
                                             **stages}
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
     else:
-        bm, bn, warps, *st = tiled_tile(m, backend)
+        bm, bn, warps, *st = tiled_tile(m, backend, n)
         tiles = -(-m // bm) * -(-n // bn)
         # the splits as programs of their own (partials) only while the tiles alone would
         # leave compute units idle: no (split, M, N) buffer for prefill-sized M
@@ -758,14 +778,14 @@ def aot_specs(spec: type) -> list:
     programmatic dependent launches (kernels/triton_util.py)."""
     if not HAS_TRITON:
         return []
-    sig = {"q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*i32", "w_ptr": "*u8",
+    sig = {"q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*fp16", "w_ptr": "*u8",
            "y_ptr": "*fp32", "part_ptr": "*fp32", "ticket_ptr": "*i32", "M": "i32", "N": "i32",
            "K": "i32", "row_bytes": "i32", "sb_per_split": "i32", "nsplit": "i32",
            "ticket": "i32"}
     divisible = ("q_ptr", "dx_ptr", "bs_ptr", "w_ptr", "y_ptr", "part_ptr", "ticket_ptr", "K",
                  "row_bytes")
     out = [spec("qint_quantize_x", _quantize_x_kernel,
-                {"x_ptr": "*bf16", "q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*i32",
+                {"x_ptr": "*bf16", "q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*fp16",
                  "K": "i32", "stride_xm": "i32"}, {}, 2, False, None, None,
                 ("x_ptr", "q_ptr", "dx_ptr", "bs_ptr", "K", "stride_xm"))]
     gemv_sig = {**sig, "w2_ptr": "*u8", "n1": "i32", "row_bytes2": "i32"}
