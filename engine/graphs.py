@@ -33,7 +33,9 @@ from engine.batch import ForwardBatch
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-WARMUP_RUNS = 2  # eager runs before a capture: Triton compiles, lazy device caches fill
+# Eager runs before a capture (Triton compiles, lazy device caches fill): one does both,
+# and each costs a mixed step's ~25 ms of launches on the H200
+WARMUP_RUNS = 1
 _FIXED = 3  # columns of a staged row before its page tables: token id, position, seq_len
 
 Replay = Callable[[], None]
@@ -47,12 +49,12 @@ class Capturer(Protocol):
 
 @contextlib.contextmanager
 def no_collection() -> Iterator[None]:
-    """Collect garbage now and hold the cyclic collector off until the block ends: around a
-    graph capture, a collection could free objects that hold CUDA resources (a dropped
-    runner's graphs, pinned buffers), and freeing them while a stream captures is not
-    permitted (the capture fails). torch.cuda.graph collects first only with
-    TORCH_CUDAGRAPH_GC set."""
-    gc.collect()
+    """Hold the cyclic collector off until the block ends: around a graph capture, a
+    collection could free objects that hold CUDA resources (a dropped runner's graphs,
+    pinned buffers), and freeing them while a stream captures is not permitted (the
+    capture fails). Garbage already there waits for the next collection, after the
+    capture: collecting first would cost every capture a full pass over the heap (about
+    90 ms with a model and its vocabulary loaded, on the dev CPU)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

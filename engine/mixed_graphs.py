@@ -19,9 +19,12 @@ terms as the eager plan (the extra terms are exact zeros): a row's logits are th
 step's bits on the kernels whose bits do not depend on the token count (qint, qmatmul).
 
 A capture runs the step's own batch (its warm-up runs store the same K/V at the same
-slots), so it needs no recurrent state (the runner leaves those models eager). Captures
-are limited to MAX_GRAPHS; past that, and for batches that fit no bucket, steps run
-eagerly.
+slots), so it needs no recurrent state (the runner leaves those models eager). A key is
+captured the second time a step has it (CAPTURE_AT): a capture costs a few eager steps,
+and under load many keys come once (a burst of arrivals, a step cut by the ITL target);
+the first time, the step runs eagerly, which also builds any kernel variant it is the
+first to need. Captures are limited to MAX_GRAPHS; past that, and for batches that fit
+no bucket, steps run eagerly.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ log = logging.getLogger(__name__)
 # H200), while padding to a bucket would add device time.
 TOKEN_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256)
 MAX_GRAPHS = 48
+CAPTURE_AT = 2  # the sighting of a key that captures it (earlier ones run eagerly)
+MAX_SEEN = 4096  # keys counted before the counts start over
 MAX_WORK = 4096  # work items of a group, at most (more: the step runs eagerly)
 WORK = 6  # fields of a work item (kernels/paged_attention_plan.py)
 
@@ -56,21 +61,24 @@ class MixedGraphs:
     """Captured mixed-step forwards by Key. `step(planned)` maps a PlannedBatch on the
     device to the logits of its logits rows; `configs` are the layer groups' attention
     configs of mixed steps; rows past `max_rows` or tokens past the largest bucket run
-    eagerly."""
+    eagerly, and so does a key's step until its `capture_at`-th sighting."""
 
     def __init__(self, step: Callable[[PlannedBatch], torch.Tensor],
                  layers: dict[str, AttnLayer], configs: dict[str, AttnConfig],
                  scratch_pages: dict[str, int], page_size: int, max_context: int,
                  max_rows: int, device: torch.device, capture: Capturer,
-                 buckets: tuple[int, ...] = TOKEN_BUCKETS, max_graphs: int = MAX_GRAPHS) -> None:
+                 buckets: tuple[int, ...] = TOKEN_BUCKETS, max_graphs: int = MAX_GRAPHS,
+                 capture_at: int = CAPTURE_AT) -> None:
         self.step, self.layers, self.configs = step, dict(layers), dict(configs)
         self.groups = sorted(self.layers)
         self.scratch_pages, self.page_size = dict(scratch_pages), page_size
         self.max_context, self.max_rows = max_context, max_rows
         self.buckets, self.max_graphs = tuple(sorted(buckets)), max_graphs
+        self.capture_at = capture_at
         self.width = -(-max_context // page_size)
         self._capture = capture
         self._graphs: dict[Key, tuple[Replay, torch.Tensor]] = {}
+        self._seen: dict[Key, int] = {}
         self._layouts: dict[Key, dict[str, tuple[int, int]]] = {}
         self._pin = device.type == "cuda"
         self._device = device
@@ -97,8 +105,9 @@ class MixedGraphs:
 
     def run(self, batch: ForwardBatch, splits: dict[str, int]) -> torch.Tensor | None:
         """Logits (len(logits_rows), vocab) of a host batch that `fits`, from its graph
-        (captured first if need be), one-token rows with `splits[group]` key splits; None
-        when no graph may take it (the caller runs the step eagerly)."""
+        (captured first at the key's `capture_at`-th sighting), one-token rows with
+        `splits[group]` key splits; None when no graph takes it (the caller runs the step
+        eagerly)."""
         plans = {g: plan_attention(batch.query_start, batch.seq_lens,
                                    group=layer.num_heads // layer.num_kv_heads,
                                    window=layer.window, config=self.configs[g], device="cpu",
@@ -111,6 +120,11 @@ class MixedGraphs:
             for g in self.groups))
         if key not in self._graphs:
             if len(self._graphs) >= self.max_graphs or self._size(key) > self._dev.numel():
+                return None
+            if len(self._seen) >= MAX_SEEN:
+                self._seen.clear()
+            self._seen[key] = seen = self._seen.get(key, 0) + 1
+            if seen < self.capture_at:
                 return None
             self._stage(batch, plans, key)
             log.info("capturing the mixed-step graph %s", key)

@@ -23,7 +23,7 @@ LAYERS = {"full": AttnLayer(0, 4, 2, 32, 32, 0.1, None),
 CONFIG = AttnConfig(8, 16, 32)  # block_q 4 tokens, 32 keys a split
 
 
-def make(seen: list, **kw) -> MixedGraphs:
+def make(seen: list, capture_at: int = 1, **kw) -> MixedGraphs:
     def fake_step(planned):
         seen.append(planned)
         return torch.stack([planned.input_ids, planned.positions,
@@ -31,7 +31,8 @@ def make(seen: list, **kw) -> MixedGraphs:
 
     return MixedGraphs(fake_step, LAYERS, dict.fromkeys(LAYERS, CONFIG), SCRATCH, PAGE,
                        max_context=128, max_rows=8, device=torch.device("cpu"),
-                       capture=FakeCapture(), buckets=(8, 16, 32), **kw)
+                       capture=FakeCapture(), buckets=(8, 16, 32), capture_at=capture_at,
+                       **kw)
 
 
 def mixed_batch() -> ForwardBatch:
@@ -91,6 +92,21 @@ def test_keys_replays_limit_and_fallbacks():
     many = ForwardBatch.build([([1], i) for i in range(9)] + [([1, 2], 0)],
                               {"full": [[0]] * 10, "sliding": [[0]] * 10})
     assert not graphs.fits(many)  # 10 rows > max_rows
+
+
+def test_a_key_is_captured_at_its_second_sighting():
+    """A step whose key is new runs eagerly (None); the second step with that key captures
+    it and replays; a third replays without a capture."""
+    seen: list = []
+    graphs = make(seen, capture_at=2)
+    batch, splits = mixed_batch(), {"full": 4, "sliding": 2}
+    assert graphs.run(batch, splits) is None
+    assert graphs.num_graphs == 0 and graphs._capture.captures == 0 and not seen
+    first = graphs.run(batch, splits)
+    assert first is not None and graphs.num_graphs == 1 and graphs._capture.captures == 1
+    assert graphs.run(batch, {"full": 8, "sliding": 2}) is None  # another key: eager first
+    assert torch.equal(graphs.run(batch, splits), first)
+    assert graphs._capture.captures == 1 and graphs.num_replays == 2
 
 
 def test_padded_decode_splits():

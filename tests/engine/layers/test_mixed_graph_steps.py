@@ -51,6 +51,7 @@ def _steps_on_both(path: str, steps: list) -> dict:
                           capture=fake)
     assert graphed.mixed is not None
     graphed.mixed.buckets = (16, 32, 64)
+    graphed.mixed.capture_at = 1  # every key at first sight
     plain = ModelRunner(model, PAGES, 16, "f16", max_context=CONTEXT)
     seqs = {id(r): [SeqPages(r.pool) for _ in range(5)] for r in (graphed, plain)}
     out = []
