@@ -21,8 +21,8 @@ The x quantization costs accuracy: q carries about 8 bits per element relative t
 block's largest, as llama.cpp's own quantized-activation kernels (q8_1, q8_K).
 
 Launches: `quantize_x` (one small kernel, or fused into the norm or gated activation
-before the product) writes q (int8), dx and the sums of q over each 16 columns (float16,
-exact); then
+before the product) writes q (int8), dx and the sums of q over each 16 columns (int32 up
+to GEMV_MAX_M rows, float16 beyond: QuantX); then
 one product kernel, whose split partials (the super-blocks of a row cut into `split`
 ranges, by (type, N, K) only) are added in split order by the last program of each tile:
 - `_qint_gemv_kernel` (up to gemv_max_m rows: 4, Q6_K 8) on the CUDA cores: a program owns BLOCK_N
@@ -56,7 +56,7 @@ from kernels.qtiles import Q4_K, Q6_K, _f16, _f16lo, _p32
 from kernels.triton_util import HAS_TRITON, await_inputs, helper, launcher, next_pow2, tl, triton
 
 __all__ = ["ACT8_STORED", "Q6_K_A", "QINT_TYPES", "QIntConfig", "default_qint_config",
-           "QuantX", "dequantized_x_reference", "empty_quant_x", "qint_parts",
+           "QuantX", "dequantized_x_reference", "empty_quant_x", "qint_parts", "sums_dtype",
            "qint_reference", "qint_triton", "quant_x_reference", "quantize_x",
            "quantize_x_reference", "repack_q6k", "row_bytes", "unpack_q6k"]
 
@@ -83,10 +83,6 @@ GEMV_MAX_M_OF = {Q6_K_A: 8}
 # 32 x 64); 64 x 128 at 64 (73 / 65 / 102 against 74 / 70 / 101 at 64 x 64) and at 512
 # (413 / 430 / 653 against 458 / 485 / 710).
 TILED_TILES = ((16, (16, 64, 4)), (32, (32, 128, 4)), (1 << 62, (64, 128, 4)))
-# At 16 rows, weights of fewer than WIDE_N rows take 2 pipeline stages instead of Triton's
-# 3 (H200, with the sums read as f16: 4096 x 4096 11.9 against 13.3 us, 5120 x 4096 13.6
-# against 15.3, 4096 x 14336 25.4 against 26.8; 28672 x 4096 46.7 against 42.9).
-NARROW_TILE_16 = (16, 64, 4, 2)
 # gfx1151 (256 VGPRs a lane): the CUDA-core kernel with 32 rows a program builds without
 # spills (64 spill 30-85 VGPRs); the int8 matrix-unit one builds without spills for both
 # types at 16 x 32, 16 x 64 and 32 x 32 with one stage (32 x 64: 21 / 76 VGPRs spilled,
@@ -118,7 +114,10 @@ class QuantX(NamedTuple):
 
     q: torch.Tensor  # (M, K) int8
     dx: torch.Tensor  # (M, K / 256) float32
-    bs: torch.Tensor  # (M, K / 16) float16: sums of q over each 16 columns (exact)
+    # (M, K / 16): the sums of q over each 16 columns (exact in both): int32 up to
+    # GEMV_MAX_M rows (the CUDA-core kernel reads them as they are), float16 beyond (the
+    # matrix-unit kernel's dot operand as loaded: no convert through shared memory)
+    bs: torch.Tensor
 
 
 def quantize_x_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,7 +166,7 @@ def quant_x_reference(x: torch.Tensor) -> QuantX:
     """quantize_x's result by the definition (quantize_x_reference), on any device."""
     q, dx = quantize_x_reference(x)
     return QuantX(q.to(torch.int8), dx,
-                  q.reshape(q.shape[0], -1, 16).sum(-1).to(torch.float16))
+                  q.reshape(q.shape[0], -1, 16).sum(-1).to(sums_dtype(q.shape[0])))
 
 
 def dequantized_x_reference(x: torch.Tensor) -> torch.Tensor:
@@ -196,8 +195,9 @@ if HAS_TRITON:
     def quantize_store(x, b, ok, row, q_ptr, dx_ptr, bs_ptr, K):
         """Quantizes super-blocks b (NB,) of row `row` (x (NB, 256) float32, where `ok`)
         into q (M, K) int8, dx (M, K / 256) and the sums of q over each 16 columns
-        (M, K / 16) in float16 (exact: at most 2032 in magnitude): the definition of the module docstring (also the epilogue of the norm
-        and gated activation kernels: kernels/fused_norm.py, kernels/gated_act.py)."""
+        (M, K / 16) in bs_ptr's type (int32 or float16: exact, at most 2032 in magnitude):
+        the definition of the module docstring (also the epilogue of the norm and gated
+        activation kernels: kernels/fused_norm.py, kernels/gated_act.py)."""
         a = tl.max(tl.abs(x), axis=1)
         pos = a > 0
         inv = tl.where(pos, tl.math.div_rn(127.0, tl.where(pos, a, 1.0)), 0.0)
@@ -209,7 +209,7 @@ if HAS_TRITON:
         tl.store(dx_ptr + row * (K // 256) + b, dx, mask=ok)
         sums = tl.sum(tl.reshape(q, (q.shape[0], 16, 16)), axis=2)
         tl.store(bs_ptr + row * (K // 16) + b[:, None] * 16 + tl.arange(0, 16)[None, :],
-                 sums.to(tl.float16), mask=ok[:, None])
+                 sums.to(bs_ptr.dtype.element_ty), mask=ok[:, None])
 
     @triton.jit
     def _quantize_x_kernel(x_ptr, q_ptr, dx_ptr, bs_ptr, K, stride_xm,
@@ -246,7 +246,7 @@ if HAS_TRITON:
 
     @helper
     def _sums(p):
-        """x's 16-column sums at p as int32 (held in float16, exact)."""
+        """x's 16-column sums at p as int32 (held in int32, or float16: exact)."""
         return tl.load(p).to(tl.int32)
 
     @helper
@@ -543,7 +543,7 @@ if HAS_TRITON:
         # rows of K / 16 sums (a multiple of 16: the load is vectorized and pipelined)
         bs = _keep(bs_ptr + rx.to(tl.int64)[None, :] * tl.multiple_of(K // 16, 16) + sb * 16
                    + j.T)  # (16, BM) float16
-        msum = _sub_dot(mins, bs, DOT_F64)  # an exact integer
+        msum = _sub_dot(mins, bs.to(tl.float16), DOT_F64)  # an exact integer
         dx = tl.load(dx_ptr + rx.to(tl.int64) * (K // 256) + sb)[None, :]
         acc = tl.fma(isum.to(tl.float32), _f16lo(w0)[:, None] * dx, acc)
         return tl.fma(-msum, _f16lo(w0 >> 16)[:, None] * dx, acc)
@@ -630,13 +630,10 @@ if HAS_TRITON:
                       split, nsplit, M, N, offs, m_ok[None, :] & (rn < N)[:, None], ticket)
 
 
-def tiled_tile(m: int, backend: str = "cuda", n: int = WIDE_N) -> tuple[int, ...]:
-    """The matrix-unit kernel's (block_m, block_n, num_warps[, num_stages]) for m rows of
-    x and n weight rows."""
+def tiled_tile(m: int, backend: str = "cuda") -> tuple[int, ...]:
+    """The matrix-unit kernel's (block_m, block_n, num_warps[, num_stages]) for m rows."""
     if backend == "hip":
         return HIP_TILED_TILE
-    if m <= TILED_TILES[0][0] and n < WIDE_N:
-        return NARROW_TILE_16
     return next(tile for bound, tile in TILED_TILES if m <= bound)
 
 
@@ -649,7 +646,12 @@ def _num_sms(device: torch.device) -> int:
 def empty_quant_x(m: int, k: int, device: torch.device) -> QuantX:
     return QuantX(torch.empty(m, k, dtype=torch.int8, device=device),
                   torch.empty(m, k // QK, dtype=torch.float32, device=device),
-                  torch.empty(m, k // 16, dtype=torch.float16, device=device))
+                  torch.empty(m, k // 16, dtype=sums_dtype(m), device=device))
+
+
+def sums_dtype(m: int) -> torch.dtype:
+    """QuantX.bs's type for m rows of x."""
+    return torch.int32 if m <= GEMV_MAX_M else torch.float16
 
 
 def quantize_x(x: torch.Tensor) -> QuantX:
@@ -755,7 +757,7 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
                                             **stages}
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
     else:
-        bm, bn, warps, *st = tiled_tile(m, backend, n)
+        bm, bn, warps, *st = tiled_tile(m, backend)
         tiles = -(-m // bm) * -(-n // bn)
         # the splits as programs of their own (partials) only while the tiles alone would
         # leave compute units idle: no (split, M, N) buffer for prefill-sized M
@@ -797,7 +799,7 @@ def aot_specs(spec: type) -> list:
                 {"x_ptr": "*bf16", "q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*fp16",
                  "K": "i32", "stride_xm": "i32"}, {}, 2, False, None, None,
                 ("x_ptr", "q_ptr", "dx_ptr", "bs_ptr", "K", "stride_xm"))]
-    gemv_sig = {**sig, "w2_ptr": "*u8", "n1": "i32", "row_bytes2": "i32"}
+    gemv_sig = {**sig, "bs_ptr": "*i32", "w2_ptr": "*u8", "n1": "i32", "row_bytes2": "i32"}
     # each type alone, and q|k in Q4_K with v in Q6_K in one launch (Q4_K_M's attention)
     for qtype, qtype2, name in ((Q4_K, 0, "Q4_K"), (Q6_K_A, 0, "Q6_K"),
                                 (Q4_K, Q6_K_A, "Q4_K_Q6_K")):

@@ -41,7 +41,7 @@ from kernels.qmatmul import qmatmul_triton  # noqa: E402
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
 MS = (1, 2, 3, 4, 8, 16, 32, 64)
-TILES, NARROW = qint.TILED_TILES, qint.NARROW_TILE_16
+TILES = qint.TILED_TILES
 
 
 def sweep(base: QIntConfig) -> list[QIntConfig]:
@@ -141,12 +141,12 @@ def main(argv: list[str] | None = None) -> int:
                 for tile in ((16, 64, 4, 1), (16, 64, 4, 2), (16, 64, 4, 4), (16, 128, 4),
                              (16, 128, 8), (32, 64, 4), (64, 64, 4), (64, 64, 4, 2),
                              (64, 64, 4, 4), (64, 128, 8), (128, 64, 8), (64, 128, 4)):
-                    qint.TILED_TILES, qint.NARROW_TILE_16 = ((1 << 62, tile),), tile
+                    qint.TILED_TILES = ((1 << 62, tile),)
                     for m in (16, 64, 512):
                         row = measure(run, case, "qint", m, None, ceil)
                         row.update(mode="qint-tile", tile=list(tile), bits_equal_m1=None)
                         out["rows"].append(row)
-                qint.TILED_TILES, qint.NARROW_TILE_16 = TILES, NARROW
+                qint.TILED_TILES = TILES
             print(f"{name} ({n},{k}) done, {run.left():.0f} s left", flush=True)
             del case
             if not args.smoke:

@@ -30,6 +30,7 @@ from kernels.qint import (
     quantize_x_reference,
     repack_q6k,
     row_bytes,
+    sums_dtype,
     unpack_q6k,
 )
 
@@ -106,9 +107,15 @@ def test_quantize_kernel_bits(interp, rng):
         q_ref, dx_ref = quantize_x_reference(xx)
         assert q.dtype == torch.int8 and torch.equal(q.int(), q_ref)
         assert torch.equal(dx, dx_ref)
-        # held in float16 (exact: |sum| <= 16 * 127 = 2032 < 2^11)
-        assert bs.dtype == torch.float16
+        assert bs.dtype == sums_dtype(3) == torch.int32
         assert torch.equal(bs.int(), q_ref.reshape(3, 32, 16).sum(-1).int())
+    # past GEMV_MAX_M rows in float16 (exact: |sum| <= 16 * 127 = 2032 < 2^11)
+    x = torch.full((GEMV_MAX_M + 1, 256), -50.0)  # each row's largest: codes -127
+    x[:, 16:] = torch.from_numpy(rng.standard_normal((GEMV_MAX_M + 1, 240), dtype=np.float32))
+    q, dx, bs = interp.call("kernels.qint:quantize_x", x)
+    assert bs.dtype == sums_dtype(GEMV_MAX_M + 1) == torch.float16
+    assert (bs[:, 0] == -2032).all()
+    assert torch.equal(bs.int(), quantize_x_reference(x)[0].reshape(-1, 16, 16).sum(-1).int())
 
 
 @pytest.mark.parametrize("m", [2, 6])
