@@ -148,7 +148,7 @@ def forward_ms(runner, rows: int, context: int, iters: int = 20) -> dict:
             s.free()
 
 
-def profile_decode(runner, rows: int, context: int, steps: int = 3, top: int = 10) -> dict:
+def profile_decode(runner, rows: int, context: int, steps: int = 3, top: int = 24) -> dict:
     """Kernels of eager decode steps: launches per step, device time per step, the top ones."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -276,7 +276,9 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
         attempt(out["forward_ms"], str(rows), forward_ms, runner, rows, ctx)
     if args.profile:
         out["profile"] = {}
-        for rows in sorted({1, max(levels)}):
+        rows_list = ([int(r) for r in args.profile_rows.split(",")] if args.profile_rows
+                     else sorted({1, max(levels)}))
+        for rows in rows_list:
             attempt(out["profile"], str(rows), profile_decode, runner, rows, ctx)
     if args.step_profile:  # before the engine's thread drives the core
         attempt(out, "step_profile", profile_steps, core,
@@ -368,6 +370,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prefill", default="512,4096")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--profile-rows", default="",
+                    help="comma list of decode rows to profile (default: 1 and the largest "
+                         "concurrency)")
     ap.add_argument("--step-profile", action="store_true",
                     help="profile one stream's decode steps (host operations, device busy)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
