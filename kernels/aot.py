@@ -16,8 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import re
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -40,6 +43,7 @@ class KernelSpec(NamedTuple):
     backend: str | None = None  # "hip" or "cuda": the config is that backend's; None: both
     num_stages: int | None = None
     divisible: tuple[str, ...] = ()  # arguments assumed 16-divisible, as the JIT specializes
+    max_regs: int | None = None  # maxnreg of the cuda build (NVIDIA's register cap a thread)
 
 
 def kernel_specs(quick: bool = False) -> list[KernelSpec]:
@@ -86,6 +90,8 @@ def build(spec: KernelSpec, target: str) -> Any:
     options: dict[str, int] = {"num_warps": spec.num_warps}
     if spec.num_stages is not None:
         options["num_stages"] = spec.num_stages
+    if spec.max_regs is not None and target.startswith("cuda"):
+        options["maxnreg"] = spec.max_regs
     return triton.compile(src, target=_target(target), options=options)
 
 
@@ -111,10 +117,32 @@ def check_asm(spec: KernelSpec, target: str, kernel: Any) -> dict[str, Any]:
         info["gdc_waits"] = asm.get("ptx", "").count("griddepcontrol.wait")
         info["mma"] = len(ops)
         info["ops"] = sorted(set(ops))
+        info.update(_cubin_resources(binary))
         found = info["mma"]
     if spec.uses_dot and not found:
         info["problems"].append("tl.dot did not lower to tensor-core instructions")
     return info
+
+
+def _cubin_resources(cubin: bytes | None) -> dict[str, int]:
+    """Registers a thread and stack bytes (spills) of a cubin, by Triton's cuobjdump; {}
+    where it cannot tell."""
+    try:
+        tool = triton.knobs.nvidia.cuobjdump.path
+    except Exception:  # an older Triton without the knob
+        return {}
+    if not cubin or not tool or not os.path.exists(tool):
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        run = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                             text=True, timeout=60)
+    regs = re.search(r"REG:(\d+)", run.stdout)
+    stack = re.search(r"STACK:(\d+)", run.stdout)
+    if run.returncode or not regs or not stack:
+        return {}
+    return {"regs": int(regs.group(1)), "stack_bytes": int(stack.group(1))}
 
 
 def _compile_one(index: int, target: str, quick: bool) -> dict[str, Any]:

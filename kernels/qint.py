@@ -56,6 +56,7 @@ from kernels.qtiles import Q4_K, Q6_K, _f16, _f16lo, _p32
 from kernels.triton_util import HAS_TRITON, await_inputs, helper, launcher, next_pow2, tl, triton
 
 __all__ = ["ACT8_STORED", "Q6_K_A", "QINT_TYPES", "QIntConfig", "default_qint_config",
+           "tile_options", "tiled_tile",
            "QuantX", "dequantized_x_reference", "empty_quant_x", "qint_parts", "sums_dtype",
            "qint_reference", "qint_triton", "quant_x_reference", "quantize_x",
            "quantize_x_reference", "repack_q6k", "row_bytes", "unpack_q6k"]
@@ -82,7 +83,13 @@ GEMV_MAX_M_OF = {Q6_K_A: 8}
 # 16 x 64 best at 16 rows; 32 x 128 at 32 (43 / 39 / 60 us against 46 / 51 / 67 at
 # 32 x 64); 64 x 128 at 64 (73 / 65 / 102 against 74 / 70 / 101 at 64 x 64) and at 512
 # (413 / 430 / 653 against 458 / 485 / 710).
-TILED_TILES = ((16, (16, 64, 4)), (32, (32, 128, 4)), (1 << 62, (64, 128, 4)))
+# The 16-row tile builds in at most 120 registers a thread (TILED_MAX_REGS): without the cap
+# the sm_90 build takes 133 (Q4_K) / 136 (Q6_K), so 3 programs of 4 warps fit a
+# multiprocessor's 64K registers; at 120 (no spills, 4% more instructions a super-block in
+# SASS) 4 fit. The five-field form: (block_m, block_n, num_warps, num_stages, max_regs).
+TILED_MAX_REGS = 120
+TILED_TILES = ((16, (16, 64, 4, None, TILED_MAX_REGS)), (32, (32, 128, 4)),
+               (1 << 62, (64, 128, 4)))
 # gfx1151 (256 VGPRs a lane): the CUDA-core kernel with 32 rows a program builds without
 # spills (64 spill 30-85 VGPRs); the int8 matrix-unit one builds without spills for both
 # types at 16 x 32, 16 x 64 and 32 x 32 with one stage (32 x 64: 21 / 76 VGPRs spilled,
@@ -560,7 +567,7 @@ if HAS_TRITON:
         operand as loaded (no convert through shared memory, no barrier a dot; H200 at 16
         rows: 36.6 against 43.6 us at 4096 x 14336, 260 against 330 on the head); else once
         and zeroed in registers (at 64 rows the doubled x tiles' shared memory costs more:
-        114 against 95 us)."""
+        114 against 95 us; on gfx1151 the masked loads spill 70 VGPRs at its 16 x 32 tile)."""
         base = row_off + sb * 208  # the record; d in the row's tail
         ll = tl.arange(0, 32)
         x_rows = q_ptr + rx.to(tl.int64)[None, :] * K + sb * 256
@@ -591,50 +598,88 @@ if HAS_TRITON:
         d = _f16(w_ptr + row_off + (K // 256) * 208 + 2 * sb)
         return tl.fma(isum.to(tl.float32), d[:, None] * dx, acc)
 
-    @triton.jit(do_not_specialize=["M", "N"])
-    def _qint_mm_kernel(
-        q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
-        sb_per_split, nsplit, ticket, splits_per_program,
-        QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        DOT_F64: tl.constexpr = False, PTX: tl.constexpr = False, PDL: tl.constexpr = False,
-    ):
-        """The tiled path (many rows of x): grid (M tiles, N tiles, nsplit), else as
-        _qint_gemv_kernel, with the same bits. A program sums `splits_per_program`
-        consecutive splits itself, each from zero and added in split order as the split
-        sum would (nsplit counts the programs along K)."""
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        z = tl.program_id(2)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_ok = rm < M
-        row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
+    @helper
+    def _mm_splits(w_ptr, row_off, rm, q_ptr, dx_ptr, bs_ptr, M, K, sb_per_split,
+                   splits_per_program, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DOT_F64: tl.constexpr, PTX: tl.constexpr,
+                   PDL: tl.constexpr, X_MASKS: tl.constexpr):
+        """_qint_mm_kernel's sum (BLOCK_N, BLOCK_M) over its program's splits, of the QTYPE
+        rows at row_off (BLOCK_N,) and x's rows rm (BLOCK_M,)."""
         total = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         rx = tl.minimum(rm, M - 1)  # rows past M repeat the last (their sums not stored)
         await_inputs(PDL)
         for v in range(0, splits_per_program):
             acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # each split starts at 0
-            sb0 = (z * splits_per_program + v) * sb_per_split
+            sb0 = (tl.program_id(2) * splits_per_program + v) * sb_per_split
             for i in range(0, sb_per_split):
                 if QTYPE == 12:  # Q4_K
                     acc = _mm_q4k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rx,
                                   DOT_F64, PTX)
                 else:
                     acc = _mm_q6k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rx,
-                                  PTX, BLOCK_M <= 32)
+                                  PTX, X_MASKS)
             total = tl.where(v == 0, acc, total + acc)  # (p0 + p1) + p2 ..., as split sums
-        split = z
-        acc = total
+        return total
+
+    @triton.jit(do_not_specialize=["M", "N"])
+    def _qint_mm_kernel(
+        q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
+        sb_per_split, nsplit, ticket, splits_per_program, w2_ptr, n1, row_bytes2,
+        QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        DOT_F64: tl.constexpr = False, PTX: tl.constexpr = False, PDL: tl.constexpr = False,
+        X_MASKS: tl.constexpr = False, QTYPE2: tl.constexpr = 0,
+    ):
+        """The tiled path (many rows of x): grid (M tiles, N tiles, nsplit), else as
+        _qint_gemv_kernel, with the same bits (QTYPE2: its second part). A program sums
+        `splits_per_program` consecutive splits itself, each from zero and added in split
+        order as the split sum would (nsplit counts the programs along K). X_MASKS: Q6_K's
+        MASKED_LOADS (x_masks)."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        if QTYPE2 != 0:
+            second = pid_n * BLOCK_N >= n1
+        else:
+            second = False
+        if second:
+            row_off = tl.where(rn < N, rn - n1, 0).to(tl.int64) * row_bytes2  # past N: row 0
+            acc = _mm_splits(w2_ptr, row_off, rm, q_ptr, dx_ptr, bs_ptr, M, K, sb_per_split,
+                             splits_per_program, QTYPE2, BLOCK_M, BLOCK_N, DOT_F64, PTX, PDL,
+                             X_MASKS)
+        else:
+            row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
+            acc = _mm_splits(w_ptr, row_off, rm, q_ptr, dx_ptr, bs_ptr, M, K, sb_per_split,
+                             splits_per_program, QTYPE, BLOCK_M, BLOCK_N, DOT_F64, PTX, PDL,
+                             X_MASKS)
         offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
         finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_m * tl.num_programs(1) + pid_n,
-                      split, nsplit, M, N, offs, m_ok[None, :] & (rn < N)[:, None], ticket)
+                      tl.program_id(2), nsplit, M, N, offs,
+                      (rm < M)[None, :] & (rn < N)[:, None], ticket)
 
 
 def tiled_tile(m: int, backend: str = "cuda") -> tuple[int, ...]:
-    """The matrix-unit kernel's (block_m, block_n, num_warps[, num_stages]) for m rows."""
+    """The matrix-unit kernel's (block_m, block_n, num_warps[, num_stages[, max_regs]]) for
+    m rows."""
     if backend == "hip":
         return HIP_TILED_TILE
     return next(tile for bound, tile in TILED_TILES if m <= bound)
+
+
+def x_masks(block_m: int, backend: str) -> bool:
+    """Whether Q6_K's matrix-unit step zeroes x by its loads' masks (_mm_q6k's MASKED_LOADS):
+    up to 32 rows a tile, not on HIP (the gfx1151 build spills)."""
+    return block_m <= 32 and backend != "hip"
+
+
+def tile_options(tile: tuple[int, ...], backend: str) -> dict[str, int]:
+    """A tile's compile options past its first three fields: num_stages, and maxnreg (a
+    register cap per thread, NVIDIA's only: HIP's compiler has no such option)."""
+    stages, regs = (*tile[3:], None, None)[:2]
+    out = {} if stages is None else {"num_stages": stages}
+    if regs is not None and backend == "cuda":
+        out["maxnreg"] = regs
+    return out
 
 
 @functools.lru_cache(maxsize=16)
@@ -703,8 +748,10 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
     """qint_triton of the weight whose rows are the parts' (blocks, type, rows) in order:
     y (M, sum of rows). The split is the whole weight's (default_qint_config of its rows),
     so each part's bits are the same on every path; a part of up to gemv_max_m(type)
-    rows runs on the CUDA cores, more on the matrix unit; up to GEMV_MAX_M rows, two parts
-    whose first fills whole programs run as one launch (a fused q|k|v of two types)."""
+    rows runs on the CUDA cores, more on the matrix unit. Two parts whose first fills whole
+    programs run as one launch (a fused q|k|v of two types) where both take the same kernel:
+    up to GEMV_MAX_M rows the CUDA cores', past both parts' gemv_max_m the matrix unit's;
+    else one launch each and a concatenation."""
     m = x.shape[0]
     if x.dim() != 2 or x.shape[1] != k or k % QK or x.stride(1) != 1:
         raise InvalidRequest(f"qint: x must be (M, {k}) with K a multiple of 256 and "
@@ -729,9 +776,11 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
         raise InvalidRequest(f"qint: xq must hold ({m}, {k}) int8 codes")
     xq = xq if xq is not None else quantize_x(x)
     gemv = [m <= gemv_max_m(t) for _, t, _ in parts]
-    if all(gemv) and (len(parts) == 1 or len(parts) == 2 and m <= GEMV_MAX_M
-                      and parts[0][2] % cfg.block_n == 0):
-        return _launch(xq, parts, m, k, cfg, sms, backend, True)
+    if len(parts) == 1 or all(gemv) and len(parts) == 2 and m <= GEMV_MAX_M \
+            and parts[0][2] % cfg.block_n == 0:
+        return _launch(xq, parts, m, k, cfg, sms, backend, gemv[0])
+    if not any(gemv) and len(parts) == 2 and parts[0][2] % tiled_tile(m, backend)[1] == 0:
+        return _launch(xq, parts, m, k, cfg, sms, backend, False)
     outs = [_launch(xq, [part], m, k, cfg, sms, backend, g)
             for part, g in zip(parts, gemv, strict=True)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -744,7 +793,7 @@ def gemv_max_m(qtype: int) -> int:
 
 def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, k: int,
             cfg: QIntConfig, sms: int, backend: str, gemv: bool) -> torch.Tensor:
-    """One product kernel over checked inputs (two parts: the CUDA-core kernel only)."""
+    """One product kernel over checked inputs (two parts: the first fills whole programs)."""
     (blocks, ggml_type, n1), device = parts[0], xq.q.device
     n = sum(p[2] for p in parts)
     blocks2, type2, _ = parts[1] if len(parts) == 2 else (blocks, 0, 0)
@@ -757,7 +806,8 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
                                             **stages}
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
     else:
-        bm, bn, warps, *st = tiled_tile(m, backend)
+        tile = tiled_tile(m, backend)
+        bm, bn, warps = tile[:3]
         tiles = -(-m // bm) * -(-n // bn)
         # the splits as programs of their own (partials) only while the tiles alone would
         # leave compute units idle: no (split, M, N) buffer for prefill-sized M
@@ -765,8 +815,11 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
         grid = (-(-m // bm), -(-n // bn), cfg.split // per_program)
         kernel, extra = _qint_mm_kernel, {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps,
                                           "DOT_F64": device.type == "cpu",
-                                          **({"num_stages": st[0]} if st else {})}
-        own = (cfg.split // grid[-1],)  # splits a program sums itself
+                                          "X_MASKS": x_masks(bm, backend),
+                                          **tile_options(tile, backend)}
+        # splits a program sums itself, then the second part (or the first again)
+        own = (cfg.split // grid[-1], blocks2, n1, blocks2.shape[1])
+        extra["QTYPE2"] = int(type2)
     splits = grid[-1]
     part = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=device)
     tiles = grid[0] * (grid[1] if len(grid) == 3 else 1)
@@ -818,11 +871,20 @@ def aot_specs(spec: type) -> list:
         if qtype2:
             continue
         for backend in ("hip", "cuda"):
-            bm, bn, warps, *st = tiled_tile(16, backend)
+            tile = tiled_tile(16, backend)
+            bm, bn, warps = tile[:3]
+            opts = tile_options(tile, backend)
             consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": bn, "DOT_F64": False,
-                      "PTX": backend == "cuda", "PDL": backend == "cuda"}
-            out.append(spec(f"qint_{name}_tiled", _qint_mm_kernel,
-                            {**sig, "splits_per_program": "i32",
-                             **{k: "constexpr" for k in consts}},
-                            consts, warps, True, backend, st[0] if st else None, divisible))
+                      "PTX": backend == "cuda", "PDL": backend == "cuda",
+                      "X_MASKS": x_masks(bm, backend)}
+            # each type alone, and Q4_K's q|k with Q6_K's v in one launch
+            pairs = (("", 0), ("_Q6_K", Q6_K_A)) if qtype == Q4_K else (("", 0),)
+            for suffix, second in pairs:
+                out.append(spec(f"qint_{name}{suffix}_tiled", _qint_mm_kernel,
+                                {**sig, "splits_per_program": "i32", "w2_ptr": "*u8",
+                                 "n1": "i32", "row_bytes2": "i32",
+                                 **{k: "constexpr" for k in {**consts, "QTYPE2": 0}}},
+                                {**consts, "QTYPE2": second}, warps, True, backend,
+                                opts.get("num_stages"), divisible + ("w2_ptr", "row_bytes2"),
+                                opts.get("maxnreg")))
     return out

@@ -42,6 +42,15 @@ from kernels.qmatmul import qmatmul_triton  # noqa: E402
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
 MS = (1, 2, 3, 4, 8, 16, 32, 64)
 TILES = qint.TILED_TILES
+# The matrix-unit kernel's tiles swept (block_m, block_n, num_warps[, num_stages[, max_regs]])
+# and the rows of x each is timed at. At 16 rows: the register cap (3 or 4 programs a
+# multiprocessor); at 32 and 64: tiles whose sm_90 builds do not spill (32 x 128 and 64 x 128
+# on 4 warps take 254-255 registers and spill 24-840 bytes a thread).
+TILE_SWEEP = (((16, 64, 4), (16,)), ((16, 64, 4, None, 128), (16,)),
+              ((16, 64, 4, None, 120), (16,)), ((16, 64, 4, 4, 120), (16,)),
+              ((32, 128, 4), (32,)), ((32, 64, 4), (32,)), ((32, 128, 8), (32,)),
+              ((64, 128, 4), (64, 512)), ((64, 64, 8), (64, 512)), ((64, 128, 8), (64, 512)),
+              ((32, 64, 4), (64,)), ((128, 64, 8), (512,)))
 
 
 def sweep(base: QIntConfig) -> list[QIntConfig]:
@@ -138,11 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                     if run.left() > 60:
                         out["rows"].append(measure(run, case, "qint", 1, cfg, ceil))
             if (n, k) in swept and not args.smoke:  # the matrix-unit kernel's tiles
-                for tile in ((16, 64, 4, 1), (16, 64, 4, 2), (16, 64, 4, 4), (16, 128, 4),
-                             (16, 128, 8), (32, 64, 4), (64, 64, 4), (64, 64, 4, 2),
-                             (64, 64, 4, 4), (64, 128, 8), (128, 64, 8), (64, 128, 4)):
+                for tile, tile_ms in TILE_SWEEP:
                     qint.TILED_TILES = ((1 << 62, tile),)
-                    for m in (16, 64, 512):
+                    for m in tile_ms:
                         row = measure(run, case, "qint", m, None, ceil)
                         row.update(mode="qint-tile", tile=list(tile), bits_equal_m1=None)
                         out["rows"].append(row)

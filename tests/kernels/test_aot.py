@@ -60,6 +60,21 @@ def test_dots_lower_to_tensor_cores(report):
         assert cuda["mma"] > 0 and all(f".{dtype}." in op for op in cuda["ops"]), cuda
 
 
+def test_qint_builds_spill_nothing(report):
+    """qint's kernels keep every value in registers on both targets (a spill goes through
+    local memory on every super-block), and the 16-row tile's sm_90 build stays within its
+    register cap (qint.TILED_MAX_REGS: 4 programs a multiprocessor instead of 3)."""
+    names = [name for name in report if name.startswith("qint_")]
+    assert "qint_Q4_K_tiled" in names and "qint_Q6_K_tiled" in names, names
+    for name in names:
+        hip, cuda = report[name]["hip:gfx1151"], report[name]["cuda:90"]
+        assert hip["vgpr_spills"] == 0, (name, hip)
+        assert "regs" in cuda, (name, "cuobjdump gave no resource usage", cuda)
+        assert cuda["stack_bytes"] == 0, (name, cuda)
+        if name.endswith("_tiled"):
+            assert cuda["regs"] <= qint.TILED_MAX_REGS, (name, cuda)
+
+
 def test_pdl_builds_wait_for_their_inputs(report):
     """The sm_90 builds made as programmatic dependent launches (PDL set) wait for the
     previous kernel (griddepcontrol.wait); the others do not; no gfx1151 build sets it."""

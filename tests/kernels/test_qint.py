@@ -178,21 +178,29 @@ def test_rows_independent_of_batch_and_path(interp, rng, qtype):
 
 def test_two_parts_in_one_launch(interp, rng):
     """qint_parts: q|k-like Q4_K rows and v-like Q6_K rows. Up to 4 rows of x one launch
-    when the first part fills whole programs (else one per part), more rows one launch per
-    part (6 rows: Q4_K on the matrix unit, Q6_K still on the CUDA cores); the split is the
-    whole weight's, so a row's bits are the same every way, each part within 2^-16 of its
+    when the first part fills whole programs (else one per part); 6 rows one launch per
+    part (Q4_K on the matrix unit, Q6_K still on the CUDA cores); 12 rows one matrix-unit
+    launch again (the first part fills whole 64-row tiles). The split is the whole
+    weight's, so a row's bits are the same every way, each part within 2^-16 of its
     definition."""
-    k, n1, n2 = 1024, 48, 24
-    b1, b2 = random_weight(T.Q4_K, n1, k, rng), random_weight(T.Q6_K, n2, k, rng)
-    parts = [(b1, int(T.Q4_K), n1), (repack_q6k(b2, k), Q6_K_A, n2)]
-    x = torch.from_numpy(rng.standard_normal((6, k), dtype=np.float32))
-    fused = interp.call("kernels.qint:qint_parts", x[:2], parts, k, QIntConfig(16, 2))
-    apart = interp.call("kernels.qint:qint_parts", x[:2], parts, k, QIntConfig(32, 2))  # 48 % 32
-    many = interp.call("kernels.qint:qint_parts", x, parts, k, QIntConfig(16, 2))
+    k, n1, n2 = 1024, 64, 24
+    b1, g2 = random_weight(T.Q4_K, n1, k, rng), random_weight(T.Q6_K, n2, k, rng)
+    b2 = repack_q6k(g2, k)
+    parts = [(b1, int(T.Q4_K), n1), (b2, Q6_K_A, n2)]
+    x = torch.from_numpy(rng.standard_normal((12, k), dtype=np.float32))
+    cfg = QIntConfig(16, 2)
+    fused = interp.call("kernels.qint:qint_parts", x[:2], parts, k, cfg)
+    apart = interp.call("kernels.qint:qint_parts", x[:2], parts, k,
+                        QIntConfig(128, 2))  # 64 % 128: one launch a part
+    many = interp.call("kernels.qint:qint_parts", x[:6], parts, k, cfg)
+    tiled = interp.call("kernels.qint:qint_parts", x, parts, k, cfg)
+    one = torch.cat([interp.call("kernels.qint:qint_triton", x, b, t, (n, k), cfg)
+                     for b, t, n in parts], dim=1)
     assert fused.shape == (2, n1 + n2) and torch.equal(fused, apart)
-    assert torch.equal(fused, many[:2])
-    check(many[:, :n1], x, b1, T.Q4_K)
-    check(many[:, n1:], x, b2, T.Q6_K)
+    assert torch.equal(fused, many[:2]) and torch.equal(many, tiled[:6])
+    assert tiled.shape == (12, n1 + n2) and torch.equal(tiled, one)
+    check(tiled[:, :n1], x, b1, T.Q4_K)
+    check(tiled[:, n1:], x, g2, T.Q6_K)
 
 
 def test_rejects_bad_input(interp, rng):
@@ -257,7 +265,8 @@ def test_default_config_rows_a_program_leave_the_split_alone():
 
 def test_q6k_stays_on_the_cuda_cores_up_to_8_rows(monkeypatch):
     """Which kernel each part runs, by rows: Q4_K up to GEMV_MAX_M on the CUDA cores,
-    Q6_K up to 8; two parts share a launch only up to GEMV_MAX_M."""
+    Q6_K up to 8; two parts share a launch up to GEMV_MAX_M and past 8 rows where the
+    first fills whole tiles of the matrix-unit kernel."""
     import kernels.qint as qint
 
     launches = []
@@ -271,7 +280,8 @@ def test_q6k_stays_on_the_cuda_cores_up_to_8_rows(monkeypatch):
     for m, want in ((4, [((12, Q6_K_A), True)]),
                     (5, [((12,), False), ((Q6_K_A,), True)]),
                     (8, [((12,), False), ((Q6_K_A,), True)]),
-                    (9, [((12,), False), ((Q6_K_A,), False)])):
+                    (9, [((12, Q6_K_A), False)]),  # 64 rows fill the 16-row tile's 64
+                    (17, [((12,), False), ((Q6_K_A,), False)])):  # the 32-row tile's 128
         launches.clear()
         qint.qint_parts(torch.zeros(m, k), parts, k, QIntConfig(64, 1),
                         xq=qint.empty_quant_x(m, k, torch.device("cpu")))
