@@ -114,6 +114,7 @@ class QIntConfig(NamedTuple):
     split: int  # the super-blocks of a row are cut into `split` equal ranges
     num_warps: int = 4
     num_stages: int | None = None
+    max_regs: int | None = None  # the CUDA-core kernel's register cap (NVIDIA's maxnreg)
 
 
 class QuantX(NamedTuple):
@@ -798,7 +799,7 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
     n = sum(p[2] for p in parts)
     blocks2, type2, _ = parts[1] if len(parts) == 2 else (blocks, 0, 0)
     y = torch.empty(m, n, dtype=torch.float32, device=device)
-    stages = {} if cfg.num_stages is None else {"num_stages": cfg.num_stages}
+    stages = tile_options((0, 0, 0, cfg.num_stages, cfg.max_regs), backend)
     if gemv:
         grid = (-(-n // cfg.block_n), cfg.split)
         kernel, extra = _qint_gemv_kernel, {"BLOCK_M": next_pow2(m), "BLOCK_N": cfg.block_n,

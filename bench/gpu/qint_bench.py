@@ -146,6 +146,14 @@ def main(argv: list[str] | None = None) -> int:
                 for cfg in sweep(base)[:2 if args.smoke else None]:
                     if run.left() > 60:
                         out["rows"].append(measure(run, case, "qint", 1, cfg, ceil))
+            if (n, k) in swept and not args.smoke and not args.tiles_only:
+                # the CUDA-core kernel at 3-4 rows under register caps (3 programs of 4
+                # warps a multiprocessor at 168, 2 without: its wide build takes 202-206)
+                base = default_qint_config(case.qtype, n, k, run.sms, m=4)
+                for regs in (168, 128):
+                    for m in (3, 4):
+                        out["rows"].append(measure(run, case, "qint", m,
+                                                   base._replace(max_regs=regs), ceil))
             if (n, k) in swept and not args.smoke:  # the matrix-unit kernel's tiles
                 for tile, tile_ms in TILE_SWEEP:
                     qint.TILED_TILES = ((1 << 62, tile),)
