@@ -59,6 +59,10 @@ class EngineOptions:
     # Build the kernels of the first prefill and mixed steps and capture the decode graphs
     # at load (a GPU only; ModelRunner.warm_up), not in the first requests' steps.
     warm_up: bool = True
+    # With the q8 layout on a GPU: time the matrix-unit kernel's candidate tiles on the
+    # model's shapes at load and take the fastest (engine/tile_tune.py; the bits do not
+    # depend on the tile).
+    tune_tiles: bool = True
 
 
 def pages_per_group(cfg: ModelConfig, opts: EngineOptions) -> dict[str, int]:
@@ -89,7 +93,8 @@ def build_core(loaded: LoadedModel, opts: EngineOptions) -> EngineCore:
 
 def load_for(model: str | os.PathLike, opts: EngineOptions) -> LoadedModel:
     """engine.loader.load with the options' dtype, device and weight layout; on a GPU with
-    the Triton kernels, `weights="auto"` measures both layouts first (engine/layout_tune.py)."""
+    the Triton kernels, `weights="auto"` measures both layouts first (engine/layout_tune.py),
+    and the q8 layout its tiles (engine/tile_tune.py, unless `tune_tiles` is off)."""
     device = resolve_device(opts.device)
     dtype = DTYPES[opts.dtype]
     tune = (opts.weights == "auto" and device.type == "cuda" and dtype in (None, torch.bfloat16)
@@ -110,9 +115,14 @@ def load_for(model: str | os.PathLike, opts: EngineOptions) -> LoadedModel:
         choice = measure_layout(mf, cfg, device, sessions=opts.sessions, context=opts.context,
                                 kv_quant=opts.kv_quant)
         layout = choice.layout
+    tiles = None
+    if layout == "q8" and opts.tune_tiles and device.type == "cuda" and use_triton(device):
+        from engine.tile_tune import tune_tiles
+
+        tiles = tune_tiles(mf, device)
     decoder = DecoderModel(cfg, WeightLoader(mf, dtype, device, layout))
     return LoadedModel(path, mf, cfg, decoder, tokenizer, chat_template_for(mf, tokenizer),
-                       time.perf_counter() - start, choice)
+                       time.perf_counter() - start, choice, tiles)
 
 
 def build_engine(model: str | os.PathLike, opts: EngineOptions | None = None,

@@ -75,5 +75,12 @@ def _layout(mf: ModelFile, cfg, dev, device: str, sessions: int, context: int,
                              "and torch sees none")
     if not use_triton(dev):
         return {"layout": "bf16", "reason": "no Triton kernels (MBUFO_KERNELS or no triton)"}
-    return measure_layout(mf, cfg, dev, sessions=sessions, context=context,
-                          kv_quant=kv_quant).as_dict()
+    out = measure_layout(mf, cfg, dev, sessions=sessions, context=context,
+                         kv_quant=kv_quant).as_dict()
+    if out["layout"] == "q8":  # and the tiles its load would take
+        from engine.tile_tune import tune_tiles
+
+        tiles = tune_tiles(mf, dev)
+        if tiles is not None:
+            out["q8_tiles"] = tiles.as_dict()
+    return out

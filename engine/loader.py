@@ -50,6 +50,7 @@ class LoadedModel:
     chat_template: ChatTemplate
     load_seconds: float
     layout_choice: Any = None  # engine.layout_tune.LayoutChoice when `--weights auto` measured
+    tile_choice: Any = None  # engine.tile_tune.TileChoice when the q8 layout's tiles were timed
 
 
 def resolve_device(device: str = "auto") -> torch.device:

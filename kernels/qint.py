@@ -43,8 +43,9 @@ qh, scales: 16-byte aligned, read as whole words) and then their f16 d's.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -56,6 +57,7 @@ from kernels.qtiles import Q4_K, Q6_K, _f16, _f16lo, _p32
 from kernels.triton_util import HAS_TRITON, await_inputs, helper, launcher, next_pow2, tl, triton
 
 __all__ = ["ACT8_STORED", "Q6_K_A", "QINT_TYPES", "QIntConfig", "default_qint_config",
+           "TILE_BOUNDS", "TILE_CANDIDATES", "TUNED_TILES", "forced_tile", "tile_bound",
            "tile_options", "tiled_tile",
            "QuantX", "dequantized_x_reference", "empty_quant_x", "qint_parts", "sums_dtype",
            "qint_reference", "qint_triton", "quant_x_reference", "quantize_x",
@@ -77,8 +79,11 @@ GEMV_MAX_M = 4  # rows up to which Q4_K (and a launch of two types) runs on the 
 # 4096 x 14336, 310 against 486 on the head before the packed code decode that took 16
 # rows from 65 to 46 us). The bits are the same on both paths.
 GEMV_MAX_M_OF = {Q6_K_A: 8}
-# The matrix-unit kernel's (block_m, block_n, num_warps) by rows of x, the first whose
-# bound holds: the sums are exact, so the tile may depend on M without changing a bit.
+# The matrix-unit kernel's tiles, (block_m, block_n, num_warps[, num_stages[, max_regs]]),
+# by rows of x: the first bound of TILE_BOUNDS that holds picks the tile, the tuned one
+# (TUNED_TILES, set at load by engine/tile_tune.py from measured times of the candidates)
+# or else the first candidate. The sums are exact, so the tile may depend on M and on
+# measurements without changing a bit.
 # Swept on the H200 (int8 kernel, Q4_K 14336 x 4096 and 4096 x 14336, Q6_K 4096 x 14336):
 # 16 x 64 best at 16 rows; 32 x 128 at 32 (43 / 39 / 60 us against 46 / 51 / 67 at
 # 32 x 64); 64 x 128 at 64 (73 / 65 / 102 against 74 / 70 / 101 at 64 x 64) and at 512
@@ -86,10 +91,10 @@ GEMV_MAX_M_OF = {Q6_K_A: 8}
 # The 16-row tile builds in at most 120 registers a thread (TILED_MAX_REGS): without the cap
 # the sm_90 build takes 133 (Q4_K) / 136 (Q6_K), so 3 programs of 4 warps fit a
 # multiprocessor's 64K registers; at 120 (no spills, 4% more instructions a super-block in
-# SASS) 4 fit. The five-field form: (block_m, block_n, num_warps, num_stages, max_regs).
+# SASS) 4 fit. The 32 x 128 and 64 x 128 tiles on 4 warps spill in their sm_90 builds (24-840
+# bytes a thread); 32 x 64 on 4 warps and 64 x 64 on 8 do not: candidates beside them.
 TILED_MAX_REGS = 120
-TILED_TILES = ((16, (16, 64, 4, None, TILED_MAX_REGS)), (32, (32, 128, 4)),
-               (1 << 62, (64, 128, 4)))
+TILE_BOUNDS = (16, 32, 64, 1 << 62)
 # gfx1151 (256 VGPRs a lane): the CUDA-core kernel with 32 rows a program builds without
 # spills (64 spill 30-85 VGPRs); the int8 matrix-unit one builds without spills for both
 # types at 16 x 32, 16 x 64 and 32 x 32 with one stage (32 x 64: 21 / 76 VGPRs spilled,
@@ -107,6 +112,20 @@ Q4K_NARROW_M = 2
 # 4096 at one row: 8.5 us at 8 splits, 9.6 at 16).
 MAX_SPLIT = 8
 HIP_TILED_TILE = (16, 32, 4, 1)
+_CAPPED_16 = (16, 64, 4, None, TILED_MAX_REGS)
+# backend -> row bound -> the tiles engine/tile_tune.py times, the default first
+TILE_CANDIDATES: dict[str, dict[int, tuple[tuple, ...]]] = {
+    "cuda": {16: (_CAPPED_16, (16, 64, 4), (16, 32, 4)),
+             32: ((32, 128, 4), (32, 64, 4), _CAPPED_16),
+             64: ((64, 128, 4), (64, 64, 8), (32, 64, 4), _CAPPED_16),
+             1 << 62: ((64, 128, 4), (64, 64, 8), (32, 64, 4))},
+    "hip": {16: (HIP_TILED_TILE, (16, 64, 4, 1)),
+            **{bound: (HIP_TILED_TILE, (16, 64, 4, 1), (32, 32, 4, 1))
+               for bound in TILE_BOUNDS[1:]}},
+}
+# (backend, held type, row bound) -> the tile measured fastest on this process's device
+TUNED_TILES: dict[tuple[str, int, int], tuple] = {}
+_FORCED: list[tuple] = []  # forced_tile's stack
 
 
 class QIntConfig(NamedTuple):
@@ -659,12 +678,28 @@ if HAS_TRITON:
                       (rm < M)[None, :] & (rn < N)[:, None], ticket)
 
 
-def tiled_tile(m: int, backend: str = "cuda") -> tuple[int, ...]:
+def tile_bound(m: int) -> int:
+    """The TILE_BOUNDS entry whose tiles serve m rows of x."""
+    return next(bound for bound in TILE_BOUNDS if m <= bound)
+
+
+def tiled_tile(m: int, backend: str = "cuda", qtype: int = Q4_K) -> tuple:
     """The matrix-unit kernel's (block_m, block_n, num_warps[, num_stages[, max_regs]]) for
-    m rows."""
-    if backend == "hip":
-        return HIP_TILED_TILE
-    return next(tile for bound, tile in TILED_TILES if m <= bound)
+    m rows of x and weights of `qtype` (as held: Q4_K or Q6_K_A)."""
+    if _FORCED:
+        return _FORCED[-1]
+    bound = tile_bound(m)
+    return TUNED_TILES.get((backend, int(qtype), bound)) or TILE_CANDIDATES[backend][bound][0]
+
+
+@contextlib.contextmanager
+def forced_tile(tile: tuple) -> Iterator[None]:
+    """Every matrix-unit launch inside takes `tile` (timing candidates: the tuner, benches)."""
+    _FORCED.append(tuple(tile))
+    try:
+        yield
+    finally:
+        _FORCED.pop()
 
 
 def x_masks(block_m: int, backend: str) -> bool:
@@ -780,7 +815,8 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
     if len(parts) == 1 or all(gemv) and len(parts) == 2 and m <= GEMV_MAX_M \
             and parts[0][2] % cfg.block_n == 0:
         return _launch(xq, parts, m, k, cfg, sms, backend, gemv[0])
-    if not any(gemv) and len(parts) == 2 and parts[0][2] % tiled_tile(m, backend)[1] == 0:
+    if not any(gemv) and len(parts) == 2 \
+            and parts[0][2] % tiled_tile(m, backend, int(parts[0][1]))[1] == 0:
         return _launch(xq, parts, m, k, cfg, sms, backend, False)
     outs = [_launch(xq, [part], m, k, cfg, sms, backend, g)
             for part, g in zip(parts, gemv, strict=True)]
@@ -807,7 +843,7 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
                                             **stages}
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
     else:
-        tile = tiled_tile(m, backend)
+        tile = tiled_tile(m, backend, int(ggml_type))
         bm, bn, warps = tile[:3]
         tiles = -(-m // bm) * -(-n // bn)
         # the splits as programs of their own (partials) only while the tiles alone would
@@ -836,11 +872,27 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
     return y
 
 
+def _tiled_spec(spec: type, name: str, sig: dict, divisible: tuple, qtype: int, qtype2: int,
+                tile: tuple, backend: str):
+    """aot_specs' KernelSpec of the matrix-unit kernel at `tile` on `backend`."""
+    bm, bn, warps = tile[:3]
+    opts = tile_options(tile, backend)
+    consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": bn, "DOT_F64": False,
+              "PTX": backend == "cuda", "PDL": backend == "cuda", "X_MASKS": x_masks(bm, backend),
+              "QTYPE2": qtype2}
+    return spec(name, _qint_mm_kernel,
+                {**sig, "splits_per_program": "i32", "w2_ptr": "*u8", "n1": "i32",
+                 "row_bytes2": "i32", **{k: "constexpr" for k in consts}},
+                consts, warps, True, backend, opts.get("num_stages"),
+                divisible + ("w2_ptr", "row_bytes2"), opts.get("maxnreg"))
+
+
 def aot_specs(spec: type) -> list:
     """kernels/aot.py: x's quantization; the CUDA-core kernel of each type and of the
     Q4_K + Q6_K pair at 1 and GEMV_MAX_M rows (dp4a on cuda), and the matrix-unit one at
     its 16-row tile (int8 dots: WMMA iu8 on gfx1151, wgmma s8 on sm_90); the sm_90 builds as
-    programmatic dependent launches (kernels/triton_util.py)."""
+    programmatic dependent launches (kernels/triton_util.py); every other tile of
+    TILE_CANDIDATES as `qint_<type>_cand_<tile>_tiled`."""
     if not HAS_TRITON:
         return []
     sig = {"q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*fp16", "w_ptr": "*u8",
@@ -872,20 +924,16 @@ def aot_specs(spec: type) -> list:
         if qtype2:
             continue
         for backend in ("hip", "cuda"):
-            tile = tiled_tile(16, backend)
-            bm, bn, warps = tile[:3]
-            opts = tile_options(tile, backend)
-            consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": bn, "DOT_F64": False,
-                      "PTX": backend == "cuda", "PDL": backend == "cuda",
-                      "X_MASKS": x_masks(bm, backend)}
-            # each type alone, and Q4_K's q|k with Q6_K's v in one launch
-            pairs = (("", 0), ("_Q6_K", Q6_K_A)) if qtype == Q4_K else (("", 0),)
-            for suffix, second in pairs:
-                out.append(spec(f"qint_{name}{suffix}_tiled", _qint_mm_kernel,
-                                {**sig, "splits_per_program": "i32", "w2_ptr": "*u8",
-                                 "n1": "i32", "row_bytes2": "i32",
-                                 **{k: "constexpr" for k in {**consts, "QTYPE2": 0}}},
-                                {**consts, "QTYPE2": second}, warps, True, backend,
-                                opts.get("num_stages"), divisible + ("w2_ptr", "row_bytes2"),
-                                opts.get("maxnreg")))
+            default = TILE_CANDIDATES[backend][TILE_BOUNDS[0]][0]
+            # the 16-row default (alone, and Q4_K's q|k with Q6_K's v in one launch), then
+            # every other candidate the load-time tuner may take
+            tiles = dict.fromkeys(t for ts in TILE_CANDIDATES[backend].values() for t in ts)
+            for tile in tiles:
+                pairs = (("", 0), ("_Q6_K", Q6_K_A)) if qtype == Q4_K and tile == default \
+                    else (("", 0),)
+                tag = "" if tile == default else "_cand_" + "x".join(
+                    str(v) for v in tile if v is not None)
+                for suffix, second in pairs:
+                    out.append(_tiled_spec(spec, f"qint_{name}{suffix}{tag}_tiled", sig,
+                                           divisible, qtype, second, tile, backend))
     return out

@@ -4,8 +4,8 @@ Run on the device machine (see bench/RESULTS.md for the command):
     python bench/gpu/engine_bench.py --synthetic llama-3.1-8b:Q4_K_M --vocab VOCAB.gguf
 One invocation measures several variants (`--variants`, default: GGML blocks and dense
 bf16 weights, each with and without CUDA graphs; `+itloff` turns the ITL target off,
-`+noahead` the look-ahead decode steps; `+sampled` decodes at temperature 0.8, top-p 0.95
-instead of greedily).
+`+noahead` the look-ahead decode steps, `+notune` q8's load-time tile tuning; `+sampled`
+decodes at temperature 0.8, top-p 0.95 instead of greedily).
 Per variant: the forward step alone (runner.forward timed with a device sync, decode
 batches of each concurrency), engine decode at each concurrency (fixed output length,
 ignore_eos) with a per-step breakdown (schedule + batch building, forward launch,
@@ -254,12 +254,16 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
     opts = EngineOptions(sessions=max(levels), context=context, prefill_chunk=512,
                          device=args.device, max_pending_per_client=None, cuda_graphs=graphs,
                          weights=weights, itl_target_ms=None if "itloff" in parts else "auto",
-                         look_ahead="noahead" not in parts)
-    out.update({"weights": weights, "cuda_graphs": graphs, "look_ahead": "noahead" not in parts})
+                         look_ahead="noahead" not in parts, tune_tiles="notune" not in parts)
+    out.update({"weights": weights, "cuda_graphs": graphs, "look_ahead": "noahead" not in parts,
+                "tune_tiles": "notune" not in parts})
     t0 = time.perf_counter()
     loaded = load_for(str(path), opts)
     core = build_core(loaded, opts)
     out["load_s"] = round(time.perf_counter() - t0, 1)
+    if loaded.tile_choice is not None:  # q8: its matrix-unit tiles were timed
+        out["tile_choice"] = loaded.tile_choice.as_dict()
+        print(f"[{name}] q8 tiles: {out['tile_choice']['tiles']}", flush=True)
     if loaded.layout_choice is not None:  # weights=auto on a GPU: both layouts were timed
         out["layout_choice"] = loaded.layout_choice.as_dict()
         print(f"[{name}] layout {loaded.layout_choice.layout}: {loaded.layout_choice.reason}")

@@ -41,7 +41,6 @@ from kernels.qmatmul import qmatmul_triton  # noqa: E402
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
 MS = (1, 2, 3, 4, 8, 16, 32, 64)
-TILES = qint.TILED_TILES
 # The matrix-unit kernel's tiles swept (block_m, block_n, num_warps[, num_stages[, max_regs]])
 # and the rows of x each is timed at. At 16 rows: the register cap (3 or 4 programs a
 # multiprocessor); at 32 and 64: tiles whose sm_90 builds do not spill (32 x 128 and 64 x 128
@@ -156,12 +155,11 @@ def main(argv: list[str] | None = None) -> int:
                                                    base._replace(max_regs=regs), ceil))
             if (n, k) in swept and not args.smoke:  # the matrix-unit kernel's tiles
                 for tile, tile_ms in TILE_SWEEP:
-                    qint.TILED_TILES = ((1 << 62, tile),)
-                    for m in tile_ms:
-                        row = measure(run, case, "qint", m, None, ceil)
-                        row.update(mode="qint-tile", tile=list(tile), bits_equal_m1=None)
-                        out["rows"].append(row)
-                qint.TILED_TILES = TILES
+                    with qint.forced_tile(tile):
+                        for m in tile_ms:
+                            row = measure(run, case, "qint", m, None, ceil)
+                            row.update(mode="qint-tile", tile=list(tile), bits_equal_m1=None)
+                            out["rows"].append(row)
             print(f"{name} ({n},{k}) done, {run.left():.0f} s left", flush=True)
             del case
             if not args.smoke:

@@ -26,9 +26,19 @@ def report() -> dict:
 
 
 def test_every_kernel_builds_for_both_targets(report):
+    """Every spec builds for its targets: both, or its backend's (a config of one backend,
+    such as a tile candidate of the load-time tuner, names one build)."""
+    from kernels.aot import kernel_specs
+
     assert report, "no kernel compiled"
+    want: dict[str, set[str]] = {}
+    for spec in kernel_specs(quick=True):
+        want.setdefault(spec.name, set()).update(
+            t for t in TARGETS if spec.backend is None or t.startswith(spec.backend))
+    assert set(report) == set(want)
+    assert sum(len(t) == len(TARGETS) for t in want.values()) > len(want) // 2
     for name, targets in report.items():
-        assert set(targets) == set(TARGETS), name
+        assert set(targets) == want[name], name
         for target, info in targets.items():
             assert not info["problems"], (name, target, info.get("error"), info["problems"])
             binary = "hsaco" if target.startswith("hip") else "cubin"
@@ -43,9 +53,8 @@ def test_dots_lower_to_tensor_cores(report):
     for name, targets in report.items():
         if "merge" in name or "sum_splits" in name or "_fma_" in name:
             continue
-        hip, cuda = targets["hip:gfx1151"], targets["cuda:90"]
         if name.startswith("qint_") and not name.endswith("_tiled"):
-            assert hip["wmma"] == 0 and cuda["mma"] == 0, name
+            assert targets["hip:gfx1151"]["wmma"] == 0 and targets["cuda:90"]["mma"] == 0, name
             continue
         if name.startswith("qint_"):
             for target, info in targets.items():
@@ -56,15 +65,19 @@ def test_dots_lower_to_tensor_cores(report):
                 assert bool(f16) == ("Q4_K" in name), (name, target, info)
             continue
         dtype = "bf16" if name.startswith("qmatmul") else "f16"
+        hip, cuda = targets["hip:gfx1151"], targets["cuda:90"]
         assert hip["wmma"] > 0 and all(op.endswith(f"_{dtype}") for op in hip["ops"]), hip
         assert cuda["mma"] > 0 and all(f".{dtype}." in op for op in cuda["ops"]), cuda
 
 
 def test_qint_builds_spill_nothing(report):
-    """qint's kernels keep every value in registers on both targets (a spill goes through
-    local memory on every super-block), and the 16-row tile's sm_90 build stays within its
-    register cap (qint.TILED_MAX_REGS: 4 programs a multiprocessor instead of 3)."""
-    names = [name for name in report if name.startswith("qint_")]
+    """qint's kernels at their default configurations keep every value in registers on
+    both targets (a spill goes through local memory on every super-block), and the 16-row
+    tile's sm_90 build stays within its register cap (qint.TILED_MAX_REGS: 4 programs a
+    multiprocessor instead of 3). The load-time tuner's other candidates must build (the
+    tests above) and may spill: 32 x 128 and 64 x 128 on 4 warps do, and are timed."""
+    names = [name for name in report if name.startswith("qint_") and "_cand_" not in name]
+    assert any("_cand_" in name for name in report)
     assert "qint_Q4_K_tiled" in names and "qint_Q6_K_tiled" in names, names
     for name in names:
         hip, cuda = report[name]["hip:gfx1151"], report[name]["cuda:90"]

@@ -203,6 +203,37 @@ def test_two_parts_in_one_launch(interp, rng):
     check(tiled[:, n1:], x, g2, T.Q6_K)
 
 
+def parts_with_tile(tile: tuple, *args, **kwargs) -> torch.Tensor:
+    """qint_parts with every matrix-unit launch at `tile` (called in the interpreter's worker)."""
+    from kernels.qint import forced_tile, qint_parts, tiled_tile
+
+    with forced_tile(tile):
+        assert tiled_tile(args[0].shape[0], "cuda", Q6_K_A) == tile
+        return qint_parts(*args, **kwargs)
+
+
+def test_every_candidate_tile_gives_the_same_bits(interp, rng):
+    """The load-time tuner (engine/tile_tune.py) may take any tile of TILE_CANDIDATES: each
+    gives the default tile's bits, for both types and the fused q|k + v launch, at rows
+    that leave the last tile partly filled."""
+    from kernels.qint import TILE_CANDIDATES
+
+    k, n1, n2 = 512, 128, 40
+    b1, g2 = random_weight(T.Q4_K, n1, k, rng), random_weight(T.Q6_K, n2, k, rng)
+    parts = [(b1, int(T.Q4_K), n1), (repack_q6k(g2, k), Q6_K_A, n2)]
+    x = torch.from_numpy(rng.standard_normal((40, k), dtype=np.float32))
+    cfg = QIntConfig(16, 2)
+    tiles = dict.fromkeys(t for by_bound in TILE_CANDIDATES.values()
+                          for ts in by_bound.values() for t in ts)
+    for m in (12, 40):
+        want = interp.call("kernels.qint:qint_parts", x[:m], parts, k, cfg)
+        check(want[:, :n1], x[:m], b1, T.Q4_K)
+        check(want[:, n1:], x[:m], g2, T.Q6_K)
+        for tile in tiles:
+            got = interp.call("test_qint:parts_with_tile", tile, x[:m], parts, k, cfg)
+            assert torch.equal(got, want), (m, tile)
+
+
 def test_rejects_bad_input(interp, rng):
     blocks = random_weight(T.Q4_K, 8, 256, rng)
     with pytest.raises(InvalidRequest, match="no kernel"):

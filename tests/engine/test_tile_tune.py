@@ -1,0 +1,127 @@
+"""engine/tile_tune.py's choice of the q8 matrix-unit tiles, on a fake clock (the GPU
+measure itself runs in the device tests through every q8 load)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from engine.layout_tune import LinearShape
+from engine.tile_tune import TIE_MARGIN, TileChoice, apply_tiles, choose_tiles
+from kernels import qint
+from kernels.qint import Q6_K_A, TILE_BOUNDS, TILE_CANDIDATES, TUNED_TILES, tiled_tile
+
+Q4K, Q6K = int(T.Q4_K), int(T.Q6_K)
+SHAPES = [LinearShape(Q4K, 4096, 4096, 64), LinearShape(Q4K, 14336, 4096, 64),
+          LinearShape(Q6K, 4096, 14336, 16)]
+
+
+@pytest.fixture(autouse=True)
+def clean_tuned():
+    TUNED_TILES.clear()
+    yield
+    TUNED_TILES.clear()
+
+
+def fake(costs: dict, calls: list | None = None, fail: tuple | None = None):
+    """A TileMeasure: seconds = the tile's factor (1.0 unless in costs) x n x k x m / 1e15."""
+    def measure(tile, ggml_type, n, k, m):
+        if calls is not None:
+            calls.append((tile, ggml_type, n, k, m))
+        if tile == fail:
+            raise RuntimeError("out of shared memory")
+        return costs.get((ggml_type, tile), 1.0) * n * k * m / 1e15
+    return measure
+
+
+def test_the_fastest_candidate_wins_past_the_margin_and_the_default_on_a_near_tie():
+    cuda = TILE_CANDIDATES["cuda"]
+    fast16, near32 = cuda[16][1], cuda[32][1]
+    choice = choose_tiles(SHAPES, "cuda", fake({(Q4K, fast16): 0.8,
+                                                (Q4K, near32): 1 - TIE_MARGIN / 2}))
+    assert choice.tiles[int(T.Q4_K), 16] == fast16
+    assert choice.tiles[int(T.Q4_K), 32] == cuda[32][0]  # within the margin: the default
+    assert choice.tiles[Q6_K_A, 16] == cuda[16][0]  # a type's times are its own
+    # every (type, bound) timed, each candidate's ms the count-weighted sum of its shapes
+    assert set(choice.tiles) == {(t, b) for t in (int(T.Q4_K), Q6_K_A) for b in TILE_BOUNDS}
+    default_ms = choice.ms[int(T.Q4_K), 16][cuda[16][0]]
+    want = 1e3 * 64 * (4096 * 4096 + 14336 * 4096) * 16 / 1e15
+    assert default_ms == pytest.approx(want)
+    assert choice.ms[int(T.Q4_K), 16][fast16] == pytest.approx(0.8 * want)
+
+
+def test_each_bound_is_timed_at_its_rows_shape_by_shape():
+    calls: list = []
+    choose_tiles(SHAPES, "hip", fake({}, calls))
+    per_shape = sum(len(TILE_CANDIDATES["hip"][b]) for b in TILE_BOUNDS)
+    assert len(calls) == per_shape * len(SHAPES)
+    # a shape's calls are together (the GPU measure keeps one shape's weights at a time)
+    shapes = [(c[1], c[2], c[3]) for c in calls]
+    assert shapes == sorted(shapes, key=[(s.ggml_type, s.out_features, s.in_features)
+                                         for s in SHAPES].index)
+    assert {c[4] for c in calls} == {16, 32, 64, 512}
+
+
+def test_a_failing_candidate_is_left_out_and_recorded():
+    cuda = TILE_CANDIDATES["cuda"]
+    bad = cuda[64][1]
+    calls: list = []
+    choice = choose_tiles(SHAPES, "cuda", fake({(Q4K, bad): 0.1}, calls, fail=bad))
+    assert choice.tiles[int(T.Q4_K), 64] != bad and choice.ms[int(T.Q4_K), 64][bad] == math.inf
+    assert any("out of shared memory" in why for why in choice.errors.values())
+    # not timed again on the next shapes of its type and bound
+    assert sum(1 for c in calls if c[0] == bad and c[4] == 64 and c[1] == Q4K) == 1
+    # a failing default: the fastest that ran
+    default = cuda[16][0]
+    choice = choose_tiles(SHAPES, "cuda", fake({}, fail=default))
+    assert choice.tiles[int(T.Q4_K), 16] != default
+    assert choice.ms[int(T.Q4_K), 16][choice.tiles[int(T.Q4_K), 16]] < math.inf
+
+
+def test_applied_tiles_serve_the_launches_and_the_defaults_clear_them():
+    cuda = TILE_CANDIDATES["cuda"]
+    other = cuda[16][2]
+    apply_tiles(TileChoice("cuda", {(int(T.Q4_K), 16): other, (Q6_K_A, 16): cuda[16][0]}))
+    assert tiled_tile(9, "cuda", int(T.Q4_K)) == other
+    assert tiled_tile(16, "cuda", Q6_K_A) == cuda[16][0]
+    assert tiled_tile(17, "cuda", int(T.Q4_K)) == cuda[32][0]  # another bound
+    assert tiled_tile(9, "hip", int(T.Q4_K)) == TILE_CANDIDATES["hip"][16][0]
+    with qint.forced_tile(cuda[64][1]):
+        assert tiled_tile(9, "cuda", int(T.Q4_K)) == cuda[64][1]
+    apply_tiles(TileChoice("cuda", {(int(T.Q4_K), 16): cuda[16][0]}))
+    assert tiled_tile(9, "cuda", int(T.Q4_K)) == cuda[16][0] and not TUNED_TILES
+
+
+def test_the_record_names_types_bounds_and_tiles():
+    cuda = TILE_CANDIDATES["cuda"]
+    choice = choose_tiles(SHAPES, "cuda", fake({(Q6K, cuda[16][1]): 0.5}))
+    record = choice.as_dict()
+    assert record["backend"] == "cuda" and not record["errors"]
+    assert record["tiles"]["Q6_K rows <= 16"] == "16x64 on 4 warps"
+    assert record["tiles"]["Q4_K rows <= 16"] == "16x64 on 4 warps, <= 120 registers"
+    assert set(record["ms"]["Q4_K rows more"]) == {"64x128 on 4 warps", "64x64 on 8 warps",
+                                                   "32x64 on 4 warps"}
+    hip = choose_tiles(SHAPES, "hip", fake({})).as_dict()
+    assert hip["tiles"]["Q4_K rows <= 16"] == "16x32 on 4 warps, 1 stage"
+
+
+@pytest.mark.gpu
+def test_every_candidate_builds_and_runs_on_the_gpu():
+    """The real measure: every candidate of every bound times (finite, no error) on small
+    Q4_K and Q6_K shapes, and the choice is applied."""
+    import torch
+
+    from engine.tile_tune import gpu_tile_measure
+
+    device = torch.device("cuda")
+    backend = "hip" if torch.version.hip else "cuda"
+    shapes = [LinearShape(Q4K, 256, 512, 2), LinearShape(Q6K, 128, 512, 1)]
+    choice = choose_tiles(shapes, backend, gpu_tile_measure(device))
+    assert not choice.errors, choice.errors
+    for times in choice.ms.values():
+        assert all(0 < ms < math.inf for ms in times.values()), times
+    apply_tiles(choice)
+    for (held, bound), tile in choice.tiles.items():
+        assert tiled_tile(bound if bound < 1 << 62 else 512, backend, held) == tile
