@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
@@ -125,7 +126,7 @@ TILE_CANDIDATES: dict[str, dict[int, tuple[tuple, ...]]] = {
 }
 # (backend, held type, row bound) -> the tile measured fastest on this process's device
 TUNED_TILES: dict[tuple[str, int, int], tuple] = {}
-_FORCED: list[tuple] = []  # forced_tile's stack
+_FORCED = threading.local()  # forced_tile's stack, per thread (a tuner beside a server)
 
 
 class QIntConfig(NamedTuple):
@@ -686,20 +687,24 @@ def tile_bound(m: int) -> int:
 def tiled_tile(m: int, backend: str = "cuda", qtype: int = Q4_K) -> tuple:
     """The matrix-unit kernel's (block_m, block_n, num_warps[, num_stages[, max_regs]]) for
     m rows of x and weights of `qtype` (as held: Q4_K or Q6_K_A)."""
-    if _FORCED:
-        return _FORCED[-1]
+    forced = getattr(_FORCED, "stack", None)
+    if forced:
+        return forced[-1]
     bound = tile_bound(m)
     return TUNED_TILES.get((backend, int(qtype), bound)) or TILE_CANDIDATES[backend][bound][0]
 
 
 @contextlib.contextmanager
 def forced_tile(tile: tuple) -> Iterator[None]:
-    """Every matrix-unit launch inside takes `tile` (timing candidates: the tuner, benches)."""
-    _FORCED.append(tuple(tile))
+    """Every matrix-unit launch of this thread inside takes `tile` (timing candidates: the
+    tuner, benches; other threads' launches keep theirs)."""
+    if not hasattr(_FORCED, "stack"):
+        _FORCED.stack = []
+    _FORCED.stack.append(tuple(tile))
     try:
         yield
     finally:
-        _FORCED.pop()
+        _FORCED.stack.pop()
 
 
 def x_masks(block_m: int, backend: str) -> bool:

@@ -4,6 +4,7 @@ measure itself runs in the device tests through every q8 load)."""
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 from gguf import GGMLQuantizationType as T
@@ -90,6 +91,11 @@ def test_applied_tiles_serve_the_launches_and_the_defaults_clear_them():
     assert tiled_tile(9, "hip", int(T.Q4_K)) == TILE_CANDIDATES["hip"][16][0]
     with qint.forced_tile(cuda[64][1]):
         assert tiled_tile(9, "cuda", int(T.Q4_K)) == cuda[64][1]
+        seen = []  # another thread (a model serving while one is tuned) keeps its tiles
+        worker = threading.Thread(target=lambda: seen.append(tiled_tile(9, "cuda", int(T.Q4_K))))
+        worker.start()
+        worker.join()
+        assert seen == [other]
     apply_tiles(TileChoice("cuda", {(int(T.Q4_K), 16): cuda[16][0]}))
     assert tiled_tile(9, "cuda", int(T.Q4_K)) == cuda[16][0] and not TUNED_TILES
 
