@@ -261,8 +261,15 @@ class Engine:
                 if not self._running:
                     break
                 if self.core.has_work():
-                    self._deliver(self.core.step())
-                    self._refresh_stats()
+                    chunks = self.core.step()
+                    if any(c.finish_reason is not None for c in chunks):
+                        # before the last chunks go out: a caller that has its request's
+                        # end then reads stats without it
+                        self._refresh_stats()
+                        self._deliver(chunks)
+                    else:
+                        self._deliver(chunks)
+                        self._refresh_stats()
         except BaseException as exc:  # a bug in a step: fail every caller, loudly
             log.exception("engine '%s' loop crashed", self.name)
             self.error = exc

@@ -161,3 +161,27 @@ def test_stream_timeout_and_stop_errors():
     engine.stop()
     with pytest.raises(EngineError):
         next(engine.stream(req("u", prompt_of(7, 4), greedy(4))))
+
+
+def test_stats_drop_a_request_before_its_last_chunk_goes_out(monkeypatch):
+    """A caller that has read its request's last chunk reads stats without the request:
+    the loop refreshes them before it delivers a step that finishes one (here the refresh
+    is slowed down, so reading stats between delivery and refresh would see the request)."""
+    core, _ = make_core(max_sessions=4, prefill_chunk=64)
+    engine = Engine(core, "fake").start()
+    refresh = Engine._refresh_stats
+
+    def slow_refresh(self) -> None:
+        time.sleep(0.05)
+        refresh(self)
+
+    monkeypatch.setattr(Engine, "_refresh_stats", slow_refresh)
+    try:
+        for i in range(3):
+            chunks = list(engine.stream(req(f"r{i}", prompt_of(40 + i, 5), greedy(3)),
+                                        timeout=30))
+            assert chunks[-1].finish_reason == "length"
+            stats = engine.stats()
+            assert not stats.sessions and stats.num_waiting == 0, stats
+    finally:
+        engine.stop()
