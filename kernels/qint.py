@@ -114,12 +114,15 @@ Q4K_NARROW_M = 2
 MAX_SPLIT = 8
 HIP_TILED_TILE = (16, 32, 4, 1)
 _CAPPED_16 = (16, 64, 4, None, TILED_MAX_REGS)
+# 32 x 64 on 4 warps: Q4_K's sm_90 build takes 181 registers (2 programs a multiprocessor),
+# capped at 168 without spills (3); Q6_K's 145 uncapped (capped: 168 and 32 stack bytes)
+_CAPPED_32 = (32, 64, 4, None, 168)
 # backend -> row bound -> the tiles engine/tile_tune.py times, the default first
 TILE_CANDIDATES: dict[str, dict[int, tuple[tuple, ...]]] = {
     "cuda": {16: (_CAPPED_16, (16, 64, 4), (16, 32, 4)),
-             32: ((32, 128, 4), (32, 64, 4), _CAPPED_16),
-             64: ((64, 128, 4), (64, 64, 8), (32, 64, 4), _CAPPED_16),
-             1 << 62: ((64, 128, 4), (64, 64, 8), (32, 64, 4))},
+             32: ((32, 128, 4), (32, 64, 4), _CAPPED_32, _CAPPED_16),
+             64: ((64, 128, 4), (64, 64, 8), (32, 64, 4), _CAPPED_32, _CAPPED_16),
+             1 << 62: ((64, 128, 4), (64, 64, 8), (32, 64, 4), _CAPPED_32)},
     "hip": {16: (HIP_TILED_TILE, (16, 64, 4, 1)),
             **{bound: (HIP_TILED_TILE, (16, 64, 4, 1), (32, 32, 4, 1))
                for bound in TILE_BOUNDS[1:]}},
