@@ -99,8 +99,9 @@ TILE_BOUNDS = (16, 32, 64, 1 << 62)
 # gfx1151 (256 VGPRs a lane): the CUDA-core kernel with 32 rows a program builds without
 # spills (64 spill 30-85 VGPRs); the int8 matrix-unit one builds without spills for both
 # types at 16 x 32, 16 x 64 and 32 x 32 with one stage (32 x 64: 21 / 76 VGPRs spilled,
-# 64 x 64: 102 / 146; the f16 kernel before it spilled 29-267 at 16 x 32): tiles to be
-# tuned on the box, where prefill's many rows would rather take the larger ones.
+# 64 x 64: 102 / 146; the f16 kernel before it spilled 29-267 at 16 x 32): the load-time
+# tuner (engine/tile_tune.py) times those on the box, where prefill's many rows would
+# rather take the larger ones.
 HIP_BLOCK_N = 32
 # From this many weight rows the CUDA-core kernel takes 128 rows a program: 10-20% faster
 # on the H200 at 14336 x 4096 (bench/RESULTS.md, 2026-11-30). Q4_K at up to
