@@ -93,6 +93,25 @@ def prompts_for(n: int) -> list[list[int]]:
             for k in torch.randint(3, 90, (n,), generator=gen)]
 
 
+def test_q8_load_tunes_its_tiles(tiny):
+    """A q8 load times the matrix-unit tiles on the model's Q4_K and Q6_K shapes
+    (engine/tile_tune.py): a candidate for every type and row bound, none failed, and the
+    launches take the choice; with tune_tiles off nothing is timed."""
+    from dataclasses import replace
+
+    from kernels.qint import Q6_K_A, TILE_BOUNDS, TILE_CANDIDATES, tiled_tile
+
+    loaded = load_for(tiny, opts("cuda", "q8", True))
+    choice = loaded.tile_choice
+    assert choice is not None and not choice.errors, choice
+    assert set(choice.tiles) == {(t, b) for t in (int(T.Q4_K), Q6_K_A) for b in TILE_BOUNDS}
+    for (held, bound), tile in choice.tiles.items():
+        assert tile in TILE_CANDIDATES[choice.backend][bound]
+        assert tiled_tile(min(bound, 512), choice.backend, held) == tile
+    assert load_for(tiny, replace(opts("cuda", "q8", True), tune_tiles=False)).tile_choice \
+        is None
+
+
 @pytest.mark.parametrize("weights", ["ggml", "q8", "bf16"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_gpu_greedy_tokens_match_cpu(tiny, weights, graphs):
