@@ -262,13 +262,13 @@ class Engine:
                     break
                 if self.core.has_work():
                     chunks = self.core.step()
-                    if any(c.finish_reason is not None for c in chunks):
-                        # before the last chunks go out: a caller that has its request's
-                        # end then reads stats without it
+                    # a step that ends a request refreshes stats before its chunks go out:
+                    # a caller that has its request's end then reads stats without it
+                    ends = any(c.finish_reason is not None for c in chunks)
+                    if ends:
                         self._refresh_stats()
-                        self._deliver(chunks)
-                    else:
-                        self._deliver(chunks)
+                    self._deliver(chunks)
+                    if not ends:
                         self._refresh_stats()
         except BaseException as exc:  # a bug in a step: fail every caller, loudly
             log.exception("engine '%s' loop crashed", self.name)

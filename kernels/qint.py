@@ -717,14 +717,19 @@ def x_masks(block_m: int, backend: str) -> bool:
     return block_m <= 32 and backend != "hip"
 
 
-def tile_options(tile: tuple[int, ...], backend: str) -> dict[str, int]:
-    """A tile's compile options past its first three fields: num_stages, and maxnreg (a
-    register cap per thread, NVIDIA's only: HIP's compiler has no such option)."""
-    stages, regs = (*tile[3:], None, None)[:2]
-    out = {} if stages is None else {"num_stages": stages}
-    if regs is not None and backend == "cuda":
-        out["maxnreg"] = regs
+def compile_options(num_stages: int | None, max_regs: int | None,
+                    backend: str) -> dict[str, int]:
+    """Launch options: num_stages where set, and maxnreg (a register cap per thread,
+    NVIDIA's only: HIP's compiler has no such option)."""
+    out = {} if num_stages is None else {"num_stages": num_stages}
+    if max_regs is not None and backend == "cuda":
+        out["maxnreg"] = max_regs
     return out
+
+
+def tile_options(tile: tuple[int, ...], backend: str) -> dict[str, int]:
+    """compile_options of a tile's fields past its first three (num_stages, max_regs)."""
+    return compile_options(*(*tile[3:], None, None)[:2], backend)
 
 
 @functools.lru_cache(maxsize=16)
@@ -844,7 +849,7 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
     n = sum(p[2] for p in parts)
     blocks2, type2, _ = parts[1] if len(parts) == 2 else (blocks, 0, 0)
     y = torch.empty(m, n, dtype=torch.float32, device=device)
-    stages = tile_options((0, 0, 0, cfg.num_stages, cfg.max_regs), backend)
+    stages = compile_options(cfg.num_stages, cfg.max_regs, backend)
     if gemv:
         grid = (-(-n // cfg.block_n), cfg.split)
         kernel, extra = _qint_gemv_kernel, {"BLOCK_M": next_pow2(m), "BLOCK_N": cfg.block_n,
