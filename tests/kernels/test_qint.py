@@ -268,6 +268,36 @@ def test_gpu_kernels_at_llama_shapes(rng, qtype):
         assert all(torch.equal(ys[1][0], y[0]) for y in ys.values())
 
 
+@pytest.mark.gpu
+def test_gpu_every_candidate_tile_gives_the_same_bits(rng):
+    """On the GPU, whose builds take the PTX paths the interpreter never runs (packed code
+    words, the prescaled Q4_K operands): every tile of the device's TILE_CANDIDATES gives
+    the default tile's bits, each type alone and the fused q|k + v launch, at rows that
+    leave the last tile partly filled; the default within 2^-16 of the definition."""
+    if not torch.cuda.is_available():
+        pytest.fail("no GPU: run the gpu tests on the device")
+    from kernels.qint import TILE_CANDIDATES, forced_tile, qint_parts
+
+    backend = "hip" if torch.version.hip else "cuda"
+    k, n1, n2 = 4096, 1024, 512
+    b1, g2 = random_weight(T.Q4_K, n1, k, rng), random_weight(T.Q6_K, n2, k, rng)
+    parts = [(b1.cuda(), int(T.Q4_K), n1), (repack_q6k(g2, k).cuda(), Q6_K_A, n2)]
+    x = torch.from_numpy(rng.standard_normal((72, k), dtype=np.float32))
+    tiles = dict.fromkeys(t for ts in TILE_CANDIDATES[backend].values() for t in ts)
+    for m in (9, 16, 40, 72):
+        xm = x[:m].cuda()
+        want = [qint_parts(xm, parts, k).cpu(), qint_parts(xm, parts[:1], k).cpu(),
+                qint_parts(xm, parts[1:], k).cpu()]
+        check(want[1], x[:m], b1, T.Q4_K)
+        check(want[2], x[:m], g2, T.Q6_K)
+        for tile in tiles:
+            with forced_tile(tile):
+                got = [qint_parts(xm, parts, k).cpu(), qint_parts(xm, parts[:1], k).cpu(),
+                       qint_parts(xm, parts[1:], k).cpu()]
+            for g, w in zip(got, want, strict=True):
+                assert torch.equal(g, w), (m, tile)
+
+
 def interp_free(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int, k: int):
     from kernels.qint import qint_triton
 
