@@ -81,9 +81,9 @@ GEMV_MAX_M = 4  # rows up to which Q4_K (and a launch of two types) runs on the 
 # rows from 65 to 46 us). The bits are the same on both paths.
 GEMV_MAX_M_OF = {Q6_K_A: 8}
 # The matrix-unit kernel's tiles, (block_m, block_n, num_warps[, num_stages[, max_regs[,
-# prescaled]]]), by rows of x: the first bound of TILE_BOUNDS that holds picks the tile, the tuned one
-# (TUNED_TILES, set at load by engine/tile_tune.py from measured times of the candidates)
-# or else the first candidate. The sums are exact, so the tile may depend on M and on
+# prescaled]]]), by rows of x: the first bound of TILE_BOUNDS that holds picks the tile,
+# the tuned one (TUNED_TILES, set at load by engine/tile_tune.py from measured times of the
+# candidates) or else the first candidate. The sums are exact, so the tile may depend on M and on
 # measurements without changing a bit.
 # Swept on the H200 (int8 kernel, Q4_K 14336 x 4096 and 4096 x 14336, Q6_K 4096 x 14336):
 # 16 x 64 best at 16 rows; 32 x 128 at 32 (43 / 39 / 60 us against 46 / 51 / 67 at

@@ -43,8 +43,8 @@ SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 409
 MS = (1, 2, 3, 4, 8, 16, 32, 64)
 # The matrix-unit kernel's tiles swept (block_m, block_n, num_warps[, num_stages[, max_regs[,
 # prescaled]]]) and the rows of x each is timed at (prescaled: Q4_K's scales inside the weight
-# operand, qint._mm_q4k_prescaled; the same kernel as without for Q6_K). At 16 rows: the register cap (3 or 4 programs a
-# multiprocessor); at 32 and 64: tiles whose sm_90 builds do not spill (32 x 128 and 64 x 128
+# operand, qint._mm_q4k_prescaled; the same kernel as without for Q6_K). At 16 rows: the
+# register cap (3 or 4 programs a multiprocessor); at 32 and 64: tiles whose sm_90 builds do not spill (32 x 128 and 64 x 128
 # on 4 warps take 254-255 registers and spill 24-840 bytes a thread).
 TILE_SWEEP = (((16, 64, 4), (16,)), ((16, 64, 4, None, 128), (16,)),
               ((16, 64, 4, 2, None, 1), (16, 32)), ((16, 64, 4, 3, None, 1), (16,)),
@@ -124,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter)")
     ap.add_argument("--sweep-shapes", default="4096x4096,14336x4096",
                     help="shapes swept at M = 1 (NxK, comma separated)")
+    ap.add_argument("--tile-sweep", action=argparse.BooleanOptionalAction, default=True,
+                    help="time TILE_SWEEP's matrix-unit tiles on the swept shapes")
+    ap.add_argument("--splits", default="",
+                    help="also time the matrix-unit kernel at 16 and 32 rows with these K "
+                         "splits (e.g. 1,2,4,8) on the swept shapes: the split's own cost")
     ap.add_argument("--tiles-only", action="store_true",
                     help="sweep the matrix-unit kernel's tiles only (not the CUDA-core configs)")
     args = ap.parse_args(argv)
@@ -157,7 +162,13 @@ def main(argv: list[str] | None = None) -> int:
                     for m in (3, 4):
                         out["rows"].append(measure(run, case, "qint", m,
                                                    base._replace(max_regs=regs), ceil))
-            if (n, k) in swept and not args.smoke:  # the matrix-unit kernel's tiles
+            for split in (int(v) for v in args.splits.split(",") if v):
+                if (n, k) in swept and (k // 256) % split == 0:
+                    for m in (16, 32):
+                        row = measure(run, case, "qint", m, QIntConfig(64, split), ceil)
+                        row.update(mode="qint-split")
+                        out["rows"].append(row)
+            if (n, k) in swept and not args.smoke and args.tile_sweep:  # matrix-unit tiles
                 for tile, tile_ms in TILE_SWEEP:
                     with qint.forced_tile(tile):
                         for m in tile_ms:
