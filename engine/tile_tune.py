@@ -44,12 +44,13 @@ TileMeasure = Callable[[tuple, int, int, int, int], float]
 
 def _tile_name(tile: tuple) -> str:
     """(16, 64, 4, None, 120) -> '16x64 on 4 warps, <= 120 registers' (a sixth field set:
-    ', prescaled')."""
-    bm, bn, warps, stages, regs, scaled = (*tile, None, None, None)[:6]
+    ', whole K a program')."""
+    bm, bn, warps, stages, regs, whole = (*tile, None, None, None)[:6]
     name = f"{bm}x{bn} on {warps} warps"
     if stages:
         name += f", {stages} stage{'s' * (stages > 1)}"
-    return name + (f", <= {regs} registers" if regs else "") + (", prescaled" if scaled else "")
+    name += f", <= {regs} registers" if regs else ""
+    return name + (", whole K a program" if whole else "")
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,7 @@ class TileChoice:
 def choose_tiles(shapes: list[LinearShape], backend: str, measure: TileMeasure) -> TileChoice:
     """The fastest candidate per (type, row bound) over `shapes` (the q8 types' linears),
     timed by `measure`; see the module docstring."""
-    from kernels.qint import ACT8_STORED, TILE_BOUNDS, TILE_CANDIDATES, prescaled
-    from kernels.qtiles import Q4_K
+    from kernels.qint import ACT8_STORED, TILE_BOUNDS, TILE_CANDIDATES
 
     candidates = TILE_CANDIDATES[backend]
     totals: dict[tuple[int, int], dict[tuple, float]] = {}
@@ -91,8 +91,6 @@ def choose_tiles(shapes: list[LinearShape], backend: str, measure: TileMeasure) 
         held = ACT8_STORED[s.ggml_type]
         for bound in TILE_BOUNDS:
             for tile in candidates[bound]:
-                if prescaled(tile) and held != Q4_K:
-                    continue  # the same Q6_K kernel as the tile without the flag
                 times = totals.setdefault((held, bound), {})
                 if times.get(tile) == math.inf:
                     continue  # failed on an earlier shape

@@ -59,7 +59,7 @@ from kernels.triton_util import HAS_TRITON, await_inputs, helper, launcher, next
 
 __all__ = ["ACT8_STORED", "Q6_K_A", "QINT_TYPES", "QIntConfig", "default_qint_config",
            "TILE_BOUNDS", "TILE_CANDIDATES", "TUNED_TILES", "forced_tile", "tile_bound",
-           "prescaled", "tile_options", "tiled_tile",
+           "tile_options", "tiled_tile", "whole_k",
            "QuantX", "dequantized_x_reference", "empty_quant_x", "qint_parts", "sums_dtype",
            "qint_reference", "qint_triton", "quant_x_reference", "quantize_x",
            "quantize_x_reference", "repack_q6k", "row_bytes", "unpack_q6k"]
@@ -81,7 +81,7 @@ GEMV_MAX_M = 4  # rows up to which Q4_K (and a launch of two types) runs on the 
 # rows from 65 to 46 us). The bits are the same on both paths.
 GEMV_MAX_M_OF = {Q6_K_A: 8}
 # The matrix-unit kernel's tiles, (block_m, block_n, num_warps[, num_stages[, max_regs[,
-# prescaled]]]), by rows of x: the first bound of TILE_BOUNDS that holds picks the tile,
+# whole K]]]), by rows of x: the first bound of TILE_BOUNDS that holds picks the tile,
 # the tuned one (TUNED_TILES, set at load by engine/tile_tune.py from measured times of the
 # candidates) or else the first candidate. The sums are exact, so the tile may depend on M and on
 # measurements without changing a bit.
@@ -93,7 +93,9 @@ GEMV_MAX_M_OF = {Q6_K_A: 8}
 # the sm_90 build takes 133 (Q4_K) / 136 (Q6_K), so 3 programs of 4 warps fit a
 # multiprocessor's 64K registers; at 120 (no spills, 4% more instructions a super-block in
 # SASS) 4 fit. The 32 x 128 and 64 x 128 tiles on 4 warps spill in their sm_90 builds (24-840
-# bytes a thread); 32 x 64 on 4 warps and 64 x 64 on 8 do not: candidates beside them.
+# bytes a thread); 32 x 64 on 4 warps does not: a candidate beside them (64 x 64 on 8 warps,
+# also spill-free, measured 1.4-1.7x slower at 64 rows and more, 2026-12-01, is not; nor 16
+# x 32, 1.4x slower at 16).
 TILED_MAX_REGS = 120
 TILE_BOUNDS = (16, 32, 64, 1 << 62)
 # gfx1151 (256 VGPRs a lane): the CUDA-core kernel with 32 rows a program builds without
@@ -118,21 +120,22 @@ _CAPPED_16 = (16, 64, 4, None, TILED_MAX_REGS)
 # 32 x 64 on 4 warps: Q4_K's sm_90 build takes 181 registers (2 programs a multiprocessor),
 # capped at 168 without spills (3); Q6_K's 145 uncapped (capped: 168 and 32 stack bytes)
 _CAPPED_32 = (32, 64, 4, None, 168)
-# Q4_K with its scales inside the weight operand (_mm_q4k_prescaled: 2 waits for the matrix
-# unit a super-block, not 8), on 2 stages: the codes, read twice, and the operands pass
-# through shared memory (sm_90: 58 KB a program on 2 stages, 80 KB on 3; 155 registers, 128
-# capped, no spills). The flag means nothing to Q6_K (the tuner times it on Q4_K only). Not
-# a HIP candidate: its gfx1151 builds (byte by byte, no packed words) spill 93 VGPRs at
-# 16 x 32, 221 at 16 x 64.
-_PRESCALED_16 = (16, 64, 4, 2, None, 1)
-_PRESCALED_16_CAPPED = (16, 64, 4, 2, 128, 1)
+# A sixth field set ("whole K"): a launch whose tiles alone give every compute unit a program
+# runs each tile's K splits in one program (the same bits: the program adds its splits'
+# sums in split order as the last program of a tile would), else only from 4 programs a
+# compute unit (qint._launch). H200, Q4_K at 16 rows (bench/RESULTS.md, 2026-12-01):
+# 14336 x 4096, 224 tiles, 25.0 us in one program a tile against 28.7 in 4 splits; 4096 x
+# 4096 (64 tiles) 17.3 against 14.2 in 8. A host-side choice: no build of its own.
+_CAPPED_16_WHOLE = (*_CAPPED_16, 1)
+_CAPPED_32_WHOLE = (*_CAPPED_32, 1)
 # backend -> row bound -> the tiles engine/tile_tune.py times, the default first
 TILE_CANDIDATES: dict[str, dict[int, tuple[tuple, ...]]] = {
-    "cuda": {16: (_CAPPED_16, (16, 64, 4), (16, 32, 4), _PRESCALED_16, _PRESCALED_16_CAPPED),
-             32: ((32, 128, 4), (32, 64, 4), _CAPPED_32, _CAPPED_16, _PRESCALED_16),
-             64: ((64, 128, 4), (64, 64, 8), (32, 64, 4), _CAPPED_32, _CAPPED_16),
-             1 << 62: ((64, 128, 4), (64, 64, 8), (32, 64, 4), _CAPPED_32)},
-    "hip": {16: (HIP_TILED_TILE, (16, 64, 4, 1)),
+    "cuda": {16: (_CAPPED_16, _CAPPED_16_WHOLE, (16, 64, 4)),
+             32: ((32, 128, 4), (32, 128, 4, None, None, 1), (32, 64, 4), _CAPPED_32,
+                  _CAPPED_16),
+             64: ((64, 128, 4), (32, 64, 4), _CAPPED_32, _CAPPED_32_WHOLE, _CAPPED_16),
+             1 << 62: ((64, 128, 4), (32, 64, 4), _CAPPED_32)},
+    "hip": {16: (HIP_TILED_TILE, (*HIP_TILED_TILE, None, 1), (16, 64, 4, 1)),
             **{bound: (HIP_TILED_TILE, (16, 64, 4, 1), (32, 32, 4, 1))
                for bound in TILE_BOUNDS[1:]}},
 }
@@ -596,42 +599,6 @@ if HAS_TRITON:
         return _q4k_add(acc, isum, w0, w2, w3, sb, dx_ptr, bs_ptr, K, rx, DOT_F64)
 
     @helper
-    def _scaled_nibbles(byte, shift, f, PTX: tl.constexpr):
-        """u8 code bytes (BN, C), nibble shifts (0 or 4) and factors (0..7), both int32 and
-        equal within each 4-aligned run of 4 columns -> (nibble * factor) as int8 (<= 105):
-        with PTX four at a time (one shift, and, multiply per word: no carry between
-        bytes)."""
-        if PTX:
-            out = tl.inline_asm_elementwise(
-                "{ .reg .b32 t; shr.b32 t, $1, $6; and.b32 t, t, 0x0F0F0F0F; "
-                "mul.lo.u32 $0, t, $2; }", "=r,r,r,r,r,r,r,r,r,r", [byte, f, shift],
-                dtype=tl.int8, is_pure=True, pack=4)
-        else:
-            out = (((byte.to(tl.int32) >> shift) & 15) * f).to(tl.int8)
-        return out
-
-    @helper
-    def _mm_q4k_prescaled(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, rx,
-                          DOT_F64: tl.constexpr, PTX: tl.constexpr):
-        """_mm_q4k's sums with the scales inside the weight operand: a sub-block's 6-bit
-        scale is 8 h + l (h, l in 0..7), so codes (0..15) times l and times h are int8
-        (<= 105) and isum = dot(codes l, x) + 8 dot(codes h, x): two 256-column int8 dots a
-        super-block (one wait each) instead of eight 32-column ones (a wait after each)."""
-        blk = row_off + sb * 144
-        w0, w1, w2, w3 = _k4_head(w_ptr, blk)
-        k = tl.arange(0, 256)[None, :]
-        s = (k // 32).to(tl.uint32)  # the sub-block of column k
-        # column k: nibble s % 2 of byte 32 (s // 2) + k % 32 (each byte read twice)
-        byte = _stream((w_ptr + blk + 16)[:, None] + (32 * (s // 2) + k % 32))
-        shift = (4 * (s % 2)).to(tl.int32)
-        sc = _k4_six(w1, w3, s, 0)  # (BN, 256)
-        x = _keep(q_ptr + rx.to(tl.int64)[None, :] * K + sb * 256
-                  + tl.arange(0, 256)[:, None])
-        lo = tl.dot(_scaled_nibbles(byte, shift, sc & 7, PTX), x, out_dtype=tl.int32)
-        hi = tl.dot(_scaled_nibbles(byte, shift, sc >> 3, PTX), x, out_dtype=tl.int32)
-        return _q4k_add(acc, lo + (hi << 3), w0, w2, w3, sb, dx_ptr, bs_ptr, K, rx, DOT_F64)
-
-    @helper
     def _mm_q6k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, rx, PTX: tl.constexpr,
                 MASKED_LOADS: tl.constexpr):
         """The tiled kernel's super-block step for Q6_K: acc (BN, BM) + the same sums as
@@ -678,7 +645,7 @@ if HAS_TRITON:
     def _mm_splits(w_ptr, row_off, rm, q_ptr, dx_ptr, bs_ptr, M, K, sb_per_split,
                    splits_per_program, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_F64: tl.constexpr, PTX: tl.constexpr,
-                   PDL: tl.constexpr, X_MASKS: tl.constexpr, PRESCALE: tl.constexpr):
+                   PDL: tl.constexpr, X_MASKS: tl.constexpr):
         """_qint_mm_kernel's sum (BLOCK_N, BLOCK_M) over its program's splits, of the QTYPE
         rows at row_off (BLOCK_N,) and x's rows rm (BLOCK_M,)."""
         total = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
@@ -688,10 +655,7 @@ if HAS_TRITON:
             acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # each split starts at 0
             sb0 = (tl.program_id(2) * splits_per_program + v) * sb_per_split
             for i in range(0, sb_per_split):
-                if QTYPE == 12 and PRESCALE:
-                    acc = _mm_q4k_prescaled(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr,
-                                            bs_ptr, K, rx, DOT_F64, PTX)
-                elif QTYPE == 12:  # Q4_K
+                if QTYPE == 12:  # Q4_K
                     acc = _mm_q4k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rx,
                                   DOT_F64, PTX)
                 else:
@@ -707,7 +671,6 @@ if HAS_TRITON:
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_F64: tl.constexpr = False, PTX: tl.constexpr = False, PDL: tl.constexpr = False,
         X_MASKS: tl.constexpr = False, QTYPE2: tl.constexpr = 0,
-        PRESCALE: tl.constexpr = False,
     ):
         """The tiled path (many rows of x): grid (M tiles, N tiles, nsplit), else as
         _qint_gemv_kernel, with the same bits (QTYPE2: its second part). A program sums
@@ -726,12 +689,12 @@ if HAS_TRITON:
             row_off = tl.where(rn < N, rn - n1, 0).to(tl.int64) * row_bytes2  # past N: row 0
             acc = _mm_splits(w2_ptr, row_off, rm, q_ptr, dx_ptr, bs_ptr, M, K, sb_per_split,
                              splits_per_program, QTYPE2, BLOCK_M, BLOCK_N, DOT_F64, PTX, PDL,
-                             X_MASKS, PRESCALE)
+                             X_MASKS)
         else:
             row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
             acc = _mm_splits(w_ptr, row_off, rm, q_ptr, dx_ptr, bs_ptr, M, K, sb_per_split,
                              splits_per_program, QTYPE, BLOCK_M, BLOCK_N, DOT_F64, PTX, PDL,
-                             X_MASKS, PRESCALE)
+                             X_MASKS)
         offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
         finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_m * tl.num_programs(1) + pid_n,
                       tl.program_id(2), nsplit, M, N, offs,
@@ -745,7 +708,7 @@ def tile_bound(m: int) -> int:
 
 def tiled_tile(m: int, backend: str = "cuda", qtype: int = Q4_K) -> tuple:
     """The matrix-unit kernel's (block_m, block_n, num_warps[, num_stages[, max_regs[,
-    prescaled]]]) for m rows of x and weights of `qtype` (as held: Q4_K or Q6_K_A)."""
+    whole K]]]) for m rows of x and weights of `qtype` (as held: Q4_K or Q6_K_A)."""
     forced = getattr(_FORCED, "stack", None)
     if forced:
         return forced[-1]
@@ -787,8 +750,9 @@ def tile_options(tile: tuple[int, ...], backend: str) -> dict[str, int]:
     return compile_options(*(*tile[3:5], None, None)[:2], backend)
 
 
-def prescaled(tile: tuple) -> bool:
-    """Whether a tile runs Q4_K with its scales inside the weight operand (PRESCALE)."""
+def whole_k(tile: tuple) -> bool:
+    """Whether a tile runs a tile's K splits in one program from one program a compute unit
+    (its sixth field; see _CAPPED_16_WHOLE)."""
     return len(tile) > 5 and bool(tile[5])
 
 
@@ -922,12 +886,11 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
         tiles = -(-m // bm) * -(-n // bn)
         # the splits as programs of their own (partials) only while the tiles alone would
         # leave compute units idle: no (split, M, N) buffer for prefill-sized M
-        per_program = 1 if tiles < 4 * sms else cfg.split
+        per_program = 1 if tiles < (1 if whole_k(tile) else 4) * sms else cfg.split
         grid = (-(-m // bm), -(-n // bn), cfg.split // per_program)
         kernel, extra = _qint_mm_kernel, {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps,
                                           "DOT_F64": device.type == "cpu",
                                           "X_MASKS": x_masks(bm, backend),
-                                          "PRESCALE": prescaled(tile),
                                           **tile_options(tile, backend)}
         # splits a program sums itself, then the second part (or the first again)
         own = (cfg.split // grid[-1], blocks2, n1, blocks2.shape[1])
@@ -954,7 +917,7 @@ def _tiled_spec(spec: type, name: str, sig: dict, divisible: tuple, qtype: int, 
     opts = tile_options(tile, backend)
     consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": bn, "DOT_F64": False,
               "PTX": backend == "cuda", "PDL": backend == "cuda", "X_MASKS": x_masks(bm, backend),
-              "QTYPE2": qtype2, "PRESCALE": prescaled(tile)}
+              "QTYPE2": qtype2}
     return spec(name, _qint_mm_kernel,
                 {**sig, "splits_per_program": "i32", "w2_ptr": "*u8", "n1": "i32",
                  "row_bytes2": "i32", **{k: "constexpr" for k in consts}},
@@ -1002,14 +965,13 @@ def aot_specs(spec: type) -> list:
             default = TILE_CANDIDATES[backend][TILE_BOUNDS[0]][0]
             # the 16-row default (alone, and Q4_K's q|k with Q6_K's v in one launch), then
             # every other candidate the load-time tuner may take
-            tiles = dict.fromkeys(t for ts in TILE_CANDIDATES[backend].values() for t in ts)
+            tiles = dict.fromkeys(t[:5] for ts in TILE_CANDIDATES[backend].values()
+                                  for t in ts)  # whole K builds nothing of its own
             for tile in tiles:
-                if prescaled(tile) and qtype != Q4_K:
-                    continue  # the flag changes no Q6_K build
                 pairs = (("", 0), ("_Q6_K", Q6_K_A)) if qtype == Q4_K and tile == default \
                     else (("", 0),)
                 tag = "" if tile == default else "_cand_" + "x".join(
-                    str(v) for v in tile[:5] if v is not None) + "_ps" * prescaled(tile)
+                    str(v) for v in tile[:5] if v is not None)
                 for suffix, second in pairs:
                     out.append(_tiled_spec(spec, f"qint_{name}{suffix}{tag}_tiled", sig,
                                            divisible, qtype, second, tile, backend))
