@@ -43,14 +43,12 @@ TileMeasure = Callable[[tuple, int, int, int, int], float]
 
 
 def _tile_name(tile: tuple) -> str:
-    """(16, 64, 4, None, 120) -> '16x64 on 4 warps, <= 120 registers' (a sixth field set:
-    ', whole K a program')."""
-    bm, bn, warps, stages, regs, whole = (*tile, None, None, None)[:6]
+    """(16, 64, 4, None, 120) -> '16x64 on 4 warps, <= 120 registers'."""
+    bm, bn, warps, stages, regs = (*tile, None, None)[:5]
     name = f"{bm}x{bn} on {warps} warps"
     if stages:
         name += f", {stages} stage{'s' * (stages > 1)}"
-    name += f", <= {regs} registers" if regs else ""
-    return name + (", whole K a program" if whole else "")
+    return name + (f", <= {regs} registers" if regs else "")
 
 
 @dataclass(frozen=True)

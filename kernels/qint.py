@@ -59,7 +59,7 @@ from kernels.triton_util import HAS_TRITON, await_inputs, helper, launcher, next
 
 __all__ = ["ACT8_STORED", "Q6_K_A", "QINT_TYPES", "QIntConfig", "default_qint_config",
            "TILE_BOUNDS", "TILE_CANDIDATES", "TUNED_TILES", "forced_tile", "tile_bound",
-           "tile_options", "tiled_tile", "whole_k",
+           "tile_options", "tiled_tile",
            "QuantX", "dequantized_x_reference", "empty_quant_x", "qint_parts", "sums_dtype",
            "qint_reference", "qint_triton", "quant_x_reference", "quantize_x",
            "quantize_x_reference", "repack_q6k", "row_bytes", "unpack_q6k"]
@@ -80,8 +80,8 @@ GEMV_MAX_M = 4  # rows up to which Q4_K (and a launch of two types) runs on the 
 # 4096 x 14336, 310 against 486 on the head before the packed code decode that took 16
 # rows from 65 to 46 us). The bits are the same on both paths.
 GEMV_MAX_M_OF = {Q6_K_A: 8}
-# The matrix-unit kernel's tiles, (block_m, block_n, num_warps[, num_stages[, max_regs[,
-# whole K]]]), by rows of x: the first bound of TILE_BOUNDS that holds picks the tile,
+# The matrix-unit kernel's tiles, (block_m, block_n, num_warps[, num_stages[, max_regs]]),
+# by rows of x: the first bound of TILE_BOUNDS that holds picks the tile,
 # the tuned one (TUNED_TILES, set at load by engine/tile_tune.py from measured times of the
 # candidates) or else the first candidate. The sums are exact, so the tile may depend on M and on
 # measurements without changing a bit.
@@ -93,9 +93,11 @@ GEMV_MAX_M_OF = {Q6_K_A: 8}
 # the sm_90 build takes 133 (Q4_K) / 136 (Q6_K), so 3 programs of 4 warps fit a
 # multiprocessor's 64K registers; at 120 (no spills, 4% more instructions a super-block in
 # SASS) 4 fit. The 32 x 128 and 64 x 128 tiles on 4 warps spill in their sm_90 builds (24-840
-# bytes a thread); 32 x 64 on 4 warps does not: a candidate beside them (64 x 64 on 8 warps,
-# also spill-free, measured 1.4-1.7x slower at 64 rows and more, 2026-12-01, is not; nor 16
-# x 32, 1.4x slower at 16).
+# bytes a thread); 32 x 64 on 4 warps does not: a candidate beside them. Timed by the tuner
+# on the H200 and left out (bench/RESULTS.md, 2026-12-01): 64 x 64 on 8 warps (1.4-1.7x
+# slower at 64 rows and more), 16 x 32 (1.4x at 16), Q4_K's scales inside the weight operand
+# (two 256-column dots a super-block: 1.4x at 16), and the splits of a tile in one program
+# from one tile a multiprocessor (the Q4_K linears at 16 rows 3.16 against 3.08 ms).
 TILED_MAX_REGS = 120
 TILE_BOUNDS = (16, 32, 64, 1 << 62)
 # gfx1151 (256 VGPRs a lane): the CUDA-core kernel with 32 rows a program builds without
@@ -120,22 +122,13 @@ _CAPPED_16 = (16, 64, 4, None, TILED_MAX_REGS)
 # 32 x 64 on 4 warps: Q4_K's sm_90 build takes 181 registers (2 programs a multiprocessor),
 # capped at 168 without spills (3); Q6_K's 145 uncapped (capped: 168 and 32 stack bytes)
 _CAPPED_32 = (32, 64, 4, None, 168)
-# A sixth field set ("whole K"): a launch whose tiles alone give every compute unit a program
-# runs each tile's K splits in one program (the same bits: the program adds its splits'
-# sums in split order as the last program of a tile would), else only from 4 programs a
-# compute unit (qint._launch). H200, Q4_K at 16 rows (bench/RESULTS.md, 2026-12-01):
-# 14336 x 4096, 224 tiles, 25.0 us in one program a tile against 28.7 in 4 splits; 4096 x
-# 4096 (64 tiles) 17.3 against 14.2 in 8. A host-side choice: no build of its own.
-_CAPPED_16_WHOLE = (*_CAPPED_16, 1)
-_CAPPED_32_WHOLE = (*_CAPPED_32, 1)
 # backend -> row bound -> the tiles engine/tile_tune.py times, the default first
 TILE_CANDIDATES: dict[str, dict[int, tuple[tuple, ...]]] = {
-    "cuda": {16: (_CAPPED_16, _CAPPED_16_WHOLE, (16, 64, 4)),
-             32: ((32, 128, 4), (32, 128, 4, None, None, 1), (32, 64, 4), _CAPPED_32,
-                  _CAPPED_16),
-             64: ((64, 128, 4), (32, 64, 4), _CAPPED_32, _CAPPED_32_WHOLE, _CAPPED_16),
+    "cuda": {16: (_CAPPED_16, (16, 64, 4)),
+             32: ((32, 128, 4), (32, 64, 4), _CAPPED_32, _CAPPED_16),
+             64: ((64, 128, 4), (32, 64, 4), _CAPPED_32, _CAPPED_16),
              1 << 62: ((64, 128, 4), (32, 64, 4), _CAPPED_32)},
-    "hip": {16: (HIP_TILED_TILE, (*HIP_TILED_TILE, None, 1), (16, 64, 4, 1)),
+    "hip": {16: (HIP_TILED_TILE, (16, 64, 4, 1)),
             **{bound: (HIP_TILED_TILE, (16, 64, 4, 1), (32, 32, 4, 1))
                for bound in TILE_BOUNDS[1:]}},
 }
@@ -707,8 +700,8 @@ def tile_bound(m: int) -> int:
 
 
 def tiled_tile(m: int, backend: str = "cuda", qtype: int = Q4_K) -> tuple:
-    """The matrix-unit kernel's (block_m, block_n, num_warps[, num_stages[, max_regs[,
-    whole K]]]) for m rows of x and weights of `qtype` (as held: Q4_K or Q6_K_A)."""
+    """The matrix-unit kernel's (block_m, block_n, num_warps[, num_stages[, max_regs]]) for
+    m rows of x and weights of `qtype` (as held: Q4_K or Q6_K_A)."""
     forced = getattr(_FORCED, "stack", None)
     if forced:
         return forced[-1]
@@ -748,12 +741,6 @@ def compile_options(num_stages: int | None, max_regs: int | None,
 def tile_options(tile: tuple[int, ...], backend: str) -> dict[str, int]:
     """compile_options of a tile's fields past its first three (num_stages, max_regs)."""
     return compile_options(*(*tile[3:5], None, None)[:2], backend)
-
-
-def whole_k(tile: tuple) -> bool:
-    """Whether a tile runs a tile's K splits in one program from one program a compute unit
-    (its sixth field; see _CAPPED_16_WHOLE)."""
-    return len(tile) > 5 and bool(tile[5])
 
 
 @functools.lru_cache(maxsize=16)
@@ -886,7 +873,7 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
         tiles = -(-m // bm) * -(-n // bn)
         # the splits as programs of their own (partials) only while the tiles alone would
         # leave compute units idle: no (split, M, N) buffer for prefill-sized M
-        per_program = 1 if tiles < (1 if whole_k(tile) else 4) * sms else cfg.split
+        per_program = 1 if tiles < 4 * sms else cfg.split
         grid = (-(-m // bm), -(-n // bn), cfg.split // per_program)
         kernel, extra = _qint_mm_kernel, {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps,
                                           "DOT_F64": device.type == "cpu",
@@ -965,8 +952,7 @@ def aot_specs(spec: type) -> list:
             default = TILE_CANDIDATES[backend][TILE_BOUNDS[0]][0]
             # the 16-row default (alone, and Q4_K's q|k with Q6_K's v in one launch), then
             # every other candidate the load-time tuner may take
-            tiles = dict.fromkeys(t[:5] for ts in TILE_CANDIDATES[backend].values()
-                                  for t in ts)  # whole K builds nothing of its own
+            tiles = dict.fromkeys(t for ts in TILE_CANDIDATES[backend].values() for t in ts)
             for tile in tiles:
                 pairs = (("", 0), ("_Q6_K", Q6_K_A)) if qtype == Q4_K and tile == default \
                     else (("", 0),)

@@ -41,14 +41,11 @@ from kernels.qmatmul import qmatmul_triton  # noqa: E402
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
 MS = (1, 2, 3, 4, 8, 16, 32, 64)
-# The matrix-unit kernel's tiles swept (block_m, block_n, num_warps[, num_stages[, max_regs[,
-# whole K]]]) and the rows of x each is timed at (whole K: qint.whole_k). At 16 rows: the
-# register cap (3 or 4 programs a multiprocessor); at 32 and 64: tiles whose sm_90 builds
-# do not spill (32 x 128 and 64 x 128 on 4 warps take 254-255 registers and spill 24-840
-# bytes a thread).
+# The matrix-unit kernel's tiles swept (block_m, block_n, num_warps[, num_stages[, max_regs]])
+# and the rows of x each is timed at. At 16 rows: the register cap (3 or 4 programs a
+# multiprocessor); at 32 and 64: tiles whose sm_90 builds do not spill (32 x 128 and 64 x 128
+# on 4 warps take 254-255 registers and spill 24-840 bytes a thread).
 TILE_SWEEP = (((16, 64, 4), (16,)), ((16, 64, 4, None, 128), (16,)),
-              ((16, 64, 4, None, 120, 1), (16, 32)), ((32, 128, 4, None, None, 1), (32,)),
-              ((32, 64, 4, None, 168, 1), (64,)),
               ((16, 64, 4, None, 120), (16,)), ((16, 64, 4, 4, 120), (16,)),
               ((32, 128, 4), (32,)), ((32, 64, 4), (32,)), ((32, 128, 8), (32,)),
               ((64, 128, 4), (64, 512)), ((64, 64, 8), (64, 512)), ((64, 128, 8), (64, 512)),
