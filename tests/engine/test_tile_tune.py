@@ -83,7 +83,7 @@ def test_a_failing_candidate_is_left_out_and_recorded():
 
 def test_applied_tiles_serve_the_launches_and_the_defaults_clear_them():
     cuda = TILE_CANDIDATES["cuda"]
-    other = cuda[16][2]
+    other = cuda[16][1]
     apply_tiles(TileChoice("cuda", {(int(T.Q4_K), 16): other, (Q6_K_A, 16): cuda[16][0]}))
     assert tiled_tile(9, "cuda", int(T.Q4_K)) == other
     assert tiled_tile(16, "cuda", Q6_K_A) == cuda[16][0]
