@@ -81,9 +81,9 @@ GEMV_MAX_M = 4  # rows up to which Q4_K (and a launch of two types) runs on the 
 # rows from 65 to 46 us). The bits are the same on both paths.
 GEMV_MAX_M_OF = {Q6_K_A: 8}
 # The matrix-unit kernel's tiles, (block_m, block_n, num_warps[, num_stages[, max_regs]]),
-# by rows of x: the first bound of TILE_BOUNDS that holds picks the tile,
-# the tuned one (TUNED_TILES, set at load by engine/tile_tune.py from measured times of the
-# candidates) or else the first candidate. The sums are exact, so the tile may depend on M and on
+# by rows of x: the first bound of TILE_BOUNDS that holds picks the tile, the tuned one
+# (TUNED_TILES, set at load by engine/tile_tune.py from measured times of the candidates)
+# or else the first candidate. The sums are exact, so the tile may depend on M and on
 # measurements without changing a bit.
 # Swept on the H200 (int8 kernel, Q4_K 14336 x 4096 and 4096 x 14336, Q6_K 4096 x 14336):
 # 16 x 64 best at 16 rows; 32 x 128 at 32 (43 / 39 / 60 us against 46 / 51 / 67 at
@@ -553,29 +553,14 @@ if HAS_TRITON:
         return lo, hi
 
     @helper
-    def _q4k_add(acc, isum, w0, w2, w3, sb, dx_ptr, bs_ptr, K, rx, DOT_F64: tl.constexpr):
-        """acc (BN, BM) + a Q4_K super-block's sums on the matrix unit, from its codes'
-        isum (BN, BM) and head words: the mins' sum is an f16 dot, (BN, 16) mins (each
-        twice) times x's 16-column sums (<= 2032, held in f16 and read as the dot's operand
-        as they are: no convert through shared memory and no barrier; the dot's partial
-        sums below 2^24)."""
-        j = tl.arange(0, 16)[None, :]
-        mins = _k4_six(w2, w3, (j // 2).to(tl.uint32), 4).to(tl.float16)  # (BN, 16)
-        # rows of K / 16 sums (a multiple of 16: the load is vectorized and pipelined)
-        bs = _keep(bs_ptr + rx.to(tl.int64)[None, :] * tl.multiple_of(K // 16, 16) + sb * 16
-                   + j.T)  # (16, BM) float16
-        msum = _sub_dot(mins, bs.to(tl.float16), DOT_F64)  # an exact integer
-        dx = tl.load(dx_ptr + rx.to(tl.int64) * (K // 256) + sb)[None, :]
-        acc = tl.fma(isum.to(tl.float32), _f16lo(w0)[:, None] * dx, acc)
-        return tl.fma(-msum, _f16lo(w0 >> 16)[:, None] * dx, acc)
-
-    @helper
     def _mm_q4k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, rx, DOT_F64: tl.constexpr,
                 PTX: tl.constexpr):
         """The tiled kernel's super-block step for Q4_K: acc (BN, BM) + the same sums as
         _sb_q4k for x's rows rx (BM,), on the matrix unit's int8 path: each 32-column
         sub-block's codes (0..15) times x's codes is one exact int32 dot, times its 6-bit
-        scale (a wait for each dot's result)."""
+        scale. The mins' sum is an f16 dot: (BN, 16) mins (each twice) times x's 16-column
+        sums (<= 2032, held in f16 and read as the dot's operand as they are: no convert
+        through shared memory and no barrier; the dot's partial sums below 2^24)."""
         blk = row_off + sb * 144
         ll = tl.arange(0, 32)
         w0, w1, w2, w3 = _k4_head(w_ptr, blk)
@@ -589,7 +574,15 @@ if HAS_TRITON:
             s0 = tl.full((1, 1), 2 * g, tl.uint32)  # sub-blocks 2 g (low nibbles), 2 g + 1
             isum += _k4_six(w1, w3, s0, 0) * tl.dot(lo, xa, out_dtype=tl.int32)
             isum += _k4_six(w1, w3, s0 + 1, 0) * tl.dot(hi, xb, out_dtype=tl.int32)
-        return _q4k_add(acc, isum, w0, w2, w3, sb, dx_ptr, bs_ptr, K, rx, DOT_F64)
+        j = tl.arange(0, 16)[None, :]
+        mins = _k4_six(w2, w3, (j // 2).to(tl.uint32), 4).to(tl.float16)  # (BN, 16)
+        # rows of K / 16 sums (a multiple of 16: the load is vectorized and pipelined)
+        bs = _keep(bs_ptr + rx.to(tl.int64)[None, :] * tl.multiple_of(K // 16, 16) + sb * 16
+                   + j.T)  # (16, BM) float16
+        msum = _sub_dot(mins, bs.to(tl.float16), DOT_F64)  # an exact integer
+        dx = tl.load(dx_ptr + rx.to(tl.int64) * (K // 256) + sb)[None, :]
+        acc = tl.fma(isum.to(tl.float32), _f16lo(w0)[:, None] * dx, acc)
+        return tl.fma(-msum, _f16lo(w0 >> 16)[:, None] * dx, acc)
 
     @helper
     def _mm_q6k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, rx, PTX: tl.constexpr,
@@ -740,7 +733,7 @@ def compile_options(num_stages: int | None, max_regs: int | None,
 
 def tile_options(tile: tuple[int, ...], backend: str) -> dict[str, int]:
     """compile_options of a tile's fields past its first three (num_stages, max_regs)."""
-    return compile_options(*(*tile[3:5], None, None)[:2], backend)
+    return compile_options(*(*tile[3:], None, None)[:2], backend)
 
 
 @functools.lru_cache(maxsize=16)
@@ -957,7 +950,7 @@ def aot_specs(spec: type) -> list:
                 pairs = (("", 0), ("_Q6_K", Q6_K_A)) if qtype == Q4_K and tile == default \
                     else (("", 0),)
                 tag = "" if tile == default else "_cand_" + "x".join(
-                    str(v) for v in tile[:5] if v is not None)
+                    str(v) for v in tile if v is not None)
                 for suffix, second in pairs:
                     out.append(_tiled_spec(spec, f"qint_{name}{suffix}{tag}_tiled", sig,
                                            divisible, qtype, second, tile, backend))

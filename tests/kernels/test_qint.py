@@ -280,7 +280,7 @@ def test_gpu_every_candidate_tile_gives_the_same_bits(rng):
     from kernels.qint import TILE_CANDIDATES, forced_tile, qint_parts
 
     backend = "hip" if torch.version.hip else "cuda"
-    k, n1, n2 = 4096, 3072, 512
+    k, n1, n2 = 4096, 1024, 512
     b1, g2 = random_weight(T.Q4_K, n1, k, rng), random_weight(T.Q6_K, n2, k, rng)
     parts = [(b1.cuda(), int(T.Q4_K), n1), (repack_q6k(g2, k).cuda(), Q6_K_A, n2)]
     x = torch.from_numpy(rng.standard_normal((72, k), dtype=np.float32))
