@@ -124,15 +124,15 @@ _CAPPED_16 = (16, 64, 4, None, TILED_MAX_REGS)
 _CAPPED_32 = (32, 64, 4, None, 168)
 # Tighter caps for more programs a multiprocessor (latency-bound: 36% of issue slots used at
 # 16 rows with 4 programs, bench/RESULTS.md): the sm_90 builds keep every loop free of local
-# memory (40 stack bytes spilled outside the loops): 16 x 64 at 96 registers, 5 programs of
-# Q4_K (Q6_K's 3 stages of 48 KB of shared memory hold it at 4; on 2 stages, 28 KB, 5);
-# 32 x 64 at 128, 4 programs of Q4_K instead of 3.
-_CAPPED_16_96 = (16, 64, 4, None, 96)
-_CAPPED_16_96_2 = (16, 64, 4, 2, 96)
+# memory (16-40 stack bytes spilled outside the loops): 16 x 64 on 2 stages at 96
+# registers, 5 programs a multiprocessor (3 stages at 96: no faster); 32 x 64 at 128, 4 of
+# Q4_K instead of 3. H200, the model's Q4_K linears: 2.92 against 3.06 ms at 16 rows, 3.72
+# against 3.87 at 32, 5.79 against 6.11 at 64; Q6_K within 2%.
+_CAPPED_16_96 = (16, 64, 4, 2, 96)
 _CAPPED_32_128 = (32, 64, 4, None, 128)
 # backend -> row bound -> the tiles engine/tile_tune.py times, the default first
 TILE_CANDIDATES: dict[str, dict[int, tuple[tuple, ...]]] = {
-    "cuda": {16: (_CAPPED_16, (16, 64, 4), _CAPPED_16_96, _CAPPED_16_96_2),
+    "cuda": {16: (_CAPPED_16, (16, 64, 4), _CAPPED_16_96),
              32: ((32, 128, 4), (32, 64, 4), _CAPPED_32, _CAPPED_32_128, _CAPPED_16),
              64: ((64, 128, 4), (32, 64, 4), _CAPPED_32, _CAPPED_32_128, _CAPPED_16),
              1 << 62: ((64, 128, 4), (32, 64, 4), _CAPPED_32)},
