@@ -63,6 +63,9 @@ class EngineOptions:
     # model's shapes at load and take the fastest (engine/tile_tune.py; the bits do not
     # depend on the tile).
     tune_tiles: bool = True
+    # Where the tuned tiles are kept between loads (engine/tile_tune.py's cache_path): "auto"
+    # ($MBUFO_TILE_CACHE, else the user's cache directory), a path, or None for no file.
+    tile_cache: str | None = "auto"
 
 
 def pages_per_group(cfg: ModelConfig, opts: EngineOptions) -> dict[str, int]:
@@ -119,7 +122,7 @@ def load_for(model: str | os.PathLike, opts: EngineOptions) -> LoadedModel:
     if layout == "q8" and opts.tune_tiles and device.type == "cuda" and use_triton(device):
         from engine.tile_tune import tune_tiles
 
-        tiles = tune_tiles(mf, device)
+        tiles = tune_tiles(mf, device, opts.tile_cache)
     decoder = DecoderModel(cfg, WeightLoader(mf, dtype, device, layout))
     return LoadedModel(path, mf, cfg, decoder, tokenizer, chat_template_for(mf, tokenizer),
                        time.perf_counter() - start, choice, tiles)

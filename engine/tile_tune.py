@@ -16,16 +16,28 @@ whole tuning keeps the defaults.
 
 Cost: one build of each candidate kernel (Triton keeps the builds on disk, so only the
 first load pays: a few seconds each) and a few graph replays per candidate and shape. The
-choice is logged, kept in `LoadedModel.tile_choice` and printed by `mbufo inspect MODEL
---device cuda` when the layout is q8.
+choice is kept in a JSON file (`cache_path`: $MBUFO_TILE_CACHE, else
+$XDG_CACHE_HOME/mbufo/q8_tiles.json; the appliance's data directory when it serves), keyed
+by everything it depends on (the device's name, backend, torch and Triton versions,
+kernels/qint.py's source, the candidates and the model's shapes), so a later load of the
+same model on the same device takes it without timing or building any candidate. A
+missing, unreadable or foreign file is a miss; a file that cannot be written is logged and
+the load goes on. The choice is logged, kept in `LoadedModel.tile_choice` (`cached` when
+read from the file) and printed by `mbufo inspect MODEL --device cuda` when the layout is
+q8.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -37,6 +49,8 @@ log = logging.getLogger(__name__)
 
 ROWS_OF_BOUND = {16: 16, 32: 32, 64: 64, 1 << 62: 512}  # the rows each bound is timed at
 TIE_MARGIN = 0.03  # the default tile stays unless a candidate is more than 3% faster
+CACHE_VERSION = 1  # of the cache file's records
+CACHE_ENTRIES = 64  # records kept in the file (the oldest dropped)
 
 # (tile, ggml_type as in the file, out, in, rows) -> seconds per product
 TileMeasure = Callable[[tuple, int, int, int, int], float]
@@ -59,6 +73,7 @@ class TileChoice:
     # (type as held, row bound) -> tile -> ms of all of the model's linears of that type
     ms: dict[tuple[int, int], dict[tuple, float]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # candidate -> why it was left out
+    cached: bool = False  # read from the cache file, not timed in this process
 
     def as_dict(self) -> dict:
         from kernels.qint import Q6_K_A
@@ -74,7 +89,7 @@ class TileChoice:
                 "tiles": {key(*k): _tile_name(t) for k, t in self.tiles.items()},
                 "ms": {key(*k): {_tile_name(t): round(v, 4) for t, v in d.items()}
                        for k, d in self.ms.items()},
-                "errors": dict(self.errors)}
+                "errors": dict(self.errors), "cached": self.cached}
 
 
 def choose_tiles(shapes: list[LinearShape], backend: str, measure: TileMeasure) -> TileChoice:
@@ -133,18 +148,116 @@ def gpu_tile_measure(device: torch.device) -> TileMeasure:
     return timed
 
 
-def tune_tiles(mf: ModelFile, device: torch.device) -> TileChoice | None:
-    """choose_tiles on `device` for the q8 linears of `mf`, applied (apply_tiles); None when
-    the model has none. A failure keeps the default tiles (logged)."""
+def cache_path(setting: str | os.PathLike | None = "auto") -> Path | None:
+    """The cache file for a setting: "auto" is $MBUFO_TILE_CACHE ("off": none), else
+    $XDG_CACHE_HOME/mbufo/q8_tiles.json (~/.cache when unset); None or "off": none; else
+    the path given."""
+    if setting == "auto":
+        setting = os.environ.get("MBUFO_TILE_CACHE") or Path(
+            os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mbufo" / "q8_tiles.json"
+    if setting is None or str(setting) in ("", "off"):
+        return None
+    return Path(setting)
+
+
+def cache_key(shapes: list[LinearShape], backend: str, device_name: str) -> str:
+    """A digest of everything a choice depends on (see the module docstring)."""
+    from kernels import qint
+    from kernels.triton_util import triton
+
+    source = hashlib.sha256(Path(qint.__file__).read_bytes()).hexdigest()
+    parts = [CACHE_VERSION, device_name, backend, torch.__version__,
+             getattr(triton, "__version__", None),
+             source, repr(qint.TILE_BOUNDS), repr(qint.TILE_CANDIDATES[backend]),
+             sorted((s.ggml_type, s.out_features, s.in_features, s.count) for s in shapes)]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def _records(path: Path) -> dict:
+    """The cache file's records by key; {} when missing or unreadable (logged)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        log.warning("q8 tile cache %s unreadable (%s): timing the tiles", path, exc)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def read_cached(path: Path, key: str) -> TileChoice | None:
+    """The choice kept under `key`, or None (missing, or not a valid record of today's
+    candidates)."""
+    from kernels.qint import TILE_CANDIDATES
+
+    record = _records(path).get(key)
+    try:
+        backend = record["backend"]
+        tiles = {(int(held), int(bound)): tuple(tile) for held, bound, tile in record["tiles"]}
+        ms = {(int(held), int(bound)): {tuple(tile): math.inf if v is None else float(v)
+                                        for tile, v in times}
+              for held, bound, times in record["ms"]}
+        errors = {str(k): str(v) for k, v in record["errors"].items()}
+        if not all(tile in TILE_CANDIDATES[backend][bound] for (_, bound), tile in tiles.items()):
+            return None
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return None
+    return TileChoice(backend, tiles, ms, errors, cached=True)
+
+
+def write_cached(path: Path, key: str, choice: TileChoice) -> None:
+    """Keeps `choice` under `key` (the newest CACHE_ENTRIES records stay), written whole to a
+    temporary file and renamed over the old one; a failure is logged, not raised."""
+    def plain(v: float) -> float | None:
+        return v if math.isfinite(v) else None  # a failed candidate: JSON has no inf
+
+    record = {"backend": choice.backend,
+              "tiles": [[h, b, list(t)] for (h, b), t in choice.tiles.items()],
+              "ms": [[h, b, [[list(t), plain(v)] for t, v in d.items()]]
+                     for (h, b), d in choice.ms.items()],
+              "errors": dict(choice.errors)}
+    records = _records(path)
+    records.pop(key, None)
+    records[key] = record
+    keep = dict(list(records.items())[-CACHE_ENTRIES:])
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(keep))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("q8 tile cache %s not written (%s): the next load times again", path, exc)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def tuned_choice(shapes: list[LinearShape], backend: str, device_name: str,
+                 measure: TileMeasure, cache: Path | None) -> TileChoice:
+    """The cached choice for these shapes on this device, else choose_tiles' (then kept)."""
+    key = cache_key(shapes, backend, device_name) if cache is not None else ""
+    if cache is not None and (hit := read_cached(cache, key)) is not None:
+        return hit
+    choice = choose_tiles(shapes, backend, measure)
+    if cache is not None:
+        write_cached(cache, key, choice)
+    return choice
+
+
+def tune_tiles(mf: ModelFile, device: torch.device,
+               cache: str | os.PathLike | None = "auto") -> TileChoice | None:
+    """tuned_choice on `device` for the q8 linears of `mf` (the cache file of `cache_path
+    (cache)`), applied (apply_tiles); None when the model has none. A failure keeps the
+    default tiles (logged)."""
     shapes = [s for s in linear_shapes(mf) if s.ggml_type in ACT8_TYPES]
     if not shapes:
         return None
     backend = "hip" if torch.version.hip else "cuda"
     try:
-        choice = choose_tiles(shapes, backend, gpu_tile_measure(device))
+        choice = tuned_choice(shapes, backend, torch.cuda.get_device_name(device),
+                              gpu_tile_measure(device), cache_path(cache))
     except Exception:
         log.exception("q8 tile tuning failed: the default tiles stay")
         return None
     apply_tiles(choice)
-    log.info("q8 tiles: %s", choice.as_dict()["tiles"])
+    log.info("q8 tiles%s: %s", " (cached)" * choice.cached, choice.as_dict()["tiles"])
     return choice

@@ -81,7 +81,8 @@ def engine_options(settings: Settings) -> EngineOptions:
         itl = float(itl)
     return EngineOptions(sessions=settings.sessions, context=settings.context,
                          prefill_chunk=settings.prefill_chunk, mixed_batch=settings.mixed_batch,
-                         itl_target_ms=itl, kv_quant=settings.kv_quant, dtype=settings.dtype)
+                         itl_target_ms=itl, kv_quant=settings.kv_quant, dtype=settings.dtype,
+                         tile_cache=str(settings.data_dir / "cache" / "q8_tiles.json"))
 
 
 def planned_bytes(source: str, opts: EngineOptions) -> int:

@@ -3,6 +3,7 @@ measure itself runs in the device tests through every q8 load)."""
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 
@@ -10,7 +11,16 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from engine.layout_tune import LinearShape
-from engine.tile_tune import TIE_MARGIN, TileChoice, apply_tiles, choose_tiles
+from engine.tile_tune import (
+    TIE_MARGIN,
+    TileChoice,
+    apply_tiles,
+    cache_key,
+    cache_path,
+    choose_tiles,
+    read_cached,
+    tuned_choice,
+)
 from kernels import qint
 from kernels.qint import Q6_K_A, TILE_BOUNDS, TILE_CANDIDATES, TUNED_TILES, tiled_tile
 
@@ -131,3 +141,70 @@ def test_every_candidate_builds_and_runs_on_the_gpu():
     apply_tiles(choice)
     for (held, bound), tile in choice.tiles.items():
         assert tiled_tile(bound if bound < 1 << 62 else 512, backend, held) == tile
+
+
+def test_a_choice_is_kept_and_a_later_load_takes_it_without_timing(tmp_path):
+    cache = tmp_path / "sub" / "q8_tiles.json"
+    cuda = TILE_CANDIDATES["cuda"]
+    calls: list = []
+    costs = {(Q4K, cuda[16][1]): 0.5, (Q6K, cuda[64][1]): 0.7}
+    bad = cuda[32][1]
+    first = tuned_choice(SHAPES, "cuda", "H200", fake(costs, calls, fail=bad), cache)
+    assert calls and not first.cached and cache.exists()
+    timed = len(calls)
+    again = tuned_choice(SHAPES, "cuda", "H200", fake(costs, calls, fail=bad), cache)
+    assert len(calls) == timed and again.cached  # nothing timed the second time
+    assert again.tiles == first.tiles and again.errors == first.errors
+    assert again.ms == first.ms and again.ms[int(T.Q4_K), 32][bad] == math.inf
+    assert again.as_dict()["cached"] and not first.as_dict()["cached"]
+    # another device or other shapes: timed anew, both kept
+    other = tuned_choice(SHAPES[:2], "cuda", "MI300X", fake({}, calls), cache)
+    assert len(calls) > timed and not other.cached
+    assert tuned_choice(SHAPES, "cuda", "H200", fake({}, calls), cache).cached
+    keys = {cache_key(SHAPES, "cuda", "H200"), cache_key(SHAPES[:2], "cuda", "MI300X")}
+    assert set(json.loads(cache.read_text())) == keys
+    # no file: always timed
+    before = len(calls)
+    assert not tuned_choice(SHAPES, "cuda", "H200", fake({}, calls), None).cached
+    assert len(calls) > before
+
+
+def test_a_bad_cache_file_is_a_miss_and_an_unwritable_one_is_no_error(tmp_path, caplog):
+    cache = tmp_path / "q8_tiles.json"
+    key = cache_key(SHAPES, "cuda", "H200")
+    for text in ("{not json", "[1, 2]", json.dumps({key: {"backend": "cuda"}}),
+                 # a tile that is no candidate (a hand-edited or foreign file)
+                 json.dumps({key: {"backend": "cuda", "tiles": [[Q4K, 16, [8, 8, 1]]],
+                                   "ms": [], "errors": {}}})):
+        cache.write_text(text)
+        assert read_cached(cache, key) is None
+        choice = tuned_choice(SHAPES, "cuda", "H200", fake({}), cache)
+        assert not choice.cached and read_cached(cache, key) is not None  # rewritten whole
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    with caplog.at_level("WARNING"):
+        choice = tuned_choice(SHAPES, "cuda", "H200", fake({}), blocked / "q8_tiles.json")
+    assert not choice.cached and "not written" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "q8_tiles.json"]  # no tmp
+
+
+def test_the_cache_path_setting(tmp_path, monkeypatch):
+    monkeypatch.delenv("MBUFO_TILE_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache_path() == tmp_path / "mbufo" / "q8_tiles.json"
+    monkeypatch.setenv("MBUFO_TILE_CACHE", str(tmp_path / "t.json"))
+    assert cache_path("auto") == tmp_path / "t.json"
+    monkeypatch.setenv("MBUFO_TILE_CACHE", "off")
+    assert cache_path() is None
+    assert cache_path(None) is None and cache_path("off") is None
+    assert cache_path(tmp_path / "x.json") == tmp_path / "x.json"
+
+
+def test_the_cache_keeps_the_newest_records(tmp_path, monkeypatch):
+    import engine.tile_tune as tile_tune
+
+    monkeypatch.setattr(tile_tune, "CACHE_ENTRIES", 3)
+    cache = tmp_path / "q8_tiles.json"
+    for name in "abcde":
+        tuned_choice(SHAPES, "cuda", name, fake({}), cache)
+    assert list(json.loads(cache.read_text())) == [cache_key(SHAPES, "cuda", n) for n in "cde"]
