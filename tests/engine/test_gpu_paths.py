@@ -93,17 +93,21 @@ def prompts_for(n: int) -> list[list[int]]:
             for k in torch.randint(3, 90, (n,), generator=gen)]
 
 
-def test_q8_load_tunes_its_tiles(tiny):
+def test_q8_load_tunes_its_tiles(tiny, tmp_path):
     """A q8 load times the matrix-unit tiles on the model's Q4_K and Q6_K shapes
     (engine/tile_tune.py): a candidate for every type and row bound, none failed, and the
-    launches take the choice; with tune_tiles off nothing is timed."""
+    launches take the choice; the next load takes it from the cache file untimed; with
+    tune_tiles off nothing is timed."""
     from dataclasses import replace
 
     from kernels.qint import Q6_K_A, TILE_BOUNDS, TILE_CANDIDATES, tiled_tile
 
-    loaded = load_for(tiny, opts("cuda", "q8", True))
+    cached = replace(opts("cuda", "q8", True), tile_cache=str(tmp_path / "q8_tiles.json"))
+    loaded = load_for(tiny, cached)
     choice = loaded.tile_choice
-    assert choice is not None and not choice.errors, choice
+    assert choice is not None and not choice.errors and not choice.cached, choice
+    again = load_for(tiny, cached).tile_choice
+    assert again.cached and again.tiles == choice.tiles
     assert set(choice.tiles) == {(t, b) for t in (int(T.Q4_K), Q6_K_A) for b in TILE_BOUNDS}
     for (held, bound), tile in choice.tiles.items():
         assert tile in TILE_CANDIDATES[choice.backend][bound]
