@@ -54,6 +54,12 @@ TILE_SWEEP = (((16, 64, 4), (16,)), ((16, 64, 4, None, 128), (16,)),
               ((32, 64, 4), (64,)), ((128, 64, 8), (512,)))
 
 
+def parse_tiles(text: str) -> tuple:
+    """--tiles: 'bm,bn,warps[,stages[,max_regs]];...' -> TILE_SWEEP's form at 16 and 32 rows."""
+    return tuple((tuple(int(v) if v else None for v in t.split(",")), (16, 32))
+                 for t in text.split(";") if t)
+
+
 def sweep(base: QIntConfig) -> list[QIntConfig]:
     out = [QIntConfig(bn, s, w) for bn in (32, 64, 128) for w in (2, 4, 8)
            for s in sorted({max(1, base.split // 4), max(1, base.split // 2), base.split,
@@ -124,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="shapes swept at M = 1 (NxK, comma separated)")
     ap.add_argument("--tile-sweep", action=argparse.BooleanOptionalAction, default=True,
                     help="time TILE_SWEEP's matrix-unit tiles on the swept shapes")
+    ap.add_argument("--tiles", default="",
+                    help="time these matrix-unit tiles instead of TILE_SWEEP, at 16 and 32 "
+                         "rows: 'bm,bn,warps[,stages[,max_regs]];...' (an empty field: "
+                         "unset), e.g. '16,64,4,,120;16,128,8'")
     ap.add_argument("--splits", default="",
                     help="also time the matrix-unit kernel at 16 and 32 rows with these K "
                          "splits (e.g. 1,2,4,8) on the swept shapes: the split's own cost")
@@ -167,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                         row.update(mode="qint-split")
                         out["rows"].append(row)
             if (n, k) in swept and not args.smoke and args.tile_sweep:  # matrix-unit tiles
-                for tile, tile_ms in TILE_SWEEP:
+                for tile, tile_ms in parse_tiles(args.tiles) or TILE_SWEEP:
                     with qint.forced_tile(tile):
                         for m in tile_ms:
                             row = measure(run, case, "qint", m, None, ceil)
