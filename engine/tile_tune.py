@@ -188,9 +188,13 @@ def _records(path: Path) -> dict:
 def read_cached(path: Path, key: str) -> TileChoice | None:
     """The choice kept under `key`, or None (missing, or not a valid record of today's
     candidates)."""
+    return _parsed(_records(path).get(key))
+
+
+def _parsed(record) -> TileChoice | None:
+    """A cache record as a TileChoice; None unless a valid one of today's candidates."""
     from kernels.qint import TILE_CANDIDATES
 
-    record = _records(path).get(key)
     try:
         backend = record["backend"]
         tiles = {(int(held), int(bound)): tuple(tile) for held, bound, tile in record["tiles"]}
@@ -205,9 +209,11 @@ def read_cached(path: Path, key: str) -> TileChoice | None:
     return TileChoice(backend, tiles, ms, errors, cached=True)
 
 
-def write_cached(path: Path, key: str, choice: TileChoice) -> None:
-    """Keeps `choice` under `key` (the newest CACHE_ENTRIES records stay), written whole to a
-    temporary file and renamed over the old one; a failure is logged, not raised."""
+def write_cached(path: Path, key: str, choice: TileChoice,
+                 records: dict | None = None) -> None:
+    """Keeps `choice` under `key` beside the file's other `records` (read when not given;
+    the newest CACHE_ENTRIES stay), written whole to a temporary file and renamed over the
+    old one; a failure is logged, not raised."""
     def plain(v: float) -> float | None:
         return v if math.isfinite(v) else None  # a failed candidate: JSON has no inf
 
@@ -216,7 +222,7 @@ def write_cached(path: Path, key: str, choice: TileChoice) -> None:
               "ms": [[h, b, [[list(t), plain(v)] for t, v in d.items()]]
                      for (h, b), d in choice.ms.items()],
               "errors": dict(choice.errors)}
-    records = _records(path)
+    records = dict(_records(path) if records is None else records)
     records.pop(key, None)
     records[key] = record
     keep = dict(list(records.items())[-CACHE_ENTRIES:])
@@ -233,13 +239,16 @@ def write_cached(path: Path, key: str, choice: TileChoice) -> None:
 
 def tuned_choice(shapes: list[LinearShape], backend: str, device_name: str,
                  measure: TileMeasure, cache: Path | None) -> TileChoice:
-    """The cached choice for these shapes on this device, else choose_tiles' (then kept)."""
-    key = cache_key(shapes, backend, device_name) if cache is not None else ""
-    if cache is not None and (hit := read_cached(cache, key)) is not None:
+    """The cached choice for these shapes on this device, else choose_tiles' (then kept);
+    the file is read once."""
+    if cache is None:
+        return choose_tiles(shapes, backend, measure)
+    key = cache_key(shapes, backend, device_name)
+    records = _records(cache)
+    if (hit := _parsed(records.get(key))) is not None:
         return hit
     choice = choose_tiles(shapes, backend, measure)
-    if cache is not None:
-        write_cached(cache, key, choice)
+    write_cached(cache, key, choice, records)
     return choice
 
 
