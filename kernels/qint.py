@@ -80,10 +80,10 @@ GEMV_MAX_M = 4  # rows up to which Q4_K (and a launch of two types) runs on the 
 # 4096 x 14336, 310 against 486 on the head before the packed code decode that took 16
 # rows from 65 to 46 us). The bits are the same on both paths.
 GEMV_MAX_M_OF = {Q6_K_A: 8}
-# The matrix-unit kernel's tiles, (block_m, block_n, num_warps[, num_stages[, max_regs[,
-# w_stages]]]), by rows of x: the first bound of TILE_BOUNDS that holds picks the tile, the
-# tuned one (TUNED_TILES, set at load by engine/tile_tune.py from measured times of the
-# candidates) or else the first candidate. The sums are exact, so the tile may depend on M and on
+# The matrix-unit kernel's tiles, (block_m, block_n, num_warps[, num_stages[, max_regs]]),
+# by rows of x: the first bound of TILE_BOUNDS that holds picks the tile, the tuned one
+# (TUNED_TILES, set at load by engine/tile_tune.py from measured times of the candidates)
+# or else the first candidate. The sums are exact, so the tile may depend on M and on
 # measurements without changing a bit.
 # Swept on the H200 (int8 kernel, Q4_K 14336 x 4096 and 4096 x 14336, Q6_K 4096 x 14336):
 # 16 x 64 best at 16 rows; 32 x 128 at 32 (43 / 39 / 60 us against 46 / 51 / 67 at
@@ -151,9 +151,6 @@ class QIntConfig(NamedTuple):
     num_warps: int = 4
     num_stages: int | None = None
     max_regs: int | None = None  # the CUDA-core kernel's register cap (NVIDIA's maxnreg)
-    # > 0: the CUDA-core kernel's super-block loop pipelines its weight loads this many
-    # stages deep (asynchronous copies through shared memory); 0: plain loads
-    w_stages: int = 0
 
 
 class QuantX(NamedTuple):
@@ -459,36 +456,24 @@ if HAS_TRITON:
         return tl.sum(tl.where(g == gi, t, 0), axis=1)
 
     @helper
-    def _gemv_sb(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, M, QTYPE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
-        """acc + super-block sb of the rows at row_off."""
-        if QTYPE == 12:  # Q4_K
-            w, head = _ld_q4k(w_ptr, row_off, sb)
-            await_inputs(PDL)
-            acc = _sb_q4k(acc, w, head, sb, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M, PTX)
-        else:
-            ql, qh, sw, d = _ld_q6k(w_ptr, row_off, sb, K)
-            await_inputs(PDL)
-            acc = _sb_q6k(acc, ql, qh, sw, d, sb, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M, PTX)
-        return acc
-
-    @helper
     def _gemv_sbs(acc, w_ptr, row_off, sb0, count, q_ptr, dx_ptr, bs_ptr, K, M,
                   QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, PTX: tl.constexpr,
-                  PDL: tl.constexpr, W_STAGES: tl.constexpr):
+                  PDL: tl.constexpr):
         """acc + super-blocks sb0 .. sb0 + count - 1 (count >= 1) of the rows at row_off.
         The first super-block's words are loaded before the wait for x (await_inputs;
         later waits return at once). (Loading each next super-block's words before the
-        current one's product in registers measured slower, bench/RESULTS.md.) W_STAGES:
-        QIntConfig.w_stages."""
-        if W_STAGES == 0:
-            for i in range(0, count):
-                acc = _gemv_sb(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
-                               QTYPE, BLOCK_M, PTX, PDL)
-        else:
-            for i in tl.range(0, count, num_stages=W_STAGES):
-                acc = _gemv_sb(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
-                               QTYPE, BLOCK_M, PTX, PDL)
+        current one's product measured slower, bench/RESULTS.md.)"""
+        for i in range(0, count):
+            if QTYPE == 12:  # Q4_K
+                w, head = _ld_q4k(w_ptr, row_off, sb0 + i)
+                await_inputs(PDL)
+                acc = _sb_q4k(acc, w, head, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M,
+                              PTX)
+            else:
+                ql, qh, sw, d = _ld_q6k(w_ptr, row_off, sb0 + i, K)
+                await_inputs(PDL)
+                acc = _sb_q6k(acc, ql, qh, sw, d, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
+                              BLOCK_M, PTX)
         return acc
 
     @triton.jit(do_not_specialize=["M", "N"])
@@ -497,7 +482,6 @@ if HAS_TRITON:
         sb_per_split, nsplit, ticket, w2_ptr, n1, row_bytes2,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PTX: tl.constexpr = False, QTYPE2: tl.constexpr = 0, PDL: tl.constexpr = False,
-        W_STAGES: tl.constexpr = 0,
     ):
         """y[m, n] = the product of x's row m (quantized: q, dx, 16-column sums bs) and W's
         row n; grid (N tiles, splits), a program's sum over its range of super-blocks
@@ -517,11 +501,11 @@ if HAS_TRITON:
         if second:
             row_off = tl.where(rn < N, rn - n1, 0).to(tl.int64) * row_bytes2  # past N: row 0
             acc = _gemv_sbs(acc, w2_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
-                            M, QTYPE2, BLOCK_M, PTX, PDL, W_STAGES)
+                            M, QTYPE2, BLOCK_M, PTX, PDL)
         else:
             row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
             acc = _gemv_sbs(acc, w_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
-                            M, QTYPE, BLOCK_M, PTX, PDL, W_STAGES)
+                            M, QTYPE, BLOCK_M, PTX, PDL)
         offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
         finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, offs,
                       (rm < M)[None, :] & (rn < N)[:, None], ticket)
@@ -652,38 +636,25 @@ if HAS_TRITON:
         return tl.fma(isum.to(tl.float32), d[:, None] * dx, acc)
 
     @helper
-    def _mm_sb(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, rx, QTYPE: tl.constexpr,
-               DOT_F64: tl.constexpr, PTX: tl.constexpr, X_MASKS: tl.constexpr):
-        """acc + super-block sb (_mm_q4k or _mm_q6k by QTYPE)."""
-        if QTYPE == 12:  # Q4_K
-            acc = _mm_q4k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, rx, DOT_F64, PTX)
-        else:
-            acc = _mm_q6k(acc, w_ptr, row_off, sb, q_ptr, dx_ptr, bs_ptr, K, rx, PTX, X_MASKS)
-        return acc
-
-    @helper
     def _mm_splits(w_ptr, row_off, rm, q_ptr, dx_ptr, bs_ptr, M, K, sb_per_split,
                    splits_per_program, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_F64: tl.constexpr, PTX: tl.constexpr,
-                   PDL: tl.constexpr, X_MASKS: tl.constexpr, W_STAGES: tl.constexpr):
+                   PDL: tl.constexpr, X_MASKS: tl.constexpr):
         """_qint_mm_kernel's sum (BLOCK_N, BLOCK_M) over its program's splits, of the QTYPE
-        rows at row_off (BLOCK_N,) and x's rows rm (BLOCK_M,). W_STAGES > 0: the
-        super-block loop pipelines the weight loads too, this many stages deep (without,
-        the pipeliner stages only the dots' x tiles; the weights arrive in registers)."""
+        rows at row_off (BLOCK_N,) and x's rows rm (BLOCK_M,)."""
         total = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         rx = tl.minimum(rm, M - 1)  # rows past M repeat the last (their sums not stored)
         await_inputs(PDL)
         for v in range(0, splits_per_program):
             acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # each split starts at 0
             sb0 = (tl.program_id(2) * splits_per_program + v) * sb_per_split
-            if W_STAGES == 0:
-                for i in range(0, sb_per_split):
-                    acc = _mm_sb(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rx,
-                                 QTYPE, DOT_F64, PTX, X_MASKS)
-            else:
-                for i in tl.range(0, sb_per_split, num_stages=W_STAGES):
-                    acc = _mm_sb(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rx,
-                                 QTYPE, DOT_F64, PTX, X_MASKS)
+            for i in range(0, sb_per_split):
+                if QTYPE == 12:  # Q4_K
+                    acc = _mm_q4k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rx,
+                                  DOT_F64, PTX)
+                else:
+                    acc = _mm_q6k(acc, w_ptr, row_off, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, rx,
+                                  PTX, X_MASKS)
             total = tl.where(v == 0, acc, total + acc)  # (p0 + p1) + p2 ..., as split sums
         return total
 
@@ -693,7 +664,7 @@ if HAS_TRITON:
         sb_per_split, nsplit, ticket, splits_per_program, w2_ptr, n1, row_bytes2,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_F64: tl.constexpr = False, PTX: tl.constexpr = False, PDL: tl.constexpr = False,
-        X_MASKS: tl.constexpr = False, QTYPE2: tl.constexpr = 0, W_STAGES: tl.constexpr = 0,
+        X_MASKS: tl.constexpr = False, QTYPE2: tl.constexpr = 0,
     ):
         """The tiled path (many rows of x): grid (M tiles, N tiles, nsplit), else as
         _qint_gemv_kernel, with the same bits (QTYPE2: its second part). A program sums
@@ -712,12 +683,12 @@ if HAS_TRITON:
             row_off = tl.where(rn < N, rn - n1, 0).to(tl.int64) * row_bytes2  # past N: row 0
             acc = _mm_splits(w2_ptr, row_off, rm, q_ptr, dx_ptr, bs_ptr, M, K, sb_per_split,
                              splits_per_program, QTYPE2, BLOCK_M, BLOCK_N, DOT_F64, PTX, PDL,
-                             X_MASKS, W_STAGES)
+                             X_MASKS)
         else:
             row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
             acc = _mm_splits(w_ptr, row_off, rm, q_ptr, dx_ptr, bs_ptr, M, K, sb_per_split,
                              splits_per_program, QTYPE, BLOCK_M, BLOCK_N, DOT_F64, PTX, PDL,
-                             X_MASKS, W_STAGES)
+                             X_MASKS)
         offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
         finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_m * tl.num_programs(1) + pid_n,
                       tl.program_id(2), nsplit, M, N, offs,
@@ -730,8 +701,8 @@ def tile_bound(m: int) -> int:
 
 
 def tiled_tile(m: int, backend: str = "cuda", qtype: int = Q4_K) -> tuple:
-    """The matrix-unit kernel's (block_m, block_n, num_warps[, num_stages[, max_regs[,
-    w_stages]]]) for m rows of x and weights of `qtype` (as held: Q4_K or Q6_K_A)."""
+    """The matrix-unit kernel's (block_m, block_n, num_warps[, num_stages[, max_regs]]) for
+    m rows of x and weights of `qtype` (as held: Q4_K or Q6_K_A)."""
     forced = getattr(_FORCED, "stack", None)
     if forced:
         return forced[-1]
@@ -766,12 +737,6 @@ def compile_options(num_stages: int | None, max_regs: int | None,
     if max_regs is not None and backend == "cuda":
         out["maxnreg"] = max_regs
     return out
-
-
-def w_stages(tile: tuple) -> int:
-    """A tile's sixth field: its weight loads' pipeline depth (_mm_splits' W_STAGES; 0 or
-    unset: plain loads)."""
-    return int(tile[5] or 0) if len(tile) > 5 else 0
 
 
 def tile_options(tile: tuple[int, ...], backend: str) -> dict[str, int]:
@@ -901,7 +866,7 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
         grid = (-(-n // cfg.block_n), cfg.split)
         kernel, extra = _qint_gemv_kernel, {"BLOCK_M": next_pow2(m), "BLOCK_N": cfg.block_n,
                                             "num_warps": cfg.num_warps, "QTYPE2": int(type2),
-                                            "W_STAGES": cfg.w_stages, **stages}
+                                            **stages}
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
     else:
         tile = tiled_tile(m, backend, int(ggml_type))
@@ -914,7 +879,6 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
         kernel, extra = _qint_mm_kernel, {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps,
                                           "DOT_F64": device.type == "cpu",
                                           "X_MASKS": x_masks(bm, backend),
-                                          "W_STAGES": w_stages(tile),
                                           **tile_options(tile, backend)}
         # splits a program sums itself, then the second part (or the first again)
         own = (cfg.split // grid[-1], blocks2, n1, blocks2.shape[1])
@@ -941,7 +905,7 @@ def _tiled_spec(spec: type, name: str, sig: dict, divisible: tuple, qtype: int, 
     opts = tile_options(tile, backend)
     consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": bn, "DOT_F64": False,
               "PTX": backend == "cuda", "PDL": backend == "cuda", "X_MASKS": x_masks(bm, backend),
-              "QTYPE2": qtype2, "W_STAGES": w_stages(tile)}
+              "QTYPE2": qtype2}
     return spec(name, _qint_mm_kernel,
                 {**sig, "splits_per_program": "i32", "w2_ptr": "*u8", "n1": "i32",
                  "row_bytes2": "i32", **{k: "constexpr" for k in consts}},

@@ -55,8 +55,7 @@ TILE_SWEEP = (((16, 64, 4), (16,)), ((16, 64, 4, None, 128), (16,)),
 
 
 def parse_tiles(text: str) -> tuple:
-    """--tiles: 'bm,bn,warps[,stages[,max_regs[,w_stages]]];...' -> TILE_SWEEP's form at 16
-    and 32 rows."""
+    """--tiles: 'bm,bn,warps[,stages[,max_regs]];...' -> TILE_SWEEP's form at 16 and 32 rows."""
     return tuple((tuple(int(v) if v else None for v in t.split(",")), (16, 32))
                  for t in text.split(";") if t)
 
@@ -134,15 +133,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="time TILE_SWEEP's matrix-unit tiles on the swept shapes")
     ap.add_argument("--tiles", default="",
                     help="time these matrix-unit tiles instead of TILE_SWEEP, at 16 and 32 "
-                         "rows: 'bm,bn,warps[,stages[,max_regs[,w_stages]]];...' (an empty "
-                         "field: unset), e.g. '16,64,4,,120;16,128,8;16,64,4,2,96,3'")
+                         "rows: 'bm,bn,warps[,stages[,max_regs]];...' (an empty field: "
+                         "unset), e.g. '16,64,4,,120;16,128,8'")
     ap.add_argument("--splits", default="",
                     help="also time the matrix-unit kernel at 16 and 32 rows with these K "
                          "splits (e.g. 1,2,4,8) on the swept shapes: the split's own cost")
-    ap.add_argument("--gemv-stages", default="",
-                    help="also time the CUDA-core kernel's default configs at 1, 2 and 4 rows "
-                         "with their weight loads pipelined this many stages deep "
-                         "(QIntConfig.w_stages, e.g. 2,3) on the swept shapes")
     ap.add_argument("--tiles-only", action="store_true",
                     help="sweep the matrix-unit kernel's tiles only (not the CUDA-core configs)")
     args = ap.parse_args(argv)
@@ -176,15 +171,6 @@ def main(argv: list[str] | None = None) -> int:
                     for m in (3, 4):
                         out["rows"].append(measure(run, case, "qint", m,
                                                    base._replace(max_regs=regs), ceil))
-            for depth in (int(v) for v in args.gemv_stages.split(",") if v):
-                if (n, k) in swept:
-                    for m in (1, 2, 4):
-                        if m <= qint.gemv_max_m(case.kind):
-                            base = default_qint_config(case.qtype, n, k, run.sms, m=m)
-                            row = measure(run, case, "qint", m, base._replace(w_stages=depth),
-                                          ceil)
-                            row.update(mode="qint-wstages")
-                            out["rows"].append(row)
             for split in (int(v) for v in args.splits.split(",") if v):
                 if (n, k) in swept and (k // 256) % split == 0:
                     for m in (16, 32):

@@ -234,27 +234,6 @@ def test_every_candidate_tile_gives_the_same_bits(interp, rng):
             assert torch.equal(got, want), (m, tile)
 
 
-def test_pipelined_weight_loads_give_the_same_bits(interp, rng):
-    """Both kernels with their weight loads pipelined (QIntConfig.w_stages for the CUDA-core
-    kernel, a tile's sixth field for the matrix-unit one) give the plain loads' bits, for
-    both types and the fused q|k + v launch."""
-    k, n1, n2 = 1024, 64, 40
-    b1, g2 = random_weight(T.Q4_K, n1, k, rng), random_weight(T.Q6_K, n2, k, rng)
-    parts = [(b1, int(T.Q4_K), n1), (repack_q6k(g2, k), Q6_K_A, n2)]
-    x = torch.from_numpy(rng.standard_normal((20, k), dtype=np.float32))
-    for m in (1, 3):
-        want = interp.call("kernels.qint:qint_parts", x[:m], parts, k, QIntConfig(16, 2))
-        got = interp.call("kernels.qint:qint_parts", x[:m], parts, k,
-                          QIntConfig(16, 2, w_stages=3))
-        assert torch.equal(got, want), m
-    want = interp.call("kernels.qint:qint_parts", x, parts, k, QIntConfig(16, 2))
-    check(want[:, :n1], x, b1, T.Q4_K)
-    for depth in (2, 3):
-        got = interp.call("test_qint:parts_with_tile", (16, 64, 4, 2, 96, depth), x, parts, k,
-                          QIntConfig(16, 2))
-        assert torch.equal(got, want), depth
-
-
 def test_rejects_bad_input(interp, rng):
     blocks = random_weight(T.Q4_K, 8, 256, rng)
     with pytest.raises(InvalidRequest, match="no kernel"):
