@@ -92,11 +92,33 @@ def tensor_shapes(spec: SyntheticSpec, vocab_size: int) -> dict[str, tuple[int, 
     return shapes
 
 
+# llama.cpp's fallback for a row length that is not a multiple of the type's block
+# (tensor_type_fallback in src/llama-quant.cpp): 256-blocks go to a 32-block type, and a
+# row that fits no 32-block either is written in F16.
+_BLOCK_FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1,
+                   T.Q6_K: T.Q8_0}
+
+
+def _fit_rows(qtype: int, shape: tuple[int, ...]) -> int:
+    def fits(t: int) -> bool:
+        return shape[-1] % gguf.GGML_QUANT_SIZES[t][0] == 0
+
+    if len(shape) == 1 or fits(qtype):
+        return qtype
+    qtype = _BLOCK_FALLBACK.get(qtype, qtype)
+    return qtype if fits(qtype) else T.F16
+
+
 def _tensor_type(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> int:
-    for suffix, qtype in spec.types.items():  # whole name components: "output.weight" is
-        if name == suffix or name.endswith("." + suffix):  # the head, not attn_output
-            return qtype
-    return T.F32 if len(shape) == 1 else spec.default_type
+    qtype = spec.types.get(name)  # a whole name ("blk.3.attn_v.weight") first
+    if qtype is None:
+        for suffix, t in spec.types.items():  # whole name components: "output.weight" is
+            if name.endswith("." + suffix):  # the head, not attn_output
+                qtype = t
+                break
+        else:
+            qtype = T.F32 if len(shape) == 1 else spec.default_type
+    return _fit_rows(qtype, shape)
 
 
 def copy_vocabulary(writer: gguf.GGUFWriter, vocab_path: str | os.PathLike) -> int:
@@ -177,35 +199,74 @@ PRESETS: dict[str, SyntheticSpec] = {
                                  context_length=32768, rope_base=1000000.0,
                                  sliding_window=512),
 }
-# Quantization recipes by tensor name suffix (whole components), after llama.cpp's: Q4_K_M
-# keeps attn_v and ffn_down in Q6_K (llama.cpp does that on about half the layers: these
-# files are ~5% larger than a real Q4_K_M) and the output layer in Q6_K.
+# Quantization recipes by tensor name suffix (whole components), ".weight" the default for
+# the matrices, after llama.cpp's type choice per tensor (llama_tensor_get_type_impl in
+# src/llama-quant.cpp, llama-cpp-python 0.3.36's vendor/llama.cpp). Its Q4_K_M puts the head
+# (output.weight; token_embd.weight where the embeddings are tied, since it is the head
+# then) in Q6_K, an untied token_embd stays Q4_K, and the rows that fit no 256-block fall
+# back as `_fit_rows` says (gemma3-270m's 640 columns: Q4_K -> Q5_0, Q6_K -> Q8_0).
 RECIPES: dict[str, dict[str, int]] = {
-    "Q4_K_M": {"attn_v.weight": T.Q6_K, "ffn_down.weight": T.Q6_K, "output.weight": T.Q6_K,
-               ".weight": T.Q4_K},
+    "Q4_K_M": {"output.weight": T.Q6_K, ".weight": T.Q4_K},
     "Q8_0": {".weight": T.Q8_0},
     "Q6_K": {".weight": T.Q6_K},
     "BF16": {".weight": T.BF16},
 }
+# Types llama.cpp gives a suffix on the layers where `more_bits_layer` holds. For Q4_K_M:
+# attn_v (its counter of attn_v tensors, which run in block order) and ffn_down (its block
+# index) in Q6_K, whatever the GQA ratio; the other layers keep Q4_K. Not modelled, since no
+# preset has them: 8-expert MoE models (attn_v and attn_k Q8_0, attn_output Q5_K) and the
+# 70B model type (its other attn_v layers Q5_K).
+MORE_BITS: dict[str, dict[str, int]] = {
+    "Q4_K_M": {"attn_v.weight": T.Q6_K, "ffn_down.weight": T.Q6_K},
+}
+
+
+def more_bits_layer(i_layer: int, n_layers: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of the layers and every third
+    one between them (integer eighths, as in C)."""
+    first, last = n_layers // 8, 7 * n_layers // 8
+    return i_layer < first or i_layer >= last or (i_layer - first) % 3 == 2
 
 
 def synthetic_spec(name_quant: str) -> SyntheticSpec:
     """'llama-3.1-8b:Q4_K_M' -> the preset's spec with the recipe's tensor types."""
     name, _, quant = name_quant.partition(":")
-    if name not in PRESETS or (quant or "Q4_K_M") not in RECIPES:
+    quant = quant or "Q4_K_M"
+    if name not in PRESETS or quant not in RECIPES:
         raise ValueError(f"unknown synthetic model {name_quant!r}: models "
                          f"{sorted(PRESETS)}, quantizations {sorted(RECIPES)}")
-    types = {k: v for k, v in RECIPES[quant or "Q4_K_M"].items() if k != ".weight"}
-    return replace(PRESETS[name], types=types,
-                   default_type=RECIPES[quant or "Q4_K_M"][".weight"])
+    preset, recipe = PRESETS[name], RECIPES[quant]
+    types = {k: v for k, v in recipe.items() if k != ".weight"}
+    if preset.tied_embeddings and "output.weight" in recipe:
+        types["token_embd.weight"] = recipe["output.weight"]
+    for suffix, qtype in MORE_BITS.get(quant, {}).items():
+        for i in range(preset.num_layers):
+            if more_bits_layer(i, preset.num_layers):
+                types[f"blk.{i}.{suffix}"] = qtype
+    return replace(preset, types=types, default_type=recipe[".weight"])
+
+
+def _written_as(path: Path, spec: SyntheticSpec) -> bool:
+    """Whether the file at `path` has the spec's tensors: names, shapes and types."""
+    from engine.gguf.reader import MappedReader
+
+    try:
+        found = {t.name: (tuple(int(d) for d in reversed(t.shape)), int(t.tensor_type))
+                 for t in MappedReader(path).tensors}
+    except (OSError, ValueError):
+        return False
+    vocab_size = found.get("token_embd.weight", ((0,), 0))[0][0]
+    return found == {name: (shape, _tensor_type(spec, name, shape))
+                     for name, shape in tensor_shapes(spec, vocab_size).items()}
 
 
 def ensure_synthetic(name_quant: str, vocab_path: str | os.PathLike,
                      cache_dir: str | os.PathLike) -> Path:
-    """The synthetic file for NAME:QUANT in `cache_dir`, written once (seed 0)."""
+    """The synthetic file for NAME:QUANT in `cache_dir`, written once (seed 0); written
+    again where the cached one's tensors are not the recipe's (an earlier recipe's file)."""
     spec = synthetic_spec(name_quant)
     target = Path(cache_dir) / (name_quant.replace(":", "_").replace("/", "_") + ".gguf")
-    if not target.exists():
+    if not (target.exists() and _written_as(target, spec)):
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(".partial")
         write_synthetic_gguf(partial, spec, vocab_path, seed=0)
