@@ -10,10 +10,12 @@ Per variant: the forward step alone (runner.forward timed with a device sync, de
 batches of each concurrency), engine decode at each concurrency (fixed output length,
 ignore_eos) with a per-step breakdown (schedule + batch building, forward launch,
 sampling including the wait for the device) and the ITL policy's state afterwards,
-prefill of each prompt length, and optionally a profile of one eager decode step (kernel
-count, top kernels by device time). A variant or a measurement that fails is recorded
-with its error and the run goes on; the JSON ($OUT/engine_bench.json or --out) is
-rewritten after every variant, so a run cut short keeps what it measured.
+prefill of each prompt length, optionally a profile of one eager decode step (kernel
+count, top kernels by device time), and the Triton kernels built in each phase (those
+built while measured stalled a step: shapes the load-time warm-up missed). A variant or a
+measurement that fails is recorded with its error and the run goes on; the JSON
+($OUT/engine_bench.json or --out) is rewritten after every variant, so a run cut short
+keeps what it measured.
 """
 
 from __future__ import annotations
@@ -232,6 +234,42 @@ def scheduler_state(core) -> dict:
 SAVE: list = []  # main's callback that rewrites the JSON file
 
 
+class BuildLog:
+    """Triton kernel builds (in-process cache misses: a build, or a load from Triton's disk
+    cache) by phase, through Triton's JIT hooks: a build while serving stalls the step that
+    needs it, so builds after the engine's load-time warm-up name the shapes it missed."""
+
+    def __init__(self) -> None:
+        self.phase, self.t0 = "load", time.perf_counter()
+        self.builds: dict[str, list[dict]] = {}
+        self._started: dict[int, float] = {}
+        try:
+            from triton import knobs
+        except ImportError:  # the CPU torch build brings no Triton: nothing is built
+            return
+        knobs.runtime.jit_cache_hook = self._before
+        knobs.runtime.jit_post_compile_hook = self._after
+
+    def _before(self, *, key, **_: object) -> None:
+        self._started[id(key)] = time.perf_counter()
+
+    def _after(self, *, key, repr: str, fn, **_: object) -> None:
+        now = time.perf_counter()
+        started = self._started.pop(id(key), now)
+        self.builds.setdefault(self.phase, []).append(
+            {"kernel": getattr(fn, "name", str(fn)), "s": round(now - started, 3),
+             "at_s": round(now - self.t0, 2), "spec": repr[:400]})
+
+    def start(self, phase: str) -> None:
+        self.phase = phase
+
+    def summary(self) -> dict:
+        """Per phase: the count, the seconds they took, and (past the load) each build."""
+        return {phase: {"count": len(rows), "s": round(sum(r["s"] for r in rows), 2),
+                        **({} if phase == "load" else {"builds": rows})}
+                for phase, rows in self.builds.items()}
+
+
 def attempt(record: dict, key: str, fn, *args):
     """fn(*args) stored under record[key]; an exception is recorded there instead. The
     JSON is rewritten after each figure."""
@@ -258,9 +296,11 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
     out.update({"weights": weights, "cuda_graphs": graphs, "look_ahead": "noahead" not in parts,
                 "tune_tiles": "notune" not in parts})
     t0 = time.perf_counter()
+    builds = BuildLog()
     loaded = load_for(str(path), opts)
     core = build_core(loaded, opts)
     out["load_s"] = round(time.perf_counter() - t0, 1)
+    builds.start("after_load")  # the bench's own forward, profile and capture figures
     if loaded.tile_choice is not None:  # q8: its matrix-unit tiles were timed
         out["tile_choice"] = loaded.tile_choice.as_dict()
         print(f"[{name}] q8 tiles: {out['tile_choice']['tiles']}", flush=True)
@@ -301,8 +341,10 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
     try:
         out["decode"], out["prefill"], out["warmup"] = {}, {}, {}
         temperature = 0.8 if "sampled" in parts else 0.0
+        builds.start("bench_warmup")
         for c in levels:  # warm-up: compiles, captures the buckets the runs will use
             attempt(out["warmup"], str(c), run_batch, engine, prompts(c), 4, temperature)
+        builds.start("measured")  # a build here stalled a measured step
         for c in levels:
             timer.reset()
             row = attempt(out["decode"], str(c), run_batch, engine, prompts(c), args.tokens,
@@ -330,6 +372,10 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
             out["graphs"] = {"error": "graphs off (a capture failed: see the log)"}
     finally:
         engine.stop()
+        out["builds"] = builds.summary()
+        for row in out["builds"].get("measured", {}).get("builds", []):
+            print(f"[{name}] built while measured: {row['kernel']} {row['s']} s at "
+                  f"{row['at_s']} s: {row['spec'][:200]}", flush=True)
 
 
 def summarize(variant: dict) -> None:
