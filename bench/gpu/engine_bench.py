@@ -253,12 +253,35 @@ class BuildLog:
     def _before(self, *, key, **_: object) -> None:
         self._started[id(key)] = time.perf_counter()
 
-    def _after(self, *, key, repr: str, fn, **_: object) -> None:
+    def _after(self, *, key, repr: str, fn, compile: dict, **_: object) -> None:
         now = time.perf_counter()
         started = self._started.pop(id(key), now)
         self.builds.setdefault(self.phase, []).append(
             {"kernel": getattr(fn, "name", str(fn)), "s": round(now - started, 3),
-             "at_s": round(now - self.t0, 2), "spec": repr[:400]})
+             "at_s": round(now - self.t0, 2), "spec": self.specialization(fn, compile, repr)})
+
+    @staticmethod
+    def specialization(fn, compile: dict, repr: str) -> str:
+        """What sets this build apart: each runtime argument's class (an int specialized
+        to 1, divisible by 16 ('/16'), or neither; a pointer's 16-byte alignment) and the
+        constexpr values."""
+        try:
+            names = list(compile["signature"])
+            attrs = compile["configs"][0]
+            declared = set(fn.jit_function.constexprs)
+            parts = []
+            for i, name in enumerate(names):
+                value = compile["constants"].get((i,), compile["constants"].get(name))
+                if i in declared:
+                    parts.append(f"{name}={value}")
+                elif compile["signature"][name] == "constexpr":
+                    parts.append(f"{name}=={value}")  # an int specialized to its value
+                else:
+                    div = any(a[0] == "tt.divisibility" for a in attrs.get((i,), []))
+                    parts.append(f"{name}{'/16' if div else ''}")
+            return " ".join(parts)
+        except Exception:  # the hook's arguments differ in another Triton version
+            return repr[:400]
 
     def start(self, phase: str) -> None:
         self.phase = phase
