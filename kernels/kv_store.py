@@ -128,7 +128,8 @@ if HAS_TRITON:
             rb = tl.arange(0, RP)
             tl.store(p1 + slot * (H * NB) + rb, scale, mask=rb < H * NB)
 
-    @jit
+    # the slots are a slice of the step's slot buffer, at any offset
+    @jit(do_not_specialize_on_alignment=["slot_ptr"])
     def _kv_store_kernel(
         k_ptr, v_ptr, slot_ptr, k0_ptr, k1_ptr, v0_ptr, v1_ptr,
         stride_kt, stride_kh, stride_vt, stride_vh,

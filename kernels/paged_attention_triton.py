@@ -59,7 +59,9 @@ if HAS_TRITON:
             x = tl.reshape(c * sc[:, :, None], (BN, DP))
         return x.to(tl.float16)
 
-    @jit
+    # the page table's width varies with the batch's longest row (engine_bench's build
+    # log: a variant per class of it built while serving)
+    @jit(do_not_specialize=["stride_pt"])
     def _attn_partial_kernel(
         q_ptr, k0_ptr, k1_ptr, v0_ptr, v1_ptr, pt_ptr, pos_ptr, work_ptr, tok_base_ptr,
         m_ptr, l_ptr, acc_ptr, stride_qt, stride_qh, stride_pt, qk_scale, softcap, window,
@@ -124,7 +126,7 @@ if HAS_TRITON:
         tl.store(acc_ptr + out[:, None] * DV + dv[None, :], acc,
                  mask=ok[:, None] & (dv < DV)[None, :])
 
-    @jit
+    @jit(do_not_specialize=["num_tokens"])
     def _attn_merge_kernel(
         m_ptr, l_ptr, acc_ptr, tok_base_ptr, tok_splits_ptr, sink_ptr, out_ptr, num_tokens,
         H: tl.constexpr, HP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,

@@ -142,9 +142,19 @@ def helper(fn: Callable) -> Any:
     return _Helper(fn) if HAS_TRITON else fn
 
 
-def jit(fn: Callable) -> Any:
-    """Decorator for kernels (`triton.jit`); the identity without Triton."""
-    return triton.jit(fn) if HAS_TRITON else fn
+def jit(fn: Callable | None = None, **options: Any) -> Any:
+    """Decorator for kernels (`triton.jit`, `@jit(...)` with its options); the identity
+    without Triton.
+
+    Triton builds a kernel variant per class of each int argument (1, a multiple of 16,
+    any other) and per pointer alignment, and a build stalls the step that first needs it
+    (a second or so). Arguments that vary with the batch (a page table's width, a token
+    count, a slice of per-token slots) are kept out of the specialization
+    (`do_not_specialize`, `do_not_specialize_on_alignment`), so that the load-time warm-up
+    (engine/runner.py) builds every variant a served step takes."""
+    if fn is None:
+        return lambda f: jit(f, **options)
+    return triton.jit(fn, **options) if HAS_TRITON else fn
 
 
 def interpreted(kernel: Any) -> Any:
