@@ -9,6 +9,7 @@ engine/mixed_graphs.py). The CPU path runs the model on the batch as it is.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -32,7 +33,7 @@ from engine.layers.attention import (
 )
 from engine.mixed_graphs import MixedGraphs
 from engine.models.common import DecoderModel
-from kernels.triton_util import next_pow2
+from kernels.triton_util import next_pow2, pdl_enabled, pdl_launches
 
 __all__ = ["ForwardBatch", "ModelRunner"]
 
@@ -43,6 +44,13 @@ log = logging.getLogger(__name__)
 # 16 or not, each beside the other's classes.
 WARM_UP_SHAPES = ((0, 0, 0), (0, 15, 1), (1, 15, 0), (1, 1, 1), (15, 15, 0), (15, 14, 1),
                   (16, 15, 0))
+# Then mixed steps of the mixed graphs' sizes (65-128 and 129-256 rows: the matrix
+# kernels' other tile and split classes) and with decode rows whose keys split (attention's
+# partials and their merge, as every row past a split's keys and every mixed graph's
+# decode rows take): (decode rows, prefill tokens, the decode rows' context; 0: one token
+# past two key splits, or the longest context if shorter). engine_bench's build log lists
+# what a run still built while serving.
+WARM_UP_MIXED = ((15, 64, 2), (16, 160, 2), (16, 16, 0), (1, 15, 0))
 
 
 class ModelRunner:
@@ -165,32 +173,47 @@ class ModelRunner:
         Shapes: a prefill chunk (`chunk` rounded up to a multiple of 16, at least 32:
         qmatmul's tiled path, or 15 tokens less) from position 0 and continuing after
         `chunk` tokens, alone and beside 1, 15 and 16 decode rows, so that row and token
-        counts each take every class. K/V go to pages taken from the pool and given back.
+        counts each take every class; then WARM_UP_MIXED; where launches can be
+        programmatic dependent ones, all of them again as such (the mixed graphs' captures
+        launch them so). K/V go to pages taken from the pool and given back.
         -> the seconds it took (0.0 on the CPU path, which builds nothing)."""
         if not self.triton:
             return 0.0
         start = time.perf_counter()
+        device = torch.device(self.model.device)
         whole = max(32, -(-chunk // 16) * 16)
-        for rows, fewer, after in WARM_UP_SHAPES:
-            tokens, at = whole - fewer, whole * after
-            seqs = [SeqPages(self.pool) for _ in range(rows + 1)]
-            try:
-                for s in seqs[1:]:
-                    s.ensure(2)
-                seqs[0].ensure(at + tokens)
-                spans = [([0] * tokens, at)] + [([0], 1)] * rows
-                tables = {g: [s.table(g) for s in seqs] for g in self.pool.groups}
-                self.forward_eager(ForwardBatch.build(spans, tables))
-            except OutOfKVPages:  # a small pool: this shape builds at first use
-                log.warning("warm-up skipped %d decode rows beside %d prefill tokens: too "
-                            "few KV pages", rows, tokens)
-            finally:
-                for s in seqs:
-                    s.free()
+        long = min(self.max_context, 2 * max(attn_config(layer, device).split_keys
+                                             for layer in self._layers.values()) + 1)
+        shapes = [(rows, whole - fewer, whole * after, 2)
+                  for rows, fewer, after in WARM_UP_SHAPES]
+        shapes += [(rows, tokens, 0, ctx or long) for rows, tokens, ctx in WARM_UP_MIXED]
+        for pdl in (False, True) if pdl_enabled(device) else (False,):
+            # the second time as the mixed graphs' captures launch (their PDL variants)
+            with pdl_launches() if pdl else contextlib.nullcontext():
+                for rows, tokens, at, ctx in shapes:
+                    self._warm_step(rows, tokens, at, ctx)
         self.prepare_graphs(context)
-        if torch.device(self.model.device).type == "cuda":
+        if device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
         return time.perf_counter() - start
+
+    def _warm_step(self, rows: int, tokens: int, at: int, context: int) -> None:
+        """One eager step: `tokens` prefill tokens from position `at` beside `rows` decode
+        rows of `context` tokens, on pages taken from the pool and given back."""
+        seqs = [SeqPages(self.pool) for _ in range(rows + 1)]
+        try:
+            for s in seqs[1:]:
+                s.ensure(context)
+            seqs[0].ensure(at + tokens)
+            spans = [([0] * tokens, at)] + [([0], context - 1)] * rows
+            tables = {g: [s.table(g) for s in seqs] for g in self.pool.groups}
+            self.forward_eager(ForwardBatch.build(spans, tables))
+        except OutOfKVPages:  # a small pool: this shape builds at first use
+            log.warning("warm-up skipped %d decode rows of %d tokens beside %d prefill "
+                        "tokens: too few KV pages", rows, context, tokens)
+        finally:
+            for s in seqs:
+                s.free()
 
     def _splits_up_to(self, context: int) -> list[dict[str, int]]:
         """Every distinct splits dict of decode steps whose longest row has at most

@@ -31,9 +31,11 @@ and interpreted functions when the interpreter calls them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -61,6 +63,7 @@ __all__ = [
     "launcher",
     "next_pow2",
     "pdl_enabled",
+    "pdl_launches",
     "tl",
     "triton",
 ]
@@ -192,6 +195,22 @@ class _PDLLaunch:
         return lambda *args, **kwargs: run(*args, PDL=True, launch_pdl=True, **kwargs)
 
 
+_PDL_EAGER = threading.local()  # pdl_launches' switch, per thread
+
+
+@contextlib.contextmanager
+def pdl_launches() -> Iterator[None]:
+    """Inside, this thread's launches take the programmatic dependent launch as inside a
+    graph capture (where `pdl_enabled`): the load-time warm-up builds the PDL variants that
+    graph captures of mixed steps would otherwise build while serving."""
+    before = getattr(_PDL_EAGER, "on", False)
+    _PDL_EAGER.on = True
+    try:
+        yield
+    finally:
+        _PDL_EAGER.on = before
+
+
 def launcher(kernel: Any, device: torch.device) -> Any:
     """What to launch for tensors on `device`: compiled on a GPU, interpreted on the CPU;
     a kernel with a `PDL` parameter launches as a programmatic dependent launch where
@@ -201,6 +220,7 @@ def launcher(kernel: Any, device: torch.device) -> Any:
     if device.type == "cpu":
         return interpreted(kernel)
     fn = compiled(kernel)
-    if "PDL" in fn.arg_names and pdl_enabled(device) and torch.cuda.is_current_stream_capturing():
+    if "PDL" in fn.arg_names and pdl_enabled(device) and (
+            torch.cuda.is_current_stream_capturing() or getattr(_PDL_EAGER, "on", False)):
         return _PDLLaunch(fn)
     return fn

@@ -186,9 +186,12 @@ def test_warm_up_runs_each_step_class_and_gives_its_pages_back(model, monkeypatc
     # chunks of 48 (a multiple of 16, qmatmul's tiled path), 33 and 47 tokens, from 0 or
     # after 48 tokens, alone and beside 1, 15 and 16 decode rows: rows 1, 2, 16, 17 and
     # token counts a multiple of 16 or not
+    # then WARM_UP_MIXED as far as 24 pages a group hold them: 15 decode rows beside 64
+    # tokens (79 rows: past the 64-row tiles), one decode row of the longest context (96
+    # tokens here: the key split's 513 is past it) beside 15 tokens
     assert seen == [(1, 48, [0, 1], 48), (1, 33, [48, 49], 81), (2, 34, [0, 1], 33),
                     (2, 48, [48, 49], 95), (16, 48, [0, 1], 33), (16, 49, [48, 49], 82),
-                    (17, 49, [0, 1], 33)]
+                    (17, 49, [0, 1], 33), (16, 79, [0, 1], 64), (2, 16, [0, 1], 96)]
     rows = {r for r, *_ in seen}
     assert {r % 16 == 0 for r in rows} == {True, False} and 1 in rows
     assert {t % 16 == 0 for _, t, *_ in seen} == {True, False}
@@ -233,7 +236,24 @@ def test_warm_up_batches_run_through_the_model(model, monkeypatch):
     monkeypatch.setattr(runner, "forward_eager", cpu_forward)
     monkeypatch.setattr(runner, "prepare_graphs", lambda context=1: 0)
     runner.warm_up(chunk=40)
-    assert shapes == [1, 1, 2, 2, 16, 16, 17]
+    assert shapes == [1, 1, 2, 2, 16, 16, 17, 16, 2]
+    assert _free_pages(runner) == free
+
+
+def test_warm_up_mixed_steps_reach_key_splits(model, monkeypatch):
+    """With pages enough, every WARM_UP_MIXED shape runs: 79 and 176 rows (the matrix
+    kernels' classes past 64 rows), and decode rows one token past two key splits
+    (attention's partials and merge), 16 of them and one."""
+    from kernels.paged_attention_plan import SPLIT_KEYS
+
+    runner = ModelRunner(model, 700, 16, "f16", cuda_graphs=True, max_context=1024,
+                         capture=FakeCapture())
+    free = _free_pages(runner)
+    seen, _ = _record_warm_up(runner, monkeypatch)
+    runner.warm_up(chunk=40)
+    long = 2 * SPLIT_KEYS + 1
+    assert seen[7:] == [(16, 79, [0, 1], 64), (17, 176, [0, 1], 160),
+                        (17, 32, [0, 1], long), (2, 16, [0, 1], long)]
     assert _free_pages(runner) == free
 
 

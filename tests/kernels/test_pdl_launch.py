@@ -56,6 +56,30 @@ def test_no_flags_where_disabled_not_taken_or_not_captured(gpu):
     assert plain.calls == takes.calls == eager.calls == [((1,), (1,), {})]
 
 
+def test_pdl_launches_outside_a_capture_for_the_warm_up(gpu):
+    """Inside pdl_launches (the load-time warm-up building the mixed graphs' variants) a
+    launch takes PDL as in a capture, where it is enabled; after it, eager launches are
+    plain again, and another thread's never change."""
+    import threading
+
+    gpu["capturing"] = False
+    inside, after, other = (_Fake(["x_ptr", "PDL"]) for _ in range(3))
+    with triton_util.pdl_launches():
+        triton_util.launcher(inside, torch.device("cuda", 0))[(1,)](1)
+        thread = threading.Thread(
+            target=lambda: triton_util.launcher(other, torch.device("cuda", 0))[(1,)](1))
+        thread.start()
+        thread.join()
+    triton_util.launcher(after, torch.device("cuda", 0))[(1,)](1)
+    assert inside.calls == [((1,), (1,), {"PDL": True, "launch_pdl": True})]
+    assert after.calls == other.calls == [((1,), (1,), {})]
+    gpu["on"] = False
+    off = _Fake(["x_ptr", "PDL"])
+    with triton_util.pdl_launches():
+        triton_util.launcher(off, torch.device("cuda", 0))[(1,)](1)
+    assert off.calls == [((1,), (1,), {})]
+
+
 def test_pdl_needs_cuda_sm90_and_can_be_turned_off(monkeypatch):
     triton_util.pdl_enabled.cache_clear()
     monkeypatch.setattr(torch.version, "hip", None)
