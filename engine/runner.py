@@ -182,8 +182,9 @@ class ModelRunner:
         start = time.perf_counter()
         device = torch.device(self.model.device)
         whole = max(32, -(-chunk // 16) * 16)
-        long = min(self.max_context, 2 * max(attn_config(layer, device).split_keys
-                                             for layer in self._layers.values()) + 1)
+        split = max((attn_config(layer, device).split_keys for layer in self._layers.values()),
+                    default=0)
+        long = min(self.max_context, 2 * split + 1)
         shapes = [(rows, whole - fewer, whole * after, 2)
                   for rows, fewer, after in WARM_UP_SHAPES]
         shapes += [(rows, tokens, 0, ctx or long) for rows, tokens, ctx in WARM_UP_MIXED]
