@@ -35,7 +35,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -209,9 +209,29 @@ def _parsed(record) -> TileChoice | None:
     return TileChoice(backend, tiles, ms, errors, cached=True)
 
 
-def write_cached(path: Path, key: str, choice: TileChoice,
-                 records: dict | None = None) -> None:
-    """Keeps `choice` under `key` beside the file's other `records` (read when not given;
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Holds an exclusive lock on `path`'s ".lock" neighbour (flock: released when the
+    holder exits, killed too), so that two processes' writes of the file do not drop each
+    other's records; without one (no flock, an unwritable folder) it goes on unlocked."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_name(path.name + ".lock"), os.O_CREAT | os.O_RDWR, 0o644)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def write_cached(path: Path, key: str, choice: TileChoice) -> None:
+    """Keeps `choice` under `key` beside the file's other records as they are now (read
+    again under the file's lock: another process may have written since this one read;
     the newest CACHE_ENTRIES stay), written whole to a temporary file and renamed over the
     old one; a failure is logged, not raised."""
     def plain(v: float) -> float | None:
@@ -222,33 +242,33 @@ def write_cached(path: Path, key: str, choice: TileChoice,
               "ms": [[h, b, [[list(t), plain(v)] for t, v in d.items()]]
                      for (h, b), d in choice.ms.items()],
               "errors": dict(choice.errors)}
-    records = dict(_records(path) if records is None else records)
-    records.pop(key, None)
-    records[key] = record
-    keep = dict(list(records.items())[-CACHE_ENTRIES:])
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(keep))
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("q8 tile cache %s not written (%s): the next load times again", path, exc)
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+    with _locked(path):
+        records = _records(path)
+        records.pop(key, None)
+        records[key] = record
+        keep = dict(list(records.items())[-CACHE_ENTRIES:])
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(keep))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("q8 tile cache %s not written (%s): the next load times again", path,
+                        exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
 
 
 def tuned_choice(shapes: list[LinearShape], backend: str, device_name: str,
                  measure: TileMeasure, cache: Path | None) -> TileChoice:
-    """The cached choice for these shapes on this device, else choose_tiles' (then kept);
-    the file is read once."""
+    """The cached choice for these shapes on this device, else choose_tiles' (then kept)."""
     if cache is None:
         return choose_tiles(shapes, backend, measure)
     key = cache_key(shapes, backend, device_name)
-    records = _records(cache)
-    if (hit := _parsed(records.get(key))) is not None:
+    if (hit := read_cached(cache, key)) is not None:
         return hit
     choice = choose_tiles(shapes, backend, measure)
-    write_cached(cache, key, choice, records)
+    write_cached(cache, key, choice)
     return choice
 
 

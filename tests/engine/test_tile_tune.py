@@ -185,7 +185,41 @@ def test_a_bad_cache_file_is_a_miss_and_an_unwritable_one_is_no_error(tmp_path, 
     with caplog.at_level("WARNING"):
         choice = tuned_choice(SHAPES, "cuda", "H200", fake({}), blocked / "q8_tiles.json")
     assert not choice.cached and "not written" in caplog.text
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "q8_tiles.json"]  # no tmp
+    # no temporary file left (the lock file stays, as flock wants)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "q8_tiles.json",
+                                                           "q8_tiles.json.lock"]
+
+
+def test_a_record_written_meanwhile_by_another_process_is_kept(tmp_path):
+    """Two loads timing at once (the server and `mbufo inspect`, say): the one that writes
+    last keeps the other's record, written while it was timing, and the writes are
+    serialized by the file's lock."""
+    import multiprocessing
+
+    cache = tmp_path / "q8_tiles.json"
+    measure = fake({})
+
+    def timing_while_another_writes(tile, ggml_type, n, k, m):
+        if not cache.exists():  # the first candidate: another process tunes and writes
+            ctx = multiprocessing.get_context("spawn")
+            proc = ctx.Process(target=_tune_elsewhere, args=(str(cache),))
+            proc.start()
+            proc.join(60)
+            assert proc.exitcode == 0
+        return measure(tile, ggml_type, n, k, m)
+
+    tuned_choice(SHAPES, "cuda", "H200", timing_while_another_writes, cache)
+    assert set(json.loads(cache.read_text())) == {cache_key(SHAPES, "cuda", "H200"),
+                                                  cache_key(SHAPES, "cuda", "MI300X")}
+    assert tuned_choice(SHAPES, "cuda", "MI300X", fake({}, calls := []), cache).cached
+    assert not calls
+
+
+def _tune_elsewhere(path: str) -> None:
+    """Another process's load: tunes for another device and writes the same file."""
+    from pathlib import Path
+
+    tuned_choice(SHAPES, "cuda", "MI300X", fake({}), Path(path))
 
 
 def test_the_cache_path_setting(tmp_path, monkeypatch):
