@@ -188,13 +188,9 @@ def _records(path: Path) -> dict:
 def read_cached(path: Path, key: str) -> TileChoice | None:
     """The choice kept under `key`, or None (missing, or not a valid record of today's
     candidates)."""
-    return _parsed(_records(path).get(key))
-
-
-def _parsed(record) -> TileChoice | None:
-    """A cache record as a TileChoice; None unless a valid one of today's candidates."""
     from kernels.qint import TILE_CANDIDATES
 
+    record = _records(path).get(key)
     try:
         backend = record["backend"]
         tiles = {(int(held), int(bound)): tuple(tile) for held, bound, tile in record["tiles"]}
@@ -217,7 +213,6 @@ def _locked(path: Path) -> Iterator[None]:
     try:
         import fcntl
 
-        path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path.with_name(path.name + ".lock"), os.O_CREAT | os.O_RDWR, 0o644)
     except (ImportError, OSError):
         yield
@@ -243,20 +238,18 @@ def write_cached(path: Path, key: str, choice: TileChoice) -> None:
                      for (h, b), d in choice.ms.items()],
               "errors": dict(choice.errors)}
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    with _locked(path):
-        records = _records(path)
-        records.pop(key, None)
-        records[key] = record
-        keep = dict(list(records.items())[-CACHE_ENTRIES:])
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(keep))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(path):
+            records = _records(path)
+            records.pop(key, None)
+            records[key] = record
+            tmp.write_text(json.dumps(dict(list(records.items())[-CACHE_ENTRIES:])))
             os.replace(tmp, path)
-        except OSError as exc:
-            log.warning("q8 tile cache %s not written (%s): the next load times again", path,
-                        exc)
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("q8 tile cache %s not written (%s): the next load times again", path, exc)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def tuned_choice(shapes: list[LinearShape], backend: str, device_name: str,
