@@ -9,7 +9,6 @@ engine/mixed_graphs.py). The CPU path runs the model on the batch as it is.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 
@@ -174,8 +173,9 @@ class ModelRunner:
         qmatmul's tiled path, or 15 tokens less) from position 0 and continuing after
         `chunk` tokens, alone and beside 1, 15 and 16 decode rows, so that row and token
         counts each take every class; then WARM_UP_MIXED; where launches can be
-        programmatic dependent ones, all of them again as such (the mixed graphs' captures
-        launch them so). K/V go to pages taken from the pool and given back.
+        programmatic dependent ones, those of them that a mixed graph holds again as such
+        (its captures launch them so; eager steps do not). K/V go to pages taken from the
+        pool and given back.
         -> the seconds it took (0.0 on the CPU path, which builds nothing)."""
         if not self.triton:
             return 0.0
@@ -188,11 +188,16 @@ class ModelRunner:
         shapes = [(rows, whole - fewer, whole * after, 2)
                   for rows, fewer, after in WARM_UP_SHAPES]
         shapes += [(rows, tokens, 0, ctx or long) for rows, tokens, ctx in WARM_UP_MIXED]
-        for pdl in (False, True) if pdl_enabled(device) else (False,):
-            # the second time as the mixed graphs' captures launch (their PDL variants)
-            with pdl_launches() if pdl else contextlib.nullcontext():
+        for rows, tokens, at, ctx in shapes:
+            self._warm_step(rows, tokens, at, ctx)
+        if pdl_enabled(device) and self.mixed is not None:
+            # again as the mixed graphs' captures launch (their PDL variants): the shapes a
+            # mixed graph holds (eager steps launch without PDL)
+            with pdl_launches():
                 for rows, tokens, at, ctx in shapes:
-                    self._warm_step(rows, tokens, at, ctx)
+                    if rows + tokens <= self.mixed.buckets[-1] \
+                            and rows + 1 <= self.mixed.max_rows:
+                        self._warm_step(rows, tokens, at, ctx)
         self.prepare_graphs(context)
         if device.type == "cuda":
             torch.cuda.synchronize(self.model.device)

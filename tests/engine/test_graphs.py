@@ -257,6 +257,41 @@ def test_warm_up_mixed_steps_reach_key_splits(model, monkeypatch):
     assert _free_pages(runner) == free
 
 
+def test_warm_up_pdl_pass_runs_only_what_a_mixed_graph_holds(model, monkeypatch):
+    """Where launches can be programmatic dependent ones, the shapes a mixed graph holds
+    (tokens and decode rows within its largest bucket) run a second time as such, and no
+    chunk larger than that (eager steps launch without PDL); without mixed graphs, none."""
+    from types import SimpleNamespace
+
+    from engine import runner as runner_mod
+    from engine.mixed_graphs import TOKEN_BUCKETS
+    from kernels import triton_util
+
+    runner = ModelRunner(model, 700, 16, "f16", cuda_graphs=True, max_context=1024,
+                         capture=FakeCapture())
+    # the mixed graphs' sizes as the Triton path builds them (the CPU path has none)
+    runner.mixed = SimpleNamespace(buckets=TOKEN_BUCKETS, max_rows=runner.graphs.buckets[-1])
+    free = _free_pages(runner)
+    seen, _ = _record_warm_up(runner, monkeypatch)
+    pdl = []
+    eager = runner.forward_eager
+    monkeypatch.setattr(runner, "forward_eager", lambda b: (
+        pdl.append(getattr(triton_util._PDL_EAGER, "on", False)), eager(b)))
+    monkeypatch.setattr(runner_mod, "pdl_enabled", lambda device: True)
+    runner.warm_up(chunk=400)
+    first = [s for s, on in zip(seen, pdl, strict=True) if not on]
+    second = [s for s, on in zip(seen, pdl, strict=True) if on]
+    assert len(first) == len(runner_mod.WARM_UP_SHAPES) + len(runner_mod.WARM_UP_MIXED)
+    assert second == [s for s in first if s[1] <= TOKEN_BUCKETS[-1]]  # (rows, tokens..)
+    assert second == first[-len(runner_mod.WARM_UP_MIXED):]  # the 400-token chunks left
+    assert _free_pages(runner) == free
+    runner.mixed = None
+    seen.clear()
+    pdl.clear()
+    runner.warm_up(chunk=400)
+    assert seen and not any(pdl)
+
+
 def test_a_dropped_runner_frees_its_graphs_without_a_collection(model):
     """The graphs' step functions hold the model, not the runner: dropping a runner frees
     it (and its graphs' CUDA resources, on a GPU) at once, never later in a collection that
