@@ -42,7 +42,7 @@ if HAS_TRITON:
     try:
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl
-        from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+        from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
         HAS_GLUON = True
     except ImportError:  # a Triton without Gluon
@@ -132,15 +132,36 @@ if HAS_GLUON:
         acc = gl.fma(isum.to(gl.float32), _f16lo(w0)[:, None] * dx, acc)
         return gl.fma(-msum, _f16lo(w0 >> 16)[:, None] * dx, acc)
 
-    @gluon.jit(do_not_specialize=["M", "N", "sb_per_split", "nsplit"])
-    def _qint_mma_q4k_kernel(
-        q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
-        sb_per_split, nsplit, ticket, WARPS: gl.constexpr, RPW: gl.constexpr = 16,
-        KW: gl.constexpr = 8, UNROLL: gl.constexpr = 2, XSMEM: gl.constexpr = True,
-    ):
-        """y[m, n] for x's rows m < M (<= 16) and W's rows n; grid (N / (16 WARPS), nsplit),
-        the splits' partials added in split order by the last program of a tile (as
-        qgemv.finish_splits)."""
+    @gluon.jit
+    def _finish(acc, cc, rr, y_ptr, part_ptr, ticket_ptr, M, N, split, nsplit, ticket, pid_n):
+        """Stores a program's sums as qgemv.finish_splits: into y unsplit, else into its
+        split's partials, the last of the tile's programs adding them in split order."""
+        offs = cc.to(gl.int64)[None, :] * N + rr[:, None]
+        mask = (cc < M)[None, :] & (rr < N)[:, None]
+        if nsplit == 1:
+            gl.store(y_ptr + offs, acc, mask=mask)
+        else:
+            plane = M.to(gl.int64) * N
+            gl.store(part_ptr + split * plane + offs, acc, mask=mask)
+            if ticket != 0:
+                gl.thread_barrier()
+                arrived = gl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+                if arrived == nsplit - 1:
+                    total = gl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                    for s in range(1, nsplit):
+                        total += gl.load(part_ptr + s * plane + offs, mask=mask, other=0.0,
+                                         cache_modifier=".cg")
+                    gl.store(y_ptr + offs, total, mask=mask)
+                    gl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+    @gluon.jit
+    def _tile_q4k(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K,
+                  row_bytes, sb_per_split, nsplit, ticket, pid_n, split, x_smem,
+                  WARPS: gl.constexpr, RPW: gl.constexpr, KW: gl.constexpr,
+                  UNROLL: gl.constexpr, XSMEM: gl.constexpr):
+        """One work item: W's rows of tile pid_n times x over split `split`'s super-blocks,
+        stored (finish)."""
         BN: gl.constexpr = RPW * WARPS
         BM: gl.constexpr = 16
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
@@ -151,8 +172,6 @@ if HAS_GLUON:
         B16: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         ROW: gl.constexpr = gl.SliceLayout(1, MMA)
         COL: gl.constexpr = gl.SliceLayout(0, MMA)
-        pid_n = gl.program_id(0)
-        split = gl.program_id(1)
         nsb = K // 256
         # weight codes (BN, 32) in the s8 A fragment's layout
         ra = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, A8))
@@ -184,8 +203,6 @@ if HAS_GLUON:
         # B fragments' 8-byte reads of a half warp fall in distinct banks
         XSB: gl.constexpr = 8
         XL: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [WARPS, 1], [1, 0])
-        x_smem = gl.allocate_shared_memory(gl.int8, [XSB, BM, 256],
-                                           gl.SwizzledSharedLayout(32, 1, 8, order=[1, 0]))
         xs_r = gl.minimum(gl.arange(0, BM, layout=gl.SliceLayout(1, XL)), M - 1)
         xs_c = gl.arange(0, 256, layout=gl.SliceLayout(0, XL))
         x_off2 = (xs_r.to(gl.int64) * K)[:, None] + xs_c[None, :]
@@ -215,28 +232,161 @@ if HAS_GLUON:
                                    q_ptr + b_off, x_smem.index(i + two), bs_ptr + s_off,
                                    dx_ptr + cx * nsb, sub, zi, zf, B8, XSMEM)
                     acc = gl.where(two != 0, acc2, acc)
-        offs = cc.to(gl.int64)[None, :] * N + rr[:, None]
-        mask = (cc < M)[None, :] & (rr < N)[:, None]
-        if nsplit == 1:
-            gl.store(y_ptr + offs, acc, mask=mask)
+        _finish(acc, cc, rr, y_ptr, part_ptr, ticket_ptr, M, N, split, nsplit, ticket, pid_n)
+
+    @gluon.jit(do_not_specialize=["M", "N", "sb_per_split", "nsplit", "tiles"])
+    def _qint_mma_q4k_kernel(
+        q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
+        sb_per_split, nsplit, ticket, tiles, WARPS: gl.constexpr, RPW: gl.constexpr = 16,
+        KW: gl.constexpr = 8, UNROLL: gl.constexpr = 2, XSMEM: gl.constexpr = True,
+        PERSIST: gl.constexpr = False,
+    ):
+        """y[m, n] for x's rows m < M (<= 16) and W's rows n: the work items (N tile,
+        split) as grid (tiles, nsplit), or PERSIST: each program takes every grid-th item
+        (the items split-major); the splits' partials added in split order by the last
+        program of a tile (as qgemv.finish_splits)."""
+        x_smem = gl.allocate_shared_memory(gl.int8, [8, 16, 256],
+                                           gl.SwizzledSharedLayout(32, 1, 8, order=[1, 0]))
+        if PERSIST:
+            for w in range(gl.program_id(0), tiles * nsplit, gl.num_programs(0)):
+                _tile_q4k(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K,
+                          row_bytes, sb_per_split, nsplit, ticket, w % tiles, w // tiles,
+                          x_smem, WARPS, RPW, KW, UNROLL, XSMEM)
         else:
-            plane = M.to(gl.int64) * N
-            gl.store(part_ptr + split * plane + offs, acc, mask=mask)
-            if ticket != 0:
-                gl.thread_barrier()
-                arrived = gl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-                if arrived == nsplit - 1:
-                    total = gl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                    for s in range(1, nsplit):
-                        total += gl.load(part_ptr + s * plane + offs, mask=mask, other=0.0,
-                                         cache_modifier=".cg")
-                    gl.store(y_ptr + offs, total, mask=mask)
-                    gl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+            _tile_q4k(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K,
+                      row_bytes, sb_per_split, nsplit, ticket, gl.program_id(0),
+                      gl.program_id(1), x_smem, WARPS, RPW, KW, UNROLL, XSMEM)
+    @gluon.jit
+    def _issue(codes, heads, buf, c_src, h_src, sb, ok, cols, hrows):
+        """Asynchronous copies of super-block sb's codes (BN, 128) and its 4 head words
+        (BN,) each into stage `buf`; nothing where not `ok` (past the chunk)."""
+        on = ok.to(gl.int32)
+        async_copy.async_copy_global_to_shared(codes.index(buf), c_src + sb * 144,
+                                               mask=(cols < 128 * on)[None, :])
+        for j in gl.static_range(4):
+            async_copy.async_copy_global_to_shared(heads.index(buf * 4 + j),
+                                                   h_src + (sb * 36 + j),
+                                                   mask=hrows < hrows.shape[0] * on)
+
+    @gluon.jit
+    def _sb_staged(acc, codes, heads, buf, xs, bss, dxs, sub, zi, zf, A8: gl.constexpr,
+                   B8: gl.constexpr, B16: gl.constexpr, ROW: gl.constexpr, COL: gl.constexpr,
+                   FROW: gl.constexpr):
+        """acc + one super-block from shared memory: codes (BN, 128), head words (stage
+        `buf`'s 4 rows of BN), x's codes (BM, 256), 16-column sums (BM, 16), scales (BM,)."""
+        w0 = heads.index(buf * 4).load(ROW)
+        w1 = heads.index(buf * 4 + 1).load(ROW)
+        w3 = heads.index(buf * 4 + 3).load(ROW)
+        isum = zi
+        for g in gl.static_range(4):
+            lo, hi = _nibbles(codes.slice(32 * g, 32, dim=1).load(A8))
+            da = mma_v2(lo, xs.slice(64 * g, 32, dim=1).permute([1, 0]).load(B8), zi)
+            db = mma_v2(hi, xs.slice(64 * g + 32, 32, dim=1).permute([1, 0]).load(B8), zi)
+            isum += _six(w1, w3, 2 * g, 0).to(gl.int32)[:, None] * da
+            isum += _six(w1, w3, 2 * g + 1, 0).to(gl.int32)[:, None] * db
+        m2 = heads.index(buf * 4 + 2).load(FROW)[:, None]
+        m3 = heads.index(buf * 4 + 3).load(FROW)[:, None]
+        mins = _six_t(m2, m3, sub, 4).to(gl.float16)
+        msum = mma_v2(mins, bss.permute([1, 0]).load(B16), zf)
+        dx = dxs.load(COL)[None, :]
+        acc = gl.fma(isum.to(gl.float32), _f16lo(w0)[:, None] * dx, acc)
+        return gl.fma(-msum, _f16lo(w0 >> 16)[:, None] * dx, acc)
+
+    @gluon.jit(do_not_specialize=["M", "N", "sb_per_split", "nsplit"])
+    def _qint_mma_q4k_async_kernel(
+        q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
+        sb_per_split, nsplit, ticket, WARPS: gl.constexpr, RPW: gl.constexpr = 16,
+        STAGES: gl.constexpr = 4,
+    ):
+        """_qint_mma_q4k_kernel with the weights copied asynchronously into shared memory,
+        STAGES - 1 super-blocks ahead of the products, and x's codes, sums and scales
+        staged there too: every operand comes from shared memory."""
+        BN: gl.constexpr = RPW * WARPS
+        BM: gl.constexpr = 16
+        XSB: gl.constexpr = 8
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
+                                                      instr_shape=[16, 8])
+        A8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
+        B8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
+        A16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        B16: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        ROW: gl.constexpr = gl.SliceLayout(1, MMA)
+        COL: gl.constexpr = gl.SliceLayout(0, MMA)
+        FROW: gl.constexpr = gl.SliceLayout(1, A16)
+        CL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0])
+        HL: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        XL: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [WARPS, 1], [1, 0])
+        SL: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [WARPS, 1], [1, 0])
+        DL: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        pid_n = gl.program_id(0)
+        split = gl.program_id(1)
+        nsb = K // 256
+        sb0 = split * sb_per_split
+        # the copies' sources: codes (BN, 128) 16 bytes a thread, head words (4, BN)
+        rc = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, CL))
+        cols = gl.arange(0, 128, layout=gl.SliceLayout(0, CL))
+        c_src = w_ptr + (gl.where(rc < N, rc, 0).to(gl.int64) * row_bytes)[:, None] + 16 \
+            + cols[None, :]
+        hrows = gl.arange(0, BN, layout=HL)
+        rh = pid_n * BN + hrows
+        w32 = w_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+        h_src = w32 + gl.where(rh < N, rh, 0).to(gl.int64) * (row_bytes // 4)
+        # stages: codes swizzled by 16-byte pieces (the A fragments' 8-byte reads of a half
+        # warp in distinct banks), head words one row of BN a word
+        codes = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 128],
+                                          gl.SwizzledSharedLayout(16, 1, 8, order=[1, 0]))
+        heads = gl.allocate_shared_memory(gl.int32, [STAGES * 4, BN],
+                                          gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        x_smem = gl.allocate_shared_memory(gl.int8, [XSB, BM, 256],
+                                           gl.SwizzledSharedLayout(32, 1, 8, order=[1, 0]))
+        bs_smem = gl.allocate_shared_memory(gl.float16, [XSB, BM, 16],
+                                            gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        dx_smem = gl.allocate_shared_memory(gl.float32, [XSB, BM],
+                                            gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        xr = gl.minimum(gl.arange(0, BM, layout=gl.SliceLayout(1, XL)), M - 1)
+        x_src = q_ptr + (xr.to(gl.int64) * K)[:, None] \
+            + gl.arange(0, 256, layout=gl.SliceLayout(0, XL))[None, :]
+        sr = gl.minimum(gl.arange(0, BM, layout=gl.SliceLayout(1, SL)), M - 1)
+        s_src = bs_ptr + (sr.to(gl.int64) * gl.multiple_of(K // 16, 16))[:, None] \
+            + gl.arange(0, 16, layout=gl.SliceLayout(0, SL))[None, :]
+        d_src = dx_ptr + gl.minimum(gl.arange(0, BM, layout=DL), M - 1) * nsb
+        jf = gl.arange(0, 16, layout=gl.SliceLayout(0, A16))
+        sub = (jf // 2)[None, :]
+        acc = gl.zeros((BN, BM), gl.float32, MMA)
+        zi = gl.zeros((BN, BM), gl.int32, MMA)
+        zf = gl.zeros((BN, BM), gl.float32, MMA)
+        for c in range(0, sb_per_split, XSB):
+            cnt = gl.minimum(sb_per_split - c, XSB)
+            first = sb0 + c
+            for s in gl.static_range(STAGES - 1):
+                _issue(codes, heads, s, c_src, h_src, first + s, s < cnt, cols, hrows)
+                async_copy.commit_group()
+            gl.thread_barrier()  # the last chunk's reads of x are done
+            for j in gl.static_range(XSB):
+                if j < cnt:
+                    x_smem.index(j).store(gl.load(x_src + (first + j) * 256))
+                    bs_smem.index(j).store(gl.load(s_src + (first + j) * 16))
+                    dx_smem.index(j).store(gl.load(d_src + first + j))
+            for i in range(0, cnt):
+                async_copy.wait_group(STAGES - 2)  # this thread's copies of super-block i
+                gl.thread_barrier()  # everyone's; and the stage read last is free
+                nxt = i + STAGES - 1
+                _issue(codes, heads, nxt % STAGES, c_src, h_src, first + nxt, nxt < cnt, cols,
+                       hrows)
+                async_copy.commit_group()
+                acc = _sb_staged(acc, codes.index(i % STAGES), heads, i % STAGES,
+                                 x_smem.index(i), bs_smem.index(i), dx_smem.index(i), sub, zi,
+                                 zf, A8, B8, B16, ROW, COL, FROW)
+            async_copy.wait_group(0)
+        cc = gl.arange(0, BM, layout=COL)
+        rr = pid_n * BN + gl.arange(0, BN, layout=ROW)
+        _finish(acc, cc, rr, y_ptr, part_ptr, ticket_ptr, M, N, split, nsplit, ticket, pid_n)
 
 
 def qint_mma_launch(xq, blocks, n: int, k: int, split: int, *, warps: int = 4,
                     rows_per_warp: int = 16, k_width: int = 8, tickets=None,
-                    unroll: int = 2, xsmem: bool = True):
+                    unroll: int = 2, xsmem: bool = True, stages: int = 0,
+                    programs: int = 0, max_regs: int | None = None):
     """y (M, n) float32 = xq's rows (M <= 16) times the Q4_K rows `blocks` (n, k / 256 *
     144): `split` ranges of super-blocks, their partials added by the last program of each
     tile where `tickets` (qgemv's counters) are given, else by qmatmul.sum_splits."""
@@ -248,10 +398,17 @@ def qint_mma_launch(xq, blocks, n: int, k: int, split: int, *, warps: int = 4,
     tiles = -(-n // bn)
     part = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=y.device)
     use_ticket = tickets is not None and split > 1
-    _qint_mma_q4k_kernel[(tiles, split)](
-        *xq, blocks, y, part, tickets if use_ticket else y, m, n, k, blocks.shape[1],
-        k // 256 // split, split, int(use_ticket), WARPS=warps, RPW=rows_per_warp,
-        KW=k_width, UNROLL=unroll, XSMEM=xsmem, num_warps=warps)
+    args = (*xq, blocks, y, part, tickets if use_ticket else y, m, n, k, blocks.shape[1],
+            k // 256 // split, split, int(use_ticket))
+    if stages:  # the asynchronous copies' kernel
+        _qint_mma_q4k_async_kernel[(tiles, split)](*args, WARPS=warps, RPW=rows_per_warp,
+                                                   STAGES=stages, num_warps=warps)
+    else:
+        grid = (min(programs, tiles * split),) if programs else (tiles, split)
+        extra = {"maxnreg": max_regs} if max_regs else {}
+        _qint_mma_q4k_kernel[grid](*args, tiles, WARPS=warps, RPW=rows_per_warp, KW=k_width,
+                                   UNROLL=unroll, XSMEM=xsmem, PERSIST=bool(programs),
+                                   num_warps=warps, **extra)
     if split > 1 and not use_ticket:
         from kernels.qmatmul import sum_splits
 

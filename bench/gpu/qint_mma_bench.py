@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--variants", default=";".join((
-        "4,16,8,2,0", "4,16,8,2,1", "4,16,8,1,1", "8,16,8,2,1", "4,32,8,2,1", "2,16,8,2,1")))
+        "4,16,8,2,1", "4,16,8,2,1,0,0,96", "4,16,8,2,1,0,4", "4,16,8,2,1,0,5,96",
+        "4,16,8,2,1,0,6,80", "8,16,8,2,1,0,2")))
     ap.add_argument("--splits", default="", help="extra split factors (x the default)")
     ap.add_argument("--rows", default="16,9")
     ap.add_argument("--smoke", action="store_true")
@@ -78,12 +79,16 @@ def main(argv: list[str] | None = None) -> int:
             splits = [cfg.split] + [cfg.split * int(f) for f in args.splits.split(",") if f
                                     if (k // 256) % (cfg.split * int(f)) == 0]
             for var in variants:
-                warps, rpw, kw, unroll, xs = (*var, *(2, 1)[len(var) - 3:])
+                full = (*var, *(2, 1, 0, 0, 0)[len(var) - 3:])
+                warps, rpw, kw, unroll, xs, st, per_sm, regs = full
                 for split in splits:
-                    tag = f"w{warps}_r{rpw}_k{kw}_u{unroll}_x{xs}_s{split}"
+                    tag = (f"w{warps}_r{rpw}_k{kw}_u{unroll}_x{xs}_s{split}" if not st
+                           else f"w{warps}_r{rpw}_async{st}_s{split}")
+                    tag += (f"_p{per_sm}" if per_sm else "") + (f"_reg{regs}" if regs else "")
                     call = partial(qint_mma.qint_mma_launch, xq, n=n, k=k, split=split,
                                    warps=warps, rows_per_warp=rpw, k_width=kw, tickets=tickets,
-                                   unroll=unroll, xsmem=bool(xs))
+                                   unroll=unroll, xsmem=bool(xs), stages=st,
+                                   programs=per_sm * run.sms, max_regs=regs or None)
                     y = run.attempt(f"{n}x{k} m{m} {tag}", lambda c=call, b=blocks: c(b))
                     if y is None:
                         continue

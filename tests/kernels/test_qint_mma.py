@@ -17,7 +17,7 @@ from kernels.triton_util import HAS_TRITON
 SIGNATURE = {"q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*fp16", "w_ptr": "*u8",
              "y_ptr": "*fp32", "part_ptr": "*fp32", "ticket_ptr": "*i32", "M": "i32",
              "N": "i32", "K": "i32", "row_bytes": "i32", "sb_per_split": "i32",
-             "nsplit": "i32", "ticket": "i32"}
+             "nsplit": "i32", "ticket": "i32", "tiles": "i32"}
 ALIGNED = ("q_ptr", "dx_ptr", "bs_ptr", "w_ptr", "y_ptr", "part_ptr", "ticket_ptr", "K",
            "row_bytes")
 
@@ -29,7 +29,7 @@ def build(**consts):
     from kernels import aot
     from kernels.triton_util import triton
 
-    consts = {"RPW": 16, "KW": 8, "UNROLL": 2, "XSMEM": True, **consts}
+    consts = {"RPW": 16, "KW": 8, "UNROLL": 2, "XSMEM": True, "PERSIST": False, **consts}
     sig = {**SIGNATURE, **{k: "constexpr" for k in consts}}
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED}
@@ -40,7 +40,8 @@ def build(**consts):
 
 
 @pytest.mark.parametrize("consts", [{"WARPS": 4}, {"WARPS": 4, "XSMEM": False, "UNROLL": 1},
-                                    {"WARPS": 4, "RPW": 32}, {"WARPS": 8}],
+                                    {"WARPS": 4, "RPW": 32}, {"WARPS": 8},
+                                    {"WARPS": 4, "PERSIST": True}],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_builds_for_sm90_on_the_matrix_unit(consts):
     """Every super-block: 8 sub-blocks x 2 halves of x's rows as s8 m16n8k32 products (a
