@@ -257,9 +257,11 @@ if HAS_GLUON:
                       row_bytes, sb_per_split, nsplit, ticket, gl.program_id(0),
                       gl.program_id(1), x_smem, WARPS, RPW, KW, UNROLL, XSMEM)
     @gluon.jit
-    def _issue(codes, heads, buf, c_src, h_src, sb, ok, cols, hrows):
-        """Asynchronous copies of super-block sb's codes (BN, 128) and its 4 head words
-        (BN,) each into stage `buf`; nothing where not `ok` (past the chunk)."""
+    def _issue(codes, heads, xs, bss, dxs, buf, c_src, h_src, x_src, s_src, d_src, sb, ok,
+               cols, hrows, xcols, scols, drows):
+        """Asynchronous copies of super-block sb's operands into stage `buf`: the codes
+        (BN, 128), the 4 head words (BN,) each, x's codes (BM, 256), 16-column sums
+        (BM, 16) and scales (BM,); nothing where not `ok` (past the split)."""
         on = ok.to(gl.int32)
         async_copy.async_copy_global_to_shared(codes.index(buf), c_src + sb * 144,
                                                mask=(cols < 128 * on)[None, :])
@@ -267,6 +269,12 @@ if HAS_GLUON:
             async_copy.async_copy_global_to_shared(heads.index(buf * 4 + j),
                                                    h_src + (sb * 36 + j),
                                                    mask=hrows < hrows.shape[0] * on)
+        async_copy.async_copy_global_to_shared(xs.index(buf), x_src + sb * 256,
+                                               mask=(xcols < 256 * on)[None, :])
+        async_copy.async_copy_global_to_shared(bss.index(buf), s_src + sb * 16,
+                                               mask=(scols < 16 * on)[None, :])
+        async_copy.async_copy_global_to_shared(dxs.index(buf), d_src + sb,
+                                               mask=drows < drows.shape[0] * on)
 
     @gluon.jit
     def _sb_staged(acc, codes, heads, buf, xs, bss, dxs, sub, zi, zf, A8: gl.constexpr,
@@ -296,14 +304,13 @@ if HAS_GLUON:
     def _qint_mma_q4k_async_kernel(
         q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
         sb_per_split, nsplit, ticket, WARPS: gl.constexpr, RPW: gl.constexpr = 16,
-        STAGES: gl.constexpr = 4,
+        STAGES: gl.constexpr = 3,
     ):
-        """_qint_mma_q4k_kernel with the weights copied asynchronously into shared memory,
-        STAGES - 1 super-blocks ahead of the products, and x's codes, sums and scales
-        staged there too: every operand comes from shared memory."""
+        """_qint_mma_q4k_kernel with every operand of a super-block (weights, x's codes,
+        sums and scales) copied asynchronously into shared memory, STAGES - 1 super-blocks
+        ahead of the products."""
         BN: gl.constexpr = RPW * WARPS
         BM: gl.constexpr = 16
-        XSB: gl.constexpr = 8
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
                                                       instr_shape=[16, 8])
         A8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
@@ -317,12 +324,12 @@ if HAS_GLUON:
         HL: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
         XL: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [WARPS, 1], [1, 0])
         SL: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [WARPS, 1], [1, 0])
-        DL: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
         pid_n = gl.program_id(0)
         split = gl.program_id(1)
         nsb = K // 256
         sb0 = split * sb_per_split
-        # the copies' sources: codes (BN, 128) 16 bytes a thread, head words (4, BN)
+        # the copies' sources: codes 16 bytes a thread, head words, x's codes 16 bytes a
+        # thread, sums 4 bytes, scales
         rc = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, CL))
         cols = gl.arange(0, 128, layout=gl.SliceLayout(0, CL))
         c_src = w_ptr + (gl.where(rc < N, rc, 0).to(gl.int64) * row_bytes)[:, None] + 16 \
@@ -331,53 +338,47 @@ if HAS_GLUON:
         rh = pid_n * BN + hrows
         w32 = w_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         h_src = w32 + gl.where(rh < N, rh, 0).to(gl.int64) * (row_bytes // 4)
-        # stages: codes swizzled by 16-byte pieces (the A fragments' 8-byte reads of a half
-        # warp in distinct banks), head words one row of BN a word
+        xr = gl.minimum(gl.arange(0, BM, layout=gl.SliceLayout(1, XL)), M - 1)
+        xcols = gl.arange(0, 256, layout=gl.SliceLayout(0, XL))
+        x_src = q_ptr + (xr.to(gl.int64) * K)[:, None] + xcols[None, :]
+        sr = gl.minimum(gl.arange(0, BM, layout=gl.SliceLayout(1, SL)), M - 1)
+        scols = gl.arange(0, 16, layout=gl.SliceLayout(0, SL))
+        s_src = bs_ptr + (sr.to(gl.int64) * gl.multiple_of(K // 16, 16))[:, None] \
+            + scols[None, :]
+        drows = gl.arange(0, BM, layout=HL)
+        d_src = dx_ptr + gl.minimum(drows, M - 1) * nsb
+        # stages: codes and x's codes swizzled (the fragments' 8-byte reads of a half warp
+        # in distinct banks), head words one row of BN a word
         codes = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 128],
                                           gl.SwizzledSharedLayout(16, 1, 8, order=[1, 0]))
         heads = gl.allocate_shared_memory(gl.int32, [STAGES * 4, BN],
                                           gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        x_smem = gl.allocate_shared_memory(gl.int8, [XSB, BM, 256],
-                                           gl.SwizzledSharedLayout(32, 1, 8, order=[1, 0]))
-        bs_smem = gl.allocate_shared_memory(gl.float16, [XSB, BM, 16],
-                                            gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        dx_smem = gl.allocate_shared_memory(gl.float32, [XSB, BM],
-                                            gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        xr = gl.minimum(gl.arange(0, BM, layout=gl.SliceLayout(1, XL)), M - 1)
-        x_src = q_ptr + (xr.to(gl.int64) * K)[:, None] \
-            + gl.arange(0, 256, layout=gl.SliceLayout(0, XL))[None, :]
-        sr = gl.minimum(gl.arange(0, BM, layout=gl.SliceLayout(1, SL)), M - 1)
-        s_src = bs_ptr + (sr.to(gl.int64) * gl.multiple_of(K // 16, 16))[:, None] \
-            + gl.arange(0, 16, layout=gl.SliceLayout(0, SL))[None, :]
-        d_src = dx_ptr + gl.minimum(gl.arange(0, BM, layout=DL), M - 1) * nsb
+        xs = gl.allocate_shared_memory(gl.int8, [STAGES, BM, 256],
+                                       gl.SwizzledSharedLayout(32, 1, 8, order=[1, 0]))
+        bss = gl.allocate_shared_memory(gl.float16, [STAGES, BM, 16],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        dxs = gl.allocate_shared_memory(gl.float32, [STAGES, BM],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         jf = gl.arange(0, 16, layout=gl.SliceLayout(0, A16))
         sub = (jf // 2)[None, :]
         acc = gl.zeros((BN, BM), gl.float32, MMA)
         zi = gl.zeros((BN, BM), gl.int32, MMA)
         zf = gl.zeros((BN, BM), gl.float32, MMA)
-        for c in range(0, sb_per_split, XSB):
-            cnt = gl.minimum(sb_per_split - c, XSB)
-            first = sb0 + c
-            for s in gl.static_range(STAGES - 1):
-                _issue(codes, heads, s, c_src, h_src, first + s, s < cnt, cols, hrows)
-                async_copy.commit_group()
-            gl.thread_barrier()  # the last chunk's reads of x are done
-            for j in gl.static_range(XSB):
-                if j < cnt:
-                    x_smem.index(j).store(gl.load(x_src + (first + j) * 256))
-                    bs_smem.index(j).store(gl.load(s_src + (first + j) * 16))
-                    dx_smem.index(j).store(gl.load(d_src + first + j))
-            for i in range(0, cnt):
-                async_copy.wait_group(STAGES - 2)  # this thread's copies of super-block i
-                gl.thread_barrier()  # everyone's; and the stage read last is free
-                nxt = i + STAGES - 1
-                _issue(codes, heads, nxt % STAGES, c_src, h_src, first + nxt, nxt < cnt, cols,
-                       hrows)
-                async_copy.commit_group()
-                acc = _sb_staged(acc, codes.index(i % STAGES), heads, i % STAGES,
-                                 x_smem.index(i), bs_smem.index(i), dx_smem.index(i), sub, zi,
-                                 zf, A8, B8, B16, ROW, COL, FROW)
-            async_copy.wait_group(0)
+        for s in gl.static_range(STAGES - 1):
+            _issue(codes, heads, xs, bss, dxs, s, c_src, h_src, x_src, s_src, d_src, sb0 + s,
+                   s < sb_per_split, cols, hrows, xcols, scols, drows)
+            async_copy.commit_group()
+        for i in range(0, sb_per_split):
+            async_copy.wait_group(STAGES - 2)  # this thread's copies of super-block i
+            gl.thread_barrier()  # everyone's; and the stage read last is free
+            nxt = i + STAGES - 1
+            _issue(codes, heads, xs, bss, dxs, nxt % STAGES, c_src, h_src, x_src, s_src, d_src,
+                   sb0 + nxt, nxt < sb_per_split, cols, hrows, xcols, scols, drows)
+            async_copy.commit_group()
+            buf = i % STAGES
+            acc = _sb_staged(acc, codes.index(buf), heads, buf, xs.index(buf), bss.index(buf),
+                             dxs.index(buf), sub, zi, zf, A8, B8, B16, ROW, COL, FROW)
+        async_copy.wait_group(0)
         cc = gl.arange(0, BM, layout=COL)
         rr = pid_n * BN + gl.arange(0, BN, layout=ROW)
         _finish(acc, cc, rr, y_ptr, part_ptr, ticket_ptr, M, N, split, nsplit, ticket, pid_n)
@@ -400,12 +401,12 @@ def qint_mma_launch(xq, blocks, n: int, k: int, split: int, *, warps: int = 4,
     use_ticket = tickets is not None and split > 1
     args = (*xq, blocks, y, part, tickets if use_ticket else y, m, n, k, blocks.shape[1],
             k // 256 // split, split, int(use_ticket))
+    extra = {"maxnreg": max_regs} if max_regs else {}
     if stages:  # the asynchronous copies' kernel
         _qint_mma_q4k_async_kernel[(tiles, split)](*args, WARPS=warps, RPW=rows_per_warp,
-                                                   STAGES=stages, num_warps=warps)
+                                                   STAGES=stages, num_warps=warps, **extra)
     else:
         grid = (min(programs, tiles * split),) if programs else (tiles, split)
-        extra = {"maxnreg": max_regs} if max_regs else {}
         _qint_mma_q4k_kernel[grid](*args, tiles, WARPS=warps, RPW=rows_per_warp, KW=k_width,
                                    UNROLL=unroll, XSMEM=xsmem, PERSIST=bool(programs),
                                    num_warps=warps, **extra)

@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--variants", default=";".join((
-        "4,16,8,2,1", "4,16,8,2,1,0,0,96", "4,16,8,2,1,0,4", "4,16,8,2,1,0,5,96",
-        "4,16,8,2,1,0,6,80", "8,16,8,2,1,0,2")))
+        "4,16,8,1,1,2", "2,16,8,1,1,2", "4,16,8,1,1,2,0,64", "4,16,8,1,1,3,0,80",
+        "2,16,8,1,1,3", "8,16,8,1,1,2")))
     ap.add_argument("--splits", default="", help="extra split factors (x the default)")
     ap.add_argument("--rows", default="16,9")
     ap.add_argument("--smoke", action="store_true")
