@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
@@ -849,6 +850,19 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
+def mma_path(m: int, qtype: int, qtype2: int, backend: str, device: torch.device) -> bool:
+    """Whether a matrix-unit launch runs kernels/qint_mma.py's Gluon kernel instead of
+    _qint_mm_kernel (the same bits, 20-25% faster at the model's Q4_K shapes at 16 rows on
+    the H200): Q4_K alone, up to 16 rows of x, on NVIDIA, with Gluon, unless MBUFO_QINT_MMA=0
+    or a tile is forced (the tuner and benches time _qint_mm_kernel's tiles)."""
+    from kernels import qint_mma
+
+    return (device.type == "cuda" and backend == "cuda" and qtype == Q4_K and not qtype2
+            and m <= qint_mma.MMA_ROWS and qint_mma.HAS_GLUON
+            and not getattr(_FORCED, "stack", None)
+            and os.environ.get("MBUFO_QINT_MMA", "1") != "0")
+
+
 def gemv_max_m(qtype: int) -> int:
     """The most rows of x a weight of `qtype` multiplies on the CUDA cores."""
     return GEMV_MAX_M_OF.get(int(qtype), GEMV_MAX_M)
@@ -868,6 +882,13 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
                                             "num_warps": cfg.num_warps, "QTYPE2": int(type2),
                                             **stages}
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
+    elif mma_path(m, int(ggml_type), int(type2), backend, device):
+        from kernels.qint_mma import WARPS, qint_mma_launch
+
+        tiles = -(-n // (16 * WARPS))
+        return qint_mma_launch(xq, blocks, n, k, cfg.split,
+                               _tickets(device) if tiles <= _TICKETS else None,
+                               launch=lambda kernel: launcher(kernel, device))
     else:
         tile = tiled_tile(m, backend, int(ggml_type))
         bm, bn, warps = tile[:3]

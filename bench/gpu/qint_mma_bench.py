@@ -1,12 +1,12 @@
-"""kernels/qint_mma.py (Gluon, operands loaded into mma.sync registers) against qint's
+"""kernels/qint_mma.py (Gluon, asynchronous copies into mma.sync fragments) against qint's
 matrix-unit kernel on the GPU, Q4_K at Llama-3.1-8B's shapes and 9-16 rows of x.
 
-    python3 bench/gpu/qint_mma_bench.py [--variants 4,16,8;2,16,8] [--out DIR]
+    python3 bench/gpu/qint_mma_bench.py [--variants 4,2;4,3;8,2] [--out DIR]
 
-Each variant (warps, rows a warp, k_width) is checked bit for bit against qint_triton's
-output at the same split, and against the float64 reference of kernels.qint (within 2^-16
-|W| |x_q|); times are CUDA-graph replays over weight copies that miss the L2, as
-qint_bench. Writes $OUT/qint_mma_bench.json.
+Each variant (warps, stages) is checked bit for bit against _qint_mm_kernel's output at
+its default 16-row tile (forced: qint_triton itself takes the Gluon kernel) and against the
+float64 reference of kernels.qint (within 2^-16 |W| |x_q|); times are CUDA-graph replays
+over weight copies that miss the L2, as qint_bench. Writes $OUT/qint_mma_bench.json.
 """
 
 from __future__ import annotations
@@ -40,9 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--budget-s", type=float, default=300.0)
-    ap.add_argument("--variants", default=";".join((
-        "4,16,8,1,1,2", "2,16,8,1,1,2", "4,16,8,1,1,2,0,64", "4,16,8,1,1,3,0,80",
-        "2,16,8,1,1,3", "8,16,8,1,1,2")))
+    ap.add_argument("--variants", default="4,2;4,3;2,2;8,2")
     ap.add_argument("--splits", default="", help="extra split factors (x the default)")
     ap.add_argument("--rows", default="16,9")
     ap.add_argument("--smoke", action="store_true")
@@ -71,24 +69,21 @@ def main(argv: list[str] | None = None) -> int:
         for m in rows:
             xq = qint.quantize_x(x[:m])
             cfg = qint.default_qint_config(qint.Q4_K, n, k, run.sms, m=m)
-            old = qint.qint_triton(x[:m], blocks, qint.Q4_K, (n, k), xq=xq)
+            def old_call(b, xm=x[:m], xqm=xq, nk=(n, k)):
+                with qint.forced_tile(qint.TILE_CANDIDATES["cuda"][16][0]):
+                    return qint.qint_triton(xm, b, qint.Q4_K, nk, xq=xqm)
+
+            old = old_call(blocks)
             row = {"n": n, "k": k, "m": m, "split": cfg.split}
             if m == 16:
-                row["old_us"] = run.time_us([partial(qint.qint_triton, x[:m], b, qint.Q4_K,
-                                                     (n, k), xq=xq) for b in copies])
+                row["old_us"] = run.time_us([partial(old_call, b) for b in copies])
             splits = [cfg.split] + [cfg.split * int(f) for f in args.splits.split(",") if f
                                     if (k // 256) % (cfg.split * int(f)) == 0]
-            for var in variants:
-                full = (*var, *(2, 1, 0, 0, 0)[len(var) - 3:])
-                warps, rpw, kw, unroll, xs, st, per_sm, regs = full
+            for warps, stages in variants:
                 for split in splits:
-                    tag = (f"w{warps}_r{rpw}_k{kw}_u{unroll}_x{xs}_s{split}" if not st
-                           else f"w{warps}_r{rpw}_async{st}_s{split}")
-                    tag += (f"_p{per_sm}" if per_sm else "") + (f"_reg{regs}" if regs else "")
+                    tag = f"w{warps}_st{stages}_s{split}"
                     call = partial(qint_mma.qint_mma_launch, xq, n=n, k=k, split=split,
-                                   warps=warps, rows_per_warp=rpw, k_width=kw, tickets=tickets,
-                                   unroll=unroll, xsmem=bool(xs), stages=st,
-                                   programs=per_sm * run.sms, max_regs=regs or None)
+                                   tickets=tickets, warps=warps, stages=stages)
                     y = run.attempt(f"{n}x{k} m{m} {tag}", lambda c=call, b=blocks: c(b))
                     if y is None:
                         continue

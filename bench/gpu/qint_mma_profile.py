@@ -1,10 +1,10 @@
 """One Gluon Q4_K launch shape (kernels/qint_mma.py), run repeatedly, for a profiler.
 
     ncu --clock-control none -k regex:_qint --launch-skip 3 --launch-count 1 \\
-        python3 bench/gpu/qint_mma_profile.py --n 28672 --k 4096 --variant 4,16,2,1,0
+        python3 bench/gpu/qint_mma_profile.py --n 28672 --k 4096 --variant 4,2
 
---variant: warps, rows a warp, unroll, x staged (0/1), stages (0: registers; else the
-asynchronous copies' kernel); `--qint` launches qint's own matrix-unit kernel instead.
+--variant: warps, stages; `--qint` launches qint's own matrix-unit kernel (its default
+16-row tile) instead.
 Random blocks, 16 rows of x quantized once, qint's default split. Prints the mean time of
 `--reps` graph-free launches (a rough timing without the profiler).
 """
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=28672)
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--m", type=int, default=16)
-    ap.add_argument("--variant", default="4,16,2,1,0")
+    ap.add_argument("--variant", default="4,2")
     ap.add_argument("--qint", action="store_true")
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args(argv)
@@ -41,15 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.randn(args.m, args.k, device=run.dev, generator=run.gen)
     xq = qint.quantize_x(x)
     split = qint.default_qint_config(qint.Q4_K, args.n, args.k, run.sms, m=args.m).split
-    warps, rpw, unroll, xs, stages = (int(v) for v in args.variant.split(","))
+    warps, stages = (int(v) for v in args.variant.split(","))
     if args.qint:
         def call():
-            return qint.qint_triton(x, blocks, qint.Q4_K, (args.n, args.k), xq=xq)
+            with qint.forced_tile(qint.TILE_CANDIDATES["cuda"][16][0]):
+                return qint.qint_triton(x, blocks, qint.Q4_K, (args.n, args.k), xq=xq)
     else:
         def call():
-            return qint_mma.qint_mma_launch(xq, blocks, args.n, args.k, split, warps=warps,
-                                            rows_per_warp=rpw, unroll=unroll, xsmem=bool(xs),
-                                            stages=stages, tickets=_tickets(run.dev))
+            return qint_mma.qint_mma_launch(xq, blocks, args.n, args.k, split,
+                                            _tickets(run.dev), warps=warps, stages=stages)
     call()
     torch.cuda.synchronize()
     start = time.perf_counter()

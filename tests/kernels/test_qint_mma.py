@@ -1,8 +1,11 @@
 """kernels/qint_mma.py: the Gluon mma.sync Q4_K kernel builds for sm_90 on the CPU (its
-products on the matrix unit, nothing spilled), and on the GPU gives qint's bits and the
-definition's sums (gguf-py's dequantized weights in float64)."""
+products on the matrix unit, its operands by cp.async, nothing spilled), qint takes it
+where it should, and on the GPU it gives qint's bits and the definition's sums (gguf-py's
+dequantized weights in float64)."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -17,7 +20,7 @@ from kernels.triton_util import HAS_TRITON
 SIGNATURE = {"q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*fp16", "w_ptr": "*u8",
              "y_ptr": "*fp32", "part_ptr": "*fp32", "ticket_ptr": "*i32", "M": "i32",
              "N": "i32", "K": "i32", "row_bytes": "i32", "sb_per_split": "i32",
-             "nsplit": "i32", "ticket": "i32", "tiles": "i32"}
+             "nsplit": "i32", "ticket": "i32"}
 ALIGNED = ("q_ptr", "dx_ptr", "bs_ptr", "w_ptr", "y_ptr", "part_ptr", "ticket_ptr", "K",
            "row_bytes")
 
@@ -29,7 +32,7 @@ def build(**consts):
     from kernels import aot
     from kernels.triton_util import triton
 
-    consts = {"RPW": 16, "KW": 8, "UNROLL": 2, "XSMEM": True, "PERSIST": False, **consts}
+    consts = {"WARPS": qint_mma.WARPS, "STAGES": qint_mma.STAGES, "PDL": False, **consts}
     sig = {**SIGNATURE, **{k: "constexpr" for k in consts}}
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED}
@@ -39,28 +42,58 @@ def build(**consts):
     return kernel, aot._cubin_resources(kernel.asm["cubin"])
 
 
-@pytest.mark.parametrize("consts", [{"WARPS": 4}, {"WARPS": 4, "XSMEM": False, "UNROLL": 1},
-                                    {"WARPS": 4, "RPW": 32}, {"WARPS": 8},
-                                    {"WARPS": 4, "PERSIST": True}],
-                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("consts", [{}, {"PDL": True}, {"STAGES": 3}, {"WARPS": 8}],
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "default")
 def test_builds_for_sm90_on_the_matrix_unit(consts):
-    """Every super-block: 8 sub-blocks x 2 halves of x's rows as s8 m16n8k32 products (a
-    warp's RPW rows: RPW / 16 times that), the mins as f16 m16n8k16 products; no spills."""
+    """A super-block: 8 sub-blocks x 2 halves of x's rows as s8 m16n8k32 products, the
+    mins as 2 f16 m16n8k16 ones, its operands by cp.async (16-byte copies of the codes and
+    x's codes); the PDL build waits for the previous kernel; nothing spilled, and the
+    default leaves 6 programs a multiprocessor (registers and shared memory)."""
     assert HAS_TRITON and qint_mma.HAS_GLUON, "CI installs Triton 3.6, which has Gluon"
     kernel, res = build(**consts)
     ptx = kernel.asm["ptx"]
-    per_sb = (1 + (consts.get("UNROLL", 2) == 2)) * consts.get("RPW", 16) // 16
-    assert ptx.count("mma.sync.aligned.m16n8k32.row.col.satfinite.s32.s8.s8.s32") == 16 * per_sb
-    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 2 * per_sb
+    assert ptx.count("mma.sync.aligned.m16n8k32.row.col.satfinite.s32.s8.s8.s32") == 16
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 2
+    copies = {w: len(re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], "
+                                + w + r"\b", ptx)) for w in ("0x4", "0x8", "0x10")}
+    if consts.get("WARPS", 4) == 4:  # a thread's 16-byte copies: 4 of the codes, 2 of x's,
+        # at the prologue's STAGES - 1 issues and the loop's; the head words, sums and
+        # scales 4 bytes
+        sites = consts.get("STAGES", qint_mma.STAGES)
+        assert copies == {"0x4": 6 * sites, "0x8": 0, "0x10": 6 * sites}, copies
+    assert ("griddepcontrol.wait" in ptx) == consts.get("PDL", False)
     if res:  # Triton's cuobjdump was found
-        assert res["stack_bytes"] == 0 and res["regs"] <= 168, res
+        assert res["stack_bytes"] == 0, res
+    if not consts:
+        assert res.get("regs", 0) <= 80 and kernel.metadata.shared <= 32 * 1024, (
+            res, kernel.metadata.shared)
+
+
+def test_engine_takes_it_for_q4k_up_to_16_rows_on_nvidia(monkeypatch):
+    """qint's matrix-unit launches of Q4_K alone at up to 16 rows on NVIDIA take it; more
+    rows, another type, a second part, HIP, the CPU, a forced tile (the tuner) or
+    MBUFO_QINT_MMA=0 keep _qint_mm_kernel."""
+    from kernels.qint import Q6_K_A, forced_tile, mma_path
+
+    cuda, q4 = torch.device("cuda"), int(T.Q4_K)
+    assert mma_path(16, q4, 0, "cuda", cuda) and mma_path(5, q4, 0, "cuda", cuda)
+    assert not mma_path(17, q4, 0, "cuda", cuda)
+    assert not mma_path(16, Q6_K_A, 0, "cuda", cuda)
+    assert not mma_path(16, q4, Q6_K_A, "cuda", cuda)
+    assert not mma_path(16, q4, 0, "hip", cuda)
+    assert not mma_path(16, q4, 0, "cuda", torch.device("cpu"))
+    with forced_tile((16, 64, 4)):
+        assert not mma_path(16, q4, 0, "cuda", cuda)
+    monkeypatch.setenv("MBUFO_QINT_MMA", "0")
+    assert not mma_path(16, q4, 0, "cuda", cuda)
 
 
 @pytest.mark.gpu
 def test_gpu_same_bits_as_qint(rng):  # noqa: F811 - the fixture
-    """On the GPU, every variant at rows that leave x's tile partly filled and N that
-    leaves the last program partly filled, each split the shape allows: qint_triton's bits
-    at its own split, and within 2^-16 of the definition at every split."""
+    """On the GPU, at rows that leave x's tile partly filled and N that leaves the last
+    program partly filled, each split the shape allows, with and without the tickets:
+    _qint_mm_kernel's bits at its own split (its default tile forced), the engine's launch
+    (qint_triton) taking this kernel, and within 2^-16 of the definition at every split."""
     if not torch.cuda.is_available():
         pytest.fail("no GPU: run the gpu tests on the device")
     from kernels import qint
@@ -70,19 +103,21 @@ def test_gpu_same_bits_as_qint(rng):  # noqa: F811 - the fixture
         blocks = random_weight(T.Q4_K, n, k, rng)
         x = torch.from_numpy(rng.standard_normal((16, k), dtype=np.float32))
         held = blocks.cuda()
-        for m in (9, 13, 16):
+        for m in (5, 9, 13, 16):
             xq = qint.quantize_x(x[:m].cuda())
-            split = qint.default_qint_config(qint.Q4_K, n, k, qint._num_sms(held.device), m=m).split
-            want = qint.qint_triton(x[:m].cuda(), held, qint.Q4_K, (n, k), xq=xq).cpu()
-            for warps, rpw, unroll, xsmem in ((4, 16, 2, True), (4, 16, 1, False),
-                                              (4, 32, 2, True), (8, 16, 2, True)):
+            split = qint.default_qint_config(qint.Q4_K, n, k, qint._num_sms(held.device),
+                                             m=m).split
+            with qint.forced_tile(qint.TILE_CANDIDATES["cuda"][16][0]):
+                want = qint.qint_triton(x[:m].cuda(), held, qint.Q4_K, (n, k), xq=xq).cpu()
+            got = qint.qint_triton(x[:m].cuda(), held, qint.Q4_K, (n, k), xq=xq).cpu()
+            assert torch.equal(got, want), (n, k, m)
+            for warps, stages in ((4, 2), (4, 3), (8, 2)):
                 for s in sorted({1, 2, split, k // 256}):
                     if (k // 256) % s:
                         continue
                     for tickets in (_tickets(held.device), None):
-                        y = qint_mma.qint_mma_launch(xq, held, n, k, s, warps=warps,
-                                                     rows_per_warp=rpw, unroll=unroll,
-                                                     xsmem=xsmem, tickets=tickets).cpu()
+                        y = qint_mma.qint_mma_launch(xq, held, n, k, s, tickets, warps=warps,
+                                                     stages=stages).cpu()
                         check(y, x[:m], blocks, T.Q4_K)
                         if s == split:
-                            assert torch.equal(y, want), (n, k, m, warps, rpw, unroll, s)
+                            assert torch.equal(y, want), (n, k, m, warps, stages, s)
