@@ -851,16 +851,13 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
 
 
 def mma_path(m: int, qtype: int, qtype2: int, backend: str, device: torch.device) -> bool:
-    """Whether a matrix-unit launch runs kernels/qint_mma.py's Gluon kernels instead of
+    """Whether a matrix-unit launch runs kernels/qint_mma.py's Gluon kernel instead of
     _qint_mm_kernel (the same bits, 20-25% faster at the model's Q4_K shapes at 16 rows on
-    the H200): one type (Q4_K or Q6_K_A), up to 16 rows of x, on NVIDIA, with Gluon, unless
-    MBUFO_QINT_MMA=0 (Q6_K_A: MBUFO_QINT_MMA6=0) or a tile is forced (the tuner and benches
-    time _qint_mm_kernel's tiles)."""
+    the H200): Q4_K alone, up to 16 rows of x, on NVIDIA, with Gluon, unless MBUFO_QINT_MMA=0
+    or a tile is forced (the tuner and benches time _qint_mm_kernel's tiles)."""
     from kernels import qint_mma
 
-    return (device.type == "cuda" and backend == "cuda" and not qtype2
-            and (qtype == Q4_K or qtype == Q6_K_A
-                 and os.environ.get("MBUFO_QINT_MMA6", "1") != "0")
+    return (device.type == "cuda" and backend == "cuda" and qtype == Q4_K and not qtype2
             and m <= qint_mma.MMA_ROWS and qint_mma.HAS_GLUON
             and not getattr(_FORCED, "stack", None)
             and os.environ.get("MBUFO_QINT_MMA", "1") != "0")
@@ -891,7 +888,6 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
         tiles = -(-n // (16 * WARPS))
         return qint_mma_launch(xq, blocks, n, k, cfg.split,
                                _tickets(device) if tiles <= _TICKETS else None,
-                               q6=int(ggml_type) == Q6_K_A,
                                launch=lambda kernel: launcher(kernel, device))
     else:
         tile = tiled_tile(m, backend, int(ggml_type))

@@ -247,176 +247,10 @@ if HAS_GLUON:
         _finish(acc, cc, rr, y_ptr, part_ptr, ticket_ptr, M, N, split, nsplit, ticket, pid_n)
 
 
-    def _q6_asm(j: int) -> str:
-        """PTX: 4 ql bytes ($1) and 4 qh bytes ($2) -> 4 signed Q6_K codes (q - 32) of a
-        32-column run j: nibble j // 2 of ql, bits 2 j of qh (as kernels/qint.py's)."""
-        return ("{ .reg .b32 a, b; "
-                f"shr.b32 a, $1, {4 * (j // 2)}; and.b32 a, a, 0x0F0F0F0F; "
-                f"shr.b32 b, $2, {2 * j}; and.b32 b, b, 0x03030303; shl.b32 b, b, 4; "
-                "or.b32 a, a, b; xor.b32 a, a, 0x20202020; and.b32 b, a, 0x20202020; "
-                "mul.lo.u32 b, b, 6; or.b32 $0, a, b; }")
-
-    _Q6_0 = gl.constexpr(_q6_asm(0))
-    _Q6_1 = gl.constexpr(_q6_asm(1))
-    _Q6_2 = gl.constexpr(_q6_asm(2))
-    _Q6_3 = gl.constexpr(_q6_asm(3))
-
-    @gluon.jit
-    def _q6_codes(ql, qh, J: gl.constexpr):
-        """u8 ql and qh bytes of run J -> the signed codes (q - 32) as int8."""
-        if J == 0:
-            asm: gl.constexpr = _Q6_0
-        elif J == 1:
-            asm: gl.constexpr = _Q6_1
-        elif J == 2:
-            asm: gl.constexpr = _Q6_2
-        else:
-            asm: gl.constexpr = _Q6_3
-        return gl.inline_asm_elementwise(asm, "=r,r,r", [ql, qh], dtype=gl.int8, is_pure=True,
-                                         pack=4)
-
-    @gluon.jit
-    def _issue6(ql, qh, scw, xs, dxs, buf, l_src, h_src, s_src, x_src, d_src, sb, ok, lcols,
-                hcols, hrows, xcols, drows):
-        """Asynchronous copies of Q6_K_A super-block sb's ql (BN, 128), qh (BN, 64), its 4
-        scale words (BN,) each, x's codes (BM, 256) and scales (BM,) into stage `buf`;
-        nothing where not `ok` (past the split)."""
-        on = ok.to(gl.int32)
-        async_copy.async_copy_global_to_shared(ql.index(buf), l_src + sb * 208,
-                                               mask=(lcols < 128 * on)[None, :])
-        async_copy.async_copy_global_to_shared(qh.index(buf), h_src + sb * 208,
-                                               mask=(hcols < 64 * on)[None, :])
-        for j in gl.static_range(4):
-            async_copy.async_copy_global_to_shared(scw.index(buf * 4 + j),
-                                                   s_src + (sb * 52 + j),
-                                                   mask=hrows < hrows.shape[0] * on)
-        async_copy.async_copy_global_to_shared(xs.index(buf), x_src + sb * 256,
-                                               mask=(xcols < 256 * on)[None, :])
-        async_copy.async_copy_global_to_shared(dxs.index(buf), d_src + sb,
-                                               mask=drows < drows.shape[0] * on)
-
-    @gluon.jit
-    def _sb_q6k(acc, ql, qh, scw, buf, xs, dxs, d, first, zi, A8: gl.constexpr,
-                B8: gl.constexpr, ROW: gl.constexpr, COL: gl.constexpr):
-        """acc + one Q6_K_A super-block from shared memory (ql, qh, the scale words of stage
-        `buf`, x's codes and scales) with its d (BN,): each 32-column run's signed codes
-        times x's codes of the run's first 16 columns, then of its last 16 (x zeroed
-        elsewhere in registers: `first`), each exact int32 product times its 16-column
-        sub-block's int8 scale."""
-        isum = zi
-        for h in gl.static_range(2):
-            qhf = qh.slice(32 * h, 32, dim=1).load(A8)
-            lo = ql.slice(64 * h, 32, dim=1).load(A8)
-            hi = ql.slice(64 * h + 32, 32, dim=1).load(A8)
-            wa = scw.index(buf * 4 + 2 * h).load(ROW)  # scales of sub-blocks 8 h .. 8 h + 3
-            wb = scw.index(buf * 4 + 2 * h + 1).load(ROW)  # 8 h + 4 .. 8 h + 7
-            for j in gl.static_range(4):
-                if j % 2 == 0:
-                    code = _q6_codes(lo, qhf, j)
-                else:
-                    code = _q6_codes(hi, qhf, j)
-                xt = xs.slice(128 * h + 32 * j, 32, dim=1).permute([1, 0]).load(B8)
-                da = mma_v2(code, gl.where(first, xt, 0).to(gl.int8), zi)
-                db = mma_v2(code, gl.where(first, 0, xt).to(gl.int8), zi)
-                w = wa if j < 2 else wb
-                sa = (w << (24 - 8 * ((2 * j) % 4))) >> 24
-                sbb = (w << (24 - 8 * ((2 * j + 1) % 4))) >> 24
-                isum += sa[:, None] * da
-                isum += sbb[:, None] * db
-        dx = dxs.load(COL)[None, :]
-        return gl.fma(isum.to(gl.float32), d[:, None] * dx, acc)
-
-    @gluon.jit(do_not_specialize=["M", "N", "sb_per_split", "nsplit"])
-    def _qint_mma_q6k_kernel(
-        q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
-        sb_per_split, nsplit, ticket, WARPS: gl.constexpr = 4, STAGES: gl.constexpr = 2,
-        PDL: gl.constexpr = False,
-    ):
-        """_qint_mma_q4k_kernel's scheme for Q6_K_A rows (kernels/qint.py): ql, qh and the
-        scales of a super-block copied asynchronously with x's codes and scales; d (in the
-        row's tail) loaded one super-block ahead into registers. bs_ptr is unused (the
-        codes are signed: no sums)."""
-        BN: gl.constexpr = 16 * WARPS
-        BM: gl.constexpr = 16
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
-                                                      instr_shape=[16, 8])
-        A8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
-        B8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
-        ROW: gl.constexpr = gl.SliceLayout(1, MMA)
-        COL: gl.constexpr = gl.SliceLayout(0, MMA)
-        LL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0])
-        QL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [WARPS, 1], [1, 0])
-        HL: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-        XL: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [WARPS, 1], [1, 0])
-        pid_n = gl.program_id(0)
-        split = gl.program_id(1)
-        nsb = K // 256
-        sb0 = split * sb_per_split
-        rl = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LL))
-        lcols = gl.arange(0, 128, layout=gl.SliceLayout(0, LL))
-        l_src = w_ptr + (gl.where(rl < N, rl, 0).to(gl.int64) * row_bytes)[:, None] \
-            + lcols[None, :]
-        rq = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, QL))
-        hcols = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
-        h_src = w_ptr + (gl.where(rq < N, rq, 0).to(gl.int64) * row_bytes)[:, None] + 128 \
-            + hcols[None, :]
-        hrows = gl.arange(0, BN, layout=HL)
-        rs = pid_n * BN + hrows
-        w32 = w_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-        s_src = w32 + gl.where(rs < N, rs, 0).to(gl.int64) * (row_bytes // 4) + 48
-        xr = gl.minimum(gl.arange(0, BM, layout=gl.SliceLayout(1, XL)), M - 1)
-        xcols = gl.arange(0, 256, layout=gl.SliceLayout(0, XL))
-        x_src = q_ptr + (xr.to(gl.int64) * K)[:, None] + xcols[None, :]
-        drows = gl.arange(0, BM, layout=HL)
-        d_src = dx_ptr + gl.minimum(drows, M - 1) * nsb
-        rr = pid_n * BN + gl.arange(0, BN, layout=ROW)
-        w16 = w_ptr.to(gl.pointer_type(gl.uint16), bitcast=True)
-        dw = w16 + (gl.where(rr < N, rr, 0).to(gl.int64) * row_bytes + nsb * 208) // 2
-        ql = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 128],
-                                       gl.SwizzledSharedLayout(16, 1, 8, order=[1, 0]))
-        qh = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 64],
-                                       gl.SwizzledSharedLayout(16, 1, 4, order=[1, 0]))
-        scw = gl.allocate_shared_memory(gl.int32, [STAGES * 4, BN],
-                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        xs = gl.allocate_shared_memory(gl.int8, [STAGES, BM, 256],
-                                       gl.SwizzledSharedLayout(32, 1, 8, order=[1, 0]))
-        dxs = gl.allocate_shared_memory(gl.float32, [STAGES, BM],
-                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        kb = gl.arange(0, 32, layout=gl.SliceLayout(1, B8))
-        first = (kb < 16)[:, None] & (gl.arange(0, BM, layout=gl.SliceLayout(0, B8)) >= 0)[
-            None, :]
-        acc = gl.zeros((BN, BM), gl.float32, MMA)
-        zi = gl.zeros((BN, BM), gl.int32, MMA)
-        _await_inputs(PDL)
-        for s in gl.static_range(STAGES - 1):
-            _issue6(ql, qh, scw, xs, dxs, s, l_src, h_src, s_src, x_src, d_src, sb0 + s,
-                    s < sb_per_split, lcols, hcols, hrows, xcols, drows)
-            async_copy.commit_group()
-        d = gl.load(dw + sb0).to(gl.float16, bitcast=True).to(gl.float32)
-        for i in range(0, sb_per_split):
-            nxt_d = gl.load(dw + sb0 + gl.minimum(i + 1, sb_per_split - 1)).to(
-                gl.float16, bitcast=True).to(gl.float32)
-            async_copy.wait_group(STAGES - 2)
-            gl.thread_barrier()
-            nxt = i + STAGES - 1
-            _issue6(ql, qh, scw, xs, dxs, nxt % STAGES, l_src, h_src, s_src, x_src, d_src,
-                    sb0 + nxt, nxt < sb_per_split, lcols, hcols, hrows, xcols, drows)
-            async_copy.commit_group()
-            buf = i % STAGES
-            acc = _sb_q6k(acc, ql.index(buf), qh.index(buf), scw, buf, xs.index(buf),
-                          dxs.index(buf), d, first, zi, A8, B8, ROW, COL)
-            d = nxt_d
-        async_copy.wait_group(0)
-        cc = gl.arange(0, BM, layout=COL)
-        _finish(acc, cc, rr, y_ptr, part_ptr, ticket_ptr, M, N, split, nsplit, ticket, pid_n)
-
-
 def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: Any = None, *,
-                    q6: bool = False, launch: Any = None, warps: int = WARPS,
-                    stages: int = STAGES) -> Any:
+                    launch: Any = None, warps: int = WARPS, stages: int = STAGES) -> Any:
     """y (M, n) float32 = xq's rows (M <= 16, a QuantX) times the Q4_K rows `blocks`
-    (n, k / 256 * 144; `q6`: Q6_K_A rows, kernels/qint.py's row_bytes): `split` ranges of
-    super-blocks, their partials added by the last
+    (n, k / 256 * 144): `split` ranges of super-blocks, their partials added by the last
     program of each tile where `tickets` (qgemv's counters, enough for n / (16 warps)
     tiles) are given, else by qmatmul.sum_splits. `launch` maps the kernel to what to
     launch (kernels/triton_util.launcher: the PDL launch in captures)."""
@@ -427,8 +261,7 @@ def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: A
     tiles = -(-n // (16 * warps))
     part = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=y.device)
     use_ticket = tickets is not None and split > 1
-    kernel = _qint_mma_q6k_kernel if q6 else _qint_mma_q4k_kernel
-    kernel = launch(kernel) if launch else kernel
+    kernel = launch(_qint_mma_q4k_kernel) if launch else _qint_mma_q4k_kernel
     kernel[(tiles, split)](*xq, blocks, y, part, tickets if use_ticket else y, m, n, k,
                            blocks.shape[1], k // 256 // split, split, int(use_ticket),
                            WARPS=warps, STAGES=stages, num_warps=warps)

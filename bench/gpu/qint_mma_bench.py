@@ -32,9 +32,8 @@ from kernels import qint, qint_mma  # noqa: E402
 from kernels.dequant import dequantize_reference  # noqa: E402
 from kernels.qgemv import _tickets  # noqa: E402
 
-SHAPES = [("Q4_K", 4096, 4096), ("Q4_K", 6144, 4096), ("Q4_K", 28672, 4096),
-          ("Q4_K", 14336, 4096), ("Q4_K", 4096, 14336), ("Q4_K", 1024, 4096),
-          ("Q6_K", 4096, 14336), ("Q6_K", 1024, 4096), ("Q6_K", 128256, 4096)]
+SHAPES = [(4096, 4096), (6144, 4096), (28672, 4096), (14336, 4096), (4096, 14336),
+          (1024, 4096)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="4,2;4,3;2,2;8,2")
     ap.add_argument("--splits", default="", help="extra split factors (x the default)")
     ap.add_argument("--rows", default="16,9")
-    ap.add_argument("--types", default="Q4_K,Q6_K")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     run = Run(args)
@@ -56,33 +54,27 @@ def main(argv: list[str] | None = None) -> int:
            "device": torch.cuda.get_device_name(0), "ceilings": ceil, "rows": [],
            "errors": run.out["errors"]}
     tickets = _tickets(run.dev)
-    for name, n, k in SHAPES:
-        if name not in args.types.split(","):
-            continue
+    for n, k in SHAPES:
         if run.left() < 20:
-            out["errors"].append(f"budget: stopped before {name} {n}x{k}")
+            out["errors"].append(f"budget: stopped before {n}x{k}")
             break
-        gguf_type = qint.Q4_K if name == "Q4_K" else qint.Q6_K
-        held_type = qint.ACT8_STORED[gguf_type]
-        raw = random_blocks(run, name, n, k)
-        blocks = qint.repack_q6k(raw, k) if held_type == qint.Q6_K_A else raw
+        blocks = random_blocks(run, "Q4_K", n, k)
         copies = [blocks] + [blocks.clone() for _ in range(
             max(1, min(64, math.ceil(L2_MISS_BYTES / blocks.numel()))) - 1)]
-        w = dequantize_reference(raw.view(-1), gguf_type, (n, k), torch.float64)
+        w = dequantize_reference(blocks.view(-1), qint.Q4_K, (n, k), torch.float64)
         x = torch.randn(16, k, device=run.dev, generator=run.gen).bfloat16()
         xq_ref = qint.dequantized_x_reference(x)
         ref, bound = xq_ref @ w.T, xq_ref.abs() @ w.abs().T
         del w
         for m in rows:
             xq = qint.quantize_x(x[:m])
-            cfg = qint.default_qint_config(held_type, n, k, run.sms, m=m)
-
-            def old_call(b, xm=x[:m], xqm=xq, nk=(n, k), t=held_type):
+            cfg = qint.default_qint_config(qint.Q4_K, n, k, run.sms, m=m)
+            def old_call(b, xm=x[:m], xqm=xq, nk=(n, k)):
                 with qint.forced_tile(qint.TILE_CANDIDATES["cuda"][16][0]):
-                    return qint.qint_triton(xm, b, t, nk, xq=xqm)
+                    return qint.qint_triton(xm, b, qint.Q4_K, nk, xq=xqm)
 
             old = old_call(blocks)
-            row = {"type": name, "n": n, "k": k, "m": m, "split": cfg.split}
+            row = {"n": n, "k": k, "m": m, "split": cfg.split}
             if m == 16:
                 row["old_us"] = run.time_us([partial(old_call, b) for b in copies])
             splits = [cfg.split] + [cfg.split * int(f) for f in args.splits.split(",") if f
@@ -91,10 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                 for split in splits:
                     tag = f"w{warps}_st{stages}_s{split}"
                     call = partial(qint_mma.qint_mma_launch, xq, n=n, k=k, split=split,
-                                   tickets=tickets, warps=warps, stages=stages,
-                                   q6=held_type == qint.Q6_K_A)
-                    y = run.attempt(f"{name} {n}x{k} m{m} {tag}",
-                                    lambda c=call, b=blocks: c(b))
+                                   tickets=tickets, warps=warps, stages=stages)
+                    y = run.attempt(f"{n}x{k} m{m} {tag}", lambda c=call, b=blocks: c(b))
                     if y is None:
                         continue
                     err = float(((y.double() - ref[:m]).abs() / bound[:m]).max())

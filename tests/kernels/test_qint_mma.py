@@ -25,9 +25,8 @@ ALIGNED = ("q_ptr", "dx_ptr", "bs_ptr", "w_ptr", "y_ptr", "part_ptr", "ticket_pt
            "row_bytes")
 
 
-def build(q6: bool = False, **consts):
-    """The Q4_K (`q6`: Q6_K_A) kernel compiled for cuda:90 (no device needed) at these
-    constexprs."""
+def build(**consts):
+    """The kernel compiled for cuda:90 (no device needed) at these constexprs."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kernels import aot
@@ -37,8 +36,7 @@ def build(q6: bool = False, **consts):
     sig = {**SIGNATURE, **{k: "constexpr" for k in consts}}
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED}
-    fn = qint_mma._qint_mma_q6k_kernel if q6 else qint_mma._qint_mma_q4k_kernel
-    src = GluonASTSource(fn, sig, consts, attrs)
+    src = GluonASTSource(qint_mma._qint_mma_q4k_kernel, sig, consts, attrs)
     kernel = triton.compile(src, target=aot._target("cuda:90"),
                             options={"num_warps": consts["WARPS"]})
     return kernel, aot._cubin_resources(kernel.asm["cubin"])
@@ -71,39 +69,21 @@ def test_builds_for_sm90_on_the_matrix_unit(consts):
             res, kernel.metadata.shared)
 
 
-def test_q6k_builds_for_sm90_on_the_matrix_unit():
-    """Q6_K_A: a super-block's 8 runs of 32 columns, each two s8 m16n8k32 products (x's
-    first and last 16 columns) a half of x's rows; ql, qh and x's codes by 16-byte copies
-    (4, 2 and 2 a thread), the scale words and x's scales by 4-byte ones; no spills; 5
-    programs a multiprocessor."""
-    kernel, res = build(q6=True)
-    ptx = kernel.asm["ptx"]
-    assert ptx.count("mma.sync.aligned.m16n8k32.row.col.satfinite.s32.s8.s8.s32") == 32
-    copies = {w: len(re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], "
-                                + w + r"\b", ptx)) for w in ("0x4", "0x10")}
-    assert copies == {"0x4": 10, "0x10": 16}, copies
-    if res:
-        assert res["stack_bytes"] == 0 and res["regs"] <= 96, res
-    assert kernel.metadata.shared <= 40 * 1024
-
-
 def test_engine_takes_it_for_q4k_up_to_16_rows_on_nvidia(monkeypatch):
-    """qint's matrix-unit launches of one type (Q4_K, Q6_K_A) at up to 16 rows on NVIDIA
-    take it; more rows, a second part, HIP, the CPU, a forced tile (the tuner) or
-    MBUFO_QINT_MMA=0 (Q6_K_A: MBUFO_QINT_MMA6=0 too) keep _qint_mm_kernel."""
+    """qint's matrix-unit launches of Q4_K alone at up to 16 rows on NVIDIA take it; more
+    rows, another type, a second part, HIP, the CPU, a forced tile (the tuner) or
+    MBUFO_QINT_MMA=0 keep _qint_mm_kernel."""
     from kernels.qint import Q6_K_A, forced_tile, mma_path
 
     cuda, q4 = torch.device("cuda"), int(T.Q4_K)
     assert mma_path(16, q4, 0, "cuda", cuda) and mma_path(5, q4, 0, "cuda", cuda)
     assert not mma_path(17, q4, 0, "cuda", cuda)
-    assert mma_path(16, Q6_K_A, 0, "cuda", cuda) and mma_path(9, Q6_K_A, 0, "cuda", cuda)
+    assert not mma_path(16, Q6_K_A, 0, "cuda", cuda)
     assert not mma_path(16, q4, Q6_K_A, "cuda", cuda)
     assert not mma_path(16, q4, 0, "hip", cuda)
     assert not mma_path(16, q4, 0, "cuda", torch.device("cpu"))
     with forced_tile((16, 64, 4)):
         assert not mma_path(16, q4, 0, "cuda", cuda)
-    monkeypatch.setenv("MBUFO_QINT_MMA6", "0")
-    assert mma_path(16, q4, 0, "cuda", cuda) and not mma_path(16, Q6_K_A, 0, "cuda", cuda)
     monkeypatch.setenv("MBUFO_QINT_MMA", "0")
     assert not mma_path(16, q4, 0, "cuda", cuda)
 
@@ -119,27 +99,25 @@ def test_gpu_same_bits_as_qint(rng):  # noqa: F811 - the fixture
     from kernels import qint
     from kernels.qgemv import _tickets
 
-    for qtype, n, k in ((T.Q4_K, 1000, 2048), (T.Q4_K, 320, 14336), (T.Q6_K, 1000, 2048),
-                        (T.Q6_K, 320, 3584)):
-        blocks = random_weight(qtype, n, k, rng)
+    for n, k in ((1000, 2048), (320, 14336)):
+        blocks = random_weight(T.Q4_K, n, k, rng)
         x = torch.from_numpy(rng.standard_normal((16, k), dtype=np.float32))
-        q6 = qtype == T.Q6_K
-        kind = qint.Q6_K_A if q6 else qint.Q4_K
-        held = (qint.repack_q6k(blocks, k) if q6 else blocks).cuda()
-        for m in (5, 9, 13, 16) if not q6 else (9, 16):
+        held = blocks.cuda()
+        for m in (5, 9, 13, 16):
             xq = qint.quantize_x(x[:m].cuda())
-            split = qint.default_qint_config(kind, n, k, qint._num_sms(held.device), m=m).split
+            split = qint.default_qint_config(qint.Q4_K, n, k, qint._num_sms(held.device),
+                                             m=m).split
             with qint.forced_tile(qint.TILE_CANDIDATES["cuda"][16][0]):
-                want = qint.qint_triton(x[:m].cuda(), held, kind, (n, k), xq=xq).cpu()
-            got = qint.qint_triton(x[:m].cuda(), held, kind, (n, k), xq=xq).cpu()
-            assert torch.equal(got, want), (qtype, n, k, m)
+                want = qint.qint_triton(x[:m].cuda(), held, qint.Q4_K, (n, k), xq=xq).cpu()
+            got = qint.qint_triton(x[:m].cuda(), held, qint.Q4_K, (n, k), xq=xq).cpu()
+            assert torch.equal(got, want), (n, k, m)
             for warps, stages in ((4, 2), (4, 3), (8, 2)):
                 for s in sorted({1, 2, split, k // 256}):
                     if (k // 256) % s:
                         continue
                     for tickets in (_tickets(held.device), None):
-                        y = qint_mma.qint_mma_launch(xq, held, n, k, s, tickets, q6=q6,
-                                                     warps=warps, stages=stages).cpu()
-                        check(y, x[:m], blocks, qtype)
+                        y = qint_mma.qint_mma_launch(xq, held, n, k, s, tickets, warps=warps,
+                                                     stages=stages).cpu()
+                        check(y, x[:m], blocks, T.Q4_K)
                         if s == split:
-                            assert torch.equal(y, want), (qtype, n, k, m, warps, stages, s)
+                            assert torch.equal(y, want), (n, k, m, warps, stages, s)
