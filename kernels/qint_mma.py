@@ -51,6 +51,7 @@ if HAS_TRITON:
         pass
 
 if HAS_GLUON:
+    from kernels.qgemv import finish_splits  # Triton helpers run inside Gluon kernels
 
     @gluon.jit
     def _nibbles(byte):
@@ -82,28 +83,6 @@ if HAS_GLUON:
     def _f16lo(w):
         """The f16 in the low half of uint32 words, as float32."""
         return (w & 0xFFFF).to(gl.uint16).to(gl.float16, bitcast=True).to(gl.float32)
-
-    @gluon.jit
-    def _finish(acc, cc, rr, y_ptr, part_ptr, ticket_ptr, M, N, split, nsplit, ticket, pid_n):
-        """Stores a program's sums as qgemv.finish_splits: into y unsplit, else into its
-        split's partials, the last of the tile's programs adding them in split order."""
-        offs = cc.to(gl.int64)[None, :] * N + rr[:, None]
-        mask = (cc < M)[None, :] & (rr < N)[:, None]
-        if nsplit == 1:
-            gl.store(y_ptr + offs, acc, mask=mask)
-        else:
-            plane = M.to(gl.int64) * N
-            gl.store(part_ptr + split * plane + offs, acc, mask=mask)
-            if ticket != 0:
-                gl.thread_barrier()
-                arrived = gl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-                if arrived == nsplit - 1:
-                    total = gl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                    for s in range(1, nsplit):
-                        total += gl.load(part_ptr + s * plane + offs, mask=mask, other=0.0,
-                                         cache_modifier=".cg")
-                    gl.store(y_ptr + offs, total, mask=mask)
-                    gl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
     @gluon.jit
     def _issue(codes, heads, xs, bss, dxs, buf, c_src, h_src, x_src, s_src, d_src, sb, ok,
@@ -244,7 +223,9 @@ if HAS_GLUON:
         async_copy.wait_group(0)
         cc = gl.arange(0, BM, layout=COL)
         rr = pid_n * BN + gl.arange(0, BN, layout=ROW)
-        _finish(acc, cc, rr, y_ptr, part_ptr, ticket_ptr, M, N, split, nsplit, ticket, pid_n)
+        offs = cc.to(gl.int64)[None, :] * N + rr[:, None]
+        finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, offs,
+                      (cc < M)[None, :] & (rr < N)[:, None], ticket)
 
 
 def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: Any = None, *,
