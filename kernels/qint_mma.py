@@ -51,38 +51,10 @@ if HAS_TRITON:
         pass
 
 if HAS_GLUON:
-    from kernels.qgemv import finish_splits  # Triton helpers run inside Gluon kernels
-
-    @gluon.jit
-    def _nibbles(byte):
-        """u8 code bytes -> low and high nibbles as int8, four a word (PTX)."""
-        lo = gl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [byte],
-                                       dtype=gl.int8, is_pure=True, pack=4)
-        hi = gl.inline_asm_elementwise(
-            "{ .reg .b32 t; shr.u32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }", "=r,r", [byte],
-            dtype=gl.int8, is_pure=True, pack=4)
-        return lo, hi
-
-    @gluon.jit
-    def _six(wa, w3, S: gl.constexpr, NIB: gl.constexpr):
-        """The 6-bit scale (wa = head word 1, NIB 0) or min (word 2, NIB 4) of sub-block S."""
-        if S < 4:
-            out = (wa >> (8 * S)) & 63
-        else:
-            out = ((w3 >> (8 * (S - 4) + NIB)) & 15) | (((wa >> (8 * (S - 4) + 6)) & 3) << 4)
-        return out
-
-    @gluon.jit
-    def _six_t(wa, w3, s, NIB: gl.constexpr):
-        """_six for sub-blocks s given as a tensor."""
-        sh = 8 * (s % 4)
-        return gl.where(s >= 4, ((w3 >> (sh + NIB)) & 15) | (((wa >> (sh + 6)) & 3) << 4),
-                        (wa >> sh) & 63)
-
-    @gluon.jit
-    def _f16lo(w):
-        """The f16 in the low half of uint32 words, as float32."""
-        return (w & 0xFFFF).to(gl.uint16).to(gl.float16, bitcast=True).to(gl.float32)
+    # Triton helpers run inside Gluon kernels
+    from kernels.qgemv import finish_splits
+    from kernels.qint import _k4_six, _nibbles_i8
+    from kernels.qtiles import _f16lo
 
     @gluon.jit
     def _issue(codes, heads, xs, bss, dxs, buf, c_src, h_src, x_src, s_src, d_src, sb, ok,
@@ -115,14 +87,14 @@ if HAS_GLUON:
         w3 = heads.index(buf * 4 + 3).load(ROW)
         isum = zi
         for g in gl.static_range(4):
-            lo, hi = _nibbles(codes.slice(32 * g, 32, dim=1).load(A8))
+            lo, hi = _nibbles_i8(codes.slice(32 * g, 32, dim=1).load(A8), True)
             da = mma_v2(lo, xs.slice(64 * g, 32, dim=1).permute([1, 0]).load(B8), zi)
             db = mma_v2(hi, xs.slice(64 * g + 32, 32, dim=1).permute([1, 0]).load(B8), zi)
-            isum += _six(w1, w3, 2 * g, 0).to(gl.int32)[:, None] * da
-            isum += _six(w1, w3, 2 * g + 1, 0).to(gl.int32)[:, None] * db
+            isum += _k4_six(w1, w3, 2 * g, 0)[:, None] * da
+            isum += _k4_six(w1, w3, 2 * g + 1, 0)[:, None] * db
         m2 = heads.index(buf * 4 + 2).load(FROW)[:, None]
         m3 = heads.index(buf * 4 + 3).load(FROW)[:, None]
-        mins = _six_t(m2, m3, sub, 4).to(gl.float16)
+        mins = _k4_six(m2, m3, sub, 4).to(gl.float16)
         msum = mma_v2(mins, bss.permute([1, 0]).load(B16), zf)
         dx = dxs.load(COL)[None, :]
         acc = gl.fma(isum.to(gl.float32), _f16lo(w0)[:, None] * dx, acc)
