@@ -55,6 +55,7 @@ if HAS_GLUON:
     from kernels.qgemv import finish_splits
     from kernels.qint import _k4_six, _nibbles_i8
     from kernels.qtiles import _f16lo
+    from kernels.triton_util import await_inputs
 
     @gluon.jit
     def _issue(codes, heads, xs, bss, dxs, buf, c_src, h_src, x_src, s_src, d_src, sb, ok,
@@ -99,16 +100,6 @@ if HAS_GLUON:
         dx = dxs.load(COL)[None, :]
         acc = gl.fma(isum.to(gl.float32), _f16lo(w0)[:, None] * dx, acc)
         return gl.fma(-msum, _f16lo(w0 >> 16)[:, None] * dx, acc)
-
-    @gluon.jit
-    def _await_inputs(PDL: gl.constexpr):
-        """As triton_util.await_inputs: with PDL wait for the previous kernel's writes, then
-        let the next kernel's programs start."""
-        if PDL:
-            gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [],
-                                      dtype=gl.int32, is_pure=False, pack=1)
-            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r",
-                                      [], dtype=gl.int32, is_pure=False, pack=1)
 
     # M, N and the split are plain arguments (not specialized on their values): one build
     # serves every batch of 5-16 rows and every split
@@ -177,7 +168,7 @@ if HAS_GLUON:
         acc = gl.zeros((BN, BM), gl.float32, MMA)
         zi = gl.zeros((BN, BM), gl.int32, MMA)
         zf = gl.zeros((BN, BM), gl.float32, MMA)
-        _await_inputs(PDL)
+        await_inputs(PDL)
         for s in gl.static_range(STAGES - 1):
             _issue(codes, heads, xs, bss, dxs, s, c_src, h_src, x_src, s_src, d_src, sb0 + s,
                    s < sb_per_split, cols, hrows, xcols, scols, drows)
