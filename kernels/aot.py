@@ -59,11 +59,13 @@ def kernel_specs(quick: bool = False) -> list[KernelSpec]:
         paged_attention,
         qgemv,
         qint,
+        qint_mma,
         qmatmul,
     )
 
     specs = [*qgemv.aot_specs(KernelSpec), *qmatmul.aot_specs(KernelSpec),
-             *paged_attention.aot_specs(KernelSpec), *qint.aot_specs(KernelSpec)]
+             *paged_attention.aot_specs(KernelSpec), *qint.aot_specs(KernelSpec),
+             *qint_mma.aot_specs(KernelSpec)]
     if not quick:  # CI builds these in tests/kernels/test_fused_aot.py (no dots to check)
         specs += [*fused_norm.aot_specs(KernelSpec), *fused_rope.aot_specs(KernelSpec),
                   *kv_store.aot_specs(KernelSpec), *gated_act.aot_specs(KernelSpec)]
@@ -86,7 +88,13 @@ def build(spec: KernelSpec, target: str) -> Any:
     """The CompiledKernel of `spec` for `target` (every stage, to the binary)."""
     names = list(spec.signature)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in spec.divisible}
-    src = triton.compiler.ASTSource(compiled(spec.kernel), spec.signature, spec.constexprs, attrs)
+    fn = compiled(spec.kernel)
+    if getattr(fn, "is_gluon", lambda: False)():  # kernels/qint_mma.py (NVIDIA only)
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        src = GluonASTSource(fn, spec.signature, spec.constexprs, attrs)
+    else:
+        src = triton.compiler.ASTSource(fn, spec.signature, spec.constexprs, attrs)
     options: dict[str, int] = {"num_warps": spec.num_warps}
     if spec.num_stages is not None:
         options["num_stages"] = spec.num_stages

@@ -33,7 +33,7 @@ from typing import Any
 
 from kernels.triton_util import HAS_TRITON
 
-__all__ = ["HAS_GLUON", "MMA_ROWS", "STAGES", "WARPS", "qint_mma_launch"]
+__all__ = ["HAS_GLUON", "MMA_ROWS", "STAGES", "WARPS", "aot_specs", "qint_mma_launch"]
 
 MMA_ROWS = 16  # rows of x a program multiplies: the mma.sync's n (two n8 halves)
 WARPS = 4  # a program's warps, 16 weight rows each
@@ -214,3 +214,19 @@ def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: A
 
         sum_splits(part, y)
     return y
+
+
+def aot_specs(spec: type) -> list:
+    """kernels/aot.py: the kernel at its launch configuration, plain and as a programmatic
+    dependent launch, for cuda:90 only (NVMMA layouts)."""
+    if not HAS_GLUON:
+        return []
+    sig = {"q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*fp16", "w_ptr": "*u8",
+           "y_ptr": "*fp32", "part_ptr": "*fp32", "ticket_ptr": "*i32", "M": "i32", "N": "i32",
+           "K": "i32", "row_bytes": "i32", "sb_per_split": "i32", "nsplit": "i32",
+           "ticket": "i32", "WARPS": "constexpr", "STAGES": "constexpr", "PDL": "constexpr"}
+    divisible = ("q_ptr", "dx_ptr", "bs_ptr", "w_ptr", "y_ptr", "part_ptr", "ticket_ptr", "K",
+                 "row_bytes")
+    return [spec(f"qint_mma_Q4_K{'_pdl' if pdl else ''}_tiled", _qint_mma_q4k_kernel, sig,
+                 {"WARPS": WARPS, "STAGES": STAGES, "PDL": pdl}, WARPS, True, "cuda", None,
+                 divisible) for pdl in (False, True)]

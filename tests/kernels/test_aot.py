@@ -10,7 +10,7 @@ import re
 import background
 import pytest
 
-from kernels import paged_attention_triton, qgemv, qint, qmatmul
+from kernels import paged_attention_triton, qgemv, qint, qint_mma, qmatmul
 from kernels.triton_util import HAS_TRITON
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="the CPU torch build has no Triton")
@@ -80,8 +80,9 @@ def test_qint_builds_spill_nothing(report):
     assert any("_cand_" in name for name in report)
     assert "qint_Q4_K_tiled" in names and "qint_Q6_K_tiled" in names, names
     for name in names:
-        hip, cuda = report[name]["hip:gfx1151"], report[name]["cuda:90"]
-        assert hip["vgpr_spills"] == 0, (name, hip)
+        hip, cuda = report[name].get("hip:gfx1151"), report[name]["cuda:90"]
+        assert hip is not None or name.startswith("qint_mma_"), name  # NVIDIA's alone
+        assert hip is None or hip["vgpr_spills"] == 0, (name, hip)
         assert "regs" in cuda, (name, "cuobjdump gave no resource usage", cuda)
         assert cuda["stack_bytes"] == 0, (name, cuda)
         if name.endswith("_tiled"):
@@ -118,12 +119,13 @@ def test_skinny_and_tiled_qmatmul_use_the_same_instruction(report):
 
 
 def test_every_kernel_has_a_spec():
-    """A new @triton.jit kernel in these modules must be added to the AOT specs."""
+    """A new @triton.jit (or Gluon) kernel in these modules must be added to the AOT
+    specs."""
     from triton.runtime.jit import JITFunction
 
     from kernels.aot import KernelSpec
 
-    for module in (qgemv, qint, qmatmul, paged_attention_triton):
+    for module in (qgemv, qint, qint_mma, qmatmul, paged_attention_triton):
         kernels = {name for name, obj in inspect.getmembers(module)
                    if isinstance(obj, JITFunction) and name.endswith("_kernel")}
         specced = {spec.kernel.__name__ for spec in module.aot_specs(KernelSpec)}
