@@ -88,6 +88,31 @@ def test_engine_takes_it_for_q4k_up_to_16_rows_on_nvidia(monkeypatch):
     assert not mma_path(16, q4, 0, "cuda", cuda)
 
 
+def test_qint_launch_hands_over_the_split_and_the_counters(monkeypatch, rng):  # noqa: F811
+    """Where mma_path holds, qint_triton's launch returns this kernel's output, given the
+    quantized x, the weight as held, the split of qint's own launch (a row's bits depend on
+    it) and qgemv's ticket counters."""
+    from kernels import qint
+
+    calls = []
+
+    def fake(xq, blocks, n, k, split, tickets=None, *, launch=None, **kw):
+        calls.append((xq.q.shape, blocks.data_ptr(), n, k, split, tickets is not None,
+                      callable(launch)))
+        return torch.full((xq.q.shape[0], n), 7.0)
+
+    monkeypatch.setattr(qint_mma, "qint_mma_launch", fake)
+    monkeypatch.setattr(qint, "mma_path", lambda m, qt, qt2, backend, device: qt2 == 0)
+    n, k, m = 320, 2048, 12
+    blocks = random_weight(T.Q4_K, n, k, rng)
+    x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
+    xq = qint.QuantX(*(t.zero_() for t in qint.empty_quant_x(m, k, x.device)))
+    y = qint.qint_triton(x, blocks, qint.Q4_K, (n, k), num_sms=132, xq=xq)
+    split = qint.default_qint_config(qint.Q4_K, n, k, 132, m=m).split
+    assert torch.equal(y, torch.full((m, n), 7.0))
+    assert calls == [((m, k), blocks.data_ptr(), n, k, split, True, True)]
+
+
 @pytest.mark.gpu
 def test_gpu_same_bits_as_qint(rng):  # noqa: F811 - the fixture
     """On the GPU, at rows that leave x's tile partly filled and N that leaves the last
