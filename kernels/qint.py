@@ -884,11 +884,9 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
                                             **stages}
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
     elif mma_path(m, int(ggml_type), int(type2), backend, device):
-        from kernels.qint_mma import WARPS, qint_mma_launch
+        from kernels.qint_mma import qint_mma_launch
 
-        tiles = -(-n // (16 * WARPS))
-        return qint_mma_launch(xq, blocks, n, k, cfg.split,
-                               _tickets(device) if tiles <= _TICKETS else None,
+        return qint_mma_launch(xq, blocks, n, k, cfg.split, _tickets(device),
                                launch=lambda kernel: launcher(kernel, device))
     else:
         tile = tiled_tile(m, backend, int(ggml_type))

@@ -195,8 +195,8 @@ def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: A
                     launch: Any = None, warps: int = WARPS, stages: int = STAGES) -> Any:
     """y (M, n) float32 = xq's rows (M <= 16, a QuantX) times the Q4_K rows `blocks`
     (n, k / 256 * 144): `split` ranges of super-blocks, their partials added by the last
-    program of each tile where `tickets` (qgemv's counters, enough for n / (16 warps)
-    tiles) are given, else by qmatmul.sum_splits. `launch` maps the kernel to what to
+    program of each tile where `tickets` (qgemv's counters) are given and count enough
+    tiles (n / (16 warps)), else by qmatmul.sum_splits. `launch` maps the kernel to what to
     launch (kernels/triton_util.launcher: the PDL launch in captures)."""
     import torch
 
@@ -204,7 +204,7 @@ def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: A
     y = torch.empty(m, n, dtype=torch.float32, device=xq.q.device)
     tiles = -(-n // (16 * warps))
     part = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=y.device)
-    use_ticket = tickets is not None and split > 1
+    use_ticket = tickets is not None and split > 1 and tiles <= tickets.numel()
     kernel = launch(_qint_mma_q4k_kernel) if launch else _qint_mma_q4k_kernel
     kernel[(tiles, split)](*xq, blocks, y, part, tickets if use_ticket else y, m, n, k,
                            blocks.shape[1], k // 256 // split, split, int(use_ticket),
