@@ -17,28 +17,15 @@ from test_qmatmul import random_weight
 from kernels import qint_mma
 from kernels.triton_util import HAS_TRITON
 
-SIGNATURE = {"q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*fp16", "w_ptr": "*u8",
-             "y_ptr": "*fp32", "part_ptr": "*fp32", "ticket_ptr": "*i32", "M": "i32",
-             "N": "i32", "K": "i32", "row_bytes": "i32", "sb_per_split": "i32",
-             "nsplit": "i32", "ticket": "i32"}
-ALIGNED = ("q_ptr", "dx_ptr", "bs_ptr", "w_ptr", "y_ptr", "part_ptr", "ticket_ptr", "K",
-           "row_bytes")
-
 
 def build(**consts):
-    """The kernel compiled for cuda:90 (no device needed) at these constexprs."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+    """The kernel compiled for cuda:90 (no device needed) as kernels/aot.py builds it, at
+    these constexprs."""
     from kernels import aot
-    from kernels.triton_util import triton
 
-    consts = {"WARPS": qint_mma.WARPS, "STAGES": qint_mma.STAGES, "PDL": False, **consts}
-    sig = {**SIGNATURE, **{k: "constexpr" for k in consts}}
-    names = list(sig)
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED}
-    src = GluonASTSource(qint_mma._qint_mma_q4k_kernel, sig, consts, attrs)
-    kernel = triton.compile(src, target=aot._target("cuda:90"),
-                            options={"num_warps": consts["WARPS"]})
+    spec = qint_mma.aot_specs(aot.KernelSpec)[0]
+    consts = {**spec.constexprs, **consts}
+    kernel = aot.build(spec._replace(constexprs=consts, num_warps=consts["WARPS"]), "cuda:90")
     return kernel, aot._cubin_resources(kernel.asm["cubin"])
 
 
