@@ -95,10 +95,13 @@ class MixedGraphs:
     def num_graphs(self) -> int:
         return len(self._graphs)
 
+    def holds(self, num_rows: int, num_tokens: int) -> bool:
+        """Whether a step of these rows and tokens is within a graph's sizes."""
+        return 0 < num_tokens <= self.buckets[-1] and num_rows <= self.max_rows
+
     def fits(self, batch: ForwardBatch) -> bool:
         """A host batch with more than decode rows that a bucket holds."""
-        return (not batch.is_decode_only() and 0 < batch.num_tokens <= self.buckets[-1]
-                and batch.num_rows <= self.max_rows
+        return (not batch.is_decode_only() and self.holds(batch.num_rows, batch.num_tokens)
                 and 0 < batch.logits_rows.numel() <= self.max_rows
                 and batch.max_seq_len() <= self.max_context
                 and all(batch.page_tables[g].shape[1] <= self.width for g in self.groups))

@@ -195,8 +195,7 @@ class ModelRunner:
             # mixed graph holds (eager steps launch without PDL)
             with pdl_launches():
                 for rows, tokens, at, ctx in shapes:
-                    if rows + tokens <= self.mixed.buckets[-1] \
-                            and rows + 1 <= self.mixed.max_rows:
+                    if self.mixed.holds(rows + 1, rows + tokens):
                         self._warm_step(rows, tokens, at, ctx)
         self.prepare_graphs(context)
         if device.type == "cuda":

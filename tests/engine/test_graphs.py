@@ -261,16 +261,17 @@ def test_warm_up_pdl_pass_runs_only_what_a_mixed_graph_holds(model, monkeypatch)
     """Where launches can be programmatic dependent ones, the shapes a mixed graph holds
     (tokens and decode rows within its largest bucket) run a second time as such, and no
     chunk larger than that (eager steps launch without PDL); without mixed graphs, none."""
-    from types import SimpleNamespace
+    from types import MethodType, SimpleNamespace
 
     from engine import runner as runner_mod
-    from engine.mixed_graphs import TOKEN_BUCKETS
+    from engine.mixed_graphs import TOKEN_BUCKETS, MixedGraphs
     from kernels import triton_util
 
     runner = ModelRunner(model, 700, 16, "f16", cuda_graphs=True, max_context=1024,
                          capture=FakeCapture())
     # the mixed graphs' sizes as the Triton path builds them (the CPU path has none)
     runner.mixed = SimpleNamespace(buckets=TOKEN_BUCKETS, max_rows=runner.graphs.buckets[-1])
+    runner.mixed.holds = MethodType(MixedGraphs.holds, runner.mixed)
     free = _free_pages(runner)
     seen, _ = _record_warm_up(runner, monkeypatch)
     pdl = []
