@@ -858,7 +858,7 @@ def mma_path(m: int, qtype: int, qtype2: int, backend: str, device: torch.device
     or a tile is forced (the tuner and benches time _qint_mm_kernel's tiles)."""
     from kernels import qint_mma
 
-    return (device.type == "cuda" and backend == "cuda" and qtype == Q4_K and not qtype2
+    return (device.type == "cuda" and backend == "cuda" and qtype in QINT_TYPES and not qtype2
             and m <= qint_mma.MMA_ROWS and qint_mma.HAS_GLUON
             and not getattr(_FORCED, "stack", None)
             and os.environ.get("MBUFO_QINT_MMA", "1") != "0")
@@ -887,6 +887,7 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
         from kernels.qint_mma import qint_mma_launch
 
         return qint_mma_launch(xq, blocks, n, k, cfg.split, _tickets(device),
+                               q6=int(ggml_type) == Q6_K_A,
                                launch=lambda kernel: launcher(kernel, device))
     else:
         tile = tiled_tile(m, backend, int(ggml_type))

@@ -191,13 +191,203 @@ if HAS_GLUON:
                       (cc < M)[None, :] & (rr < N)[:, None], ticket)
 
 
+    def _q6_asm(j: int) -> str:
+        """PTX: 4 ql bytes ($1) and 4 qh bytes ($2) -> 4 unsigned Q6_K codes (0..63) of a
+        32-column run j: nibble j // 2 of ql, bits 2 j of qh moved to bits 4 and 5."""
+        nib = "and.b32 a, $1, 0x0F0F0F0F; " if j < 2 else \
+            "shr.b32 a, $1, 4; and.b32 a, a, 0x0F0F0F0F; "
+        top = {0: "shl.b32 b, $2, 4; ", 1: "shl.b32 b, $2, 2; ", 2: "mov.b32 b, $2; ",
+               3: "shr.b32 b, $2, 2; "}[j]
+        return "{ .reg .b32 a, b; " + nib + top + \
+            "and.b32 b, b, 0x30303030; or.b32 $0, a, b; }"
+
+    _Q6_0 = gl.constexpr(_q6_asm(0))
+    _Q6_1 = gl.constexpr(_q6_asm(1))
+    _Q6_2 = gl.constexpr(_q6_asm(2))
+    _Q6_3 = gl.constexpr(_q6_asm(3))
+
+    @gluon.jit
+    def _q6_codes(ql, qh, J: gl.constexpr):
+        """u8 ql and qh bytes of run J -> its unsigned codes (0..63) as int8."""
+        if J == 0:
+            asm: gl.constexpr = _Q6_0
+        elif J == 1:
+            asm: gl.constexpr = _Q6_1
+        elif J == 2:
+            asm: gl.constexpr = _Q6_2
+        else:
+            asm: gl.constexpr = _Q6_3
+        return gl.inline_asm_elementwise(asm, "=r,r,r", [ql, qh], dtype=gl.int8, is_pure=True,
+                                         pack=4)
+
+    @gluon.jit
+    def _issue6(ql, qh, scb, xa, xb, bss, dxs, buf, l_src, h_src, b_src, x_src, s_src, d_src,
+                sb, ok, lcols, hcols, bcols, xcols, scols, drows):
+        """Asynchronous copies of Q6_K_A super-block sb's ql (BN, 128), qh (BN, 64) and 16
+        scales (BN, 16), and of x's codes (BM, 256:
+        into xa the first 16 columns of each 32, into xb the last 16, zeros elsewhere),
+        16-column sums (BM, 16) and scales (BM,), into stage `buf`; nothing where not `ok`."""
+        on = ok.to(gl.int32)
+        async_copy.async_copy_global_to_shared(ql.index(buf), l_src + sb * 208,
+                                               mask=(lcols < 128 * on)[None, :])
+        async_copy.async_copy_global_to_shared(qh.index(buf), h_src + sb * 208,
+                                               mask=(hcols < 64 * on)[None, :])
+        async_copy.async_copy_global_to_shared(scb.index(buf), b_src + sb * 208,
+                                               mask=(bcols < 16 * on)[None, :])
+        first = (xcols % 32 < 16)[None, :]
+        inside = (xcols < 256 * on)[None, :]
+        async_copy.async_copy_global_to_shared(xa.index(buf), x_src + sb * 256,
+                                               mask=first & inside)
+        async_copy.async_copy_global_to_shared(xb.index(buf), x_src + sb * 256,
+                                               mask=~first & inside)
+        async_copy.async_copy_global_to_shared(bss.index(buf), s_src + sb * 16,
+                                               mask=(scols < 16 * on)[None, :])
+        async_copy.async_copy_global_to_shared(dxs.index(buf), d_src + sb,
+                                               mask=drows < drows.shape[0] * on)
+
+    @gluon.jit
+    def _sb6_staged(acc, ql, qh, scb, xa, xb, bss, dxs, d, zi, zf, MMA: gl.constexpr,
+                    A8: gl.constexpr, B8: gl.constexpr, A16: gl.constexpr, B16: gl.constexpr,
+                    COL: gl.constexpr):
+        """acc + one Q6_K_A super-block from shared memory, with its d (BN,): each 32-column
+        run's unsigned codes (0..63) times xa's run (x's first 16 columns, zeros after) and
+        xb's (zeros, then the last 16), two exact int32 products, each times its sub-block's
+        int8 scale; minus 32 times the scales' f16 product with x's 16-column sums (exact
+        integers under 2^24): the definition's isum, then its fma."""
+        isum = zi
+        for h in gl.static_range(2):
+            qhf = qh.slice(32 * h, 32, dim=1).load(A8)
+            lo = ql.slice(64 * h, 32, dim=1).load(A8)
+            hi = ql.slice(64 * h + 32, 32, dim=1).load(A8)
+            for j in gl.static_range(4):
+                if j % 2 == 0:
+                    code = _q6_codes(lo, qhf, j)
+                else:
+                    code = _q6_codes(hi, qhf, j)
+                da = mma_v2(code, xa.slice(128 * h + 32 * j, 32, dim=1).permute([1, 0]).load(B8),
+                            zi)
+                db = mma_v2(code, xb.slice(128 * h + 32 * j, 32, dim=1).permute([1, 0]).load(B8),
+                            zi)
+                sa = scb.slice(8 * h + 2 * j, 1, dim=1).load(MMA).to(gl.int32)  # (BN, 1)
+                sbb = scb.slice(8 * h + 2 * j + 1, 1, dim=1).load(MMA).to(gl.int32)
+                isum += sa * da
+                isum += sbb * db
+        scales = scb.load(A16).to(gl.float16)  # (BN, 16) int8, exact in f16
+        corr = mma_v2(scales, bss.permute([1, 0]).load(B16), zf)  # sum of sc_s x's sums
+        isum -= 32 * corr.to(gl.int32)
+        dx = dxs.load(COL)[None, :]
+        return gl.fma(isum.to(gl.float32), d[:, None] * dx, acc)
+
+    @gluon.jit(do_not_specialize=["M", "N", "sb_per_split", "nsplit"])
+    def _qint_mma_q6k_kernel(
+        q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
+        sb_per_split, nsplit, ticket, WARPS: gl.constexpr = 4, STAGES: gl.constexpr = 2,
+        PDL: gl.constexpr = False,
+    ):
+        """_qint_mma_q4k_kernel's scheme for Q6_K_A rows (kernels/qint.py's storage): ql, qh
+        and the scales of a super-block copied asynchronously with x's codes (twice, each
+        half of a run beside zeros), 16-column sums and scales; d (in the row's tail)
+        loaded one super-block ahead into registers."""
+        BN: gl.constexpr = 16 * WARPS
+        BM: gl.constexpr = 16
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
+                                                      instr_shape=[16, 8])
+        A8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
+        B8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
+        A16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        B16: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        ROW: gl.constexpr = gl.SliceLayout(1, MMA)
+        COL: gl.constexpr = gl.SliceLayout(0, MMA)
+        LL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0])
+        QL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [WARPS, 1], [1, 0])
+        BL: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [WARPS, 1], [1, 0])
+        HL: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        XL: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [WARPS, 1], [1, 0])
+        SL: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [WARPS, 1], [1, 0])
+        pid_n = gl.program_id(0)
+        split = gl.program_id(1)
+        nsb = K // 256
+        sb0 = split * sb_per_split
+        # the copies' sources: ql and qh 16 bytes a thread, the scale words, the scale
+        # bytes 8 a thread, x's codes 16 bytes a thread, sums 4 bytes, scales
+        rl = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LL))
+        lcols = gl.arange(0, 128, layout=gl.SliceLayout(0, LL))
+        l_src = w_ptr + (gl.where(rl < N, rl, 0).to(gl.int64) * row_bytes)[:, None] \
+            + lcols[None, :]
+        rq = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, QL))
+        hcols = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
+        h_src = w_ptr + (gl.where(rq < N, rq, 0).to(gl.int64) * row_bytes)[:, None] + 128 \
+            + hcols[None, :]
+        rb = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, BL))
+        bcols = gl.arange(0, 16, layout=gl.SliceLayout(0, BL))
+        b_src = w_ptr.to(gl.pointer_type(gl.int8), bitcast=True) + \
+            (gl.where(rb < N, rb, 0).to(gl.int64) * row_bytes)[:, None] + 192 + bcols[None, :]
+        xr = gl.minimum(gl.arange(0, BM, layout=gl.SliceLayout(1, XL)), M - 1)
+        xcols = gl.arange(0, 256, layout=gl.SliceLayout(0, XL))
+        x_src = q_ptr + (xr.to(gl.int64) * K)[:, None] + xcols[None, :]
+        sr = gl.minimum(gl.arange(0, BM, layout=gl.SliceLayout(1, SL)), M - 1)
+        scols = gl.arange(0, 16, layout=gl.SliceLayout(0, SL))
+        s_src = bs_ptr + (sr.to(gl.int64) * gl.multiple_of(K // 16, 16))[:, None] \
+            + scols[None, :]
+        drows = gl.arange(0, BM, layout=HL)
+        d_src = dx_ptr + gl.minimum(drows, M - 1) * nsb
+        rr = pid_n * BN + gl.arange(0, BN, layout=ROW)
+        w16 = w_ptr.to(gl.pointer_type(gl.uint16), bitcast=True)
+        dw = w16 + (gl.where(rr < N, rr, 0).to(gl.int64) * row_bytes + nsb * 208) // 2
+        ql = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 128],
+                                       gl.SwizzledSharedLayout(16, 1, 8, order=[1, 0]))
+        qh = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 64],
+                                       gl.SwizzledSharedLayout(16, 1, 4, order=[1, 0]))
+        scb = gl.allocate_shared_memory(gl.int8, [STAGES, BN, 16],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        xa = gl.allocate_shared_memory(gl.int8, [STAGES, BM, 256],
+                                       gl.SwizzledSharedLayout(32, 1, 8, order=[1, 0]))
+        xb = gl.allocate_shared_memory(gl.int8, [STAGES, BM, 256],
+                                       gl.SwizzledSharedLayout(32, 1, 8, order=[1, 0]))
+        bss = gl.allocate_shared_memory(gl.float16, [STAGES, BM, 16],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        dxs = gl.allocate_shared_memory(gl.float32, [STAGES, BM],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        acc = gl.zeros((BN, BM), gl.float32, MMA)
+        zi = gl.zeros((BN, BM), gl.int32, MMA)
+        zf = gl.zeros((BN, BM), gl.float32, MMA)
+        await_inputs(PDL)
+        for s in gl.static_range(STAGES - 1):
+            _issue6(ql, qh, scb, xa, xb, bss, dxs, s, l_src, h_src, b_src, x_src, s_src, d_src,
+                    sb0 + s, s < sb_per_split, lcols, hcols, bcols, xcols, scols, drows)
+            async_copy.commit_group()
+        d = gl.load(dw + sb0).to(gl.float16, bitcast=True).to(gl.float32)
+        for i in range(0, sb_per_split):
+            nxt_d = gl.load(dw + sb0 + gl.minimum(i + 1, sb_per_split - 1)).to(
+                gl.float16, bitcast=True).to(gl.float32)
+            async_copy.wait_group(STAGES - 2)  # this thread's copies of super-block i
+            gl.thread_barrier()  # everyone's; and the stage read last is free
+            nxt = i + STAGES - 1
+            _issue6(ql, qh, scb, xa, xb, bss, dxs, nxt % STAGES, l_src, h_src, b_src, x_src,
+                    s_src, d_src, sb0 + nxt, nxt < sb_per_split, lcols, hcols, bcols, xcols,
+                    scols, drows)
+            async_copy.commit_group()
+            buf = i % STAGES
+            acc = _sb6_staged(acc, ql.index(buf), qh.index(buf), scb.index(buf), xa.index(buf),
+                              xb.index(buf), bss.index(buf), dxs.index(buf), d, zi, zf, MMA, A8,
+                              B8, A16, B16, COL)
+            d = nxt_d
+        async_copy.wait_group(0)
+        cc = gl.arange(0, BM, layout=COL)
+        offs = cc.to(gl.int64)[None, :] * N + rr[:, None]
+        finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, offs,
+                      (cc < M)[None, :] & (rr < N)[:, None], ticket)
+
+
 def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: Any = None, *,
-                    launch: Any = None, warps: int = WARPS, stages: int = STAGES) -> Any:
+                    q6: bool = False, launch: Any = None, warps: int = WARPS,
+                    stages: int = STAGES) -> Any:
     """y (M, n) float32 = xq's rows (M <= 16, a QuantX) times the Q4_K rows `blocks`
-    (n, k / 256 * 144): `split` ranges of super-blocks, their partials added by the last
-    program of each tile where `tickets` (qgemv's counters) are given and count enough
-    tiles (n / (16 warps)), else by qmatmul.sum_splits. `launch` maps the kernel to what to
-    launch (kernels/triton_util.launcher: the PDL launch in captures)."""
+    (n, k / 256 * 144; `q6`: Q6_K_A rows, kernels/qint.py's row_bytes): `split` ranges of
+    super-blocks, their partials added by the last program of each tile where `tickets`
+    (qgemv's counters) are given and count enough tiles (n / (16 warps)), else by
+    qmatmul.sum_splits. `launch` maps the kernel to what to launch
+    (kernels/triton_util.launcher: the PDL launch in captures)."""
     import torch
 
     m = xq.q.shape[0]
@@ -205,7 +395,8 @@ def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: A
     tiles = -(-n // (16 * warps))
     part = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=y.device)
     use_ticket = tickets is not None and split > 1 and tiles <= tickets.numel()
-    kernel = launch(_qint_mma_q4k_kernel) if launch else _qint_mma_q4k_kernel
+    kernel = _qint_mma_q6k_kernel if q6 else _qint_mma_q4k_kernel
+    kernel = launch(kernel) if launch else kernel
     kernel[(tiles, split)](*xq, blocks, y, part, tickets if use_ticket else y, m, n, k,
                            blocks.shape[1], k // 256 // split, split, int(use_ticket),
                            WARPS=warps, STAGES=stages, num_warps=warps)
@@ -214,7 +405,6 @@ def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: A
 
         sum_splits(part, y)
     return y
-
 
 def aot_specs(spec: type) -> list:
     """kernels/aot.py: the kernel at its launch configuration, plain and as a programmatic
@@ -227,6 +417,8 @@ def aot_specs(spec: type) -> list:
            "ticket": "i32", "WARPS": "constexpr", "STAGES": "constexpr", "PDL": "constexpr"}
     divisible = ("q_ptr", "dx_ptr", "bs_ptr", "w_ptr", "y_ptr", "part_ptr", "ticket_ptr", "K",
                  "row_bytes")
-    return [spec(f"qint_mma_Q4_K{'_pdl' if pdl else ''}_tiled", _qint_mma_q4k_kernel, sig,
+    return [spec(f"qint_mma_{name}{'_pdl' if pdl else ''}_tiled", kernel, sig,
                  {"WARPS": WARPS, "STAGES": STAGES, "PDL": pdl}, WARPS, True, "cuda", None,
-                 divisible) for pdl in (False, True)]
+                 divisible)
+            for name, kernel in (("Q4_K", _qint_mma_q4k_kernel), ("Q6_K", _qint_mma_q6k_kernel))
+            for pdl in (False, True)]

@@ -1,7 +1,7 @@
 """kernels/qint_mma.py (Gluon, asynchronous copies into mma.sync fragments) against qint's
-matrix-unit kernel on the GPU, Q4_K at Llama-3.1-8B's shapes and 9-16 rows of x.
+matrix-unit kernel on the GPU, Q4_K and Q6_K at Llama-3.1-8B's shapes and 9-16 rows of x.
 
-    python3 bench/gpu/qint_mma_bench.py [--variants 4,2;4,3;8,2] [--out DIR]
+    python3 bench/gpu/qint_mma_bench.py [--types Q4_K,Q6_K] [--variants 4,2;4,3;8,2] [--out DIR]
 
 Each variant (warps, stages) is checked bit for bit against _qint_mm_kernel's output at
 its default 16-row tile (forced: qint_triton itself takes the Gluon kernel) and against the
@@ -32,8 +32,11 @@ from kernels import qint, qint_mma  # noqa: E402
 from kernels.dequant import dequantize_reference  # noqa: E402
 from kernels.qgemv import _tickets  # noqa: E402
 
-SHAPES = [(4096, 4096), (6144, 4096), (28672, 4096), (14336, 4096), (4096, 14336),
-          (1024, 4096)]
+# Llama-3.1-8B Q4_K_M: Q4_K's q|k|v, o, gate|up, a half of the layers' down, v alone;
+# Q6_K's down and v on the other half, and the output head
+SHAPES = {"Q4_K": [(4096, 4096), (6144, 4096), (28672, 4096), (14336, 4096), (4096, 14336),
+                   (1024, 4096)],
+          "Q6_K": [(4096, 14336), (128256, 4096), (1024, 4096)]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="4,2;4,3;2,2;8,2")
     ap.add_argument("--splits", default="", help="extra split factors (x the default)")
     ap.add_argument("--rows", default="16,9")
+    ap.add_argument("--types", default="Q4_K,Q6_K")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     run = Run(args)
@@ -54,27 +58,32 @@ def main(argv: list[str] | None = None) -> int:
            "device": torch.cuda.get_device_name(0), "ceilings": ceil, "rows": [],
            "errors": run.out["errors"]}
     tickets = _tickets(run.dev)
-    for n, k in SHAPES:
+    for name, n, k in [(t, n, k) for t in args.types.split(",") for n, k in SHAPES[t]]:
         if run.left() < 20:
-            out["errors"].append(f"budget: stopped before {n}x{k}")
+            out["errors"].append(f"budget: stopped before {name} {n}x{k}")
             break
-        blocks = random_blocks(run, "Q4_K", n, k)
+        q6 = name == "Q6_K"
+        qtype = qint.Q6_K_A if q6 else qint.Q4_K
+        gguf_blocks = random_blocks(run, name, n, k)
+        blocks = qint.repack_q6k(gguf_blocks, k) if q6 else gguf_blocks
         copies = [blocks] + [blocks.clone() for _ in range(
             max(1, min(64, math.ceil(L2_MISS_BYTES / blocks.numel()))) - 1)]
-        w = dequantize_reference(blocks.view(-1), qint.Q4_K, (n, k), torch.float64)
+        w = dequantize_reference(gguf_blocks.view(-1), qint.Q6_K if q6 else qint.Q4_K, (n, k),
+                                 torch.float64)
+        del gguf_blocks
         x = torch.randn(16, k, device=run.dev, generator=run.gen).bfloat16()
         xq_ref = qint.dequantized_x_reference(x)
         ref, bound = xq_ref @ w.T, xq_ref.abs() @ w.abs().T
         del w
         for m in rows:
             xq = qint.quantize_x(x[:m])
-            cfg = qint.default_qint_config(qint.Q4_K, n, k, run.sms, m=m)
-            def old_call(b, xm=x[:m], xqm=xq, nk=(n, k)):
+            cfg = qint.default_qint_config(qtype, n, k, run.sms, m=m)
+            def old_call(b, xm=x[:m], xqm=xq, nk=(n, k), qt=qtype):
                 with qint.forced_tile(qint.TILE_CANDIDATES["cuda"][16][0]):
-                    return qint.qint_triton(xm, b, qint.Q4_K, nk, xq=xqm)
+                    return qint.qint_triton(xm, b, qt, nk, xq=xqm)
 
             old = old_call(blocks)
-            row = {"n": n, "k": k, "m": m, "split": cfg.split}
+            row = {"type": name, "n": n, "k": k, "m": m, "split": cfg.split}
             if m == 16:
                 row["old_us"] = run.time_us([partial(old_call, b) for b in copies])
             splits = [cfg.split] + [cfg.split * int(f) for f in args.splits.split(",") if f
@@ -83,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                 for split in splits:
                     tag = f"w{warps}_st{stages}_s{split}"
                     call = partial(qint_mma.qint_mma_launch, xq, n=n, k=k, split=split,
-                                   tickets=tickets, warps=warps, stages=stages)
-                    y = run.attempt(f"{n}x{k} m{m} {tag}", lambda c=call, b=blocks: c(b))
+                                   tickets=tickets, q6=q6, warps=warps, stages=stages)
+                    y = run.attempt(f"{name} {n}x{k} m{m} {tag}", lambda c=call, b=blocks: c(b))
                     if y is None:
                         continue
                     err = float(((y.double() - ref[:m]).abs() / bound[:m]).max())

@@ -18,54 +18,66 @@ from kernels import qint_mma
 from kernels.triton_util import HAS_TRITON
 
 
-def build(**consts):
-    """The kernel compiled for cuda:90 (no device needed) as kernels/aot.py builds it, at
-    these constexprs."""
+def build(qtype: str = "Q4_K", **consts):
+    """The kernel of `qtype` (Q4_K or Q6_K) compiled for cuda:90 (no device needed) as
+    kernels/aot.py builds it, at these constexprs."""
     from kernels import aot
 
-    spec = qint_mma.aot_specs(aot.KernelSpec)[0]
+    spec = next(s for s in qint_mma.aot_specs(aot.KernelSpec)
+                if s.name == f"qint_mma_{qtype}_tiled")
     consts = {**spec.constexprs, **consts}
     kernel = aot.build(spec._replace(constexprs=consts, num_warps=consts["WARPS"]), "cuda:90")
     return kernel, aot._cubin_resources(kernel.asm["cubin"])
 
 
+# a super-block's products (s8 m16n8k32, f16 m16n8k16) and a thread's copies at one issue
+# on 4 warps (16 bytes: the codes, or Q6_K's ql and qh, and x's codes: Q6_K's twice; 8:
+# Q6_K's scales; 4: Q4_K's head words, x's sums and scales), its registers and shared
+# memory at the defaults: Q4_K 6 programs a multiprocessor, Q6_K 5
+SHAPE = {"Q4_K": (16, 2, {"0x4": 6, "0x8": 0, "0x10": 6}, 80, 32 * 1024),
+         "Q6_K": (32, 2, {"0x4": 2, "0x8": 1, "0x10": 10}, 96, 44 * 1024)}
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("consts", [{}, {"PDL": True}, {"STAGES": 3}, {"WARPS": 8}],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "default")
-def test_builds_for_sm90_on_the_matrix_unit(consts):
-    """A super-block: 8 sub-blocks x 2 halves of x's rows as s8 m16n8k32 products, the
-    mins as 2 f16 m16n8k16 ones, its operands by cp.async (16-byte copies of the codes and
-    x's codes); the PDL build waits for the previous kernel; nothing spilled, and the
-    default leaves 6 programs a multiprocessor (registers and shared memory)."""
+def test_builds_for_sm90_on_the_matrix_unit(qtype, consts):
+    """A super-block: Q4_K's 8 sub-blocks x 2 halves of x's rows as s8 m16n8k32 products
+    and its mins as 2 f16 m16n8k16 ones; Q6_K's 8 runs of 32 columns x 2 sub-blocks x 2
+    halves, its scales times x's 16-column sums as 2 f16 ones; the operands by cp.async;
+    the PDL build waits for the previous kernel; nothing spilled, and the defaults leave
+    Q4_K 6 programs a multiprocessor and Q6_K 5 (registers and shared memory)."""
     assert HAS_TRITON and qint_mma.HAS_GLUON, "CI installs Triton 3.6, which has Gluon"
-    kernel, res = build(**consts)
+    kernel, res = build(qtype, **consts)
     ptx = kernel.asm["ptx"]
-    assert ptx.count("mma.sync.aligned.m16n8k32.row.col.satfinite.s32.s8.s8.s32") == 16
-    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 2
+    s8, f16, copied, regs, shared = SHAPE[qtype]
+    assert ptx.count("mma.sync.aligned.m16n8k32.row.col.satfinite.s32.s8.s8.s32") == s8
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == f16
     copies = {w: len(re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], "
                                 + w + r"\b", ptx)) for w in ("0x4", "0x8", "0x10")}
-    if consts.get("WARPS", 4) == 4:  # a thread's 16-byte copies: 4 of the codes, 2 of x's,
-        # at the prologue's STAGES - 1 issues and the loop's; the head words, sums and
-        # scales 4 bytes
+    if consts.get("WARPS", 4) == 4:  # at the prologue's STAGES - 1 issues and the loop's
         sites = consts.get("STAGES", qint_mma.STAGES)
-        assert copies == {"0x4": 6 * sites, "0x8": 0, "0x10": 6 * sites}, copies
+        assert copies == {w: c * sites for w, c in copied.items()}, copies
     assert ("griddepcontrol.wait" in ptx) == consts.get("PDL", False)
     if res:  # Triton's cuobjdump was found
         assert res["stack_bytes"] == 0, res
     if not consts:
-        assert res.get("regs", 0) <= 80 and kernel.metadata.shared <= 32 * 1024, (
+        assert res.get("regs", 0) <= regs and kernel.metadata.shared <= shared, (
             res, kernel.metadata.shared)
 
 
-def test_engine_takes_it_for_q4k_up_to_16_rows_on_nvidia(monkeypatch):
-    """qint's matrix-unit launches of Q4_K alone at up to 16 rows on NVIDIA take it; more
-    rows, another type, a second part, HIP, the CPU, a forced tile (the tuner) or
+def test_engine_takes_it_for_q4k_and_q6k_up_to_16_rows_on_nvidia(monkeypatch):
+    """qint's matrix-unit launches of Q4_K or Q6_K_A alone at up to 16 rows on NVIDIA take
+    it; more rows, another type, a second part, HIP, the CPU, a forced tile (the tuner) or
     MBUFO_QINT_MMA=0 keep _qint_mm_kernel."""
     from kernels.qint import Q6_K_A, forced_tile, mma_path
 
     cuda, q4 = torch.device("cuda"), int(T.Q4_K)
     assert mma_path(16, q4, 0, "cuda", cuda) and mma_path(5, q4, 0, "cuda", cuda)
+    assert mma_path(16, Q6_K_A, 0, "cuda", cuda) and mma_path(9, Q6_K_A, 0, "cuda", cuda)
     assert not mma_path(17, q4, 0, "cuda", cuda)
-    assert not mma_path(16, Q6_K_A, 0, "cuda", cuda)
+    assert not mma_path(17, Q6_K_A, 0, "cuda", cuda)
+    assert not mma_path(16, int(T.Q6_K), 0, "cuda", cuda)  # GGUF's rows: held as Q6_K_A
     assert not mma_path(16, q4, Q6_K_A, "cuda", cuda)
     assert not mma_path(16, q4, 0, "hip", cuda)
     assert not mma_path(16, q4, 0, "cuda", torch.device("cpu"))
@@ -83,21 +95,25 @@ def test_qint_launch_hands_over_the_split_and_the_counters(monkeypatch, rng):  #
 
     calls = []
 
-    def fake(xq, blocks, n, k, split, tickets=None, *, launch=None, **kw):
-        calls.append((xq.q.shape, blocks.data_ptr(), n, k, split, tickets is not None,
+    def fake(xq, blocks, n, k, split, tickets=None, *, q6=False, launch=None, **kw):
+        calls.append((xq.q.shape, blocks.data_ptr(), n, k, split, tickets is not None, q6,
                       callable(launch)))
         return torch.full((xq.q.shape[0], n), 7.0)
 
     monkeypatch.setattr(qint_mma, "qint_mma_launch", fake)
     monkeypatch.setattr(qint, "mma_path", lambda m, qt, qt2, backend, device: qt2 == 0)
     n, k, m = 320, 2048, 12
-    blocks = random_weight(T.Q4_K, n, k, rng)
-    x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
-    xq = qint.QuantX(*(t.zero_() for t in qint.empty_quant_x(m, k, x.device)))
-    y = qint.qint_triton(x, blocks, qint.Q4_K, (n, k), num_sms=132, xq=xq)
-    split = qint.default_qint_config(qint.Q4_K, n, k, 132, m=m).split
-    assert torch.equal(y, torch.full((m, n), 7.0))
-    assert calls == [((m, k), blocks.data_ptr(), n, k, split, True, True)]
+    for qtype in (qint.Q4_K, qint.Q6_K_A):
+        calls.clear()
+        blocks = random_weight(T.Q4_K if qtype == qint.Q4_K else T.Q6_K, n, k, rng)
+        held = blocks if qtype == qint.Q4_K else qint.repack_q6k(blocks, k)
+        x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
+        xq = qint.QuantX(*(t.zero_() for t in qint.empty_quant_x(m, k, x.device)))
+        y = qint.qint_triton(x, held, qtype, (n, k), num_sms=132, xq=xq)
+        split = qint.default_qint_config(qtype, n, k, 132, m=m).split
+        assert torch.equal(y, torch.full((m, n), 7.0))
+        assert calls == [((m, k), held.data_ptr(), n, k, split, True, qtype == qint.Q6_K_A,
+                          True)]
 
 
 @pytest.mark.gpu
@@ -111,25 +127,29 @@ def test_gpu_same_bits_as_qint(rng):  # noqa: F811 - the fixture
     from kernels import qint
     from kernels.qgemv import _tickets
 
-    for n, k in ((1000, 2048), (320, 14336)):
-        blocks = random_weight(T.Q4_K, n, k, rng)
+    cases = [(T.Q4_K, 1000, 2048, (5, 9, 13, 16)), (T.Q4_K, 320, 14336, (5, 9, 13, 16)),
+             (T.Q6_K, 1000, 2048, (9, 13, 16)), (T.Q6_K, 320, 14336, (9, 16))]
+    for qtype, n, k, rows in cases:
+        blocks = random_weight(qtype, n, k, rng)
+        q6 = qtype == T.Q6_K
+        held_type = qint.Q6_K_A if q6 else qint.Q4_K
+        held = (qint.repack_q6k(blocks, k) if q6 else blocks).cuda()
         x = torch.from_numpy(rng.standard_normal((16, k), dtype=np.float32))
-        held = blocks.cuda()
-        for m in (5, 9, 13, 16):
+        for m in rows:
             xq = qint.quantize_x(x[:m].cuda())
-            split = qint.default_qint_config(qint.Q4_K, n, k, qint._num_sms(held.device),
+            split = qint.default_qint_config(held_type, n, k, qint._num_sms(held.device),
                                              m=m).split
             with qint.forced_tile(qint.TILE_CANDIDATES["cuda"][16][0]):
-                want = qint.qint_triton(x[:m].cuda(), held, qint.Q4_K, (n, k), xq=xq).cpu()
-            got = qint.qint_triton(x[:m].cuda(), held, qint.Q4_K, (n, k), xq=xq).cpu()
-            assert torch.equal(got, want), (n, k, m)
+                want = qint.qint_triton(x[:m].cuda(), held, held_type, (n, k), xq=xq).cpu()
+            got = qint.qint_triton(x[:m].cuda(), held, held_type, (n, k), xq=xq).cpu()
+            assert torch.equal(got, want), (qtype, n, k, m)
             for warps, stages in ((4, 2), (4, 3), (8, 2)):
                 for s in sorted({1, 2, split, k // 256}):
                     if (k // 256) % s:
                         continue
                     for tickets in (_tickets(held.device), None):
-                        y = qint_mma.qint_mma_launch(xq, held, n, k, s, tickets, warps=warps,
-                                                     stages=stages).cpu()
-                        check(y, x[:m], blocks, T.Q4_K)
+                        y = qint_mma.qint_mma_launch(xq, held, n, k, s, tickets, q6=q6,
+                                                     warps=warps, stages=stages).cpu()
+                        check(y, x[:m], blocks, qtype)
                         if s == split:
-                            assert torch.equal(y, want), (n, k, m, warps, stages, s)
+                            assert torch.equal(y, want), (qtype, n, k, m, warps, stages, s)
