@@ -33,8 +33,8 @@ ranges, by (type, N, K) only) are added in split order by the last program of ea
   an exact int32 dot, times the sub-block's integer scale; the mins' sums of Q4_K one f16
   dot of integers (exact). On NVIDIA the codes are unpacked four to a word (PTX), elsewhere
   byte by byte; the same values. Rows of x past M repeat the last row (their sums are not
-  stored): no masks on x's loads. On NVIDIA, Q4_K alone at up to 16 rows runs
-  kernels/qint_mma.py's Gluon kernel instead (`mma_path`): the same sums and bits.
+  stored): no masks on x's loads. On NVIDIA, Q4_K or Q6_K_A alone at up to 16 rows runs
+  kernels/qint_mma.py's Gluon kernels instead (`mma_path`): the same sums and bits.
 
 Q6_K is held in aligned rows (Q6_K_A, `repack_q6k` at load, the same bytes plus at most
 15 of padding a row): a 210-byte super-block is only 2-byte aligned, so its words would
@@ -853,9 +853,10 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
 
 def mma_path(m: int, qtype: int, qtype2: int, backend: str, device: torch.device) -> bool:
     """Whether a matrix-unit launch runs kernels/qint_mma.py's Gluon kernel instead of
-    _qint_mm_kernel (the same bits, 15-25% faster at the model's Q4_K shapes at 16 rows on
-    the H200): Q4_K alone, up to 16 rows of x, on NVIDIA, with Gluon, unless MBUFO_QINT_MMA=0
-    or a tile is forced (the tuner and benches time _qint_mm_kernel's tiles)."""
+    _qint_mm_kernel (the same bits, 15-27% faster at the model's shapes at 16 rows on the
+    H200): Q4_K or Q6_K_A alone, up to 16 rows of x, on NVIDIA, with Gluon, unless
+    MBUFO_QINT_MMA=0 or a tile is forced (the tuner and benches time _qint_mm_kernel's
+    tiles)."""
     from kernels import qint_mma
 
     return (device.type == "cuda" and backend == "cuda" and qtype in QINT_TYPES and not qtype2

@@ -1,11 +1,11 @@
-"""Q4_K times 8-bit x on NVIDIA's mma.sync for 5-16 rows of x (Gluon): every operand
-copied asynchronously into shared memory one super-block ahead of the products.
+"""Q4_K and Q6_K times 8-bit x on NVIDIA's mma.sync for 5-16 rows of x (Gluon): every
+operand copied asynchronously into shared memory one super-block ahead of the products.
 
 The same sums, bits and storage as kernels/qint.py's matrix-unit kernel (its docstring is
-the definition; kernels/qint.py launches this one in its place for Q4_K on NVIDIA). That
-kernel is plain Triton: at 16 rows it waits on memory with few warps resident (ncu: 3.6
-active and 0.4 eligible warps a scheduler, long-scoreboard stalls first), its loads issued
-where their super-block's products begin. Here the layouts are explicit:
+the definition; kernels/qint.py launches these in its place on NVIDIA). That kernel is
+plain Triton: at 16 rows it waits on memory with few warps resident (ncu: 3.6 active and
+0.4 eligible warps a scheduler, long-scoreboard stalls first), its loads issued where
+their super-block's products begin. Here the layouts are explicit:
 - a program (4 warps) owns 64 weight rows and all 16 rows of x; while it multiplies
   super-block i, the copies of super-block i + 1 are in flight (cp.async): the codes
   (64 x 128 bytes, 16 a thread), the 4 head words of each row, x's codes (16 x 256), its
@@ -15,14 +15,24 @@ where their super-block's products begin. Here the layouts are explicit:
   two 4-byte runs as one 8-byte read; the same relabelling of k on both operands, so the
   integer dot is unchanged; 16- and 32-byte pieces swizzled by row so that a half warp's
   reads fall in distinct banks);
-- per 32-column sub-block one s8 product each half of x's rows, times the sub-block's 6-bit
-  scale (an integer multiply-add); the mins' sum one m16n8k16 f16 product of (16 mins,
-  each twice) and x's 16-column sums; then the two fmas of the definition. Rows of x past
-  M repeat the last (their sums are not stored).
+- Q4_K: per 32-column sub-block one s8 product each half of x's rows, times the
+  sub-block's 6-bit scale (an integer multiply-add); the mins' sum one m16n8k16 f16
+  product of (16 mins, each twice) and x's 16-column sums; then the two fmas of the
+  definition. Rows of x past M repeat the last (their sums are not stored);
+- Q6_K_A (ql, qh and the 16 int8 scales copied; d, in the row's tail, loaded one
+  super-block ahead): the codes enter unsigned (0..63, four instructions a word), and x is
+  copied twice, each copy zero-filled (by the copy's mask) outside one 16-column half of
+  every 32-column run, so a run's two s8 products (one a sub-block) read their operand as
+  stored; each times its int8 scale (read from shared memory as bytes in the
+  accumulator's layout). The codes' offset, -32 x the scale x x's sub-block sum, is one
+  f16 product of the scales and x's 16-column sums (integers under 2^24: exact),
+  subtracted as an integer before isum's conversion: the definition's bits. 96 registers
+  and 44 KB: 5 programs a multiprocessor.
 
-H200, 16 rows, against qint's kernel (bench/RESULTS.md, 2026-12-01): 35.2 against 44.5 us
-at 28672 x 4096, 22.4 / 26.7 at 14336 x 4096, 20.2 / 25.1 at 4096 x 14336, 12.7 / 16.1 at
-6144 x 4096, 10.0 / 11.8 at 4096 x 4096; 6.3 / 6.2 at 1024 x 4096.
+H200, 16 rows, against qint's kernel (bench/RESULTS.md, 2026-12-01): Q4_K 35.2 against
+44.5 us at 28672 x 4096, 22.4 / 26.7 at 14336 x 4096, 20.2 / 25.1 at 4096 x 14336, 12.7 /
+16.1 at 6144 x 4096, 10.0 / 11.8 at 4096 x 4096, 6.3 / 6.2 at 1024 x 4096; Q6_K 29.0 /
+35.7 at 4096 x 14336, 184.6 / 253.2 at 128256 x 4096, 7.5 / 7.7 at 1024 x 4096.
 
 NVIDIA only (Gluon's NVMMA layouts, cp.async); gfx1151 keeps qint's kernel.
 """
