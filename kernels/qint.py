@@ -854,15 +854,23 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
 def mma_path(m: int, qtype: int, qtype2: int, backend: str, device: torch.device) -> bool:
     """Whether a matrix-unit launch runs kernels/qint_mma.py's Gluon kernel instead of
     _qint_mm_kernel (the same bits, 15-27% faster at the model's shapes at 16 rows on the
-    H200): Q4_K or Q6_K_A alone, up to 16 rows of x, on NVIDIA, with Gluon, unless
-    MBUFO_QINT_MMA=0 or a tile is forced (the tuner and benches time _qint_mm_kernel's
-    tiles)."""
+    H200): Q4_K or Q6_K_A alone or Q4_K's q|k with Q6_K_A's v, up to 16 rows of x, on
+    NVIDIA, with Gluon, unless MBUFO_QINT_MMA=0 or a tile is forced (the tuner and benches
+    time _qint_mm_kernel's tiles)."""
     from kernels import qint_mma
 
-    return (device.type == "cuda" and backend == "cuda" and qtype in QINT_TYPES and not qtype2
+    return (device.type == "cuda" and backend == "cuda"
+            and (qtype in QINT_TYPES and not qtype2 or (qtype, qtype2) == (Q4_K, Q6_K_A))
             and m <= qint_mma.MMA_ROWS and qint_mma.HAS_GLUON
             and not getattr(_FORCED, "stack", None)
             and os.environ.get("MBUFO_QINT_MMA", "1") != "0")
+
+
+def _qint_mma():
+    """kernels/qint_mma.py (imported late: it takes helpers from this module)."""
+    from kernels import qint_mma
+
+    return qint_mma
 
 
 def gemv_max_m(qtype: int) -> int:
@@ -884,12 +892,12 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
                                             "num_warps": cfg.num_warps, "QTYPE2": int(type2),
                                             **stages}
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
-    elif mma_path(m, int(ggml_type), int(type2), backend, device):
-        from kernels.qint_mma import qint_mma_launch
-
-        return qint_mma_launch(xq, blocks, n, k, cfg.split, _tickets(device),
-                               q6=int(ggml_type) == Q6_K_A,
-                               launch=lambda kernel: launcher(kernel, device))
+    elif mma_path(m, int(ggml_type), int(type2), backend, device) and (
+            not type2 or n1 % (16 * _qint_mma().WARPS) == 0):
+        return _qint_mma().qint_mma_launch(
+            xq, blocks, n, k, cfg.split, _tickets(device), q6=int(ggml_type) == Q6_K_A,
+            second=(blocks2, n1) if type2 else None,
+            launch=lambda kernel: launcher(kernel, device))
     else:
         tile = tiled_tile(m, backend, int(ggml_type))
         bm, bn, warps = tile[:3]

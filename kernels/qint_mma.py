@@ -27,7 +27,9 @@ their super-block's products begin. Here the layouts are explicit:
   accumulator's layout). The codes' offset, -32 x the scale x x's sub-block sum, is one
   f16 product of the scales and x's 16-column sums (integers under 2^24: exact),
   subtracted as an integer before isum's conversion: the definition's bits. 96 registers
-  and 44 KB: 5 programs a multiprocessor.
+  and 44 KB: 5 programs a multiprocessor;
+- a layer's q|k (Q4_K) and v (Q6_K_A) in one launch: each tile runs its type's loop, the
+  Q4_K one in the Q6_K one's shared memory (its head words in qh's).
 
 H200, 16 rows, against qint's kernel (bench/RESULTS.md, 2026-12-01): Q4_K 35.2 against
 44.5 us at 28672 x 4096, 22.4 / 26.7 at 14336 x 4096, 20.2 / 25.1 at 4096 x 14336, 12.7 /
@@ -43,11 +45,15 @@ from typing import Any
 
 from kernels.triton_util import HAS_TRITON
 
-__all__ = ["HAS_GLUON", "MMA_ROWS", "STAGES", "WARPS", "aot_specs", "qint_mma_launch"]
+__all__ = ["FUSED_MAX_REGS", "HAS_GLUON", "MMA_ROWS", "STAGES", "WARPS", "aot_specs",
+           "qint_mma_launch"]
 
 MMA_ROWS = 16  # rows of x a program multiplies: the mma.sync's n (two n8 halves)
 WARPS = 4  # a program's warps, 16 weight rows each
 STAGES = 2  # super-blocks in shared memory: the one multiplied and the one in flight
+# the two-type kernel's register cap: 126 uncapped (4 programs a multiprocessor), at 96
+# (5, as Q6_K's) 8 bytes spilled outside the loops (the row offsets kept for the finish)
+FUSED_MAX_REGS = 96
 
 HAS_GLUON = False
 if HAS_TRITON:
@@ -111,18 +117,14 @@ if HAS_GLUON:
         acc = gl.fma(isum.to(gl.float32), _f16lo(w0)[:, None] * dx, acc)
         return gl.fma(-msum, _f16lo(w0 >> 16)[:, None] * dx, acc)
 
-    # M, N and the split are plain arguments (not specialized on their values): one build
-    # serves every batch of 5-16 rows and every split
-    @gluon.jit(do_not_specialize=["M", "N", "sb_per_split", "nsplit"])
-    def _qint_mma_q4k_kernel(
-        q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
-        sb_per_split, nsplit, ticket, WARPS: gl.constexpr = 4, STAGES: gl.constexpr = 2,
-        PDL: gl.constexpr = False,
-    ):
-        """y[m, n] for x's rows m < M (<= 16) and W's rows n; grid (N / (16 WARPS), nsplit),
-        the splits' partials added in split order by the last program of a tile (as
-        qgemv.finish_splits). Every operand of a super-block is copied asynchronously into
-        shared memory, STAGES - 1 super-blocks ahead of the products."""
+    @gluon.jit
+    def _q4k_sum(q_ptr, dx_ptr, bs_ptr, w_ptr, row0, n_rows, M, K, row_bytes, sb0,
+                 sb_per_split, codes, heads, xs, bss, dxs, WARPS: gl.constexpr,
+                 STAGES: gl.constexpr, PDL: gl.constexpr):
+        """The (16 WARPS, 16) sums of Q4_K rows row0 .. of n_rows (rows past it read row
+        0) over super-blocks sb0 .. sb0 + sb_per_split - 1, the operands staged in the
+        given shared memory (STAGES deep): codes (BN, 128) u8, heads (4 STAGES, BN) int32,
+        xs (BM, 256) int8, bss (BM, 16) f16, dxs (BM,) f32, each with a leading STAGES."""
         BN: gl.constexpr = 16 * WARPS
         BM: gl.constexpr = 16
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
@@ -138,20 +140,17 @@ if HAS_GLUON:
         HL: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
         XL: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [WARPS, 1], [1, 0])
         SL: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [WARPS, 1], [1, 0])
-        pid_n = gl.program_id(0)
-        split = gl.program_id(1)
         nsb = K // 256
-        sb0 = split * sb_per_split
         # the copies' sources: codes 16 bytes a thread, head words, x's codes 16 bytes a
         # thread, sums 4 bytes, scales
-        rc = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, CL))
+        rc = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, CL))
         cols = gl.arange(0, 128, layout=gl.SliceLayout(0, CL))
-        c_src = w_ptr + (gl.where(rc < N, rc, 0).to(gl.int64) * row_bytes)[:, None] + 16 \
+        c_src = w_ptr + (gl.where(rc < n_rows, rc, 0).to(gl.int64) * row_bytes)[:, None] + 16 \
             + cols[None, :]
         hrows = gl.arange(0, BN, layout=HL)
-        rh = pid_n * BN + hrows
+        rh = row0 + hrows
         w32 = w_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-        h_src = w32 + gl.where(rh < N, rh, 0).to(gl.int64) * (row_bytes // 4)
+        h_src = w32 + gl.where(rh < n_rows, rh, 0).to(gl.int64) * (row_bytes // 4)
         xr = gl.minimum(gl.arange(0, BM, layout=gl.SliceLayout(1, XL)), M - 1)
         xcols = gl.arange(0, 256, layout=gl.SliceLayout(0, XL))
         x_src = q_ptr + (xr.to(gl.int64) * K)[:, None] + xcols[None, :]
@@ -161,18 +160,6 @@ if HAS_GLUON:
             + scols[None, :]
         drows = gl.arange(0, BM, layout=HL)
         d_src = dx_ptr + gl.minimum(drows, M - 1) * nsb
-        # stages: codes and x's codes swizzled (the fragments' 8-byte reads of a half warp
-        # in distinct banks), head words one row of BN a word
-        codes = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 128],
-                                          gl.SwizzledSharedLayout(16, 1, 8, order=[1, 0]))
-        heads = gl.allocate_shared_memory(gl.int32, [STAGES * 4, BN],
-                                          gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        xs = gl.allocate_shared_memory(gl.int8, [STAGES, BM, 256],
-                                       gl.SwizzledSharedLayout(32, 1, 8, order=[1, 0]))
-        bss = gl.allocate_shared_memory(gl.float16, [STAGES, BM, 16],
-                                        gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        dxs = gl.allocate_shared_memory(gl.float32, [STAGES, BM],
-                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         jf = gl.arange(0, 16, layout=gl.SliceLayout(0, A16))
         sub = (jf // 2)[None, :]
         acc = gl.zeros((BN, BM), gl.float32, MMA)
@@ -194,12 +181,57 @@ if HAS_GLUON:
             acc = _sb_staged(acc, codes.index(buf), heads, buf, xs.index(buf), bss.index(buf),
                              dxs.index(buf), sub, zi, zf, A8, B8, B16, ROW, COL, FROW)
         async_copy.wait_group(0)
-        cc = gl.arange(0, BM, layout=COL)
-        rr = pid_n * BN + gl.arange(0, BN, layout=ROW)
+        return acc
+
+    @gluon.jit
+    def _q4k_smem(WARPS: gl.constexpr, STAGES: gl.constexpr):
+        """_q4k_sum's shared memory: codes and x's codes swizzled (the fragments' 8-byte
+        reads of a half warp in distinct banks), head words one row of BN a word."""
+        BN: gl.constexpr = 16 * WARPS
+        codes = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 128],
+                                          gl.SwizzledSharedLayout(16, 1, 8, order=[1, 0]))
+        heads = gl.allocate_shared_memory(gl.int32, [STAGES * 4, BN],
+                                          gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        xs = gl.allocate_shared_memory(gl.int8, [STAGES, 16, 256],
+                                       gl.SwizzledSharedLayout(32, 1, 8, order=[1, 0]))
+        bss = gl.allocate_shared_memory(gl.float16, [STAGES, 16, 16],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        dxs = gl.allocate_shared_memory(gl.float32, [STAGES, 16],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        return codes, heads, xs, bss, dxs
+
+    @gluon.jit
+    def _finish(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, ticket,
+                WARPS: gl.constexpr):
+        """Stores a program's sums (its tile pid_n of y's N columns) as
+        qgemv.finish_splits."""
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
+                                                      instr_shape=[16, 8])
+        cc = gl.arange(0, 16, layout=gl.SliceLayout(0, MMA))
+        rr = pid_n * (16 * WARPS) + gl.arange(0, 16 * WARPS, layout=gl.SliceLayout(1, MMA))
         offs = cc.to(gl.int64)[None, :] * N + rr[:, None]
         finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, offs,
                       (cc < M)[None, :] & (rr < N)[:, None], ticket)
 
+    # M, N and the split are plain arguments (not specialized on their values): one build
+    # serves every batch of 5-16 rows and every split
+    @gluon.jit(do_not_specialize=["M", "N", "sb_per_split", "nsplit"])
+    def _qint_mma_q4k_kernel(
+        q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
+        sb_per_split, nsplit, ticket, WARPS: gl.constexpr = 4, STAGES: gl.constexpr = 2,
+        PDL: gl.constexpr = False,
+    ):
+        """y[m, n] for x's rows m < M (<= 16) and W's rows n; grid (N / (16 WARPS), nsplit),
+        the splits' partials added in split order by the last program of a tile (as
+        qgemv.finish_splits). Every operand of a super-block is copied asynchronously into
+        shared memory, STAGES - 1 super-blocks ahead of the products."""
+        pid_n = gl.program_id(0)
+        split = gl.program_id(1)
+        codes, heads, xs, bss, dxs = _q4k_smem(WARPS, STAGES)
+        acc = _q4k_sum(q_ptr, dx_ptr, bs_ptr, w_ptr, pid_n * 16 * WARPS, N, M, K, row_bytes,
+                       split * sb_per_split, sb_per_split, codes, heads, xs, bss, dxs, WARPS,
+                       STAGES, PDL)
+        _finish(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, ticket, WARPS)
 
     def _q6_asm(j: int) -> str:
         """PTX: 4 ql bytes ($1) and 4 qh bytes ($2) -> 4 unsigned Q6_K codes (0..63) of a
@@ -288,16 +320,15 @@ if HAS_GLUON:
         dx = dxs.load(COL)[None, :]
         return gl.fma(isum.to(gl.float32), d[:, None] * dx, acc)
 
-    @gluon.jit(do_not_specialize=["M", "N", "sb_per_split", "nsplit"])
-    def _qint_mma_q6k_kernel(
-        q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
-        sb_per_split, nsplit, ticket, WARPS: gl.constexpr = 4, STAGES: gl.constexpr = 2,
-        PDL: gl.constexpr = False,
-    ):
-        """_qint_mma_q4k_kernel's scheme for Q6_K_A rows (kernels/qint.py's storage): ql, qh
-        and the scales of a super-block copied asynchronously with x's codes (twice, each
-        half of a run beside zeros), 16-column sums and scales; d (in the row's tail)
-        loaded one super-block ahead into registers."""
+    @gluon.jit
+    def _q6k_sum(q_ptr, dx_ptr, bs_ptr, w_ptr, row0, n_rows, M, K, row_bytes, sb0,
+                 sb_per_split, ql, qh, scb, xa, xb, bss, dxs, WARPS: gl.constexpr,
+                 STAGES: gl.constexpr, PDL: gl.constexpr):
+        """_q4k_sum for Q6_K_A rows (kernels/qint.py's storage): ql, qh and the scales of
+        a super-block copied asynchronously with x's codes (twice, each half of a run
+        beside zeros), 16-column sums and scales into ql (BN, 128) u8, qh (BN, 64) u8, scb
+        (BN, 16) int8, xa and xb (BM, 256) int8, bss, dxs; d (in the row's tail) loaded one
+        super-block ahead into registers."""
         BN: gl.constexpr = 16 * WARPS
         BM: gl.constexpr = 16
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
@@ -314,24 +345,22 @@ if HAS_GLUON:
         HL: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
         XL: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [WARPS, 1], [1, 0])
         SL: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [WARPS, 1], [1, 0])
-        pid_n = gl.program_id(0)
-        split = gl.program_id(1)
         nsb = K // 256
-        sb0 = split * sb_per_split
-        # the copies' sources: ql and qh 16 bytes a thread, the scale words, the scale
-        # bytes 8 a thread, x's codes 16 bytes a thread, sums 4 bytes, scales
-        rl = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LL))
+        # the copies' sources: ql and qh 16 bytes a thread, the scales 8, x's codes 16,
+        # sums 4 bytes, scales
+        rl = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LL))
         lcols = gl.arange(0, 128, layout=gl.SliceLayout(0, LL))
-        l_src = w_ptr + (gl.where(rl < N, rl, 0).to(gl.int64) * row_bytes)[:, None] \
+        l_src = w_ptr + (gl.where(rl < n_rows, rl, 0).to(gl.int64) * row_bytes)[:, None] \
             + lcols[None, :]
-        rq = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, QL))
+        rq = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, QL))
         hcols = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
-        h_src = w_ptr + (gl.where(rq < N, rq, 0).to(gl.int64) * row_bytes)[:, None] + 128 \
-            + hcols[None, :]
-        rb = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, BL))
+        h_src = w_ptr + (gl.where(rq < n_rows, rq, 0).to(gl.int64) * row_bytes)[:, None] \
+            + 128 + hcols[None, :]
+        rb = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, BL))
         bcols = gl.arange(0, 16, layout=gl.SliceLayout(0, BL))
         b_src = w_ptr.to(gl.pointer_type(gl.int8), bitcast=True) + \
-            (gl.where(rb < N, rb, 0).to(gl.int64) * row_bytes)[:, None] + 192 + bcols[None, :]
+            (gl.where(rb < n_rows, rb, 0).to(gl.int64) * row_bytes)[:, None] + 192 \
+            + bcols[None, :]
         xr = gl.minimum(gl.arange(0, BM, layout=gl.SliceLayout(1, XL)), M - 1)
         xcols = gl.arange(0, 256, layout=gl.SliceLayout(0, XL))
         x_src = q_ptr + (xr.to(gl.int64) * K)[:, None] + xcols[None, :]
@@ -341,23 +370,9 @@ if HAS_GLUON:
             + scols[None, :]
         drows = gl.arange(0, BM, layout=HL)
         d_src = dx_ptr + gl.minimum(drows, M - 1) * nsb
-        rr = pid_n * BN + gl.arange(0, BN, layout=ROW)
+        rr = row0 + gl.arange(0, BN, layout=ROW)
         w16 = w_ptr.to(gl.pointer_type(gl.uint16), bitcast=True)
-        dw = w16 + (gl.where(rr < N, rr, 0).to(gl.int64) * row_bytes + nsb * 208) // 2
-        ql = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 128],
-                                       gl.SwizzledSharedLayout(16, 1, 8, order=[1, 0]))
-        qh = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 64],
-                                       gl.SwizzledSharedLayout(16, 1, 4, order=[1, 0]))
-        scb = gl.allocate_shared_memory(gl.int8, [STAGES, BN, 16],
-                                        gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        xa = gl.allocate_shared_memory(gl.int8, [STAGES, BM, 256],
-                                       gl.SwizzledSharedLayout(32, 1, 8, order=[1, 0]))
-        xb = gl.allocate_shared_memory(gl.int8, [STAGES, BM, 256],
-                                       gl.SwizzledSharedLayout(32, 1, 8, order=[1, 0]))
-        bss = gl.allocate_shared_memory(gl.float16, [STAGES, BM, 16],
-                                        gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        dxs = gl.allocate_shared_memory(gl.float32, [STAGES, BM],
-                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        dw = w16 + (gl.where(rr < n_rows, rr, 0).to(gl.int64) * row_bytes + nsb * 208) // 2
         acc = gl.zeros((BN, BM), gl.float32, MMA)
         zi = gl.zeros((BN, BM), gl.int32, MMA)
         zf = gl.zeros((BN, BM), gl.float32, MMA)
@@ -383,21 +398,79 @@ if HAS_GLUON:
                               B8, A16, B16, COL)
             d = nxt_d
         async_copy.wait_group(0)
-        cc = gl.arange(0, BM, layout=COL)
-        offs = cc.to(gl.int64)[None, :] * N + rr[:, None]
-        finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, offs,
-                      (cc < M)[None, :] & (rr < N)[:, None], ticket)
+        return acc
+
+    @gluon.jit
+    def _q6k_smem(WARPS: gl.constexpr, STAGES: gl.constexpr):
+        """_q6k_sum's shared memory (ql, qh, scb, xa, xb, bss, dxs)."""
+        BN: gl.constexpr = 16 * WARPS
+        ql = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 128],
+                                       gl.SwizzledSharedLayout(16, 1, 8, order=[1, 0]))
+        qh = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 64],
+                                       gl.SwizzledSharedLayout(16, 1, 4, order=[1, 0]))
+        scb = gl.allocate_shared_memory(gl.int8, [STAGES, BN, 16],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        xa = gl.allocate_shared_memory(gl.int8, [STAGES, 16, 256],
+                                       gl.SwizzledSharedLayout(32, 1, 8, order=[1, 0]))
+        xb = gl.allocate_shared_memory(gl.int8, [STAGES, 16, 256],
+                                       gl.SwizzledSharedLayout(32, 1, 8, order=[1, 0]))
+        bss = gl.allocate_shared_memory(gl.float16, [STAGES, 16, 16],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        dxs = gl.allocate_shared_memory(gl.float32, [STAGES, 16],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        return ql, qh, scb, xa, xb, bss, dxs
+
+    @gluon.jit(do_not_specialize=["M", "N", "sb_per_split", "nsplit"])
+    def _qint_mma_q6k_kernel(
+        q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
+        sb_per_split, nsplit, ticket, WARPS: gl.constexpr = 4, STAGES: gl.constexpr = 2,
+        PDL: gl.constexpr = False,
+    ):
+        """_qint_mma_q4k_kernel for Q6_K_A rows."""
+        pid_n = gl.program_id(0)
+        split = gl.program_id(1)
+        ql, qh, scb, xa, xb, bss, dxs = _q6k_smem(WARPS, STAGES)
+        acc = _q6k_sum(q_ptr, dx_ptr, bs_ptr, w_ptr, pid_n * 16 * WARPS, N, M, K, row_bytes,
+                       split * sb_per_split, sb_per_split, ql, qh, scb, xa, xb, bss, dxs, WARPS,
+                       STAGES, PDL)
+        _finish(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, ticket, WARPS)
+
+    @gluon.jit(do_not_specialize=["M", "N", "sb_per_split", "nsplit", "n1"])
+    def _qint_mma_q4k_q6k_kernel(
+        q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
+        sb_per_split, nsplit, ticket, w2_ptr, n1, row_bytes2, WARPS: gl.constexpr = 4,
+        STAGES: gl.constexpr = 2, PDL: gl.constexpr = False,
+    ):
+        """Q4_K rows (w_ptr, the first n1 of y's N columns, n1 a multiple of 16 WARPS) and
+        Q6_K_A rows (w2_ptr, the rest) in one launch (a layer's q|k and v), each tile
+        as its type's kernel. Q4_K's buffers are Q6_K's (its head words in qh's)."""
+        pid_n = gl.program_id(0)
+        split = gl.program_id(1)
+        ql, qh, scb, xa, xb, bss, dxs = _q6k_smem(WARPS, STAGES)
+        row0 = pid_n * 16 * WARPS
+        if row0 >= n1:
+            acc = _q6k_sum(q_ptr, dx_ptr, bs_ptr, w2_ptr, row0 - n1, N - n1, M, K, row_bytes2,
+                           split * sb_per_split, sb_per_split, ql, qh, scb, xa, xb, bss, dxs,
+                           WARPS, STAGES, PDL)
+        else:
+            heads = qh._reinterpret(gl.int32, [STAGES * 4, 16 * WARPS],
+                                    gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+            acc = _q4k_sum(q_ptr, dx_ptr, bs_ptr, w_ptr, row0, n1, M, K, row_bytes,
+                           split * sb_per_split, sb_per_split, ql, heads, xa, bss, dxs, WARPS,
+                           STAGES, PDL)
+        _finish(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, ticket, WARPS)
 
 
 def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: Any = None, *,
-                    q6: bool = False, launch: Any = None, warps: int = WARPS,
-                    stages: int = STAGES) -> Any:
+                    q6: bool = False, second: tuple[Any, int] | None = None, launch: Any = None,
+                    warps: int = WARPS, stages: int = STAGES) -> Any:
     """y (M, n) float32 = xq's rows (M <= 16, a QuantX) times the Q4_K rows `blocks`
-    (n, k / 256 * 144; `q6`: Q6_K_A rows, kernels/qint.py's row_bytes): `split` ranges of
-    super-blocks, their partials added by the last program of each tile where `tickets`
-    (qgemv's counters) are given and count enough tiles (n / (16 warps)), else by
-    qmatmul.sum_splits. `launch` maps the kernel to what to launch
-    (kernels/triton_util.launcher: the PDL launch in captures)."""
+    (n, k / 256 * 144; `q6`: Q6_K_A rows, kernels/qint.py's row_bytes; `second`: (Q6_K_A
+    rows, n1): `blocks` holds the first n1 of the n rows in Q4_K, a multiple of 16 warps,
+    and these the rest): `split` ranges of super-blocks, their partials added by the last
+    program of each tile where `tickets` (qgemv's counters) are given and count enough
+    tiles (n / (16 warps)), else by qmatmul.sum_splits. `launch` maps the kernel to what to
+    launch (kernels/triton_util.launcher: the PDL launch in captures)."""
     import torch
 
     m = xq.q.shape[0]
@@ -405,11 +478,21 @@ def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: A
     tiles = -(-n // (16 * warps))
     part = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=y.device)
     use_ticket = tickets is not None and split > 1 and tiles <= tickets.numel()
-    kernel = _qint_mma_q6k_kernel if q6 else _qint_mma_q4k_kernel
+    extra: dict[str, Any] = {}
+    if second is not None:
+        blocks2, n1 = second
+        if n1 % (16 * warps) or not 0 < n1 < n:
+            raise ValueError(f"qint_mma: the Q4_K part's {n1} rows must be a multiple of "
+                             f"{16 * warps} below {n}")
+        kernel = _qint_mma_q4k_q6k_kernel
+        extra = {"w2_ptr": blocks2, "n1": n1, "row_bytes2": blocks2.shape[1],
+                 "maxnreg": FUSED_MAX_REGS}
+    else:
+        kernel = _qint_mma_q6k_kernel if q6 else _qint_mma_q4k_kernel
     kernel = launch(kernel) if launch else kernel
     kernel[(tiles, split)](*xq, blocks, y, part, tickets if use_ticket else y, m, n, k,
                            blocks.shape[1], k // 256 // split, split, int(use_ticket),
-                           WARPS=warps, STAGES=stages, num_warps=warps)
+                           WARPS=warps, STAGES=stages, num_warps=warps, **extra)
     if split > 1 and not use_ticket:
         from kernels.qmatmul import sum_splits
 
@@ -427,8 +510,15 @@ def aot_specs(spec: type) -> list:
            "ticket": "i32", "WARPS": "constexpr", "STAGES": "constexpr", "PDL": "constexpr"}
     divisible = ("q_ptr", "dx_ptr", "bs_ptr", "w_ptr", "y_ptr", "part_ptr", "ticket_ptr", "K",
                  "row_bytes")
-    return [spec(f"qint_mma_{name}{'_pdl' if pdl else ''}_tiled", kernel, sig,
+    fused = {**sig, "w2_ptr": "*u8", "n1": "i32", "row_bytes2": "i32"}
+    fused = {**{k: v for k, v in fused.items() if v != "constexpr"},
+             **{k: v for k, v in fused.items() if v == "constexpr"}}  # the kernel's order
+    return [spec(f"qint_mma_{name}{'_pdl' if pdl else ''}_tiled", kernel, s,
                  {"WARPS": WARPS, "STAGES": STAGES, "PDL": pdl}, WARPS, True, "cuda", None,
-                 divisible)
-            for name, kernel in (("Q4_K", _qint_mma_q4k_kernel), ("Q6_K", _qint_mma_q6k_kernel))
+                 divisible + extra, regs)
+            for name, kernel, s, extra, regs in (
+                ("Q4_K", _qint_mma_q4k_kernel, sig, (), None),
+                ("Q6_K", _qint_mma_q6k_kernel, sig, (), None),
+                ("Q4_K_Q6_K", _qint_mma_q4k_q6k_kernel, fused, ("w2_ptr", "row_bytes2"),
+                 FUSED_MAX_REGS))
             for pdl in (False, True)]

@@ -1,7 +1,11 @@
 """kernels/qint_mma.py (Gluon, asynchronous copies into mma.sync fragments) against qint's
 matrix-unit kernel on the GPU, Q4_K and Q6_K at Llama-3.1-8B's shapes and 9-16 rows of x.
 
-    python3 bench/gpu/qint_mma_bench.py [--types Q4_K,Q6_K] [--variants 4,2;4,3;8,2] [--out DIR]
+    python3 bench/gpu/qint_mma_bench.py [--types Q4_K,Q6_K,fused] [--variants 4,2;4,3;8,2]
+        [--out DIR]
+
+`fused` times q|k (Q4_K) and v (Q6_K) in one launch through qint_parts, as the engine
+multiplies a layer's attention input on llama.cpp's Q6_K layers.
 
 Each variant (warps, stages) is checked bit for bit against _qint_mm_kernel's output at
 its default 16-row tile (forced: qint_triton itself takes the Gluon kernel) and against the
@@ -46,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="4,2;4,3;2,2;8,2")
     ap.add_argument("--splits", default="", help="extra split factors (x the default)")
     ap.add_argument("--rows", default="16,9")
-    ap.add_argument("--types", default="Q4_K,Q6_K")
+    ap.add_argument("--types", default="Q4_K,Q6_K,fused")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     run = Run(args)
@@ -58,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
            "device": torch.cuda.get_device_name(0), "ceilings": ceil, "rows": [],
            "errors": run.out["errors"]}
     tickets = _tickets(run.dev)
-    for name, n, k in [(t, n, k) for t in args.types.split(",") for n, k in SHAPES[t]]:
+    for name, n, k in [(t, n, k) for t in args.types.split(",") for n, k in SHAPES.get(t, [])]:
         if run.left() < 20:
             out["errors"].append(f"budget: stopped before {name} {n}x{k}")
             break
@@ -109,9 +113,52 @@ def main(argv: list[str] | None = None) -> int:
                     row[tag] = res
             print(json.dumps(row), flush=True)
             out["rows"].append(row)
+    if "fused" in args.types.split(",") and run.left() >= 20:
+        out["rows"] += fused_rows(run, rows)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "qint_mma_bench.json").write_text(json.dumps(out, indent=1))
     return 0
+
+
+def fused_rows(run: Run, rows: list[int], n1: int = 5120, n2: int = 1024,
+               k: int = 4096) -> list[dict]:
+    """q|k (Q4_K, n1 rows) and v (Q6_K, n2) in one launch, as the engine's qint_parts:
+    the two-type Gluon kernel against qint's two-type tile (forced), bit for bit and
+    within 2^-16 of the float64 definition of each part; timed at 16 rows."""
+    g1, g2 = random_blocks(run, "Q4_K", n1, k), random_blocks(run, "Q6_K", n2, k)
+    w = torch.cat([dequantize_reference(g1.view(-1), qint.Q4_K, (n1, k), torch.float64),
+                   dequantize_reference(g2.view(-1), qint.Q6_K, (n2, k), torch.float64)])
+    sets = [[(g1, qint.Q4_K, n1), (qint.repack_q6k(g2, k), qint.Q6_K_A, n2)]]
+    size = g1.numel() + sets[0][1][0].numel()
+    sets += [[(b.clone(), t, n) for b, t, n in sets[0]]
+             for _ in range(max(1, min(64, math.ceil(L2_MISS_BYTES / size))) - 1)]
+    x = torch.randn(16, k, device=run.dev, generator=run.gen).bfloat16()
+    xq_ref = qint.dequantized_x_reference(x)
+    ref, bound = xq_ref @ w.T, xq_ref.abs() @ w.abs().T
+    out = []
+    for m in rows:
+        xq = qint.quantize_x(x[:m])
+
+        def old(parts, xm=x[:m], xqm=xq):
+            with qint.forced_tile(qint.TILE_CANDIDATES["cuda"][16][0]):
+                return qint.qint_parts(xm, parts, k, xq=xqm)
+
+        def new(parts, xm=x[:m], xqm=xq):
+            return qint.qint_parts(xm, parts, k, xq=xqm)
+
+        y = run.attempt(f"fused m{m}", lambda c=new: c(sets[0]))
+        if y is None:
+            continue
+        err = float(((y.double() - ref[:m]).abs() / bound[:m]).max())
+        row = {"type": "Q4_K+Q6_K", "n": n1 + n2, "n1": n1, "k": k, "m": m, "err": err,
+               "ok": bool(torch.isfinite(y).all()) and err <= 2**-16,
+               "bits_equal_qint": bool(torch.equal(y, old(sets[0])))}
+        if m == 16:
+            row["old_us"] = run.time_us([partial(old, p) for p in sets])
+            row["us"] = run.time_us([partial(new, p) for p in sets])
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    return out
 
 
 if __name__ == "__main__":

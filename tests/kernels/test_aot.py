@@ -85,7 +85,9 @@ def test_qint_builds_spill_nothing(report):
         assert hip is not None or name.startswith("qint_mma_"), name  # NVIDIA's alone
         assert hip is None or hip["vgpr_spills"] == 0, (name, hip)
         assert "regs" in cuda, (name, "cuobjdump gave no resource usage", cuda)
-        assert cuda["stack_bytes"] == 0, (name, cuda)
+        # the Gluon two-type kernel keeps 8 bytes outside its loops (qint_mma.FUSED_MAX_REGS)
+        assert cuda["stack_bytes"] <= (8 if name.startswith("qint_mma_Q4_K_Q6_K") else 0), (
+            name, cuda)
         if name.endswith("_tiled"):
             assert cuda["regs"] <= qint.TILED_MAX_REGS, (name, cuda)
 

@@ -35,10 +35,12 @@ def build(qtype: str = "Q4_K", **consts):
 # Q6_K's scales; 4: Q4_K's head words, x's sums and scales), its registers and shared
 # memory at the defaults: Q4_K 6 programs a multiprocessor, Q6_K 5
 SHAPE = {"Q4_K": (16, 2, {"0x4": 6, "0x8": 0, "0x10": 6}, 80, 32 * 1024),
-         "Q6_K": (32, 2, {"0x4": 2, "0x8": 1, "0x10": 10}, 96, 44 * 1024)}
+         "Q6_K": (32, 2, {"0x4": 2, "0x8": 1, "0x10": 10}, 96, 44 * 1024),
+         "Q4_K_Q6_K": (48, 4, {"0x4": 8, "0x8": 1, "0x10": 16}, qint_mma.FUSED_MAX_REGS,
+                       44 * 1024)}
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q4_K_Q6_K"])
 @pytest.mark.parametrize("consts", [{}, {"PDL": True}, {"STAGES": 3}, {"WARPS": 8}],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "default")
 def test_builds_for_sm90_on_the_matrix_unit(qtype, consts):
@@ -46,7 +48,10 @@ def test_builds_for_sm90_on_the_matrix_unit(qtype, consts):
     and its mins as 2 f16 m16n8k16 ones; Q6_K's 8 runs of 32 columns x 2 sub-blocks x 2
     halves, its scales times x's 16-column sums as 2 f16 ones; the operands by cp.async;
     the PDL build waits for the previous kernel; nothing spilled, and the defaults leave
-    Q4_K 6 programs a multiprocessor and Q6_K 5 (registers and shared memory)."""
+    Q4_K 6 programs a multiprocessor and Q6_K 5 (registers and shared memory); the
+    two-type kernel (q|k in Q4_K, v in Q6_K) has both paths in Q6_K's shared memory and,
+    under its register cap, 5 programs too, spilling 8 bytes (outside its loops: see
+    FUSED_MAX_REGS)."""
     assert HAS_TRITON and qint_mma.HAS_GLUON, "CI installs Triton 3.6, which has Gluon"
     kernel, res = build(qtype, **consts)
     ptx = kernel.asm["ptx"]
@@ -60,7 +65,9 @@ def test_builds_for_sm90_on_the_matrix_unit(qtype, consts):
         assert copies == {w: c * sites for w, c in copied.items()}, copies
     assert ("griddepcontrol.wait" in ptx) == consts.get("PDL", False)
     if res:  # Triton's cuobjdump was found
-        assert res["stack_bytes"] == 0, res
+        # the two-type kernel's cap spills 8 bytes at the defaults, 16 at 3 stages
+        spill = 0 if qtype != "Q4_K_Q6_K" else 8 if consts.get("STAGES", 2) == 2 else 16
+        assert res["stack_bytes"] <= spill, res
     if not consts:
         assert res.get("regs", 0) <= regs and kernel.metadata.shared <= shared, (
             res, kernel.metadata.shared)
@@ -68,8 +75,9 @@ def test_builds_for_sm90_on_the_matrix_unit(qtype, consts):
 
 def test_engine_takes_it_for_q4k_and_q6k_up_to_16_rows_on_nvidia(monkeypatch):
     """qint's matrix-unit launches of Q4_K or Q6_K_A alone at up to 16 rows on NVIDIA take
-    it; more rows, another type, a second part, HIP, the CPU, a forced tile (the tuner) or
-    MBUFO_QINT_MMA=0 keep _qint_mm_kernel."""
+    it, and so do Q4_K's q|k with Q6_K_A's v in one launch; more rows, another type or
+    pair, HIP, the CPU, a forced tile (the tuner) or MBUFO_QINT_MMA=0 keep
+    _qint_mm_kernel."""
     from kernels.qint import Q6_K_A, forced_tile, mma_path
 
     cuda, q4 = torch.device("cuda"), int(T.Q4_K)
@@ -78,7 +86,9 @@ def test_engine_takes_it_for_q4k_and_q6k_up_to_16_rows_on_nvidia(monkeypatch):
     assert not mma_path(17, q4, 0, "cuda", cuda)
     assert not mma_path(17, Q6_K_A, 0, "cuda", cuda)
     assert not mma_path(16, int(T.Q6_K), 0, "cuda", cuda)  # GGUF's rows: held as Q6_K_A
-    assert not mma_path(16, q4, Q6_K_A, "cuda", cuda)
+    assert mma_path(16, q4, Q6_K_A, "cuda", cuda)  # q|k and v in one launch
+    assert not mma_path(16, Q6_K_A, q4, "cuda", cuda)
+    assert not mma_path(16, q4, q4, "cuda", cuda)
     assert not mma_path(16, q4, 0, "hip", cuda)
     assert not mma_path(16, q4, 0, "cuda", torch.device("cpu"))
     with forced_tile((16, 64, 4)):
@@ -95,13 +105,14 @@ def test_qint_launch_hands_over_the_split_and_the_counters(monkeypatch, rng):  #
 
     calls = []
 
-    def fake(xq, blocks, n, k, split, tickets=None, *, q6=False, launch=None, **kw):
+    def fake(xq, blocks, n, k, split, tickets=None, *, q6=False, second=None, launch=None,
+             **kw):
         calls.append((xq.q.shape, blocks.data_ptr(), n, k, split, tickets is not None, q6,
-                      callable(launch)))
+                      second and (second[0].data_ptr(), second[1]), callable(launch)))
         return torch.full((xq.q.shape[0], n), 7.0)
 
     monkeypatch.setattr(qint_mma, "qint_mma_launch", fake)
-    monkeypatch.setattr(qint, "mma_path", lambda m, qt, qt2, backend, device: qt2 == 0)
+    monkeypatch.setattr(qint, "mma_path", lambda m, qt, qt2, backend, device: True)
     n, k, m = 320, 2048, 12
     for qtype in (qint.Q4_K, qint.Q6_K_A):
         calls.clear()
@@ -113,7 +124,17 @@ def test_qint_launch_hands_over_the_split_and_the_counters(monkeypatch, rng):  #
         split = qint.default_qint_config(qtype, n, k, 132, m=m).split
         assert torch.equal(y, torch.full((m, n), 7.0))
         assert calls == [((m, k), held.data_ptr(), n, k, split, True, qtype == qint.Q6_K_A,
-                          True)]
+                          None, True)]
+    # q|k (Q4_K, a multiple of 64 rows) and v (Q6_K_A) as one launch; the whole weight's
+    # split
+    calls.clear()
+    v = qint.repack_q6k(random_weight(T.Q6_K, 64, k, rng), k)
+    qk = random_weight(T.Q4_K, n, k, rng)
+    y = qint.qint_parts(x, [(qk, qint.Q4_K, n), (v, qint.Q6_K_A, 64)], k, num_sms=132, xq=xq)
+    split = qint.default_qint_config(qint.Q4_K, n + 64, k, 132, m=m).split
+    assert torch.equal(y, torch.full((m, n + 64), 7.0))
+    assert calls == [((m, k), qk.data_ptr(), n + 64, k, split, True, False,
+                      (v.data_ptr(), n), True)]
 
 
 @pytest.mark.gpu
@@ -121,7 +142,8 @@ def test_gpu_same_bits_as_qint(rng):  # noqa: F811 - the fixture
     """On the GPU, at rows that leave x's tile partly filled and N that leaves the last
     program partly filled, each split the shape allows, with and without the tickets:
     _qint_mm_kernel's bits at its own split (its default tile forced), the engine's launch
-    (qint_triton) taking this kernel, and within 2^-16 of the definition at every split."""
+    (qint_triton) taking this kernel, and within 2^-16 of the definition at every split;
+    the two-type launch (q|k in Q4_K, v in Q6_K) likewise."""
     if not torch.cuda.is_available():
         pytest.fail("no GPU: run the gpu tests on the device")
     from kernels import qint
@@ -153,3 +175,17 @@ def test_gpu_same_bits_as_qint(rng):  # noqa: F811 - the fixture
                         check(y, x[:m], blocks, qtype)
                         if s == split:
                             assert torch.equal(y, want), (qtype, n, k, m, warps, stages, s)
+    # q|k (Q4_K) and v (Q6_K) in one launch: each part's bits as qint's two-type launch
+    # (forced tile) and within 2^-16 of its definition
+    for n1, n2, k in ((320, 64, 2048), (640, 200, 4096)):
+        g1, g2 = random_weight(T.Q4_K, n1, k, rng), random_weight(T.Q6_K, n2, k, rng)
+        parts = [(g1.cuda(), qint.Q4_K, n1), (qint.repack_q6k(g2, k).cuda(), qint.Q6_K_A, n2)]
+        x = torch.from_numpy(rng.standard_normal((16, k), dtype=np.float32))
+        for m in (9, 16):
+            xq = qint.quantize_x(x[:m].cuda())
+            with qint.forced_tile(qint.TILE_CANDIDATES["cuda"][16][0]):
+                want = qint.qint_parts(x[:m].cuda(), parts, k, xq=xq).cpu()
+            got = qint.qint_parts(x[:m].cuda(), parts, k, xq=xq).cpu()
+            assert torch.equal(got, want), (n1, n2, k, m)
+            check(got[:, :n1], x[:m], g1, T.Q4_K)
+            check(got[:, n1:], x[:m], g2, T.Q6_K)
