@@ -25,9 +25,10 @@ before the product) writes q (int8), dx and the sums of q over each 16 columns (
 to GEMV_MAX_M rows, float16 beyond: QuantX); then
 one product kernel, whose split partials (the super-blocks of a row cut into `split`
 ranges, by (type, N, K) only) are added in split order by the last program of each tile:
-- `_qint_gemv_kernel` (up to gemv_max_m rows: 4, Q6_K 8) on the CUDA cores: a program owns BLOCK_N
-  weight rows, the codes stay packed four to a u32 word against a word of x's int8 codes
-  (dp4a on NVIDIA, byte by byte elsewhere: the same integer), each row of x in turn;
+- `_qint_gemv_kernel` (up to gemv_max_m rows: 4, Q6_K 8 where qint's Triton kernel takes
+  the matrix unit's launches) on the CUDA cores: a program owns BLOCK_N weight rows, the
+  codes stay packed four to a u32 word against a word of x's int8 codes (dp4a on NVIDIA,
+  byte by byte elsewhere: the same integer), each row of x in turn;
 - `_qint_mm_kernel` (more rows) on the matrix unit's int8 path (wgmma/mma s8 on NVIDIA,
   WMMA iu8 on RDNA): a sub-block's codes (Q4_K 0..15, Q6_K's q - 32) times x's codes is
   an exact int32 dot, times the sub-block's integer scale; the mins' sums of Q4_K one f16
@@ -78,9 +79,12 @@ QK = 256  # columns per super-block, and per x scale
 # even (27.9 / 28.0 at 14336 x 4096).
 GEMV_MAX_M = 4  # rows up to which Q4_K (and a launch of two types) runs on the CUDA cores
 # Q6_K's matrix-unit step takes two int8 dots a 32-column run (its 16-column sub-blocks):
-# the CUDA-core kernel stays faster up to 8 rows (H200 at 8 rows: 41 against 64 us at
-# 4096 x 14336, 310 against 486 on the head before the packed code decode that took 16
-# rows from 65 to 46 us). The bits are the same on both paths.
+# qint's Triton kernel stays slower than the CUDA-core one up to 8 rows (H200 at 8 rows:
+# 41 against 64 us at 4096 x 14336, 310 against 486 on the head before the packed code
+# decode that took 16 rows from 65 to 46 us). Where kernels/qint_mma.py's Gluon kernel
+# takes the matrix unit's launches, Q6_K's bound is GEMV_MAX_M as Q4_K's (H200, 4096 x
+# 14336: CUDA cores 28.4 us at 4 rows and 41.5 at 8, the Gluon kernel 29.8 at any of 5-16).
+# The bits are the same on every path.
 GEMV_MAX_M_OF = {Q6_K_A: 8}
 # The matrix-unit kernel's tiles, (block_m, block_n, num_warps[, num_stages[, max_regs]]),
 # by rows of x: the first bound of TILE_BOUNDS that holds picks the tile, the tuned one
@@ -839,7 +843,7 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
     if xq is not None and (tuple(xq.q.shape) != (m, k) or xq.q.dtype != torch.int8):
         raise InvalidRequest(f"qint: xq must hold ({m}, {k}) int8 codes")
     xq = xq if xq is not None else quantize_x(x)
-    gemv = [m <= gemv_max_m(t) for _, t, _ in parts]
+    gemv = [m <= gemv_max_m(t, backend, x.device) for _, t, _ in parts]
     if len(parts) == 1 or all(gemv) and len(parts) == 2 and m <= GEMV_MAX_M \
             and parts[0][2] % cfg.block_n == 0:
         return _launch(xq, parts, m, k, cfg, sms, backend, gemv[0])
@@ -873,8 +877,11 @@ def _qint_mma():
     return qint_mma
 
 
-def gemv_max_m(qtype: int) -> int:
-    """The most rows of x a weight of `qtype` multiplies on the CUDA cores."""
+def gemv_max_m(qtype: int, backend: str = "", device: torch.device | None = None) -> int:
+    """The most rows of x a weight of `qtype` multiplies on the CUDA cores (on `backend`
+    and `device`: GEMV_MAX_M where the Gluon kernel takes the rows past it)."""
+    if device is not None and mma_path(GEMV_MAX_M + 1, int(qtype), 0, backend, device):
+        return GEMV_MAX_M
     return GEMV_MAX_M_OF.get(int(qtype), GEMV_MAX_M)
 
 

@@ -136,13 +136,17 @@ def main(argv: list[str] | None = None) -> int:
                          "rows: 'bm,bn,warps[,stages[,max_regs]];...' (an empty field: "
                          "unset), e.g. '16,64,4,,120;16,128,8'")
     ap.add_argument("--splits", default="",
-                    help="also time the matrix-unit kernel at 16 and 32 rows with these K "
-                         "splits (e.g. 1,2,4,8) on the swept shapes: the split's own cost")
+                    help="also time qint at 1, 16 and 32 rows with these K splits (e.g. "
+                         "1,2,4,7,8,14) on the swept shapes: the split's own cost")
+    ap.add_argument("--shapes", default="",
+                    help="only these of the model's shapes (NxK, comma separated)")
     ap.add_argument("--tiles-only", action="store_true",
                     help="sweep the matrix-unit kernel's tiles only (not the CUDA-core configs)")
     args = ap.parse_args(argv)
     run = Run(args)
     shapes = [(32, 512)] if args.smoke else SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = (1, 3) if args.smoke else MS
     ceil = ceilings(run)
     out = {"device": "cpu" if args.smoke else torch.cuda.get_device_name(), "ceilings": ceil,
@@ -173,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
                                                    base._replace(max_regs=regs), ceil))
             for split in (int(v) for v in args.splits.split(",") if v):
                 if (n, k) in swept and (k // 256) % split == 0:
-                    for m in (16, 32):
-                        row = measure(run, case, "qint", m, QIntConfig(64, split), ceil)
+                    for m in (1, 16, 32):
+                        cfg = default_qint_config(case.qtype, n, k, run.sms, m=m)
+                        row = measure(run, case, "qint", m, cfg._replace(split=split), ceil)
                         row.update(mode="qint-split")
                         out["rows"].append(row)
             if (n, k) in swept and not args.smoke and args.tile_sweep:  # matrix-unit tiles
