@@ -7,10 +7,12 @@ matrix-unit kernel on the GPU, Q4_K and Q6_K at Llama-3.1-8B's shapes and 9-16 r
 `fused` times q|k (Q4_K) and v (Q6_K) in one launch through qint_parts, as the engine
 multiplies a layer's attention input on llama.cpp's Q6_K layers.
 
-Each variant (warps, stages) is checked bit for bit against _qint_mm_kernel's output at
-its default 16-row tile (forced: qint_triton itself takes the Gluon kernel) and against the
-float64 reference of kernels.qint (within 2^-16 |W| |x_q|); times are CUDA-graph replays
-over weight copies that miss the L2, as qint_bench. Writes $OUT/qint_mma_bench.json.
+Each variant (warps, stages) is checked bit for bit against qint's launch with its
+default 16-row tile forced (qint_triton itself takes the Gluon kernel; forced, up to
+gemv_max_m rows of the type run on the CUDA cores, more on _qint_mm_kernel) and against the
+float64 reference of kernels.qint (within 2^-16 |W| |x_q|); both are timed at every row
+count (--rows), as CUDA-graph replays over weight copies that miss the L2, as qint_bench.
+Writes $OUT/qint_mma_bench.json.
 """
 
 from __future__ import annotations
@@ -88,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
             old = old_call(blocks)
             row = {"type": name, "n": n, "k": k, "m": m, "split": cfg.split}
-            if m == 16:
-                row["old_us"] = run.time_us([partial(old_call, b) for b in copies])
+            row["old_us"] = run.time_us([partial(old_call, b) for b in copies])
             splits = [cfg.split] + [cfg.split * int(f) for f in args.splits.split(",") if f
                                     if (k // 256) % (cfg.split * int(f)) == 0]
             for warps, stages in variants:
@@ -104,12 +105,11 @@ def main(argv: list[str] | None = None) -> int:
                     res = {"err": err, "ok": bool(torch.isfinite(y).all()) and err <= 2**-16}
                     if split == cfg.split:
                         res["bits_equal_qint"] = bool(torch.equal(y, old))
-                    if m == 16:
-                        us = run.attempt(tag, lambda c=call, cs=copies: run.time_us(
-                            [partial(c, b) for b in cs]))
-                        if us is not None:
-                            res["us"] = us
-                            res["gb_s"] = blocks.numel() / us / 1e3
+                    us = run.attempt(tag, lambda c=call, cs=copies: run.time_us(
+                        [partial(c, b) for b in cs]))
+                    if us is not None:
+                        res["us"] = us
+                        res["gb_s"] = blocks.numel() / us / 1e3
                     row[tag] = res
             print(json.dumps(row), flush=True)
             out["rows"].append(row)
@@ -153,9 +153,8 @@ def fused_rows(run: Run, rows: list[int], n1: int = 5120, n2: int = 1024,
         row = {"type": "Q4_K+Q6_K", "n": n1 + n2, "n1": n1, "k": k, "m": m, "err": err,
                "ok": bool(torch.isfinite(y).all()) and err <= 2**-16,
                "bits_equal_qint": bool(torch.equal(y, old(sets[0])))}
-        if m == 16:
-            row["old_us"] = run.time_us([partial(old, p) for p in sets])
-            row["us"] = run.time_us([partial(new, p) for p in sets])
+        row["old_us"] = run.time_us([partial(old, p) for p in sets])
+        row["us"] = run.time_us([partial(new, p) for p in sets])
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
