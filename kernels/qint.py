@@ -22,13 +22,14 @@ block's largest, as llama.cpp's own quantized-activation kernels (q8_1, q8_K).
 
 Launches: `quantize_x` (one small kernel, or fused into the norm or gated activation
 before the product) writes q (int8), dx and the sums of q over each 16 columns (int32 up
-to GEMV_MAX_M rows, float16 beyond: QuantX); then
+to INT_SUMS_M rows, float16 beyond: QuantX); then
 one product kernel, whose split partials (the super-blocks of a row cut into `split`
 ranges, by (type, N, K) only) are added in split order by the last program of each tile:
 - `_qint_gemv_kernel` (up to gemv_max_m rows: 4, Q6_K 8 where qint's Triton kernel takes
-  the matrix unit's launches) on the CUDA cores: a program owns BLOCK_N weight rows, the
-  codes stay packed four to a u32 word against a word of x's int8 codes (dp4a on NVIDIA,
-  byte by byte elsewhere: the same integer), each row of x in turn;
+  the matrix unit's launches; 2 and 4 where the Gluon kernel does) on the CUDA cores: a
+  program owns BLOCK_N weight rows, the codes stay packed four to a u32 word against a
+  word of x's int8 codes (dp4a on NVIDIA, byte by byte elsewhere: the same integer), each
+  row of x in turn;
 - `_qint_mm_kernel` (more rows) on the matrix unit's int8 path (wgmma/mma s8 on NVIDIA,
   WMMA iu8 on RDNA): a sub-block's codes (Q4_K 0..15, Q6_K's q - 32) times x's codes is
   an exact int32 dot, times the sub-block's integer scale; the mins' sums of Q4_K one f16
@@ -60,7 +61,8 @@ from kernels.qscaled import _sub_dot
 from kernels.qtiles import Q4_K, Q6_K, _f16, _f16lo, _p32
 from kernels.triton_util import HAS_TRITON, await_inputs, helper, launcher, next_pow2, tl, triton
 
-__all__ = ["ACT8_STORED", "Q6_K_A", "QINT_TYPES", "QIntConfig", "default_qint_config",
+__all__ = ["ACT8_STORED", "INT_SUMS_M", "MMA_GEMV_MAX_M_OF", "Q6_K_A", "QINT_TYPES",
+           "QIntConfig", "default_qint_config",
            "TILE_BOUNDS", "TILE_CANDIDATES", "TUNED_TILES", "forced_tile", "tile_bound",
            "tile_options", "tiled_tile",
            "QuantX", "dequantized_x_reference", "empty_quant_x", "qint_parts", "sums_dtype",
@@ -81,11 +83,18 @@ GEMV_MAX_M = 4  # rows up to which Q4_K (and a launch of two types) runs on the 
 # Q6_K's matrix-unit step takes two int8 dots a 32-column run (its 16-column sub-blocks):
 # qint's Triton kernel stays slower than the CUDA-core one up to 8 rows (H200 at 8 rows:
 # 41 against 64 us at 4096 x 14336, 310 against 486 on the head before the packed code
-# decode that took 16 rows from 65 to 46 us). Where kernels/qint_mma.py's Gluon kernel
-# takes the matrix unit's launches, Q6_K's bound is GEMV_MAX_M as Q4_K's (H200, 4096 x
-# 14336: CUDA cores 28.4 us at 4 rows and 41.5 at 8, the Gluon kernel 29.8 at any of 5-16).
-# The bits are the same on every path.
+# decode that took 16 rows from 65 to 46 us). The bits are the same on every path.
 GEMV_MAX_M_OF = {Q6_K_A: 8}
+# Where kernels/qint_mma.py's Gluon kernel takes the matrix unit's launches (its time flat
+# over 1-16 rows: one 16-row tile), the CUDA cores keep fewer rows. H200, 4096 x 14336:
+# Q4_K on the CUDA cores 16.2 / 21.7 / 23.5 / 27.3 us at 1 / 2 / 3 / 4 rows, the Gluon
+# kernel 20.8-23.1; Q6_K 19.2 / 23.4 / 25.1 / 28.4 and 41.5 at 8, the Gluon kernel
+# 28.6-29.8; the engine's 4-row step 4.19 ms on the CUDA cores, its 8-row one 3.76 on the
+# Gluon kernel.
+MMA_GEMV_MAX_M_OF = {Q4_K: 2, Q6_K_A: 4}
+# x's 16-column sums are int32 up to this many rows (the CUDA-core kernel's only rows on
+# every path), float16 beyond (the matrix-unit kernels' dot operand as loaded); both exact
+INT_SUMS_M = 2
 # The matrix-unit kernel's tiles, (block_m, block_n, num_warps[, num_stages[, max_regs]]),
 # by rows of x: the first bound of TILE_BOUNDS that holds picks the tile, the tuned one
 # (TUNED_TILES, set at load by engine/tile_tune.py from measured times of the candidates)
@@ -165,8 +174,9 @@ class QuantX(NamedTuple):
     q: torch.Tensor  # (M, K) int8
     dx: torch.Tensor  # (M, K / 256) float32
     # (M, K / 16): the sums of q over each 16 columns (exact in both): int32 up to
-    # GEMV_MAX_M rows (the CUDA-core kernel reads them as they are), float16 beyond (the
-    # matrix-unit kernel's dot operand as loaded: no convert through shared memory)
+    # INT_SUMS_M rows (the CUDA-core kernel reads them as they are), float16 beyond (the
+    # matrix-unit kernel's dot operand as loaded: no convert through shared memory; the
+    # CUDA-core kernel converts them)
     bs: torch.Tensor
 
 
@@ -764,7 +774,7 @@ def empty_quant_x(m: int, k: int, device: torch.device) -> QuantX:
 
 def sums_dtype(m: int) -> torch.dtype:
     """QuantX.bs's type for m rows of x."""
-    return torch.int32 if m <= GEMV_MAX_M else torch.float16
+    return torch.int32 if m <= INT_SUMS_M else torch.float16
 
 
 def quantize_x(x: torch.Tensor) -> QuantX:
@@ -844,6 +854,9 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
         raise InvalidRequest(f"qint: xq must hold ({m}, {k}) int8 codes")
     xq = xq if xq is not None else quantize_x(x)
     gemv = [m <= gemv_max_m(t, backend, x.device) for _, t, _ in parts]
+    if len(parts) == 2 and not gemv[0] and mma_path(m, int(parts[0][1]), int(parts[1][1]),
+                                                    backend, x.device):
+        gemv = [False, False]  # the Gluon kernel's two-type launch takes the second too
     if len(parts) == 1 or all(gemv) and len(parts) == 2 and m <= GEMV_MAX_M \
             and parts[0][2] % cfg.block_n == 0:
         return _launch(xq, parts, m, k, cfg, sms, backend, gemv[0])
@@ -879,9 +892,10 @@ def _qint_mma():
 
 def gemv_max_m(qtype: int, backend: str = "", device: torch.device | None = None) -> int:
     """The most rows of x a weight of `qtype` multiplies on the CUDA cores (on `backend`
-    and `device`: GEMV_MAX_M where the Gluon kernel takes the rows past it)."""
-    if device is not None and mma_path(GEMV_MAX_M + 1, int(qtype), 0, backend, device):
-        return GEMV_MAX_M
+    and `device`: MMA_GEMV_MAX_M_OF's where the Gluon kernel takes the rows past it)."""
+    bound = MMA_GEMV_MAX_M_OF.get(int(qtype))
+    if device is not None and bound and mma_path(bound + 1, int(qtype), 0, backend, device):
+        return bound
     return GEMV_MAX_M_OF.get(int(qtype), GEMV_MAX_M)
 
 
@@ -980,8 +994,10 @@ def aot_specs(spec: type) -> list:
                 consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": cfg.block_n,
                           "PTX": backend == "cuda", "QTYPE2": qtype2, "PDL": backend == "cuda"}
                 wide = "_wide" if n == WIDE_N else ""
+                sums = "*i32" if sums_dtype(bm) == torch.int32 else "*fp16"
                 out.append(spec(f"qint_{name}_m{bm}{wide}", _qint_gemv_kernel,
-                                {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,
+                                {**gemv_sig, "bs_ptr": sums, **{k: "constexpr" for k in consts}},
+                                consts,
                                 cfg.num_warps, False, backend, cfg.num_stages,
                                 divisible + ("w2_ptr", "row_bytes2")))
         if qtype2:

@@ -20,6 +20,7 @@ from engine.errors import InvalidRequest
 from kernels.qint import (
     ACT8_STORED,
     GEMV_MAX_M,
+    INT_SUMS_M,
     Q6_K_A,
     WIDE_N,
     QIntConfig,
@@ -107,9 +108,13 @@ def test_quantize_kernel_bits(interp, rng):
         q_ref, dx_ref = quantize_x_reference(xx)
         assert q.dtype == torch.int8 and torch.equal(q.int(), q_ref)
         assert torch.equal(dx, dx_ref)
-        assert bs.dtype == sums_dtype(3) == torch.int32
+        assert bs.dtype == sums_dtype(3) == torch.float16
         assert torch.equal(bs.int(), q_ref.reshape(3, 32, 16).sum(-1).int())
-    # past GEMV_MAX_M rows in float16 (exact: |sum| <= 16 * 127 = 2032 < 2^11)
+        # up to INT_SUMS_M rows in int32
+        q, dx, bs = interp.call("kernels.qint:quantize_x", xx[:INT_SUMS_M])
+        assert bs.dtype == sums_dtype(INT_SUMS_M) == torch.int32
+        assert torch.equal(bs, q_ref[:INT_SUMS_M].reshape(INT_SUMS_M, 32, 16).sum(-1).int())
+    # past INT_SUMS_M rows in float16 (exact: |sum| <= 16 * 127 = 2032 < 2^11)
     x = torch.full((GEMV_MAX_M + 1, 256), -50.0)  # each row's largest: codes -127
     x[:, 16:] = torch.from_numpy(rng.standard_normal((GEMV_MAX_M + 1, 240), dtype=np.float32))
     q, dx, bs = interp.call("kernels.qint:quantize_x", x)

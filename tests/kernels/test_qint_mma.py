@@ -97,40 +97,55 @@ def test_engine_takes_it_for_q4k_and_q6k_up_to_16_rows_on_nvidia(monkeypatch):
     assert not mma_path(16, q4, 0, "cuda", cuda)
 
 
-def test_q6k_leaves_the_cuda_cores_past_4_rows_where_it_takes_the_gluon_kernel(monkeypatch,
-                                                                               rng):  # noqa: F811
-    """Q6_K_A's CUDA-core bound is 8 rows where qint's Triton kernel takes the matrix
-    unit's launches (HIP, MBUFO_QINT_MMA=0, a forced tile, no device given) and 4 where
-    the Gluon kernel does (its time flat over 5-16 rows); at 6 rows a Q6_K_A launch and
-    a q|k + v pair go to it (one launch)."""
+def test_cuda_cores_keep_fewer_rows_where_the_gluon_kernel_takes_the_rest(monkeypatch,
+                                                                          rng):  # noqa: F811
+    """The CUDA cores' row bounds: Q4_K 4 and Q6_K_A 8 where qint's Triton kernel takes
+    the matrix unit's launches (HIP, MBUFO_QINT_MMA=0, a forced tile, no device given), 2
+    and 4 where the Gluon kernel does (its time flat over 1-16 rows). At 3 rows Q4_K and a
+    q|k + v pair go to it (one launch), Q6_K_A alone stays on the CUDA cores; at 6 rows
+    all three go to it."""
     from kernels import qint
 
     cuda = torch.device("cuda")
-    assert qint.gemv_max_m(qint.Q6_K_A, "cuda", cuda) == qint.GEMV_MAX_M == 4
-    assert qint.gemv_max_m(qint.Q4_K, "cuda", cuda) == 4
+    assert qint.gemv_max_m(qint.Q4_K, "cuda", cuda) == 2
+    assert qint.gemv_max_m(qint.Q6_K_A, "cuda", cuda) == 4
+    assert qint.gemv_max_m(qint.Q4_K, "hip", cuda) == qint.GEMV_MAX_M == 4
     assert qint.gemv_max_m(qint.Q6_K_A, "hip", cuda) == 8
     assert qint.gemv_max_m(qint.Q6_K_A) == 8
     with qint.forced_tile((16, 64, 4)):
         assert qint.gemv_max_m(qint.Q6_K_A, "cuda", cuda) == 8
     monkeypatch.setenv("MBUFO_QINT_MMA", "0")
-    assert qint.gemv_max_m(qint.Q6_K_A, "cuda", cuda) == 8
+    assert qint.gemv_max_m(qint.Q4_K, "cuda", cuda) == 4
     monkeypatch.delenv("MBUFO_QINT_MMA")
     calls = []
 
     def fake(xq, blocks, n, k, split, tickets=None, *, q6=False, second=None, **kw):
-        calls.append((q6, second is not None))
+        calls.append((xq.q.shape[0], "mma", q6, second is not None))
         return torch.zeros(xq.q.shape[0], n)
 
+    class Grid:  # a launch of qint's Triton kernels, recorded
+        def __init__(self, kernel, device):
+            self.name = kernel.__name__ if hasattr(kernel, "__name__") else kernel.fn.__name__
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append((args[7], self.name, kw["QTYPE"],
+                                                     kw["QTYPE2"]))
+
     monkeypatch.setattr(qint_mma, "qint_mma_launch", fake)
+    monkeypatch.setattr(qint, "launcher", Grid)
     monkeypatch.setattr(qint, "mma_path", lambda m, qt, qt2, backend, device: m <= 16)
-    n, k, m = 128, 1024, 6
+    n, k = 128, 1024
     v = qint.repack_q6k(random_weight(T.Q6_K, 64, k, rng), k)
     qk = random_weight(T.Q4_K, n, k, rng)
-    x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
-    xq = qint.QuantX(*(t.zero_() for t in qint.empty_quant_x(m, k, x.device)))
-    qint.qint_triton(x, v, qint.Q6_K_A, (64, k), num_sms=132, xq=xq)
-    qint.qint_parts(x, [(qk, qint.Q4_K, n), (v, qint.Q6_K_A, 64)], k, num_sms=132, xq=xq)
-    assert calls == [(True, False), (False, True)]
+    for m in (3, 6):
+        x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
+        xq = qint.QuantX(*(t.zero_() for t in qint.empty_quant_x(m, k, x.device)))
+        qint.qint_triton(x, qk, qint.Q4_K, (n, k), num_sms=132, xq=xq)
+        qint.qint_triton(x, v, qint.Q6_K_A, (64, k), num_sms=132, xq=xq)
+        qint.qint_parts(x, [(qk, qint.Q4_K, n), (v, qint.Q6_K_A, 64)], k, num_sms=132, xq=xq)
+    assert calls == [(3, "mma", False, False), (3, "_qint_gemv_kernel", qint.Q6_K_A, 0),
+                     (3, "mma", False, True),
+                     (6, "mma", False, False), (6, "mma", True, False), (6, "mma", False, True)]
 
 
 def test_qint_launch_hands_over_the_split_and_the_counters(monkeypatch, rng):  # noqa: F811
@@ -185,7 +200,7 @@ def test_gpu_same_bits_as_qint(rng):  # noqa: F811 - the fixture
     from kernels import qint
     from kernels.qgemv import _tickets
 
-    cases = [(T.Q4_K, 1000, 2048, (5, 9, 13, 16)), (T.Q4_K, 320, 14336, (5, 9, 13, 16)),
+    cases = [(T.Q4_K, 1000, 2048, (3, 5, 9, 13, 16)), (T.Q4_K, 320, 14336, (3, 5, 9, 16)),
              (T.Q6_K, 1000, 2048, (5, 8, 9, 13, 16)), (T.Q6_K, 320, 14336, (5, 9, 16))]
     for qtype, n, k, rows in cases:
         blocks = random_weight(qtype, n, k, rng)
@@ -217,7 +232,7 @@ def test_gpu_same_bits_as_qint(rng):  # noqa: F811 - the fixture
         g1, g2 = random_weight(T.Q4_K, n1, k, rng), random_weight(T.Q6_K, n2, k, rng)
         parts = [(g1.cuda(), qint.Q4_K, n1), (qint.repack_q6k(g2, k).cuda(), qint.Q6_K_A, n2)]
         x = torch.from_numpy(rng.standard_normal((16, k), dtype=np.float32))
-        for m in (6, 9, 16):
+        for m in (3, 6, 9, 16):
             xq = qint.quantize_x(x[:m].cuda())
             with qint.forced_tile(qint.TILE_CANDIDATES["cuda"][16][0]):
                 want = qint.qint_parts(x[:m].cuda(), parts, k, xq=xq).cpu()
