@@ -526,39 +526,41 @@ if HAS_TRITON:
         finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, offs,
                       (rm < M)[None, :] & (rn < N)[:, None], ticket)
 
-    def _q6_codes_asm(j: int) -> str:
-        """PTX: 4 ql bytes ($1) and 4 qh bytes ($2) -> 4 signed Q6_K codes (q - 32) of a
-        32-column run j: nibble j // 2 of ql, bits 2 j of qh; q ^ 32 sign-extended from 6
-        bits is q - 32."""
-        return ("{ .reg .b32 a, b; "
-                f"shr.b32 a, $1, {4 * (j // 2)}; and.b32 a, a, 0x0F0F0F0F; "
-                f"shr.b32 b, $2, {2 * j}; and.b32 b, b, 0x03030303; shl.b32 b, b, 4; "
-                "or.b32 a, a, b; xor.b32 a, a, 0x20202020; and.b32 b, a, 0x20202020; "
-                "mul.lo.u32 b, b, 6; or.b32 $0, a, b; }")
+    def _q6_codes_asm(j: int, signed: bool) -> str:
+        """PTX: 4 ql bytes ($1) and 4 qh bytes ($2) -> 4 Q6_K codes of a 32-column run j:
+        nibble j // 2 of ql, bits 2 j of qh above it; `signed`: q - 32 (q ^ 32 sign-extended
+        from 6 bits), else q (0..63)."""
+        if signed:
+            return ("{ .reg .b32 a, b; "
+                    f"shr.b32 a, $1, {4 * (j // 2)}; and.b32 a, a, 0x0F0F0F0F; "
+                    f"shr.b32 b, $2, {2 * j}; and.b32 b, b, 0x03030303; shl.b32 b, b, 4; "
+                    "or.b32 a, a, b; xor.b32 a, a, 0x20202020; and.b32 b, a, 0x20202020; "
+                    "mul.lo.u32 b, b, 6; or.b32 $0, a, b; }")
+        nib = "and.b32 a, $1, 0x0F0F0F0F; " if j < 2 else \
+            "shr.b32 a, $1, 4; and.b32 a, a, 0x0F0F0F0F; "
+        top = {0: "shl.b32 b, $2, 4; ", 1: "shl.b32 b, $2, 2; ", 2: "mov.b32 b, $2; ",
+               3: "shr.b32 b, $2, 2; "}[j]
+        return "{ .reg .b32 a, b; " + nib + top + "and.b32 b, b, 0x30303030; or.b32 $0, a, b; }"
 
-    _Q6_CODES_0 = tl.constexpr(_q6_codes_asm(0))
-    _Q6_CODES_1 = tl.constexpr(_q6_codes_asm(1))
-    _Q6_CODES_2 = tl.constexpr(_q6_codes_asm(2))
-    _Q6_CODES_3 = tl.constexpr(_q6_codes_asm(3))
+    _Q6_CODES = tl.constexpr(tuple(_q6_codes_asm(j, True) for j in range(4)))
+    _Q6_UCODES = tl.constexpr(tuple(_q6_codes_asm(j, False) for j in range(4)))
 
     @helper
-    def _q6_codes(ql, qh, J: tl.constexpr, PTX: tl.constexpr):
-        """u8 ql and qh bytes (BN, 32) of run J -> the signed codes (q - 32) as int8."""
+    def _q6_codes(ql, qh, J: tl.constexpr, PTX: tl.constexpr, SIGNED: tl.constexpr = True):
+        """u8 ql and qh bytes (BN, 32) of run J -> the signed codes (q - 32) as int8, or
+        the unsigned ones (0..63: kernels/qint_mma.py's Q6_K kernel)."""
         if PTX:
-            if J == 0:
-                asm: tl.constexpr = _Q6_CODES_0
-            elif J == 1:
-                asm: tl.constexpr = _Q6_CODES_1
-            elif J == 2:
-                asm: tl.constexpr = _Q6_CODES_2
+            if SIGNED:
+                asm: tl.constexpr = _Q6_CODES[J]
             else:
-                asm: tl.constexpr = _Q6_CODES_3
+                asm: tl.constexpr = _Q6_UCODES[J]
             out = tl.inline_asm_elementwise(asm, "=r,r,r", [ql, qh], dtype=tl.int8,
                                             is_pure=True, pack=4)
         else:
             a = ql.to(tl.int32)
             b = qh.to(tl.int32)
-            out = ((((a >> (4 * (J // 2))) & 15) | (((b >> (2 * J)) & 3) << 4)) - 32).to(tl.int8)
+            q = ((a >> (4 * (J // 2))) & 15) | (((b >> (2 * J)) & 3) << 4)
+            out = (q - 32 * SIGNED).to(tl.int8)
         return out
 
     @helper

@@ -69,7 +69,7 @@ if HAS_TRITON:
 if HAS_GLUON:
     # Triton helpers run inside Gluon kernels
     from kernels.qgemv import finish_splits
-    from kernels.qint import _k4_six, _nibbles_i8
+    from kernels.qint import _k4_six, _nibbles_i8, _q6_codes
     from kernels.qtiles import _f16lo
     from kernels.triton_util import await_inputs
 
@@ -118,6 +118,25 @@ if HAS_GLUON:
         return gl.fma(-msum, _f16lo(w0 >> 16)[:, None] * dx, acc)
 
     @gluon.jit
+    def _x_sources(q_ptr, dx_ptr, bs_ptr, M, K, WARPS: gl.constexpr):
+        """The copies' sources in x (a super-block's offsets added by the issue): its codes
+        (16, 256), 16 bytes a thread; 16-column sums (16, 16), 4 bytes; scales (16,); rows
+        past M repeat the last. Returned with the column (row) indices the masks use."""
+        XL: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [WARPS, 1], [1, 0])
+        SL: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [WARPS, 1], [1, 0])
+        HL: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        xr = gl.minimum(gl.arange(0, 16, layout=gl.SliceLayout(1, XL)), M - 1)
+        xcols = gl.arange(0, 256, layout=gl.SliceLayout(0, XL))
+        x_src = q_ptr + (xr.to(gl.int64) * K)[:, None] + xcols[None, :]
+        sr = gl.minimum(gl.arange(0, 16, layout=gl.SliceLayout(1, SL)), M - 1)
+        scols = gl.arange(0, 16, layout=gl.SliceLayout(0, SL))
+        s_src = bs_ptr + (sr.to(gl.int64) * gl.multiple_of(K // 16, 16))[:, None] \
+            + scols[None, :]
+        drows = gl.arange(0, 16, layout=HL)
+        d_src = dx_ptr + gl.minimum(drows, M - 1) * (K // 256)
+        return x_src, xcols, s_src, scols, d_src, drows
+
+    @gluon.jit
     def _q4k_sum(q_ptr, dx_ptr, bs_ptr, w_ptr, row0, n_rows, M, K, row_bytes, sb0,
                  sb_per_split, codes, heads, xs, bss, dxs, WARPS: gl.constexpr,
                  STAGES: gl.constexpr, PDL: gl.constexpr):
@@ -138,11 +157,7 @@ if HAS_GLUON:
         FROW: gl.constexpr = gl.SliceLayout(1, A16)
         CL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0])
         HL: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-        XL: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [WARPS, 1], [1, 0])
-        SL: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [WARPS, 1], [1, 0])
-        nsb = K // 256
-        # the copies' sources: codes 16 bytes a thread, head words, x's codes 16 bytes a
-        # thread, sums 4 bytes, scales
+        # the copies' sources: codes 16 bytes a thread, head words; x's (_x_sources)
         rc = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, CL))
         cols = gl.arange(0, 128, layout=gl.SliceLayout(0, CL))
         c_src = w_ptr + (gl.where(rc < n_rows, rc, 0).to(gl.int64) * row_bytes)[:, None] + 16 \
@@ -151,15 +166,8 @@ if HAS_GLUON:
         rh = row0 + hrows
         w32 = w_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         h_src = w32 + gl.where(rh < n_rows, rh, 0).to(gl.int64) * (row_bytes // 4)
-        xr = gl.minimum(gl.arange(0, BM, layout=gl.SliceLayout(1, XL)), M - 1)
-        xcols = gl.arange(0, 256, layout=gl.SliceLayout(0, XL))
-        x_src = q_ptr + (xr.to(gl.int64) * K)[:, None] + xcols[None, :]
-        sr = gl.minimum(gl.arange(0, BM, layout=gl.SliceLayout(1, SL)), M - 1)
-        scols = gl.arange(0, 16, layout=gl.SliceLayout(0, SL))
-        s_src = bs_ptr + (sr.to(gl.int64) * gl.multiple_of(K // 16, 16))[:, None] \
-            + scols[None, :]
-        drows = gl.arange(0, BM, layout=HL)
-        d_src = dx_ptr + gl.minimum(drows, M - 1) * nsb
+        x_src, xcols, s_src, scols, d_src, drows = _x_sources(q_ptr, dx_ptr, bs_ptr, M, K,
+                                                              WARPS)
         jf = gl.arange(0, 16, layout=gl.SliceLayout(0, A16))
         sub = (jf // 2)[None, :]
         acc = gl.zeros((BN, BM), gl.float32, MMA)
@@ -233,35 +241,6 @@ if HAS_GLUON:
                        STAGES, PDL)
         _finish(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, ticket, WARPS)
 
-    def _q6_asm(j: int) -> str:
-        """PTX: 4 ql bytes ($1) and 4 qh bytes ($2) -> 4 unsigned Q6_K codes (0..63) of a
-        32-column run j: nibble j // 2 of ql, bits 2 j of qh moved to bits 4 and 5."""
-        nib = "and.b32 a, $1, 0x0F0F0F0F; " if j < 2 else \
-            "shr.b32 a, $1, 4; and.b32 a, a, 0x0F0F0F0F; "
-        top = {0: "shl.b32 b, $2, 4; ", 1: "shl.b32 b, $2, 2; ", 2: "mov.b32 b, $2; ",
-               3: "shr.b32 b, $2, 2; "}[j]
-        return "{ .reg .b32 a, b; " + nib + top + \
-            "and.b32 b, b, 0x30303030; or.b32 $0, a, b; }"
-
-    _Q6_0 = gl.constexpr(_q6_asm(0))
-    _Q6_1 = gl.constexpr(_q6_asm(1))
-    _Q6_2 = gl.constexpr(_q6_asm(2))
-    _Q6_3 = gl.constexpr(_q6_asm(3))
-
-    @gluon.jit
-    def _q6_codes(ql, qh, J: gl.constexpr):
-        """u8 ql and qh bytes of run J -> its unsigned codes (0..63) as int8."""
-        if J == 0:
-            asm: gl.constexpr = _Q6_0
-        elif J == 1:
-            asm: gl.constexpr = _Q6_1
-        elif J == 2:
-            asm: gl.constexpr = _Q6_2
-        else:
-            asm: gl.constexpr = _Q6_3
-        return gl.inline_asm_elementwise(asm, "=r,r,r", [ql, qh], dtype=gl.int8, is_pure=True,
-                                         pack=4)
-
     @gluon.jit
     def _issue6(ql, qh, scb, xa, xb, bss, dxs, buf, l_src, h_src, b_src, x_src, s_src, d_src,
                 sb, ok, lcols, hcols, bcols, xcols, scols, drows):
@@ -303,9 +282,9 @@ if HAS_GLUON:
             hi = ql.slice(64 * h + 32, 32, dim=1).load(A8)
             for j in gl.static_range(4):
                 if j % 2 == 0:
-                    code = _q6_codes(lo, qhf, j)
+                    code = _q6_codes(lo, qhf, j, True, False)
                 else:
-                    code = _q6_codes(hi, qhf, j)
+                    code = _q6_codes(hi, qhf, j, True, False)
                 da = mma_v2(code, xa.slice(128 * h + 32 * j, 32, dim=1).permute([1, 0]).load(B8),
                             zi)
                 db = mma_v2(code, xb.slice(128 * h + 32 * j, 32, dim=1).permute([1, 0]).load(B8),
@@ -342,12 +321,8 @@ if HAS_GLUON:
         LL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0])
         QL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [WARPS, 1], [1, 0])
         BL: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [WARPS, 1], [1, 0])
-        HL: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-        XL: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [WARPS, 1], [1, 0])
-        SL: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [WARPS, 1], [1, 0])
         nsb = K // 256
-        # the copies' sources: ql and qh 16 bytes a thread, the scales 8, x's codes 16,
-        # sums 4 bytes, scales
+        # the copies' sources: ql and qh 16 bytes a thread, the scales 8; x's (_x_sources)
         rl = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LL))
         lcols = gl.arange(0, 128, layout=gl.SliceLayout(0, LL))
         l_src = w_ptr + (gl.where(rl < n_rows, rl, 0).to(gl.int64) * row_bytes)[:, None] \
@@ -361,15 +336,8 @@ if HAS_GLUON:
         b_src = w_ptr.to(gl.pointer_type(gl.int8), bitcast=True) + \
             (gl.where(rb < n_rows, rb, 0).to(gl.int64) * row_bytes)[:, None] + 192 \
             + bcols[None, :]
-        xr = gl.minimum(gl.arange(0, BM, layout=gl.SliceLayout(1, XL)), M - 1)
-        xcols = gl.arange(0, 256, layout=gl.SliceLayout(0, XL))
-        x_src = q_ptr + (xr.to(gl.int64) * K)[:, None] + xcols[None, :]
-        sr = gl.minimum(gl.arange(0, BM, layout=gl.SliceLayout(1, SL)), M - 1)
-        scols = gl.arange(0, 16, layout=gl.SliceLayout(0, SL))
-        s_src = bs_ptr + (sr.to(gl.int64) * gl.multiple_of(K // 16, 16))[:, None] \
-            + scols[None, :]
-        drows = gl.arange(0, BM, layout=HL)
-        d_src = dx_ptr + gl.minimum(drows, M - 1) * nsb
+        x_src, xcols, s_src, scols, d_src, drows = _x_sources(q_ptr, dx_ptr, bs_ptr, M, K,
+                                                              WARPS)
         rr = row0 + gl.arange(0, BN, layout=ROW)
         w16 = w_ptr.to(gl.pointer_type(gl.uint16), bitcast=True)
         dw = w16 + (gl.where(rr < n_rows, rr, 0).to(gl.int64) * row_bytes + nsb * 208) // 2
