@@ -117,6 +117,16 @@ if HAS_GLUON:
         acc = gl.fma(isum.to(gl.float32), _f16lo(w0)[:, None] * dx, acc)
         return gl.fma(-msum, _f16lo(w0 >> 16)[:, None] * dx, acc)
 
+    @gluon.constexpr_function
+    def _mma_layout(warps, operand=None, k_width=None):
+        """The mma.sync accumulator's layout (warps stacked along the weight rows, each
+        16 x 8 a instruction) or, with `operand`, that operand's fragments'."""
+        mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1],
+                                        instr_shape=[16, 8])
+        if operand is None:
+            return mma
+        return gl.DotOperandLayout(operand_index=operand, parent=mma, k_width=k_width)
+
     @gluon.jit
     def _x_sources(q_ptr, dx_ptr, bs_ptr, M, K, WARPS: gl.constexpr):
         """The copies' sources in x (a super-block's offsets added by the issue): its codes
@@ -146,12 +156,11 @@ if HAS_GLUON:
         xs (BM, 256) int8, bss (BM, 16) f16, dxs (BM,) f32, each with a leading STAGES."""
         BN: gl.constexpr = 16 * WARPS
         BM: gl.constexpr = 16
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
-                                                      instr_shape=[16, 8])
-        A8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
-        B8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
-        A16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        B16: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        MMA: gl.constexpr = _mma_layout(WARPS)
+        A8: gl.constexpr = _mma_layout(WARPS, 0, 8)  # s8 fragments (k relabelled, 8 bytes)
+        B8: gl.constexpr = _mma_layout(WARPS, 1, 8)
+        A16: gl.constexpr = _mma_layout(WARPS, 0, 2)  # f16 fragments
+        B16: gl.constexpr = _mma_layout(WARPS, 1, 2)
         ROW: gl.constexpr = gl.SliceLayout(1, MMA)
         COL: gl.constexpr = gl.SliceLayout(0, MMA)
         FROW: gl.constexpr = gl.SliceLayout(1, A16)
@@ -213,8 +222,7 @@ if HAS_GLUON:
                 WARPS: gl.constexpr):
         """Stores a program's sums (its tile pid_n of y's N columns) as
         qgemv.finish_splits."""
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
-                                                      instr_shape=[16, 8])
+        MMA: gl.constexpr = _mma_layout(WARPS)
         cc = gl.arange(0, 16, layout=gl.SliceLayout(0, MMA))
         rr = pid_n * (16 * WARPS) + gl.arange(0, 16 * WARPS, layout=gl.SliceLayout(1, MMA))
         offs = cc.to(gl.int64)[None, :] * N + rr[:, None]
@@ -310,12 +318,11 @@ if HAS_GLUON:
         super-block ahead into registers."""
         BN: gl.constexpr = 16 * WARPS
         BM: gl.constexpr = 16
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
-                                                      instr_shape=[16, 8])
-        A8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
-        B8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
-        A16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        B16: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        MMA: gl.constexpr = _mma_layout(WARPS)
+        A8: gl.constexpr = _mma_layout(WARPS, 0, 8)  # s8 fragments (k relabelled, 8 bytes)
+        B8: gl.constexpr = _mma_layout(WARPS, 1, 8)
+        A16: gl.constexpr = _mma_layout(WARPS, 0, 2)  # f16 fragments
+        B16: gl.constexpr = _mma_layout(WARPS, 1, 2)
         ROW: gl.constexpr = gl.SliceLayout(1, MMA)
         COL: gl.constexpr = gl.SliceLayout(0, MMA)
         LL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0])
