@@ -188,6 +188,20 @@ def test_qint_launch_hands_over_the_split_and_the_counters(monkeypatch, rng):  #
                       (v.data_ptr(), n), True)]
 
 
+def test_two_type_launch_refuses_a_q4k_part_that_does_not_fill_its_tiles(rng):  # noqa: F811
+    """The two-type launch needs the Q4_K part's rows in whole tiles (16 warps) and a
+    Q6_K part after it: a clear error before anything launches."""
+    from kernels import qint
+
+    k, m = 1024, 9
+    xq = qint.QuantX(*(t.zero_() for t in qint.empty_quant_x(m, k, torch.device("cpu"))))
+    qk = random_weight(T.Q4_K, 100, k, rng)
+    v = qint.repack_q6k(random_weight(T.Q6_K, 64, k, rng), k)
+    for n1, n in ((100, 164), (128, 128), (0, 64)):
+        with pytest.raises(ValueError, match="multiple of 64"):
+            qint_mma.qint_mma_launch(xq, qk, n, k, 1, second=(v, n1))
+
+
 @pytest.mark.gpu
 def test_gpu_same_bits_as_qint(rng):  # noqa: F811 - the fixture
     """On the GPU, at rows that leave x's tile partly filled and N that leaves the last
