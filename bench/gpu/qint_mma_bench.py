@@ -12,7 +12,8 @@ default 16-row tile forced (qint_triton itself takes the Gluon kernel; forced, u
 gemv_max_m rows of the type run on the CUDA cores, more on _qint_mm_kernel) and against the
 float64 reference of kernels.qint (within 2^-16 |W| |x_q|); both are timed at every row
 count (--rows), as CUDA-graph replays over weight copies that miss the L2, as qint_bench.
-Writes $OUT/qint_mma_bench.json.
+GB/s counts the weights' bytes, also as a percentage of the copy ceiling measured in the
+same run. Writes $OUT/qint_mma_bench.json.
 """
 
 from __future__ import annotations
@@ -110,17 +111,18 @@ def main(argv: list[str] | None = None) -> int:
                     if us is not None:
                         res["us"] = us
                         res["gb_s"] = blocks.numel() / us / 1e3
+                        res["pct_copy"] = 100 * res["gb_s"] / ceil["copy_gb_s"]
                     row[tag] = res
             print(json.dumps(row), flush=True)
             out["rows"].append(row)
     if "fused" in args.types.split(",") and run.left() >= 20:
-        out["rows"] += fused_rows(run, rows)
+        out["rows"] += fused_rows(run, rows, ceil)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "qint_mma_bench.json").write_text(json.dumps(out, indent=1))
     return 0
 
 
-def fused_rows(run: Run, rows: list[int], n1: int = 5120, n2: int = 1024,
+def fused_rows(run: Run, rows: list[int], ceil: dict, n1: int = 5120, n2: int = 1024,
                k: int = 4096) -> list[dict]:
     """q|k (Q4_K, n1 rows) and v (Q6_K, n2) in one launch, as the engine's qint_parts:
     the two-type Gluon kernel against qint's two-type tile (forced), bit for bit and
@@ -155,6 +157,8 @@ def fused_rows(run: Run, rows: list[int], n1: int = 5120, n2: int = 1024,
                "bits_equal_qint": bool(torch.equal(y, old(sets[0])))}
         row["old_us"] = run.time_us([partial(old, p) for p in sets])
         row["us"] = run.time_us([partial(new, p) for p in sets])
+        row["gb_s"] = size / row["us"] / 1e3
+        row["pct_copy"] = 100 * row["gb_s"] / ceil["copy_gb_s"]
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
