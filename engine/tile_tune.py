@@ -6,10 +6,11 @@ integers, so the tile changes no bit of the result and may be chosen by speed al
 tile is fastest depends on the chip (registers, shared memory and matrix instructions differ
 between the H200 and the appliance's gfx1151, where no tile has been timed by hand), so at
 load, with the q8 layout on a GPU, every candidate of each bound (qint.TILE_CANDIDATES, the
-default first) is timed on the model's own Q4_K and Q6_K linear shapes at the bound's rows
-(16, 32, 64 and 512 for prefill chunks), each weight read from memory as decode reads it
-(layout_tune.gpu_measure: copies beyond the L2, replayed in a CUDA graph), each shape
-weighted by how many linears have it. A candidate replaces the default when more than
+default first; not the bounds whose rows kernels/qint_mma.py's Gluon kernel takes on
+NVIDIA: `gluon_bounds`) is timed on the model's own Q4_K and Q6_K linear shapes at the
+bound's rows (16, 32, 64 and 512 for prefill chunks), each weight read from memory as
+decode reads it (layout_tune.gpu_measure: copies beyond the L2, replayed in a CUDA graph),
+each shape weighted by how many linears have it. A candidate replaces the default when more than
 TIE_MARGIN faster; qint.TUNED_TILES holds the choice for the process. A candidate that
 fails to build or run is left out (its error kept in the record), and a failure of the
 whole tuning keeps the defaults.
@@ -74,6 +75,8 @@ class TileChoice:
     ms: dict[tuple[int, int], dict[tuple, float]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # candidate -> why it was left out
     cached: bool = False  # read from the cache file, not timed in this process
+    # (type as held, row bound) not timed: kernels/qint_mma.py's Gluon kernel takes them
+    skipped: tuple[tuple[int, int], ...] = ()
 
     def as_dict(self) -> dict:
         from kernels.qint import Q6_K_A
@@ -89,12 +92,15 @@ class TileChoice:
                 "tiles": {key(*k): _tile_name(t) for k, t in self.tiles.items()},
                 "ms": {key(*k): {_tile_name(t): round(v, 4) for t, v in d.items()}
                        for k, d in self.ms.items()},
-                "errors": dict(self.errors), "cached": self.cached}
+                "errors": dict(self.errors), "cached": self.cached,
+                "skipped": [key(*k) for k in self.skipped]}
 
 
-def choose_tiles(shapes: list[LinearShape], backend: str, measure: TileMeasure) -> TileChoice:
+def choose_tiles(shapes: list[LinearShape], backend: str, measure: TileMeasure,
+                 skip: frozenset[tuple[int, int]] = frozenset()) -> TileChoice:
     """The fastest candidate per (type, row bound) over `shapes` (the q8 types' linears),
-    timed by `measure`; see the module docstring."""
+    timed by `measure`, except the (type as held, bound) pairs in `skip` (no tile of
+    _qint_mm_kernel serves them: gluon_bounds); see the module docstring."""
     from kernels.qint import ACT8_STORED, TILE_BOUNDS, TILE_CANDIDATES
 
     candidates = TILE_CANDIDATES[backend]
@@ -103,6 +109,8 @@ def choose_tiles(shapes: list[LinearShape], backend: str, measure: TileMeasure) 
     for s in shapes:  # shape by shape: the measure keeps one shape's weights at a time
         held = ACT8_STORED[s.ggml_type]
         for bound in TILE_BOUNDS:
+            if (held, bound) in skip:
+                continue
             for tile in candidates[bound]:
                 times = totals.setdefault((held, bound), {})
                 if times.get(tile) == math.inf:
@@ -121,7 +129,7 @@ def choose_tiles(shapes: list[LinearShape], backend: str, measure: TileMeasure) 
         best = min(times, key=times.get)
         fast = times[best] < (1 - TIE_MARGIN) * times[default] or times[default] == math.inf
         tiles[held, bound] = best if fast and times[best] < math.inf else default
-    return TileChoice(backend, tiles, totals, errors)
+    return TileChoice(backend, tiles, totals, errors, skipped=tuple(sorted(skip)))
 
 
 def apply_tiles(choice: TileChoice) -> None:
@@ -160,7 +168,18 @@ def cache_path(setting: str | os.PathLike | None = "auto") -> Path | None:
     return Path(setting)
 
 
-def cache_key(shapes: list[LinearShape], backend: str, device_name: str) -> str:
+def gluon_bounds(held_types: set[int], backend: str, device: torch.device,
+                 ) -> frozenset[tuple[int, int]]:
+    """The (type as held, row bound) pairs whose rows kernels/qint_mma.py's Gluon kernel
+    multiplies on `device` (qint.mma_path at the bound's rows), so no tile is timed."""
+    from kernels.qint import TILE_BOUNDS, mma_path
+
+    return frozenset((held, bound) for held in held_types for bound in TILE_BOUNDS
+                     if mma_path(ROWS_OF_BOUND[bound], held, 0, backend, device))
+
+
+def cache_key(shapes: list[LinearShape], backend: str, device_name: str,
+              skip: frozenset[tuple[int, int]] = frozenset()) -> str:
     """A digest of everything a choice depends on (see the module docstring)."""
     from kernels import qint
     from kernels.triton_util import triton
@@ -169,7 +188,8 @@ def cache_key(shapes: list[LinearShape], backend: str, device_name: str) -> str:
     parts = [CACHE_VERSION, device_name, backend, torch.__version__,
              getattr(triton, "__version__", None),
              source, repr(qint.TILE_BOUNDS), repr(qint.TILE_CANDIDATES[backend]),
-             sorted((s.ggml_type, s.out_features, s.in_features, s.count) for s in shapes)]
+             sorted((s.ggml_type, s.out_features, s.in_features, s.count) for s in shapes),
+             sorted(skip)]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
@@ -198,11 +218,12 @@ def read_cached(path: Path, key: str) -> TileChoice | None:
                                         for tile, v in times}
               for held, bound, times in record["ms"]}
         errors = {str(k): str(v) for k, v in record["errors"].items()}
+        skipped = tuple((int(held), int(bound)) for held, bound in record.get("skipped", ()))
         if not all(tile in TILE_CANDIDATES[backend][bound] for (_, bound), tile in tiles.items()):
             return None
     except (TypeError, KeyError, ValueError, AttributeError):
         return None
-    return TileChoice(backend, tiles, ms, errors, cached=True)
+    return TileChoice(backend, tiles, ms, errors, cached=True, skipped=skipped)
 
 
 @contextlib.contextmanager
@@ -236,7 +257,7 @@ def write_cached(path: Path, key: str, choice: TileChoice) -> None:
               "tiles": [[h, b, list(t)] for (h, b), t in choice.tiles.items()],
               "ms": [[h, b, [[list(t), plain(v)] for t, v in d.items()]]
                      for (h, b), d in choice.ms.items()],
-              "errors": dict(choice.errors)}
+              "errors": dict(choice.errors), "skipped": [list(k) for k in choice.skipped]}
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -253,14 +274,15 @@ def write_cached(path: Path, key: str, choice: TileChoice) -> None:
 
 
 def tuned_choice(shapes: list[LinearShape], backend: str, device_name: str,
-                 measure: TileMeasure, cache: Path | None) -> TileChoice:
+                 measure: TileMeasure, cache: Path | None,
+                 skip: frozenset[tuple[int, int]] = frozenset()) -> TileChoice:
     """The cached choice for these shapes on this device, else choose_tiles' (then kept)."""
     if cache is None:
-        return choose_tiles(shapes, backend, measure)
-    key = cache_key(shapes, backend, device_name)
+        return choose_tiles(shapes, backend, measure, skip)
+    key = cache_key(shapes, backend, device_name, skip)
     if (hit := read_cached(cache, key)) is not None:
         return hit
-    choice = choose_tiles(shapes, backend, measure)
+    choice = choose_tiles(shapes, backend, measure, skip)
     write_cached(cache, key, choice)
     return choice
 
@@ -274,9 +296,12 @@ def tune_tiles(mf: ModelFile, device: torch.device,
     if not shapes:
         return None
     backend = "hip" if torch.version.hip else "cuda"
+    from kernels.qint import ACT8_STORED
+
+    skip = gluon_bounds({ACT8_STORED[s.ggml_type] for s in shapes}, backend, device)
     try:
         choice = tuned_choice(shapes, backend, torch.cuda.get_device_name(device),
-                              gpu_tile_measure(device), cache_path(cache))
+                              gpu_tile_measure(device), cache_path(cache), skip)
     except Exception:
         log.exception("q8 tile tuning failed: the default tiles stay")
         return None

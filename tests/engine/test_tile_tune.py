@@ -18,6 +18,7 @@ from engine.tile_tune import (
     cache_key,
     cache_path,
     choose_tiles,
+    gluon_bounds,
     read_cached,
     tuned_choice,
 )
@@ -167,6 +168,35 @@ def test_a_choice_is_kept_and_a_later_load_takes_it_without_timing(tmp_path):
     before = len(calls)
     assert not tuned_choice(SHAPES, "cuda", "H200", fake({}, calls), None).cached
     assert len(calls) > before
+
+
+def test_bounds_the_gluon_kernel_takes_are_not_timed_and_keep_their_default(tmp_path,
+                                                                            monkeypatch):
+    """On NVIDIA with Gluon the 16-row bound of both types runs kernels/qint_mma.py, so no
+    tile of it is timed or applied; the record says so, the cache keeps it, and the key
+    tells such a choice from one that timed every bound (MBUFO_QINT_MMA=0, HIP)."""
+    import torch
+
+    cuda = torch.device("cuda")
+    skip = gluon_bounds({int(T.Q4_K), Q6_K_A}, "cuda", cuda)
+    assert skip == {(int(T.Q4_K), 16), (Q6_K_A, 16)}
+    assert gluon_bounds({int(T.Q4_K)}, "hip", cuda) == frozenset()
+    monkeypatch.setenv("MBUFO_QINT_MMA", "0")
+    assert gluon_bounds({int(T.Q4_K)}, "cuda", cuda) == frozenset()
+    monkeypatch.delenv("MBUFO_QINT_MMA")
+    calls = []
+    fast16 = TILE_CANDIDATES["cuda"][16][1]
+    cache = tmp_path / "q8_tiles.json"
+    choice = tuned_choice(SHAPES, "cuda", "H200", fake({(Q4K, fast16): 0.5}, calls), cache,
+                          skip)
+    assert calls and all(m != 16 for *_, m in calls)
+    assert not set(choice.tiles) & skip and set(choice.skipped) == skip
+    assert choice.as_dict()["skipped"] == ["Q4_K rows <= 16", "Q6_K rows <= 16"]
+    apply_tiles(choice)
+    assert not any(bound == 16 for _, _, bound in TUNED_TILES)
+    again = tuned_choice(SHAPES, "cuda", "H200", fake({}, calls), cache, skip)
+    assert again.cached and set(again.skipped) == skip
+    assert cache_key(SHAPES, "cuda", "H200", skip) != cache_key(SHAPES, "cuda", "H200")
 
 
 def test_a_bad_cache_file_is_a_miss_and_an_unwritable_one_is_no_error(tmp_path, caplog):
