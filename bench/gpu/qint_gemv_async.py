@@ -14,6 +14,7 @@ quad of 4 words of one row and their x words), the same integer sums a super-blo
 same two fmas in K order, so the bits must be qint's. Not called by the engine: this
 script checks the bits against qint's kernel and times both (variants: warps, stages) on
 Llama-3.1-8B's Q4_K shapes, as CUDA-graph replays over weight copies that miss the L2,
+with qint's own kernel also under register caps (--caps: more programs a multiprocessor),
 and writes $OUT/qint_gemv_async.json.
 """
 
@@ -216,8 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=240.0)
     ap.add_argument("--variants", default="2,4,64;2,3,64;4,4,128;2,6,64",
                     help="warps,stages,rows a program; ... ")
+    ap.add_argument("--caps", default="112,96",
+                    help="register caps to time qint's own kernel under (comma separated)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
+    args.caps = [int(c) for c in args.caps.split(",") if c]
     run = Run(args)
     variants = [tuple(int(v) for v in t.split(",")) for t in args.variants.split(";") if t]
     ceil = ceilings(run)
@@ -247,6 +251,17 @@ def main(argv: list[str] | None = None) -> int:
         row = {"n": n, "k": k, "split": split,
                "old_us": run.time_us([partial(old_call, b) for b in copies])}
         row["old_gb_s"] = blocks.numel() / row["old_us"] / 1e3
+        # qint's own kernel under register caps (112 builds without spills: 9 programs of
+        # 2 warps a multiprocessor instead of 8), the other way to more bytes in flight
+        base = qint.default_qint_config(qint.Q4_K, n, k, run.sms, m=1)
+        for regs in args.caps:
+            capped = partial(qint.qint_triton, x, ggml_type=qint.Q4_K, shape=(n, k),
+                             config=base._replace(max_regs=regs), xq=xq)
+            y = run.attempt(f"{n}x{k} cap {regs}", lambda c=capped, b=blocks: c(blocks=b))
+            if y is not None:
+                us = run.time_us([partial(capped, blocks=b) for b in copies])
+                row[f"qint_cap{regs}"] = {"bits_equal_qint": bool(torch.equal(y, old)),
+                                          "us": us, "gb_s": blocks.numel() / us / 1e3}
         for warps, stages, bn in variants:
             tag = f"w{warps}_st{stages}_bn{bn}"
             call = partial(gemv1_launch, xq, n=n, k=k, split=split, tickets=tickets, bn=bn,
