@@ -74,11 +74,10 @@ if HAS_GLUON:
     from kernels.triton_util import await_inputs
 
     @gluon.jit
-    def _issue(codes, heads, xs, bss, dxs, buf, c_src, h_src, x_src, s_src, d_src, sb, ok,
-               cols, hrows, xcols, scols, drows):
-        """Asynchronous copies of super-block sb's operands into stage `buf`: the codes
-        (BN, 128), the 4 head words (BN,) each, x's codes (BM, 256), 16-column sums
-        (BM, 16) and scales (BM,); nothing where not `ok` (past the split)."""
+    def _issue_q4k(codes, heads, buf, c_src, h_src, sb, ok, cols, hrows):
+        """Asynchronous copies of Q4_K super-block sb's weights into stage `buf`: the
+        codes (BN, 128) and the 4 head words (BN,) each; nothing where not `ok` (past the
+        split)."""
         on = ok.to(gl.int32)
         async_copy.async_copy_global_to_shared(codes.index(buf), c_src + sb * 144,
                                                mask=(cols < 128 * on)[None, :])
@@ -86,6 +85,15 @@ if HAS_GLUON:
             async_copy.async_copy_global_to_shared(heads.index(buf * 4 + j),
                                                    h_src + (sb * 36 + j),
                                                    mask=hrows < hrows.shape[0] * on)
+
+    @gluon.jit
+    def _issue(codes, heads, xs, bss, dxs, buf, c_src, h_src, x_src, s_src, d_src, sb, ok,
+               cols, hrows, xcols, scols, drows):
+        """Asynchronous copies of super-block sb's operands into stage `buf`: the weights
+        (_issue_q4k), x's codes (BM, 256), 16-column sums (BM, 16) and scales (BM,);
+        nothing where not `ok` (past the split)."""
+        _issue_q4k(codes, heads, buf, c_src, h_src, sb, ok, cols, hrows)
+        on = ok.to(gl.int32)
         async_copy.async_copy_global_to_shared(xs.index(buf), x_src + sb * 256,
                                                mask=(xcols < 256 * on)[None, :])
         async_copy.async_copy_global_to_shared(bss.index(buf), s_src + sb * 16,

@@ -44,21 +44,9 @@ if HAS_GLUON:
 
     from kernels.qgemv import finish_splits
     from kernels.qint import _dp4a, _k4_six
+    from kernels.qint_mma import _issue_q4k
     from kernels.qtiles import _f16lo
     from kernels.triton_util import await_inputs
-
-    @gluon.jit
-    def _issue_w(codes, heads, buf, c_src, h_src, sb, ok, cols, hrows):
-        """Asynchronous copies of super-block sb's weights into stage `buf`: the codes
-        (BN, 128) and the 4 head words (BN,) each; nothing where not `ok` (past the
-        split)."""
-        on = ok.to(gl.int32)
-        async_copy.async_copy_global_to_shared(codes.index(buf), c_src + sb * 144,
-                                               mask=(cols < 128 * on)[None, :])
-        for j in gl.static_range(4):
-            async_copy.async_copy_global_to_shared(heads.index(buf * 4 + j),
-                                                   h_src + (sb * 36 + j),
-                                                   mask=hrows < hrows.shape[0] * on)
 
     @gluon.jit
     def _issue_x(xs, bss, dxs, buf, x_src, s_src, d_src, sb, ok, xcols, scols, one):
@@ -130,7 +118,7 @@ if HAS_GLUON:
         sub = q.to(gl.uint32)[None, :]  # the sub-block whose min a quad takes
         acc = gl.zeros((BN,), gl.float32, ROWS)
         for s in gl.static_range(STAGES - 1):  # the weights before the wait for x
-            _issue_w(codes8, heads, s, c_src, h_src, sb0 + s, s < sb_per_split, cols, hrows)
+            _issue_q4k(codes8, heads, s, c_src, h_src, sb0 + s, s < sb_per_split, cols, hrows)
         await_inputs(PDL)
         for s in gl.static_range(STAGES - 1):  # the first group also holds the weights
             _issue_x(xs, bss, dxs, s, x_src, s_src, d_src, sb0 + s, s < sb_per_split, xcols,
@@ -140,7 +128,7 @@ if HAS_GLUON:
             async_copy.wait_group(STAGES - 2)  # this thread's copies of super-block it
             gl.thread_barrier()  # everyone's; and the stage read last is free
             nxt = it + STAGES - 1
-            _issue_w(codes8, heads, nxt % STAGES, c_src, h_src, sb0 + nxt,
+            _issue_q4k(codes8, heads, nxt % STAGES, c_src, h_src, sb0 + nxt,
                      nxt < sb_per_split, cols, hrows)
             _issue_x(xs, bss, dxs, nxt % STAGES, x_src, s_src, d_src, sb0 + nxt,
                      nxt < sb_per_split, xcols, scols, one)
