@@ -870,26 +870,25 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
+def _qint_mma():
+    """kernels/qint_mma.py (imported late: it takes helpers from this module)."""
+    from kernels import qint_mma
+
+    return qint_mma
+
+
 def mma_path(m: int, qtype: int, qtype2: int, backend: str, device: torch.device) -> bool:
     """Whether a matrix-unit launch runs kernels/qint_mma.py's Gluon kernel instead of
     _qint_mm_kernel (the same bits, 15-27% faster at the model's shapes at 16 rows on the
     H200): Q4_K or Q6_K_A alone or Q4_K's q|k with Q6_K_A's v, up to 16 rows of x, on
     NVIDIA, with Gluon, unless MBUFO_QINT_MMA=0 or a tile is forced (the tuner and benches
     time _qint_mm_kernel's tiles)."""
-    from kernels import qint_mma
-
+    qint_mma = _qint_mma()
     return (device.type == "cuda" and backend == "cuda"
             and (qtype in QINT_TYPES and not qtype2 or (qtype, qtype2) == (Q4_K, Q6_K_A))
             and m <= qint_mma.MMA_ROWS and qint_mma.HAS_GLUON
             and not getattr(_FORCED, "stack", None)
             and os.environ.get("MBUFO_QINT_MMA", "1") != "0")
-
-
-def _qint_mma():
-    """kernels/qint_mma.py (imported late: it takes helpers from this module)."""
-    from kernels import qint_mma
-
-    return qint_mma
 
 
 def gemv_max_m(qtype: int, backend: str = "", device: torch.device | None = None) -> int:
