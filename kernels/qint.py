@@ -129,6 +129,12 @@ HIP_BLOCK_N = 32
 # at one row; 30-40% slower from 3 rows); Q6_K is slower on 2 warps.
 WIDE_N = 8192
 Q4K_NARROW_M = 2
+# Q4_K at one row of x on NVIDIA: the 2-warp build capped at this many registers a thread
+# (126 uncapped; no spills at 112): 9 programs a multiprocessor instead of 8. H200, one
+# row: 23.5 against 24.5 us at 28672 x 4096, 12.2 against 12.7 at 14336 x 4096, 15.5
+# against 16.0 at 4096 x 14336, 6.5 against 6.7 at 4096 x 4096; bits unchanged; a cap of
+# 96 was slower (bench/RESULTS.md, 2026-12-01).
+Q4K_ONE_ROW_REGS = 112
 # More splits than this cost more in partial sums than they gain in programs (H200, 4096 x
 # 4096 at one row: 8.5 us at 8 splits, 9.6 at 16).
 MAX_SPLIT = 8
@@ -791,9 +797,11 @@ def quantize_x(x: torch.Tensor) -> QuantX:
 
 @functools.lru_cache(maxsize=4096)
 def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
-                        backend: str = "cuda", m: int = 1) -> QIntConfig:
+                        backend: str = "cuda", m: int = 1, qtype2: int = 0) -> QIntConfig:
     """64 rows a program, 128 from WIDE_N rows on, 4 warps (Q4_K with up to Q4K_NARROW_M
-    rows of x: 64 rows on 2 warps; HIP_BLOCK_N on "hip"); the super-blocks split while
+    rows of x: 64 rows on 2 warps, at one row and alone (no `qtype2`, the second part of
+    a two-type launch: capped it spills) capped at Q4K_ONE_ROW_REGS registers; HIP_BLOCK_N
+    on "hip"); the super-blocks split while
     64-row tiles alone give fewer than 4 programs per compute unit, up to MAX_SPLIT
     (num_sms 0: no split). The split never depends on `m` (x's rows): it is in a row's
     bits (the rows and warps a program takes are not)."""
@@ -805,7 +813,8 @@ def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
     if backend == "hip":
         return QIntConfig(HIP_BLOCK_N, split)
     if ggml_type == Q4_K and m <= Q4K_NARROW_M:
-        return QIntConfig(64, split, 2)
+        return QIntConfig(64, split, 2, None,
+                          Q4K_ONE_ROW_REGS if m == 1 and not qtype2 else None)
     return QIntConfig(128 if n >= WIDE_N else 64, split)
 
 
@@ -847,7 +856,8 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
     n_all = sum(n for _, _, n in parts)
     sms = _num_sms(x.device) if num_sms is None else int(num_sms)
     backend = "hip" if x.device.type == "cuda" and torch.version.hip else "cuda"
-    cfg = config or default_qint_config(int(parts[0][1]), n_all, k, sms, backend, m)
+    cfg = config or default_qint_config(int(parts[0][1]), n_all, k, sms, backend, m,
+                                        int(parts[1][1]) if len(parts) == 2 else 0)
     if (k // QK) % cfg.split:
         raise InvalidRequest(f"qint: {cfg} does not divide {k // QK} super-blocks")
     if m == 0 or n_all == 0:
@@ -991,7 +1001,7 @@ def aot_specs(spec: type) -> list:
             for backend, n in (("hip", 4096), ("cuda", 4096), ("hip", WIDE_N), ("cuda", WIDE_N)):
                 if n == WIDE_N and qtype2:
                     continue  # a fused q|k|v of two types is never that wide
-                cfg = default_qint_config(qtype, n, 4096, backend=backend, m=bm)
+                cfg = default_qint_config(qtype, n, 4096, backend=backend, m=bm, qtype2=qtype2)
                 consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": cfg.block_n,
                           "PTX": backend == "cuda", "QTYPE2": qtype2, "PDL": backend == "cuda"}
                 wide = "_wide" if n == WIDE_N else ""
@@ -1000,7 +1010,7 @@ def aot_specs(spec: type) -> list:
                                 {**gemv_sig, "bs_ptr": sums, **{k: "constexpr" for k in consts}},
                                 consts,
                                 cfg.num_warps, False, backend, cfg.num_stages,
-                                divisible + ("w2_ptr", "row_bytes2")))
+                                divisible + ("w2_ptr", "row_bytes2"), cfg.max_regs))
         if qtype2:
             continue
         for backend in ("hip", "cuda"):

@@ -178,6 +178,51 @@ def profile_decode(runner, rows: int, context: int, steps: int = 3, top: int = 2
                     for e in kernels[:top]]}
 
 
+def profile_graph(runner, rows: int, context: int, steps: int = 5, top: int = 24) -> dict:
+    """The kernels of decode steps replayed from their CUDA graph, on the device's timeline:
+    per step the span from the first kernel's start to the last one's end, the time some
+    kernel runs (the union of their intervals: programmatic dependent launches overlap),
+    the sum of their durations, the idle time between them, and the top kernels by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch, seqs = decode_batch(runner, rows, context)
+    try:
+        for _ in range(3):
+            runner.forward(batch)
+        sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                runner.forward(batch)
+            sync()
+    finally:
+        for s in seqs:
+            s.free()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and e.time_range.end > e.time_range.start),
+                     key=lambda e: e.time_range.start)
+    if not kernels:
+        return {"rows": rows, "error": "the profiler recorded no kernels of the replays"}
+    busy, end = 0.0, kernels[0].time_range.start
+    for e in kernels:  # the union of the kernels' intervals
+        start = max(end, e.time_range.start)
+        busy += max(0.0, e.time_range.end - start)
+        end = max(end, e.time_range.end)
+    span = end - kernels[0].time_range.start
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:80], []).append(e.time_range.end - e.time_range.start)
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"rows": rows, "steps": steps, "kernels_per_step": len(kernels) / steps,
+            "span_ms_per_step": round(span / steps / 1e3, 4),
+            "busy_ms_per_step": round(busy / steps / 1e3, 4),
+            "sum_ms_per_step": round(sum(e.time_range.end - e.time_range.start
+                                         for e in kernels) / steps / 1e3, 4),
+            "idle_ms_per_step": round((span - busy) / steps / 1e3, 4),
+            "top": [{"name": name, "per_step": len(d) / steps,
+                     "ms_per_step": round(sum(d) / steps / 1e3, 4),
+                     "mean_us": round(sum(d) / len(d), 2)} for name, d in ranked]}
+
+
 def profile_steps(core, prompt: tuple[int, ...], tokens: int, top: int = 25) -> dict:
     """One stream's decode steps, driven here (before the engine thread starts) under
     cProfile and torch's profiler: the host's time per token by function (own time) and
@@ -347,6 +392,10 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
                      else sorted({1, max(levels)}))
         for rows in rows_list:
             attempt(out["profile"], str(rows), profile_decode, runner, rows, ctx)
+    if graphs and args.graph_profile:
+        out["graph_profile"] = {}
+        for rows in (int(r) for r in args.graph_profile.split(",")):
+            attempt(out["graph_profile"], str(rows), profile_graph, runner, rows, ctx)
     if args.step_profile:  # before the engine's thread drives the core
         attempt(out, "step_profile", profile_steps, core,
                 tuple(torch.randint(1000, loaded.config.vocab_size, (32,),
@@ -431,6 +480,14 @@ def print_table(results: dict, levels: list[int], lengths: list[int]) -> None:
                       f"{p['device_ms_per_step']:.2f} ms device time per step")
                 for k in p["top"][:6]:
                     print(f"    {k['ms_per_step']:8.4f} ms  x{k['per_step']:<5g} {k['name']}")
+        for rows, p in v.get("graph_profile", {}).items():
+            if "top" in p:
+                print(f"{name} graph decode@{rows}: {p['kernels_per_step']:.0f} kernels, span "
+                      f"{p['span_ms_per_step']:.3f} ms, busy {p['busy_ms_per_step']:.3f}, "
+                      f"idle {p['idle_ms_per_step']:.3f}, sum {p['sum_ms_per_step']:.3f}")
+                for k in p["top"][:12]:
+                    print(f"    {k['ms_per_step']:8.4f} ms  x{k['per_step']:<5g} "
+                          f"{k['mean_us']:8.2f} us  {k['name']}")
 
 
 def main() -> int:
@@ -446,6 +503,9 @@ def main() -> int:
     ap.add_argument("--profile-rows", default="",
                     help="comma list of decode rows to profile (default: 1 and the largest "
                          "concurrency)")
+    ap.add_argument("--graph-profile", default="",
+                    help="comma list of decode rows whose graph replays to profile (the "
+                         "device's timeline: busy, idle and the top kernels)")
     ap.add_argument("--step-profile", action="store_true",
                     help="profile one stream's decode steps (host operations, device busy)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))

@@ -75,8 +75,9 @@ def test_qint_builds_spill_nothing(report):
     """qint's kernels at their default configurations keep every value in registers on
     both targets (a spill goes through local memory on every super-block), and the 16-row
     tile's sm_90 build stays within its register cap (qint.TILED_MAX_REGS: 4 programs a
-    multiprocessor instead of 3). The load-time tuner's other candidates must build (the
-    tests above) and may spill: 32 x 128 and 64 x 128 on 4 warps do, and are timed."""
+    multiprocessor instead of 3), as does Q4_K's one-row build (qint.Q4K_ONE_ROW_REGS).
+    The load-time tuner's other candidates must build (the tests above) and may spill:
+    32 x 128 and 64 x 128 on 4 warps do, and are timed."""
     names = [name for name in report if name.startswith("qint_") and "_cand_" not in name]
     assert any("_cand_" in name for name in report)
     assert "qint_Q4_K_tiled" in names and "qint_Q6_K_tiled" in names, names
@@ -90,6 +91,8 @@ def test_qint_builds_spill_nothing(report):
             name, cuda)
         if name.endswith("_tiled"):
             assert cuda["regs"] <= qint.TILED_MAX_REGS, (name, cuda)
+        if name.startswith("qint_Q4_K_m1"):  # alone at one row: 9 programs of 2 warps
+            assert cuda["regs"] <= qint.Q4K_ONE_ROW_REGS, (name, cuda)
 
 
 def test_pdl_builds_wait_for_their_inputs(report):

@@ -21,6 +21,7 @@ from kernels.qint import (
     ACT8_STORED,
     GEMV_MAX_M,
     INT_SUMS_M,
+    Q4K_ONE_ROW_REGS,
     Q6_K_A,
     WIDE_N,
     QIntConfig,
@@ -312,16 +313,19 @@ def interp_free(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int, k: in
 
 def test_default_config_rows_a_program_leave_the_split_alone():
     """From WIDE_N rows a program takes 128 rows on CUDA (Q4_K with up to 2 rows of x: 64
-    on 2 warps at any N); the split (a row's bits) counts 64-row tiles whatever the rows
-    of x: while fewer than 4 programs a compute unit, up to 8, dividing the super-blocks
-    evenly."""
+    on 2 warps at any N, capped in registers at one row alone); the split (a row's bits)
+    counts 64-row tiles whatever the rows of x: while fewer than 4 programs a compute
+    unit, up to 8, dividing the super-blocks evenly."""
     sms = 132
     want = {1024: (64, 8), 4096: (64, 8), WIDE_N - 1: (64, 8), WIDE_N: (128, 8), 14336: (128, 4),
             28672: (128, 2), 128256: (128, 1)}
     for n, (block_n, split) in want.items():
         for m in (1, 3, 8):
             assert default_qint_config(Q6_K_A, n, 4096, sms, m=m) == QIntConfig(block_n, split)
-        assert default_qint_config(T.Q4_K, n, 4096, sms) == QIntConfig(64, split, 2), n
+        assert default_qint_config(T.Q4_K, n, 4096, sms) == QIntConfig(
+            64, split, 2, None, Q4K_ONE_ROW_REGS), n
+        assert default_qint_config(T.Q4_K, n, 4096, sms, qtype2=Q6_K_A) == QIntConfig(
+            64, split, 2), n  # a two-type launch: capped, its build spills
         assert default_qint_config(T.Q4_K, n, 4096, sms, m=2) == QIntConfig(64, split, 2), n
         assert default_qint_config(T.Q4_K, n, 4096, sms, m=3) == QIntConfig(block_n, split), n
         hip = default_qint_config(T.Q4_K, n, 4096, sms, backend="hip")
