@@ -135,13 +135,6 @@ Q4K_NARROW_M = 2
 # against 16.0 at 4096 x 14336, 6.5 against 6.7 at 4096 x 4096; bits unchanged; a cap of
 # 96 was slower (bench/RESULTS.md, 2026-12-01).
 Q4K_ONE_ROW_REGS = 112
-# Q4_K at one row of x on NVIDIA where the launch's programs fit one wave of 4-warp ones (the
-# model's 4096-row linears: 64 tiles x 8 splits on 132 multiprocessors): this many
-# super-blocks a step side by side on twice the warps (_sbs_q4k), twice the bytes in
-# flight a program. A read of the same bytes in the same pattern, without the arithmetic,
-# took 10.6 against 16.4 us at 4096 x 14336 and 4.7 against 6.0 at 4096 x 4096 on 4 warps
-# instead of 2 (H200, bench/gpu/read_pattern_bench.py).
-Q4K_SIDE_SBS = 2
 # More splits than this cost more in partial sums than they gain in programs (H200, 4096 x
 # 4096 at one row: 8.5 us at 8 splits, 9.6 at 16).
 MAX_SPLIT = 8
@@ -179,7 +172,6 @@ class QIntConfig(NamedTuple):
     num_warps: int = 4
     num_stages: int | None = None
     max_regs: int | None = None  # the CUDA-core kernel's register cap (NVIDIA's maxnreg)
-    sbs: int = 1  # the CUDA-core Q4_K kernel's super-blocks a step, side by side
 
 
 class QuantX(NamedTuple):
@@ -390,30 +382,6 @@ if HAS_TRITON:
         return tl.where(col == m, v, acc)
 
     @helper
-    def _q4k_scales(head):
-        """A Q4_K super-block's head words (BN, 4) -> word 0 (d | dmin << 16, (BN,)), the
-        scales of each quad's low and high nibbles (BN, 8) and the mins of each group's two
-        sub-blocks (BN, 4) as int32."""
-        w0, w1, w2, w3 = _k4_head_words(head)
-        j = tl.arange(0, 4)[None, :]
-        q = tl.arange(0, 8)[None, :]  # quad of words q: words 4 q .. 4 q + 3, group q // 2
-        s_lo = (2 * (q // 2)).to(tl.uint32)  # sub-block of the quad's low nibbles
-        g2 = (2 * j).to(tl.uint32)
-        return (w0, _k4_six(w1, w3, s_lo, 0), _k4_six(w1, w3, s_lo + 1, 0),
-                _k4_six(w2, w3, g2, 4), _k4_six(w2, w3, g2 + 1, 4))
-
-    @helper
-    def _q4k_isums(lo, hi, sc_lo, sc_hi, mn0, mn1, xrow, bs, PTX: tl.constexpr):
-        """The two integer sums of a Q4_K super-block a row (BN,): its codes (low and high
-        nibbles) against x's words at xrow (BN, 32), scaled, and its mins against x's
-        16-column sums at bs (BN, 4)."""
-        xa = _keep(xrow)
-        xb = _keep(xrow + 8)  # 32 elements on: the high nibbles' sub-block
-        dot = sc_lo * _quad_dots(lo, xa, PTX) + sc_hi * _quad_dots(hi, xb, PTX)  # (BN, 8)
-        msum = mn0 * (_sums(bs) + _sums(bs + 1)) + mn1 * (_sums(bs + 2) + _sums(bs + 3))
-        return tl.sum(dot, axis=1), tl.sum(msum, axis=1)
-
-    @helper
     def _sb_q4k(acc, w, head, sb, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M: tl.constexpr,
                 PTX: tl.constexpr):
         """acc (BN, BM) + super-block sb of BN Q4_K rows (its words from _ld_q4k) times the
@@ -425,8 +393,15 @@ if HAS_TRITON:
         zero = tl.zeros((w.shape[0], 1), tl.int32)  # (BN, 1): indices in the codes' shape
         lo = w & 0x0F0F0F0F
         hi = (w >> 4) & 0x0F0F0F0F
-        w0, sc_lo, sc_hi, mn0, mn1 = _q4k_scales(head)
+        w0, w1, w2, w3 = _k4_head_words(head)
         j = tl.arange(0, 4)[None, :]
+        q = tl.arange(0, 8)[None, :]  # quad of words q: words 4 q .. 4 q + 3, group q // 2
+        s_lo = (2 * (q // 2)).to(tl.uint32)  # sub-block of the quad's low nibbles
+        sc_lo = _k4_six(w1, w3, s_lo, 0)  # (BN, 8)
+        sc_hi = _k4_six(w1, w3, s_lo + 1, 0)
+        g2 = (2 * j).to(tl.uint32)
+        mn0 = _k4_six(w2, w3, g2, 4)  # (BN, 4): the mins of sub-blocks 2g, 2g + 1
+        mn1 = _k4_six(w2, w3, g2 + 1, 4)
         d = _f16lo(w0)
         dmin = _f16lo(w0 >> 16)
         col = tl.arange(0, BLOCK_M)[None, :]
@@ -434,51 +409,18 @@ if HAS_TRITON:
         xw = c + 8 * (c // 8) + zero  # x's word for word c's low nibbles: elements 64 g + 4 i
         for m in tl.static_range(BLOCK_M):
             if m < M:
-                dot, msum = _q4k_isums(lo, hi, sc_lo, sc_hi, mn0, mn1,
-                                       q32 + m * (K // 4) + sb * 64 + xw,
-                                       bs_ptr + m * (K // 16) + sb * 16 + j * 4, PTX)
+                xrow = q32 + m * (K // 4) + sb * 64 + xw
+                xa = _keep(xrow)
+                xb = _keep(xrow + 8)  # 32 elements on: the high nibbles' sub-block
+                p_lo = _quad_dots(lo, xa, PTX)
+                p_hi = _quad_dots(hi, xb, PTX)
+                dot = sc_lo * p_lo + sc_hi * p_hi  # (BN, 8)
+                bs = bs_ptr + m * (K // 16) + sb * 16 + j * 4  # 16-sums: 2 per sub-block
+                msum = mn0 * (_sums(bs) + _sums(bs + 1)) + mn1 * (
+                    _sums(bs + 2) + _sums(bs + 3))  # (BN, 4)
                 dx = tl.load(dx_ptr + m * (K // 256) + sb)
-                acc = _put(acc, col, m, dot, d * dx)
-                acc = _put(acc, col, m, -msum, dmin * dx)
-        return acc
-
-    @helper
-    def _sbs_q4k(acc, w_ptr, row_off, s_v, sb, q_ptr, dx_ptr, bs_ptr, K, M,
-                 BLOCK_M: tl.constexpr, SBS: tl.constexpr, PTX: tl.constexpr,
-                 PDL: tl.constexpr):
-        """acc (BN, BM) + super-blocks sb .. sb + SBS - 1 of BN Q4_K rows, loaded and
-        multiplied side by side: virtual row v = s BN + r (row_off, s_v: (SBS BN,)) is row
-        r's super-block sb + s, so a thread holds as many words as at one super-block and
-        SBS times the warps keep SBS times the bytes in flight. The integer sums are each
-        super-block's, and the fmas are _sb_q4k's in K order: the bits are the same."""
-        bn: tl.constexpr = acc.shape[0]
-        sbv = sb + s_v
-        w, head = _ld_q4k(w_ptr, row_off, sbv)
-        await_inputs(PDL)
-        c = tl.arange(0, 32)[None, :]
-        j = tl.arange(0, 4)[None, :]
-        lo = w & 0x0F0F0F0F
-        hi = (w >> 4) & 0x0F0F0F0F
-        w0, sc_lo, sc_hi, mn0, mn1 = _q4k_scales(head)
-        si = tl.arange(0, SBS)[:, None]
-        w0s = tl.reshape(w0, (SBS, bn))
-        col = tl.arange(0, BLOCK_M)[None, :]
-        q32 = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-        xw = c + 8 * (c // 8) + sbv[:, None] * 64  # (SBS BN, 32)
-        for m in tl.static_range(BLOCK_M):
-            if m < M:
-                dot, msum = _q4k_isums(lo, hi, sc_lo, sc_hi, mn0, mn1,
-                                       q32 + m * (K // 4) + xw,
-                                       bs_ptr + m * (K // 16) + sbv[:, None] * 16 + j * 4, PTX)
-                dot = tl.reshape(dot, (SBS, bn))
-                msum = tl.reshape(msum, (SBS, bn))
-                for s in tl.static_range(SBS):  # exact picks of integers, then K order
-                    w0_s = tl.sum(tl.where(si == s, w0s, 0), axis=0)
-                    dx = tl.load(dx_ptr + m * (K // 256) + sb + s)
-                    acc = _put(acc, col, m, tl.sum(tl.where(si == s, dot, 0), axis=0),
-                               _f16lo(w0_s) * dx)
-                    acc = _put(acc, col, m, -tl.sum(tl.where(si == s, msum, 0), axis=0),
-                               _f16lo(w0_s >> 16) * dx)
+                acc = _put(acc, col, m, tl.sum(dot, axis=1), d * dx)
+                acc = _put(acc, col, m, -tl.sum(msum, axis=1), dmin * dx)
         return acc
 
     @helper
@@ -539,7 +481,7 @@ if HAS_TRITON:
     def _gemv_sbs(acc, w_ptr, row_off, sb0, count, q_ptr, dx_ptr, bs_ptr, K, M,
                   QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, PTX: tl.constexpr,
                   PDL: tl.constexpr):
-        """acc + super-blocks sb0 .. sb0 + count - 1 (count >= 0) of the rows at row_off.
+        """acc + super-blocks sb0 .. sb0 + count - 1 (count >= 1) of the rows at row_off.
         The first super-block's words are loaded before the wait for x (await_inputs;
         later waits return at once). (Loading each next super-block's words before the
         current one's product measured slower, bench/RESULTS.md.)"""
@@ -562,14 +504,12 @@ if HAS_TRITON:
         sb_per_split, nsplit, ticket, w2_ptr, n1, row_bytes2,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PTX: tl.constexpr = False, QTYPE2: tl.constexpr = 0, PDL: tl.constexpr = False,
-        SBS: tl.constexpr = 1,
     ):
         """y[m, n] = the product of x's row m (quantized: q, dx, 16-column sums bs) and W's
         row n; grid (N tiles, splits), a program's sum over its range of super-blocks
         finished by qgemv.finish_splits. With QTYPE2, W's rows from n1 on (a multiple of
         BLOCK_N) are the second part's (w2_ptr, row_bytes2, QTYPE2): q|k and v of two
-        types in one launch, into one output. SBS > 1 (Q4_K alone): SBS super-blocks a
-        step side by side (_sbs_q4k), the rest one by one."""
+        types in one launch, into one output."""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -584,17 +524,6 @@ if HAS_TRITON:
             row_off = tl.where(rn < N, rn - n1, 0).to(tl.int64) * row_bytes2  # past N: row 0
             acc = _gemv_sbs(acc, w2_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
                             M, QTYPE2, BLOCK_M, PTX, PDL)
-        elif SBS > 1:
-            v = tl.arange(0, SBS * BLOCK_N)
-            rv = pid_n * BLOCK_N + v % BLOCK_N
-            row_off = tl.where(rv < N, rv, 0).to(tl.int64) * row_bytes
-            steps = sb_per_split // SBS
-            for i in range(0, steps):
-                acc = _sbs_q4k(acc, w_ptr, row_off, v // BLOCK_N, sb0 + i * SBS, q_ptr,
-                               dx_ptr, bs_ptr, K, M, BLOCK_M, SBS, PTX, PDL)
-            row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
-            acc = _gemv_sbs(acc, w_ptr, row_off, sb0 + steps * SBS, sb_per_split - steps * SBS,
-                            q_ptr, dx_ptr, bs_ptr, K, M, QTYPE, BLOCK_M, PTX, PDL)
         else:
             row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
             acc = _gemv_sbs(acc, w_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
@@ -871,9 +800,8 @@ def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
                         backend: str = "cuda", m: int = 1, qtype2: int = 0) -> QIntConfig:
     """64 rows a program, 128 from WIDE_N rows on, 4 warps (Q4_K with up to Q4K_NARROW_M
     rows of x: 64 rows on 2 warps, at one row and alone (no `qtype2`, the second part of
-    a two-type launch: capped it spills) capped at Q4K_ONE_ROW_REGS registers, and with
-    Q4K_SIDE_SBS super-blocks a step on as many times the warps where its programs fit one
-    wave of those; HIP_BLOCK_N on "hip"); the super-blocks split while
+    a two-type launch: capped it spills) capped at Q4K_ONE_ROW_REGS registers; HIP_BLOCK_N
+    on "hip"); the super-blocks split while
     64-row tiles alone give fewer than 4 programs per compute unit, up to MAX_SPLIT
     (num_sms 0: no split). The split never depends on `m` (x's rows): it is in a row's
     bits (the rows and warps a program takes are not)."""
@@ -884,8 +812,6 @@ def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
         split *= 2
     if backend == "hip":
         return QIntConfig(HIP_BLOCK_N, split)
-    if ggml_type == Q4_K and m == 1 and not qtype2 and 0 < tiles * split <= 4 * num_sms:
-        return QIntConfig(64, split, 2 * Q4K_SIDE_SBS, None, Q4K_ONE_ROW_REGS, Q4K_SIDE_SBS)
     if ggml_type == Q4_K and m <= Q4K_NARROW_M:
         return QIntConfig(64, split, 2, None,
                           Q4K_ONE_ROW_REGS if m == 1 and not qtype2 else None)
@@ -996,8 +922,7 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
         grid = (-(-n // cfg.block_n), cfg.split)
         kernel, extra = _qint_gemv_kernel, {"BLOCK_M": next_pow2(m), "BLOCK_N": cfg.block_n,
                                             "num_warps": cfg.num_warps, "QTYPE2": int(type2),
-                                            "SBS": cfg.sbs if ggml_type == Q4_K and not type2
-                                            else 1, **stages}
+                                            **stages}
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
     elif mma_path(m, int(ggml_type), int(type2), backend, device) and (
             not type2 or n1 % (16 * _qint_mma().WARPS) == 0):
@@ -1078,8 +1003,7 @@ def aot_specs(spec: type) -> list:
                     continue  # a fused q|k|v of two types is never that wide
                 cfg = default_qint_config(qtype, n, 4096, backend=backend, m=bm, qtype2=qtype2)
                 consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": cfg.block_n,
-                          "PTX": backend == "cuda", "QTYPE2": qtype2, "PDL": backend == "cuda",
-                          "SBS": 1}
+                          "PTX": backend == "cuda", "QTYPE2": qtype2, "PDL": backend == "cuda"}
                 wide = "_wide" if n == WIDE_N else ""
                 sums = "*i32" if sums_dtype(bm) == torch.int32 else "*fp16"
                 out.append(spec(f"qint_{name}_m{bm}{wide}", _qint_gemv_kernel,
@@ -1087,13 +1011,6 @@ def aot_specs(spec: type) -> list:
                                 consts,
                                 cfg.num_warps, False, backend, cfg.num_stages,
                                 divisible + ("w2_ptr", "row_bytes2"), cfg.max_regs))
-        if qtype == Q4_K:  # one row, super-blocks side by side (NVIDIA's small launches)
-            consts = {"QTYPE": qtype, "BLOCK_M": 1, "BLOCK_N": 64, "PTX": True, "QTYPE2": 0,
-                      "PDL": True, "SBS": Q4K_SIDE_SBS}
-            out.append(spec("qint_Q4_K_m1_side", _qint_gemv_kernel,
-                            {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,
-                            2 * Q4K_SIDE_SBS, False, "cuda", None,
-                            divisible + ("w2_ptr", "row_bytes2"), Q4K_ONE_ROW_REGS))
         if qtype2:
             continue
         for backend in ("hip", "cuda"):

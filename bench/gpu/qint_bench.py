@@ -143,10 +143,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="", help="only these rows of x (comma separated)")
     ap.add_argument("--config-sweep", action=argparse.BooleanOptionalAction, default=True,
                     help="sweep the CUDA-core kernel's configs at one row on the swept shapes")
-    ap.add_argument("--sbs", default="",
-                    help="also time Q4_K at one row with these super-blocks a step side by "
-                         "side (on 2 warps each, capped at Q4K_ONE_ROW_REGS) on the swept "
-                         "shapes, e.g. 1,2,4")
     ap.add_argument("--tiles-only", action="store_true",
                     help="sweep the matrix-unit kernel's tiles only (not the CUDA-core configs)")
     args = ap.parse_args(argv)
@@ -171,14 +167,6 @@ def main(argv: list[str] | None = None) -> int:
             for m in ms:
                 for mode in ("qmatmul", "qint"):
                     out["rows"].append(measure(run, case, mode, m, None, ceil))
-            for sbs in (int(v) for v in args.sbs.split(",") if v):
-                if (n, k) in swept and case.qtype == qint.Q4_K:
-                    base = default_qint_config(case.qtype, n, k, run.sms)
-                    cfg = base._replace(num_warps=2 * sbs, max_regs=qint.Q4K_ONE_ROW_REGS,
-                                        sbs=sbs)
-                    row = measure(run, case, "qint", 1, cfg, ceil)
-                    row.update(mode="qint-sbs")
-                    out["rows"].append(row)
             if ((n, k) in swept or args.smoke) and args.config_sweep and not args.tiles_only:
                 base = default_qint_config(case.qtype, n, k, run.sms)
                 for cfg in sweep(base)[:2 if args.smoke else None]:

@@ -182,22 +182,6 @@ def test_rows_independent_of_batch_and_path(interp, rng, qtype):
     assert not interp.call("kernels.qgemv:_tickets", torch.device("cpu")).any()
 
 
-@pytest.mark.parametrize("m", [1, 2, 3])
-def test_super_blocks_side_by_side_give_the_same_bits(interp, rng, m):
-    """Q4_K on the CUDA cores with 2 or 4 super-blocks a step side by side (more bytes in
-    flight a program) gives the bits of one a step: 7 super-blocks a split leave a rest
-    (3 steps of 2 and one, one step of 4 and three), N not a multiple of the tile."""
-    n, k = 40, 256 * 14
-    blocks = random_weight(T.Q4_K, n, k, rng)
-    held = stored(blocks, T.Q4_K, k)
-    x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
-    one = interp.call(KERNEL, x, *held, (n, k), QIntConfig(16, 2, 1))
-    for sbs in (2, 4):
-        side = interp.call(KERNEL, x, *held, (n, k), QIntConfig(16, 2, 2, sbs=sbs))
-        assert torch.equal(one, side), sbs
-    check(one, x, blocks, T.Q4_K)
-
-
 def test_two_parts_in_one_launch(interp, rng):
     """qint_parts: q|k-like Q4_K rows and v-like Q6_K rows. Up to 4 rows of x one launch
     when the first part fills whole programs (else one per part); 6 rows one launch per
@@ -329,8 +313,7 @@ def interp_free(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int, k: in
 
 def test_default_config_rows_a_program_leave_the_split_alone():
     """From WIDE_N rows a program takes 128 rows on CUDA (Q4_K with up to 2 rows of x: 64
-    on 2 warps at any N, capped in registers at one row alone, 2 super-blocks a step on 4
-    warps where those programs fit one wave); the split (a row's bits)
+    on 2 warps at any N, capped in registers at one row alone); the split (a row's bits)
     counts 64-row tiles whatever the rows of x: while fewer than 4 programs a compute
     unit, up to 8, dividing the super-blocks evenly."""
     sms = 132
@@ -339,12 +322,8 @@ def test_default_config_rows_a_program_leave_the_split_alone():
     for n, (block_n, split) in want.items():
         for m in (1, 3, 8):
             assert default_qint_config(Q6_K_A, n, 4096, sms, m=m) == QIntConfig(block_n, split)
-        # one row: one wave of 4-warp programs takes 2 super-blocks a step side by side
-        one_wave = -(-n // 64) * split <= 4 * sms
-        assert default_qint_config(T.Q4_K, n, 4096, sms) == (
-            QIntConfig(64, split, 4, None, Q4K_ONE_ROW_REGS, 2) if one_wave
-            else QIntConfig(64, split, 2, None, Q4K_ONE_ROW_REGS)), n
-        assert one_wave == (n < WIDE_N - 1), n
+        assert default_qint_config(T.Q4_K, n, 4096, sms) == QIntConfig(
+            64, split, 2, None, Q4K_ONE_ROW_REGS), n
         assert default_qint_config(T.Q4_K, n, 4096, sms, qtype2=Q6_K_A) == QIntConfig(
             64, split, 2), n  # a two-type launch: capped, its build spills
         assert default_qint_config(T.Q4_K, n, 4096, sms, m=2) == QIntConfig(64, split, 2), n
