@@ -1,0 +1,99 @@
+"""kernels/fused_norm.py's add + RMSNorm + 8-bit quantization (the q8 layout's norm before
+each linear; 65 launches a decode step of Llama-3.1-8B) under several launch configs:
+the row as one vector or as (dim / 256, 256) tiles (quantize_store's shape, no reshape),
+on 4, 8 or 16 warps.
+
+    python3 bench/gpu/norm_bench.py [--out DIR]
+
+Each config is checked against the torch reference (y within 2^-20 relative, the codes
+those of its own y) and timed as a CUDA graph of 200 launches in one stream, plain and as
+programmatic dependent launches (the engine's decode graphs), at 1 and 16 rows.
+Writes $OUT/norm_bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import UTC, datetime
+from functools import partial
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench" / "gpu")]
+
+import torch  # noqa: E402
+from provenance import commit_id  # noqa: E402
+
+from kernels import fused_norm  # noqa: E402
+from kernels.qint import empty_quant_x, quant_x_reference  # noqa: E402
+from kernels.triton_util import launcher  # noqa: E402
+
+DIM = 4096
+LAUNCHES = 200
+
+
+def launch(x, r, w, h, y, xq, rows2d: bool, warps: int, pdl: bool) -> None:
+    kernel = launcher(fused_norm._add_rms_norm_kernel, x.device) if pdl else \
+        fused_norm._add_rms_norm_kernel
+    kernel[(x.shape[0],)](x, r, w, w, h, y, *xq, x.stride(0), r.stride(0), h.stride(0),
+                          y.stride(0), DIM, 1e-5, HAS_RESIDUAL=True, HAS_RES_NORM=False,
+                          BLOCK_D=DIM, QUANT=True, ROWS2D=rows2d, num_warps=warps)
+
+
+def time_us(fn) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph := torch.cuda.CUDAGraph()):
+        for _ in range(LAUNCHES):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (5 * LAUNCHES)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    out: dict = {"device": torch.cuda.get_device_name(), "commit": commit_id(),
+                 "date": datetime.now(UTC).isoformat(timespec="seconds"), "rows": []}
+    gen = torch.Generator(dev).manual_seed(0)
+    for rows in (1, 16):
+        x = torch.randn(rows, DIM, device=dev, generator=gen)
+        r = torch.randn(rows, DIM, device=dev, generator=gen)
+        w = torch.rand(DIM, device=dev, generator=gen) + 0.5
+        ref = fused_norm.add_rms_norm_reference(x, w, 1e-5, r, None, torch.float32, True)
+        for rows2d in (False, True):
+            for warps in (4, 8, 16):
+                h, y = torch.empty_like(x), torch.full_like(x, float("nan"))
+                xq = empty_quant_x(rows, DIM, dev)
+                launch(x, r, w, h, y, xq, rows2d, warps, False)
+                own = quant_x_reference(y)
+                rel = float(((y - ref.y).abs() / ref.y.abs().clamp_min(1e-30)).max())
+                row = {"rows": rows, "rows2d": rows2d, "warps": warps, "y_rel_err": rel,
+                       "ok": rel <= 2**-20 and torch.equal(h, ref.h)
+                       and torch.equal(xq.q, own.q) and torch.equal(xq.dx, own.dx)}
+                for pdl in (False, True):
+                    call = partial(launch, x, r, w, h, y, xq, rows2d, warps, pdl)
+                    row["pdl_us" if pdl else "plain_us"] = round(time_us(call), 3)
+                out["rows"].append(row)
+                print(json.dumps(row), flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "norm_bench.json").write_text(json.dumps(out, indent=1))
+    return 0 if all(r["ok"] for r in out["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
