@@ -79,8 +79,10 @@ if HAS_TRITON:
     def _sum_all(t, TWO_D: tl.constexpr):
         """The sum of every element of a 1-D or (TWO_D) 2-D tensor."""
         if TWO_D:
-            return tl.sum(tl.sum(t, 1), 0)
-        return tl.sum(t, 0)
+            out = tl.sum(tl.sum(t, 1), 0)
+        else:
+            out = tl.sum(t, 0)
+        return out
 
     @jit
     def _add_rms_norm_kernel(
