@@ -75,49 +75,34 @@ if HAS_TRITON:
 
     from kernels.qint import quantize_store
 
-    @helper
-    def _sum_all(t, TWO_D: tl.constexpr):
-        """The sum of every element of a 1-D or (TWO_D) 2-D tensor."""
-        if TWO_D:
-            out = tl.sum(tl.sum(t, 1), 0)
-        else:
-            out = tl.sum(t, 0)
-        return out
-
     @jit
     def _add_rms_norm_kernel(
         x_ptr, r_ptr, rw_ptr, w_ptr, h_ptr, y_ptr, q_ptr, dx_ptr, bs_ptr, stride_x, stride_r,
         stride_h, stride_y, dim, eps, HAS_RESIDUAL: tl.constexpr, HAS_RES_NORM: tl.constexpr,
         BLOCK_D: tl.constexpr, QUANT: tl.constexpr = False, PDL: tl.constexpr = False,
-        ROWS2D: tl.constexpr = False,
     ):
         """One row: h = x + rmsnorm(r) * rw (or x + r), y = rmsnorm(h) * w; with QUANT also
         y (as stored) quantized per 256 columns (dim a multiple of 256)."""
         row = tl.program_id(0).to(tl.int64)
-        if ROWS2D:  # the row as (BLOCK_D / 256, 256) from the start: quantize_store's shape
-            d = (tl.arange(0, BLOCK_D // 256)[:, None] * 256 + tl.arange(0, 256)[None, :])
-        else:
-            d = tl.arange(0, BLOCK_D)
+        d = tl.arange(0, BLOCK_D)
         ok = d < dim
         await_inputs(PDL)
         h = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(r_ptr + row * stride_r + d, mask=ok, other=0.0)
             if HAS_RES_NORM:
-                r_inv = tl.rsqrt(_sum_all(r * r, ROWS2D) / dim + eps)
+                r_inv = tl.rsqrt(tl.sum(r * r, 0) / dim + eps)
                 r = r * r_inv * tl.load(rw_ptr + d, mask=ok, other=0.0)
             h = h + r
             tl.store(h_ptr + row * stride_h + d, h, mask=ok)
-        inv = tl.rsqrt(_sum_all(h * h, ROWS2D) / dim + eps)
+        inv = tl.rsqrt(tl.sum(h * h, 0) / dim + eps)
         y = cast_out(h * inv * tl.load(w_ptr + d, mask=ok, other=0.0), y_ptr)
         tl.store(y_ptr + row * stride_y + d, y, mask=ok)
         if QUANT:
             NB: tl.constexpr = BLOCK_D // 256
             b = tl.arange(0, NB)
-            yq = y.to(tl.float32)
-            if not ROWS2D:
-                yq = tl.reshape(yq, (NB, 256))
-            quantize_store(yq, b, b < dim // 256, row, q_ptr, dx_ptr, bs_ptr, dim)
+            quantize_store(tl.reshape(y.to(tl.float32), (NB, 256)), b, b < dim // 256, row,
+                           q_ptr, dx_ptr, bs_ptr, dim)
 
 
 def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...], device) -> None:

@@ -194,8 +194,11 @@ def quantize_x_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     a = xb.abs().amax(-1)
     pos = a > 0
     one = torch.ones_like(a)
-    inv = torch.where(pos, torch.tensor(127.0) / torch.where(pos, a, one), 0.0)
-    dx = torch.where(pos, a / torch.tensor(127.0), 0.0)
+    # the float32 quotients correctly rounded on any device: through float64 (53 >= 2 x 24
+    # + 2 bits, so rounding twice rounds as once); torch's CUDA division by a scalar
+    # multiplies by its reciprocal, 1 ulp off for some a (H200, bench/gpu/norm_bench.py)
+    inv = torch.where(pos, (127.0 / torch.where(pos, a, one).double()).float(), 0.0)
+    dx = torch.where(pos, (a.double() / 127.0).float(), 0.0)
     # x * inv is exact in float64 (two 24-bit significands); + 0.5 is exact unless the
     # sum is below 1/2 in magnitude, where any rounding keeps floor() the same.
     v = (xb.double() * inv.double()[..., None] + 0.5).to(torch.float32)

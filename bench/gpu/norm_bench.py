@@ -1,7 +1,5 @@
 """kernels/fused_norm.py's add + RMSNorm + 8-bit quantization (the q8 layout's norm before
-each linear; 65 launches a decode step of Llama-3.1-8B) under several launch configs:
-the row as one vector or as (dim / 256, 256) tiles (quantize_store's shape, no reshape),
-on 4, 8 or 16 warps.
+each linear; 65 launches a decode step of Llama-3.1-8B) on 4, 8 or 16 warps.
 
     python3 bench/gpu/norm_bench.py [--out DIR]
 
@@ -35,12 +33,12 @@ DIM = 4096
 LAUNCHES = 200
 
 
-def launch(x, r, w, h, y, xq, rows2d: bool, warps: int, pdl: bool) -> None:
+def launch(x, r, w, h, y, xq, warps: int, pdl: bool) -> None:
     kernel = launcher(fused_norm._add_rms_norm_kernel, x.device) if pdl else \
         fused_norm._add_rms_norm_kernel
     kernel[(x.shape[0],)](x, r, w, w, h, y, *xq, x.stride(0), r.stride(0), h.stride(0),
                           y.stride(0), DIM, 1e-5, HAS_RESIDUAL=True, HAS_RES_NORM=False,
-                          BLOCK_D=DIM, QUANT=True, ROWS2D=rows2d, num_warps=warps)
+                          BLOCK_D=DIM, QUANT=True, num_warps=warps)
 
 
 def time_us(fn) -> float:
@@ -75,21 +73,20 @@ def main(argv: list[str] | None = None) -> int:
         r = torch.randn(rows, DIM, device=dev, generator=gen)
         w = torch.rand(DIM, device=dev, generator=gen) + 0.5
         ref = fused_norm.add_rms_norm_reference(x, w, 1e-5, r, None, torch.float32, True)
-        for rows2d in (False, True):
-            for warps in (4, 8, 16):
-                h, y = torch.empty_like(x), torch.full_like(x, float("nan"))
-                xq = empty_quant_x(rows, DIM, dev)
-                launch(x, r, w, h, y, xq, rows2d, warps, False)
-                own = quant_x_reference(y)
-                rel = float(((y - ref.y).abs() / ref.y.abs().clamp_min(1e-30)).max())
-                row = {"rows": rows, "rows2d": rows2d, "warps": warps, "y_rel_err": rel,
-                       "ok": rel <= 2**-20 and torch.equal(h, ref.h)
-                       and torch.equal(xq.q, own.q) and torch.equal(xq.dx, own.dx)}
-                for pdl in (False, True):
-                    call = partial(launch, x, r, w, h, y, xq, rows2d, warps, pdl)
-                    row["pdl_us" if pdl else "plain_us"] = round(time_us(call), 3)
-                out["rows"].append(row)
-                print(json.dumps(row), flush=True)
+        for warps in (4, 8, 16):
+            h, y = torch.empty_like(x), torch.full_like(x, float("nan"))
+            xq = empty_quant_x(rows, DIM, dev)
+            launch(x, r, w, h, y, xq, warps, False)
+            own = quant_x_reference(y)
+            rel = float(((y - ref.y).abs() / ref.y.abs().clamp_min(1e-30)).max())
+            row = {"rows": rows, "warps": warps, "y_rel_err": rel,
+                   "ok": rel <= 2**-20 and torch.equal(h, ref.h)
+                   and torch.equal(xq.q, own.q) and torch.equal(xq.dx, own.dx)}
+            for pdl in (False, True):
+                call = partial(launch, x, r, w, h, y, xq, warps, pdl)
+                row["pdl_us" if pdl else "plain_us"] = round(time_us(call), 3)
+            out["rows"].append(row)
+            print(json.dumps(row), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "norm_bench.json").write_text(json.dumps(out, indent=1))
     return 0 if all(r["ok"] for r in out["rows"]) else 1
