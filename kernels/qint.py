@@ -130,11 +130,11 @@ HIP_BLOCK_N = 32
 WIDE_N = 8192
 Q4K_NARROW_M = 2
 # Q4_K at one row of x on NVIDIA: the 2-warp build capped at this many registers a thread
-# (126 uncapped; no spills at 112): 9 programs a multiprocessor instead of 8. H200, one
-# row: 23.5 against 24.5 us at 28672 x 4096, 12.2 against 12.7 at 14336 x 4096, 15.5
-# against 16.0 at 4096 x 14336, 6.5 against 6.7 at 4096 x 4096; bits unchanged; a cap of
-# 96 was slower (bench/RESULTS.md, 2026-12-01).
-Q4K_ONE_ROW_REGS = 112
+# (165 uncapped, since x's loads are issued beside the weights': _sb_q4k; no spills at
+# 128): 8 programs a multiprocessor instead of 6. (Before those loads moved, 126 uncapped
+# and a cap of 112: 23.5 against 24.5 us at 28672 x 4096, 6.5 against 6.7 at 4096 x 4096
+# on the H200, bits unchanged, bench/RESULTS.md, 2026-12-01.)
+Q4K_ONE_ROW_REGS = 128
 # More splits than this cost more in partial sums than they gain in programs (H200, 4096 x
 # 4096 at one row: 8.5 us at 8 splits, 9.6 at 16).
 MAX_SPLIT = 8
@@ -394,10 +394,23 @@ if HAS_TRITON:
         words of several rows, which share x's words (loaded once) and a group's scales."""
         c = tl.arange(0, 32)[None, :]
         zero = tl.zeros((w.shape[0], 1), tl.int32)  # (BN, 1): indices in the codes' shape
+        j = tl.arange(0, 4)[None, :]
+        q32 = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        xw = c + 8 * (c // 8) + zero  # x's word for word c's low nibbles: elements 64 g + 4 i
+        if BLOCK_M == 1:
+            # x's words, 16-column sums and scale first: they wait on nothing, while the
+            # scales' decode below waits on the head's words (and passes them through
+            # shared memory), so issued after it they would add their latency to the
+            # weights' (more rows keep their loads in the loop: registers)
+            x0 = q32 + sb * 64 + xw
+            xa0 = _keep(x0)
+            xb0 = _keep(x0 + 8)
+            bs0 = bs_ptr + sb * 16 + j * 4
+            t00, t01, t02, t03 = _sums(bs0), _sums(bs0 + 1), _sums(bs0 + 2), _sums(bs0 + 3)
+            dx0 = tl.load(dx_ptr + sb)
         lo = w & 0x0F0F0F0F
         hi = (w >> 4) & 0x0F0F0F0F
         w0, w1, w2, w3 = _k4_head_words(head)
-        j = tl.arange(0, 4)[None, :]
         q = tl.arange(0, 8)[None, :]  # quad of words q: words 4 q .. 4 q + 3, group q // 2
         s_lo = (2 * (q // 2)).to(tl.uint32)  # sub-block of the quad's low nibbles
         sc_lo = _k4_six(w1, w3, s_lo, 0)  # (BN, 8)
@@ -408,20 +421,21 @@ if HAS_TRITON:
         d = _f16lo(w0)
         dmin = _f16lo(w0 >> 16)
         col = tl.arange(0, BLOCK_M)[None, :]
-        q32 = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-        xw = c + 8 * (c // 8) + zero  # x's word for word c's low nibbles: elements 64 g + 4 i
         for m in tl.static_range(BLOCK_M):
             if m < M:
-                xrow = q32 + m * (K // 4) + sb * 64 + xw
-                xa = _keep(xrow)
-                xb = _keep(xrow + 8)  # 32 elements on: the high nibbles' sub-block
+                if BLOCK_M == 1:
+                    xa, xb, t0, t1, t2, t3, dx = xa0, xb0, t00, t01, t02, t03, dx0
+                else:
+                    xrow = q32 + m * (K // 4) + sb * 64 + xw
+                    xa = _keep(xrow)
+                    xb = _keep(xrow + 8)  # 32 elements on: the high nibbles' sub-block
+                    bs = bs_ptr + m * (K // 16) + sb * 16 + j * 4  # 16-sums: 2 a sub-block
+                    t0, t1, t2, t3 = _sums(bs), _sums(bs + 1), _sums(bs + 2), _sums(bs + 3)
+                    dx = tl.load(dx_ptr + m * (K // 256) + sb)
                 p_lo = _quad_dots(lo, xa, PTX)
                 p_hi = _quad_dots(hi, xb, PTX)
                 dot = sc_lo * p_lo + sc_hi * p_hi  # (BN, 8)
-                bs = bs_ptr + m * (K // 16) + sb * 16 + j * 4  # 16-sums: 2 per sub-block
-                msum = mn0 * (_sums(bs) + _sums(bs + 1)) + mn1 * (
-                    _sums(bs + 2) + _sums(bs + 3))  # (BN, 4)
-                dx = tl.load(dx_ptr + m * (K // 256) + sb)
+                msum = mn0 * (t0 + t1) + mn1 * (t2 + t3)  # (BN, 4)
                 acc = _put(acc, col, m, tl.sum(dot, axis=1), d * dx)
                 acc = _put(acc, col, m, -tl.sum(msum, axis=1), dmin * dx)
         return acc
@@ -451,27 +465,37 @@ if HAS_TRITON:
         s = c // 4
         r = c % 4
         zero = tl.zeros((ql.shape[0], 1), tl.int32)  # (BN, 1): indices in the codes' shape
+        i = tl.arange(0, 8)[None, :]
+        sub = i + 4 * (i // 4)  # (1, 8)
+        q32 = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        xw = 4 * (s + 4 * (s // 4)) + r + zero  # x's word for word c's low nibbles
+        if BLOCK_M == 1:  # x's words, sums and scale before the decode (see _sb_q4k)
+            x0 = q32 + sb * 64 + xw
+            xa0 = _keep(x0)
+            xb0 = _keep(x0 + 16)
+            t0a, t0b = _sums(bs_ptr + sb * 16 + sub), _sums(bs_ptr + sb * 16 + sub + 4)
+            dx0 = tl.load(dx_ptr + sb)
         a2 = 2 * (s // 2 % 2)
         q_lo = (ql & 0x0F0F0F0F) | (((qh >> a2) & 0x03030303) << 4)
         q_hi = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (a2 + 4)) & 0x03030303) << 4)
         j = tl.arange(0, 4)[None, :]
-        i = tl.arange(0, 8)[None, :]
         sc_a, sc_b = _q6k_scales(sw, j, i)  # (BN, 8): sub(i) and sub(i) + 4
-        sub = i + 4 * (i // 4)  # (1, 8)
         col = tl.arange(0, BLOCK_M)[None, :]
-        q32 = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-        xw = 4 * (s + 4 * (s // 4)) + r + zero  # x's word for word c's low nibbles
         for m in tl.static_range(BLOCK_M):
             if m < M:
-                xrow = q32 + m * (K // 4) + sb * 64 + xw  # (BN, 32)
-                xa = _keep(xrow)
-                xb = _keep(xrow + 16)
+                if BLOCK_M == 1:
+                    xa, xb, ta, tb, dx = xa0, xb0, t0a, t0b, dx0
+                else:
+                    xrow = q32 + m * (K // 4) + sb * 64 + xw  # (BN, 32)
+                    xa = _keep(xrow)
+                    xb = _keep(xrow + 16)
+                    bs = bs_ptr + m * (K // 16) + sb * 16 + sub  # (1, 8)
+                    ta, tb = _sums(bs), _sums(bs + 4)
+                    dx = tl.load(dx_ptr + m * (K // 256) + sb)
                 p_lo = _quad_dots(q_lo, xa, PTX)
                 p_hi = _quad_dots(q_hi, xb, PTX)
-                bs = bs_ptr + m * (K // 16) + sb * 16 + sub  # (1, 8)
                 # codes are q - 32: minus 32 times x's sum over the sub-block
-                isum = (sc_a * (p_lo - 32 * _sums(bs)) + sc_b * (p_hi - 32 * _sums(bs + 4)))
-                dx = tl.load(dx_ptr + m * (K // 256) + sb)
+                isum = (sc_a * (p_lo - 32 * ta) + sc_b * (p_hi - 32 * tb))
                 acc = _put(acc, col, m, tl.sum(isum, axis=1), d * dx)
         return acc
 
