@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="",
                     help="only these of the model's shapes (NxK, comma separated)")
     ap.add_argument("--rows", default="", help="only these rows of x (comma separated)")
+    ap.add_argument("--qmatmul", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time qmatmul's kernel at each shape and row count")
     ap.add_argument("--config-sweep", action=argparse.BooleanOptionalAction, default=True,
                     help="sweep the CUDA-core kernel's configs at one row on the swept shapes")
     ap.add_argument("--tiles-only", action="store_true",
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             case = Case(run, name, n, k)
             for m in ms:
-                for mode in ("qmatmul", "qint"):
+                for mode in ("qmatmul", "qint") if args.qmatmul else ("qint",):
                     out["rows"].append(measure(run, case, mode, m, None, ceil))
             if ((n, k) in swept or args.smoke) and args.config_sweep and not args.tiles_only:
                 base = default_qint_config(case.qtype, n, k, run.sms)
