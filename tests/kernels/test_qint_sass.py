@@ -1,0 +1,55 @@
+"""The one-row CUDA-core builds of kernels/qint.py for sm_90 (no device needed): every
+global load of a super-block (the weights', x's words, sums and scale) issues before the
+first barrier of its loop. A barrier is where the scales' decode hands the head's words
+through shared memory, which waits on the weights; a load of x behind it adds its
+latency to theirs on every super-block (H200, one stream: 424 -> 434 tok/s when they
+moved ahead, bench/RESULTS.md)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from kernels import qint
+
+LINE = re.compile(r"\s+/\*([0-9a-f]{4})\*/\s+(.*?);")
+
+
+def loop_ops(name: str) -> list[str]:
+    """The instructions of the longest loop (the super-block loop) of aot spec `name`'s
+    cuda:90 build, in order."""
+    import triton
+
+    from kernels import aot
+
+    spec = next(s for s in qint.aot_specs(aot.KernelSpec) if s.name == name
+                and s.backend == "cuda")
+    kernel = aot.build(spec, "cuda:90")
+    tool = triton.knobs.nvidia.cuobjdump.path
+    assert tool, "Triton ships cuobjdump"
+    path = f"/tmp/{name}-{id(kernel)}.cubin"
+    with open(path, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True,
+                          check=True).stdout
+    ops = [(int(m.group(1), 16), m.group(2).strip()) for m in map(LINE.match, sass.splitlines())
+           if m]
+    loops = [(at - int(b.group(1), 16), int(b.group(1), 16), at) for at, op in ops
+             if (b := re.search(r"BRA\s+0x([0-9a-f]+)", op)) and int(b.group(1), 16) < at]
+    assert loops, "no loop in the build"
+    _, start, end = max(loops)
+    return [op for at, op in ops if start <= at <= end]
+
+
+@pytest.mark.parametrize("name", ["qint_Q4_K_m1", "qint_Q4_K_m1_wide", "qint_Q6_K_m1"])
+def test_one_row_loads_issue_before_the_loops_barriers(name):
+    """(Q6_K's 128-row build, the output head's, still passes two barriers before x's
+    loads: its scale words' conversion is placed ahead of them.)"""
+    ops = loop_ops(name)
+    loads = [i for i, op in enumerate(ops) if re.match(r"(@!?P\d+\s+)?LDG\b", op)]
+    bars = [i for i, op in enumerate(ops) if "BAR.SYNC" in op]
+    weights = [i for i in loads if ".EF" in ops[i]]  # evict-first: the weights' words
+    assert weights and bars and len(loads) > len(weights), (name, len(loads), len(bars))
+    assert max(loads) < min(bars), (name, [ops[i] for i in loads if i > min(bars)])
