@@ -150,24 +150,32 @@ def forward_ms(runner, rows: int, context: int, iters: int = 20) -> dict:
             s.free()
 
 
-def profile_decode(runner, rows: int, context: int, steps: int = 3, top: int = 24) -> dict:
-    """Kernels of eager decode steps: launches per step, device time per step, the top ones."""
+def _profiled(runner, rows: int, context: int, forward, steps: int, warm: int):
+    """torch's profiler over `steps` calls of forward(batch) (after `warm` more) on `rows`
+    decode rows at `context`."""
     from torch.profiler import ProfilerActivity, profile
 
     batch, seqs = decode_batch(runner, rows, context)
     try:
-        runner.forward_eager(batch)
+        for _ in range(warm):
+            forward(batch)
         sync()
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
         with profile(activities=activities) as prof:
             for _ in range(steps):
-                runner.forward_eager(batch)
+                forward(batch)
             sync()
     finally:
         for s in seqs:
             s.free()
+    return prof
+
+
+def profile_decode(runner, rows: int, context: int, steps: int = 3, top: int = 24) -> dict:
+    """Kernels of eager decode steps: launches per step, device time per step, the top ones."""
+    prof = _profiled(runner, rows, context, runner.forward_eager, steps, 1)
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels.sort(key=lambda e: -e.device_time_total)
     return {"rows": rows,
@@ -178,36 +186,30 @@ def profile_decode(runner, rows: int, context: int, steps: int = 3, top: int = 2
                     for e in kernels[:top]]}
 
 
+def timeline(intervals: list[tuple[float, float]]) -> tuple[float, float]:
+    """(span, busy) of (start, end) intervals sorted by start: from the first start to the
+    last end, and the length of their union (overlapping intervals count once)."""
+    if not intervals:
+        return 0.0, 0.0
+    busy, end = 0.0, intervals[0][0]
+    for lo, hi in intervals:
+        busy += max(0.0, hi - max(end, lo))
+        end = max(end, hi)
+    return end - intervals[0][0], busy
+
+
 def profile_graph(runner, rows: int, context: int, steps: int = 5, top: int = 24) -> dict:
     """The kernels of decode steps replayed from their CUDA graph, on the device's timeline:
     per step the span from the first kernel's start to the last one's end, the time some
     kernel runs (the union of their intervals: programmatic dependent launches overlap),
     the sum of their durations, the idle time between them, and the top kernels by time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    batch, seqs = decode_batch(runner, rows, context)
-    try:
-        for _ in range(3):
-            runner.forward(batch)
-        sync()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                runner.forward(batch)
-            sync()
-    finally:
-        for s in seqs:
-            s.free()
+    prof = _profiled(runner, rows, context, runner.forward, steps, 3)
     kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                       and e.time_range.end > e.time_range.start),
                      key=lambda e: e.time_range.start)
     if not kernels:
         return {"rows": rows, "error": "the profiler recorded no kernels of the replays"}
-    busy, end = 0.0, kernels[0].time_range.start
-    for e in kernels:  # the union of the kernels' intervals
-        start = max(end, e.time_range.start)
-        busy += max(0.0, e.time_range.end - start)
-        end = max(end, e.time_range.end)
-    span = end - kernels[0].time_range.start
+    span, busy = timeline([(e.time_range.start, e.time_range.end) for e in kernels])
     by_name: dict[str, list[float]] = {}
     for e in kernels:
         by_name.setdefault(e.name[:80], []).append(e.time_range.end - e.time_range.start)

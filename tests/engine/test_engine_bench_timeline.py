@@ -1,0 +1,24 @@
+"""bench/gpu/engine_bench.py's graph profile: the span and busy time of kernel intervals
+that overlap (programmatic dependent launches), nest, and leave gaps."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "gpu"))
+import engine_bench  # noqa: E402
+
+
+@pytest.mark.parametrize("intervals,span,busy", [
+    ([], 0.0, 0.0),
+    ([(0.0, 2.0)], 2.0, 2.0),
+    ([(0.0, 2.0), (3.0, 4.0)], 4.0, 3.0),  # a gap of 1
+    ([(0.0, 2.0), (1.0, 3.0)], 3.0, 3.0),  # overlapping: counted once
+    ([(0.0, 5.0), (1.0, 2.0), (3.0, 6.0)], 6.0, 6.0),  # nested, then overlapping
+    ([(0.0, 1.0), (0.5, 1.5), (4.0, 4.5)], 4.5, 2.0),
+])
+def test_span_and_busy(intervals, span, busy):
+    assert engine_bench.timeline(intervals) == (span, busy)
