@@ -828,10 +828,9 @@ def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
     """64 rows a program, 128 from WIDE_N rows on, 4 warps (Q4_K with up to Q4K_NARROW_M
     rows of x: 64 rows on 2 warps, at one row and alone (no `qtype2`, the second part of
     a two-type launch: capped it spills) capped at Q4K_ONE_ROW_REGS registers; HIP_BLOCK_N
-    on "hip"); the super-blocks split while
-    64-row tiles alone give fewer than 4 programs per compute unit, up to MAX_SPLIT
-    (num_sms 0: no split). The split never depends on `m` (x's rows): it is in a row's
-    bits (the rows and warps a program takes are not)."""
+    on "hip"); the super-blocks split while 64-row tiles alone give fewer than 4 programs
+    per compute unit, up to MAX_SPLIT (num_sms 0: no split). The split never depends on
+    `m` (x's rows): it is in a row's bits (the rows and warps a program takes are not)."""
     sbs = k // QK
     split = 1
     tiles = -(-n // 64)
