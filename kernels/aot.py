@@ -132,23 +132,30 @@ def check_asm(spec: KernelSpec, target: str, kernel: Any) -> dict[str, Any]:
     return info
 
 
-def _cubin_resources(cubin: bytes | None) -> dict[str, int]:
-    """Registers a thread and stack bytes (spills) of a cubin, by Triton's cuobjdump; {}
-    where it cannot tell."""
+def cuobjdump(cubin: bytes | None, *args: str) -> str | None:
+    """Triton's cuobjdump run with `args` on a cubin: its output, or None where it cannot
+    run (no cubin, no tool, an error)."""
     try:
         tool = triton.knobs.nvidia.cuobjdump.path
     except Exception:  # an older Triton without the knob
-        return {}
+        return None
     if not cubin or not tool or not os.path.exists(tool):
-        return {}
+        return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        run = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
-                             text=True, timeout=60)
-    regs = re.search(r"REG:(\d+)", run.stdout)
-    stack = re.search(r"STACK:(\d+)", run.stdout)
-    if run.returncode or not regs or not stack:
+        run = subprocess.run([tool, *args, f.name], capture_output=True, text=True,
+                             timeout=60)
+    return None if run.returncode else run.stdout
+
+
+def _cubin_resources(cubin: bytes | None) -> dict[str, int]:
+    """Registers a thread and stack bytes (spills) of a cubin, by Triton's cuobjdump; {}
+    where it cannot tell."""
+    out = cuobjdump(cubin, "--dump-resource-usage") or ""
+    regs = re.search(r"REG:(\d+)", out)
+    stack = re.search(r"STACK:(\d+)", out)
+    if not regs or not stack:
         return {}
     return {"regs": int(regs.group(1)), "stack_bytes": int(stack.group(1))}
 

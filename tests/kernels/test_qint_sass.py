@@ -8,7 +8,6 @@ moved ahead, bench/RESULTS.md)."""
 from __future__ import annotations
 
 import re
-import subprocess
 
 import pytest
 
@@ -20,20 +19,12 @@ LINE = re.compile(r"\s+/\*([0-9a-f]{4})\*/\s+(.*?);")
 def loop_ops(name: str) -> list[str]:
     """The instructions of the longest loop (the super-block loop) of aot spec `name`'s
     cuda:90 build, in order."""
-    import triton
-
     from kernels import aot
 
     spec = next(s for s in qint.aot_specs(aot.KernelSpec) if s.name == name
                 and s.backend == "cuda")
-    kernel = aot.build(spec, "cuda:90")
-    tool = triton.knobs.nvidia.cuobjdump.path
-    assert tool, "Triton ships cuobjdump"
-    path = f"/tmp/{name}-{id(kernel)}.cubin"
-    with open(path, "wb") as f:
-        f.write(kernel.asm["cubin"])
-    sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True,
-                          check=True).stdout
+    sass = aot.cuobjdump(aot.build(spec, "cuda:90").asm["cubin"], "-sass")
+    assert sass, "Triton ships cuobjdump"
     ops = [(int(m.group(1), 16), m.group(2).strip()) for m in map(LINE.match, sass.splitlines())
            if m]
     loops = [(at - int(b.group(1), 16), int(b.group(1), 16), at) for at, op in ops
