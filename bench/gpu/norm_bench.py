@@ -4,8 +4,9 @@ each linear; 65 launches a decode step of Llama-3.1-8B) on 4, 8 or 16 warps.
     python3 bench/gpu/norm_bench.py [--out DIR]
 
 Each config is checked against the torch reference (y within 2^-20 relative, the codes
-those of its own y) and timed as a CUDA graph of 200 launches in one stream, plain and as
-programmatic dependent launches (the engine's decode graphs), at 1 and 16 rows.
+those of its own y) and timed as a CUDA graph of 200 launches in one stream (qmatmul_bench's
+Run.time_us), plain and as programmatic dependent launches (the engine's decode graphs),
+at 1 and 16 rows.
 Writes $OUT/norm_bench.json.
 """
 
@@ -24,6 +25,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench" / "gpu")]
 
 import torch  # noqa: E402
 from provenance import commit_id  # noqa: E402
+from qmatmul_bench import Run  # noqa: E402
 
 from kernels import fused_norm  # noqa: E402
 from kernels.qint import empty_quant_x, quant_x_reference  # noqa: E402
@@ -41,29 +43,11 @@ def launch(x, r, w, h, y, xq, warps: int, pdl: bool) -> None:
                           BLOCK_D=DIM, QUANT=True, num_warps=warps)
 
 
-def time_us(fn) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph := torch.cuda.CUDAGraph()):
-        for _ in range(LAUNCHES):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * LAUNCHES)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
+    run = Run(argparse.Namespace(smoke=False, budget_s=600.0))
     dev = torch.device("cuda")
     out: dict = {"device": torch.cuda.get_device_name(), "commit": commit_id(),
                  "date": datetime.now(UTC).isoformat(timespec="seconds"), "rows": []}
@@ -84,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                    and torch.equal(xq.q, own.q) and torch.equal(xq.dx, own.dx)}
             for pdl in (False, True):
                 call = partial(launch, x, r, w, h, y, xq, warps, pdl)
-                row["pdl_us" if pdl else "plain_us"] = round(time_us(call), 3)
+                row["pdl_us" if pdl else "plain_us"] = round(run.time_us([call] * LAUNCHES), 3)
             out["rows"].append(row)
             print(json.dumps(row), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
