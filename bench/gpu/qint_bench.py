@@ -60,10 +60,12 @@ def parse_tiles(text: str) -> tuple:
                  for t in text.split(";") if t)
 
 
-def sweep(base: QIntConfig) -> list[QIntConfig]:
-    out = [QIntConfig(bn, s, w) for bn in (32, 64, 128) for w in (2, 4, 8)
+def sweep(base: QIntConfig, regs: tuple[int | None, ...] = (None,)) -> list[QIntConfig]:
+    """The CUDA-core kernel's configs around `base`: rows a program, warps, splits and the
+    register caps `regs` (None: uncapped)."""
+    out = [QIntConfig(bn, s, w, None, r) for bn in (32, 64, 128) for w in (2, 4, 8)
            for s in sorted({max(1, base.split // 4), max(1, base.split // 2), base.split,
-                            base.split * 2})]
+                            base.split * 2}) for r in regs]
     return [c for c in out if c != base]
 
 
@@ -145,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time qmatmul's kernel at each shape and row count")
     ap.add_argument("--config-sweep", action=argparse.BooleanOptionalAction, default=True,
                     help="sweep the CUDA-core kernel's configs at one row on the swept shapes")
+    ap.add_argument("--regs", default="",
+                    help="the config sweep's register caps besides none (e.g. 96,128)")
     ap.add_argument("--tiles-only", action="store_true",
                     help="sweep the matrix-unit kernel's tiles only (not the CUDA-core configs)")
     args = ap.parse_args(argv)
@@ -171,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                     out["rows"].append(measure(run, case, mode, m, None, ceil))
             if ((n, k) in swept or args.smoke) and args.config_sweep and not args.tiles_only:
                 base = default_qint_config(case.qtype, n, k, run.sms)
-                for cfg in sweep(base)[:2 if args.smoke else None]:
+                regs = (None, *(int(v) for v in args.regs.split(",") if v))
+                for cfg in sweep(base, regs)[:2 if args.smoke else None]:
                     if run.left() > 60:
                         out["rows"].append(measure(run, case, "qint", 1, cfg, ceil))
             if (n, k) in swept and not args.smoke and not args.tiles_only:
