@@ -8,9 +8,7 @@
 The decoder keeps the residual stream `h` and feeds `y` to the next matmul, so a block's
 "x = x + f(...); y = norm(x)" pairs become one kernel each. With `quantize` the kernel also
 writes y quantized for kernels/qint.py's products (its quantize_x bits), sparing that
-launch before each of them. The residual may come as a product's split partials (S, rows,
-dim) (kernels/qint.py's keep_splits), added here in split order: the product's bits,
-without its own finish. Float32 in and out, one program per row (rows are
+launch before each of them. Float32 in and out, one program per row (rows are
 independent, so a row's result does not depend on the batch).
 The reference is torch's F.rms_norm in float32, as engine/layers/norm.py computes it.
 """
@@ -23,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import InvalidRequest
-from kernels.qgemv import split_sum_reference
 from kernels.qint import QK, QuantX, empty_quant_x, quant_x_reference
 from kernels.triton_util import (
     HAS_TRITON,
@@ -52,14 +49,11 @@ def add_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
                            residual_weight: torch.Tensor | None = None,
                            out_dtype: torch.dtype = torch.float32,
                            quantize: bool = False) -> NormOut:
-    """x, residual (rows, dim) (or the residual's split partials (S, rows, dim)) -> NormOut;
-    without a residual h is x itself. y is computed in float32 and rounded to `out_dtype`
-    (a bf16 matmul's input: no cast kernel); with `quantize` y is also quantized as
-    kernels/qint.py defines it."""
+    """x, residual (rows, dim) -> NormOut; without a residual h is x itself. y is computed
+    in float32 and rounded to `out_dtype` (a bf16 matmul's input: no cast kernel); with
+    `quantize` y is also quantized as kernels/qint.py defines it."""
     x = x.float()
     if residual is not None:
-        if residual.dim() == 3:
-            residual = split_sum_reference(residual.float())
         if residual_weight is not None:
             residual = F.rms_norm(residual.float(), (x.shape[-1],), residual_weight, eps)
         x = x + residual
@@ -79,26 +73,23 @@ if HAS_TRITON:
             return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         return y.to(ptr.dtype.element_ty)
 
-    from kernels.qgemv import split_sum
     from kernels.qint import quantize_store
 
     @jit
     def _add_rms_norm_kernel(
         x_ptr, r_ptr, rw_ptr, w_ptr, h_ptr, y_ptr, q_ptr, dx_ptr, bs_ptr, stride_x, stride_r,
-        stride_h, stride_y, dim, eps, r_plane, r_splits, HAS_RESIDUAL: tl.constexpr,
-        HAS_RES_NORM: tl.constexpr,
+        stride_h, stride_y, dim, eps, HAS_RESIDUAL: tl.constexpr, HAS_RES_NORM: tl.constexpr,
         BLOCK_D: tl.constexpr, QUANT: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
         """One row: h = x + rmsnorm(r) * rw (or x + r), y = rmsnorm(h) * w; with QUANT also
-        y (as stored) quantized per 256 columns (dim a multiple of 256). r: the sum of
-        r_splits partials r_plane elements apart (one: r itself)."""
+        y (as stored) quantized per 256 columns (dim a multiple of 256)."""
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         ok = d < dim
         await_inputs(PDL)
         h = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
         if HAS_RESIDUAL:
-            r = split_sum(r_ptr, r_plane, r_splits, row * stride_r + d, ok)
+            r = tl.load(r_ptr + row * stride_r + d, mask=ok, other=0.0)
             if HAS_RES_NORM:
                 r_inv = tl.rsqrt(tl.sum(r * r, 0) / dim + eps)
                 r = r * r_inv * tl.load(rw_ptr + d, mask=ok, other=0.0)
@@ -130,8 +121,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  out_dtype: torch.dtype = torch.float32, quantize: bool = False) -> NormOut:
     """x, residual (rows, dim) float32, weights (dim,) -> NormOut(h, y[, xq]), one launch;
     y in `out_dtype` (float32, bfloat16 or float16); `quantize` (dim a multiple of 256):
-    also y quantized for kernels/qint.py. The residual may be split partials (S, rows,
-    dim), added in split order (kernels/qint.py's keep_splits).
+    also y quantized for kernels/qint.py.
 
     The kernel runs on a GPU (or on the CPU when the interpreter is active), else the
     reference. A residual weight needs a residual.
@@ -149,10 +139,6 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                              f"a residual weight needs a residual")
     rows, dim = x.shape
     _check("x", x, (rows, dim), x.device)
-    plane, splits = 0, 1
-    if residual is not None and residual.dim() == 3:  # split partials: planes of residual
-        _check("residual", residual, (residual.shape[0], rows, dim), x.device)
-        plane, splits, residual = residual.stride(0), residual.shape[0], residual[0]
     _check("residual", residual, (rows, dim), x.device)
     for name, w in (("weight", weight), ("residual_weight", residual_weight)):
         if w is not None and not w.is_contiguous():
@@ -167,7 +153,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         launcher(_add_rms_norm_kernel, x.device)[(rows,)](
             x, r, weight if residual_weight is None else residual_weight, weight, h, y,
             *(xq or (y, y, y)), x.stride(0), r.stride(0), h.stride(0), y.stride(0), dim,
-            float(eps), plane, splits, HAS_RESIDUAL=residual is not None,
+            float(eps), HAS_RESIDUAL=residual is not None,
             HAS_RES_NORM=residual_weight is not None, BLOCK_D=block, QUANT=quantize,
             num_warps=_warps(block))
     return NormOut(h, y, xq)
@@ -186,7 +172,7 @@ def aot_specs(spec: type) -> list:
     sig = {**{n: "*fp32" for n in ("x_ptr", "r_ptr", "rw_ptr", "w_ptr", "h_ptr", "y_ptr",
                                    "dx_ptr")}, "q_ptr": "*i8", "bs_ptr": "*fp16",
            **{n: "i32" for n in ("stride_x", "stride_r", "stride_h", "stride_y", "dim")},
-           "eps": "fp32", "r_plane": "i32", "r_splits": "i32"}
+           "eps": "fp32"}
     out = []
     for name, res, res_norm, y_type, quant in (
             ("", False, False, "*fp32", False), ("_add", True, False, "*fp32", False),

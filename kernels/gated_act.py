@@ -6,8 +6,6 @@ is gelu_tanh(g) * u with gelu_tanh(g) = g / 2 * (1 + tanh(sqrt(2 / pi) (g + 0.04
 (ggml_gelu's approximation, as engine/layers/activation.py computes it). Torch runs two
 kernels (the activation, the product); here one, float32 in and out. `gated_act_quant`
 also writes the output quantized for kernels/qint.py (the q8 layout's down projection).
-gate_up may come as the projection's split partials (S, rows, 2 F) (kernels/qint.py's
-keep_splits), added here in split order: the projection's bits, without its own finish.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ import torch.nn.functional as F
 
 from engine.errors import InvalidRequest
 from kernels.fused_norm import OUT_DTYPES
-from kernels.qgemv import split_sum_reference
 from kernels.qint import QK, QuantX, empty_quant_x, quant_x_reference
 from kernels.triton_util import HAS_TRITON, await_inputs, interpreter_active, jit, launcher, tl
 
@@ -29,12 +26,9 @@ _BLOCK = 1024
 
 def gated_act_reference(gate_up: torch.Tensor, activation: str,
                         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """gate_up (rows, 2 F) (or its split partials (S, rows, 2 F)) -> (rows, F), computed in
-    float32, rounded to `out_dtype`."""
+    """gate_up (rows, 2 F) -> (rows, F), computed in float32, rounded to `out_dtype`."""
     if activation not in ACTIVATION_IDS:
         raise InvalidRequest(f"gated_act: unknown activation {activation!r}")
-    if gate_up.dim() == 3:
-        gate_up = split_sum_reference(gate_up.float())
     gate, up = gate_up.float().chunk(2, dim=-1)
     act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
     return (act * up).to(out_dtype)
@@ -42,22 +36,20 @@ def gated_act_reference(gate_up: torch.Tensor, activation: str,
 
 if HAS_TRITON:
     from kernels.fused_norm import cast_out
-    from kernels.qgemv import split_sum
     from kernels.qint import quantize_store
 
     @jit
     def _gated_act_kernel(gu_ptr, out_ptr, q_ptr, dx_ptr, bs_ptr, ffn, stride_gu, stride_out,
-                          gu_plane, gu_splits, ACT: tl.constexpr, BLOCK: tl.constexpr,
-                          QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
+                          ACT: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr = False,
+                          PDL: tl.constexpr = False):
         """Columns [BLOCK * j, BLOCK * (j + 1)) of one row (BLOCK a multiple of 256); with
-        QUANT also their super-blocks quantized (ffn a multiple of 256). gate_up: the sum
-        of gu_splits partials gu_plane elements apart (one: gate_up itself)."""
+        QUANT also their super-blocks quantized (ffn a multiple of 256)."""
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = col < ffn
         await_inputs(PDL)
-        g = split_sum(gu_ptr, gu_plane, gu_splits, row * stride_gu + col, ok)
-        u = split_sum(gu_ptr, gu_plane, gu_splits, row * stride_gu + ffn + col, ok)
+        g = tl.load(gu_ptr + row * stride_gu + col, mask=ok, other=0.0)
+        u = tl.load(gu_ptr + row * stride_gu + ffn + col, mask=ok, other=0.0)
         if ACT == 0:
             a = g / (1.0 + tl.exp(-g))
         else:  # tanh(z) = 1 - 2 / (e^2z + 1): exact limits +-1 where e^2z over/underflows
@@ -74,10 +66,9 @@ if HAS_TRITON:
 
 def gated_act(gate_up: torch.Tensor, activation: str,
               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """gate_up (rows, 2 F) float32 (contiguous last dim; or its split partials (S, rows,
-    2 F)) -> (rows, F) in `out_dtype` (float32, bfloat16 or float16; a bf16 matmul's input:
-    no cast kernel), one launch on a GPU (or on the CPU when the interpreter is active),
-    else the reference."""
+    """gate_up (rows, 2 F) float32 (contiguous last dim) -> (rows, F) in `out_dtype`
+    (float32, bfloat16 or float16; a bf16 matmul's input: no cast kernel), one launch on a
+    GPU (or on the CPU when the interpreter is active), else the reference."""
     return _gated_act(gate_up, activation, out_dtype, False)[0]
 
 
@@ -99,21 +90,17 @@ def _gated_act(gate_up: torch.Tensor, activation: str, out_dtype: torch.dtype,
     if activation not in ACTIVATION_IDS or out_dtype not in OUT_DTYPES:
         raise InvalidRequest(f"gated_act: unknown activation {activation!r} or out_dtype "
                              f"{out_dtype}")
-    if gate_up.dim() not in (2, 3) or gate_up.shape[-1] % 2 or \
-            gate_up.dtype != torch.float32 or gate_up.stride(-1) != 1:
-        raise InvalidRequest(f"gated_act: gate_up must be float32 (rows, 2 F) (or (S, rows, "
-                             f"2 F) split partials) with a contiguous last dim, got "
-                             f"{gate_up.dtype} {tuple(gate_up.shape)}")
-    plane, splits = (gate_up.stride(0), gate_up.shape[0]) if gate_up.dim() == 3 else (0, 1)
-    gate_up = gate_up[0] if gate_up.dim() == 3 else gate_up
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.dtype != torch.float32 or \
+            gate_up.stride(-1) != 1:
+        raise InvalidRequest(f"gated_act: gate_up must be float32 (rows, 2 F) with a contiguous "
+                             f"last dim, got {gate_up.dtype} {tuple(gate_up.shape)}")
     rows, ffn = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, ffn, dtype=out_dtype, device=gate_up.device)
     xq = empty_quant_x(rows, ffn, gate_up.device) if quantize else None
     if rows and ffn:
         launcher(_gated_act_kernel, gate_up.device)[(rows, -(-ffn // _BLOCK))](
             gate_up, out, *(xq or (out, out, out)), ffn, gate_up.stride(0), out.stride(0),
-            plane, splits, ACT=ACTIVATION_IDS[activation], BLOCK=_BLOCK, QUANT=quantize,
-            num_warps=4)
+            ACT=ACTIVATION_IDS[activation], BLOCK=_BLOCK, QUANT=quantize, num_warps=4)
     return out, xq
 
 
@@ -123,7 +110,6 @@ def aot_specs(spec: type) -> list:
         return []
     sig = {"gu_ptr": "*fp32", "out_ptr": "*fp32", "q_ptr": "*i8", "dx_ptr": "*fp32",
            "bs_ptr": "*fp16", "ffn": "i32", "stride_gu": "i32", "stride_out": "i32",
-           "gu_plane": "i32", "gu_splits": "i32",
            "ACT": "constexpr", "BLOCK": "constexpr", "QUANT": "constexpr"}
     return [spec(f"gated_act_{name}{suffix}", _gated_act_kernel, {**sig, "out_ptr": out},
                  {"ACT": act, "BLOCK": _BLOCK, "QUANT": quant}, 4, False)

@@ -39,7 +39,7 @@ from kernels.qtiles import GEOMETRY
 from kernels.triton_util import HAS_TRITON, await_inputs, helper, launcher, tl, triton
 
 __all__ = ["MMA_SYNC_TYPES", "SKINNY_MAX_M", "X_LEFT_TYPES", "QMMConfig", "aot_specs",
-           "default_config", "k_plan", "ptx", "qgemv_triton", "split_sum_reference", "x_left"]
+           "default_config", "k_plan", "ptx", "qgemv_triton", "x_left"]
 
 SKINNY_MAX_M = 16
 # Tuned on the device by bench/gpu/qmatmul_bench.py (it prints these dicts), keyed by
@@ -148,18 +148,6 @@ def default_config(
 if HAS_TRITON:
 
     @helper
-    def split_sum(part_ptr, plane, splits, offs, mask):
-        """part[0] + part[1] + ... + part[splits - 1] at `offs`, added in split order in
-        float32 (planes `plane` elements apart): the product's value from its split
-        partials, the same bits wherever it is summed (finish_splits, or a consumer kernel
-        that reads the partials itself: qint_parts' keep_splits)."""
-        total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        for s in range(1, splits):
-            total += tl.load(part_ptr + s * plane + offs, mask=mask, other=0.0,
-                             cache_modifier=".cg")
-        return total
-
-    @helper
     def finish_splits(acc, y_ptr, part_ptr, ticket_ptr, tile, split, split_k, M, N, offs, mask,
                       ticket):
         """Stores a program's sums `acc` at `offs` of the (M, N) output: into y when K is
@@ -175,8 +163,11 @@ if HAS_TRITON:
                 tl.debug_barrier()  # every thread's partial is written before the ticket
                 arrived = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel", scope="gpu")
                 if arrived == split_k - 1:  # the last: sum in split order, re-arm the counter
-                    tl.store(y_ptr + offs, split_sum(part_ptr, plane, split_k, offs, mask),
-                             mask=mask)
+                    total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                    for s in range(1, split_k):
+                        total += tl.load(part_ptr + s * plane + offs, mask=mask, other=0.0,
+                                         cache_modifier=".cg")
+                    tl.store(y_ptr + offs, total, mask=mask)
                     tl.atomic_xchg(ticket_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     # M, N and the split count are plain arguments (not specialized on their values): one
@@ -239,15 +230,6 @@ if HAS_TRITON:
         mask = m_ok[:, None] & (rn < N)[None, :]
         finish_splits(total, y_ptr, part_ptr, ticket_ptr, pid_n, split, split_k, M, N, offs,
                       mask, ticket)
-
-
-def split_sum_reference(part: torch.Tensor) -> torch.Tensor:
-    """(S, M, N) float32 split partials -> (M, N), added in split order in float32: the
-    bits of split_sum (and so of finish_splits' y)."""
-    total = part[0]
-    for plane in part[1:]:
-        total = total + plane
-    return total
 
 
 _TICKETS = 1 << 16  # N tiles one launch can count (N up to 4M rows at block_n 64)

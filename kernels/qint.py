@@ -859,19 +859,14 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
 
 def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], k: int,
                config: QIntConfig | None = None, *, num_sms: int | None = None,
-               xq: QuantX | None = None, keep_splits: bool = False) -> torch.Tensor:
+               xq: QuantX | None = None) -> torch.Tensor:
     """qint_triton of the weight whose rows are the parts' (blocks, type, rows) in order:
     y (M, sum of rows). The split is the whole weight's (default_qint_config of its rows),
     so each part's bits are the same on every path; a part of up to gemv_max_m(type)
     rows runs on the CUDA cores, more on the matrix unit. Two parts whose first fills whole
     programs run as one launch (a fused q|k|v of two types) where both take the same kernel:
     up to GEMV_MAX_M rows the CUDA cores', past both parts' gemv_max_m the matrix unit's;
-    else one launch each and a concatenation.
-
-    `keep_splits`: (S, M, sum of rows) instead, the split partials of a single CUDA-core
-    launch, left for the consumer to add in split order (qgemv.split_sum: the same bits as
-    y, without the launch's finish: its ticket and its last program's sum); S = 1 (y
-    itself) on every other path."""
+    else one launch each and a concatenation."""
     m = x.shape[0]
     if x.dim() != 2 or x.shape[1] != k or k % QK or x.stride(1) != 1:
         raise InvalidRequest(f"qint: x must be (M, {k}) with K a multiple of 256 and "
@@ -892,8 +887,7 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
     if (k // QK) % cfg.split:
         raise InvalidRequest(f"qint: {cfg} does not divide {k // QK} super-blocks")
     if m == 0 or n_all == 0:
-        y = torch.empty(m, n_all, dtype=torch.float32, device=x.device)
-        return y[None] if keep_splits else y
+        return torch.empty(m, n_all, dtype=torch.float32, device=x.device)
     if xq is not None and (tuple(xq.q.shape) != (m, k) or xq.q.dtype != torch.int8):
         raise InvalidRequest(f"qint: xq must hold ({m}, {k}) int8 codes")
     xq = xq if xq is not None else quantize_x(x)
@@ -903,15 +897,13 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
         gemv = [False, False]  # the Gluon kernel's two-type launch takes the second too
     if len(parts) == 1 or all(gemv) and len(parts) == 2 and m <= GEMV_MAX_M \
             and parts[0][2] % cfg.block_n == 0:
-        return _launch(xq, parts, m, k, cfg, sms, backend, gemv[0], keep_splits)
+        return _launch(xq, parts, m, k, cfg, sms, backend, gemv[0])
     if not any(gemv) and len(parts) == 2 \
             and parts[0][2] % tiled_tile(m, backend, int(parts[0][1]))[1] == 0:
-        y = _launch(xq, parts, m, k, cfg, sms, backend, False)
-    else:
-        outs = [_launch(xq, [part], m, k, cfg, sms, backend, g)
-                for part, g in zip(parts, gemv, strict=True)]
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    return y[None] if keep_splits else y
+        return _launch(xq, parts, m, k, cfg, sms, backend, False)
+    outs = [_launch(xq, [part], m, k, cfg, sms, backend, g)
+            for part, g in zip(parts, gemv, strict=True)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 def _qint_mma():
@@ -945,11 +937,8 @@ def gemv_max_m(qtype: int, backend: str = "", device: torch.device | None = None
 
 
 def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, k: int,
-            cfg: QIntConfig, sms: int, backend: str, gemv: bool,
-            keep_splits: bool = False) -> torch.Tensor:
-    """One product kernel over checked inputs (two parts: the first fills whole programs);
-    `keep_splits`: its (S, M, N) split partials, unsummed (y[None] where S = 1 or on the
-    matrix unit's paths)."""
+            cfg: QIntConfig, sms: int, backend: str, gemv: bool) -> torch.Tensor:
+    """One product kernel over checked inputs (two parts: the first fills whole programs)."""
     (blocks, ggml_type, n1), device = parts[0], xq.q.device
     n = sum(p[2] for p in parts)
     blocks2, type2, _ = parts[1] if len(parts) == 2 else (blocks, 0, 0)
@@ -963,11 +952,10 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
     elif mma_path(m, int(ggml_type), int(type2), backend, device) and (
             not type2 or n1 % (16 * _qint_mma().WARPS) == 0):
-        y = _qint_mma().qint_mma_launch(
+        return _qint_mma().qint_mma_launch(
             xq, blocks, n, k, cfg.split, _tickets(device), q6=int(ggml_type) == Q6_K_A,
             second=(blocks2, n1) if type2 else None,
             launch=lambda kernel: launcher(kernel, device))
-        return y[None] if keep_splits else y
     else:
         tile = tiled_tile(m, backend, int(ggml_type))
         bm, bn, warps = tile[:3]
@@ -986,19 +974,16 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
     splits = grid[-1]
     part = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=device)
     tiles = grid[0] * (grid[1] if len(grid) == 3 else 1)
-    keep = keep_splits and gemv
-    ticket = tiles <= _TICKETS and not keep
+    ticket = tiles <= _TICKETS
     launcher(kernel, device)[grid](
         *xq, blocks, y, part, _tickets(device), m, n, k, blocks.shape[1],
         k // QK // cfg.split, splits, int(ticket), *own, QTYPE=int(ggml_type),
         PTX=ptx(device), **extra)
-    if keep:
-        return part if splits > 1 else y[None]
     if splits > 1 and not ticket:
         from kernels.qmatmul import sum_splits
 
         sum_splits(part, y)
-    return y[None] if keep_splits else y
+    return y
 
 
 def _tiled_spec(spec: type, name: str, sig: dict, divisible: tuple, qtype: int, qtype2: int,

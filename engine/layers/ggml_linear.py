@@ -122,13 +122,9 @@ class GGMLLinear:
     def nbytes(self) -> int:
         return sum(p.weight.numel() * p.weight.element_size() for p in self.parts)
 
-    def __call__(self, x: torch.Tensor, xq: QuantX | None = None,
-                 keep_splits: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, xq: QuantX | None = None) -> torch.Tensor:
         """x (n, in) float32 -> (n, out) float32; `xq`: x quantized (kernels/qint.py), for
-        the q8 parts on the Triton path (made here once for all of them when not given).
-        `keep_splits`: (S, n, out) instead, the product's split partials where one q8
-        launch leaves them unsummed (qint_parts), for a consumer kernel that adds them in
-        split order (the norm, the gated activation); else S = 1."""
+        the q8 parts on the Triton path (made here once for all of them when not given)."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         triton = use_triton(x.device)
@@ -136,16 +132,12 @@ class GGMLLinear:
             xq = quantize_x(x)
         if triton and self._all_qint:
             # all parts at once (q|k in Q4_K and v in Q6_K: one launch at decode)
-            keep = keep_splits and self.bias is None
             y = qint_parts(x, [(p.weight, p.ggml_type, p.out_features) for p in self.parts],
-                           self.in_features, xq=xq, keep_splits=keep)
-            if keep:
-                return y
-        else:
-            outs = [self._part(part, x, triton, xq) for part in self.parts]
-            y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        y = y if self.bias is None else y + self.bias
-        return y[None] if keep_splits else y
+                           self.in_features, xq=xq)
+            return y if self.bias is None else y + self.bias
+        outs = [self._part(part, x, triton, xq) for part in self.parts]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return y if self.bias is None else y + self.bias
 
     def _part(self, part: GGMLPart, x: torch.Tensor, triton: bool,
               xq: QuantX | None) -> torch.Tensor:

@@ -16,7 +16,6 @@ from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache, LayerKVSpec
 from engine.layers.activation import ACTIVATIONS
 from engine.layers.attention import AttnLayer, attend
-from engine.layers.ggml_linear import GGMLLinear
 from engine.layers.linear import Int8Linear, Linear
 from engine.layers.norm import rms_norm
 from engine.layers.rope import Rope
@@ -29,17 +28,6 @@ from kernels.qint import QuantX
 
 # A block output on its way into the residual stream: (output, post-norm weight or None).
 _Residual = tuple[torch.Tensor, torch.Tensor | None]
-
-
-def _product(linear: Linear | Int8Linear | GGMLLinear, x: torch.Tensor, xq: QuantX | None,
-             fused: bool) -> torch.Tensor:
-    """linear(x); on the Triton path a GGML linear's (S, rows, out) split partials instead
-    (S = 1 where its launch summed them), for the fused norm or activation after it, which
-    adds them in split order: the same bits, without the product's own finish (its last
-    program's ticket and sum, 1-2 us a launch on the H200: bench/RESULTS.md)."""
-    if fused and isinstance(linear, GGMLLinear):
-        return linear(x, xq=xq, keep_splits=True)
-    return linear(x) if xq is None else linear(x, xq=xq)
 
 
 def _act8(linear: object, fused: bool) -> bool:
@@ -146,21 +134,20 @@ class DecoderModel:
                                       _act8(blk.qkv, fused))
             o = self._attention(blk, h, hq, rope, cs, batch, kv, fused)
             if i == last:  # only the requested rows go through the last MLP
-                x, o = x[batch.logits_rows], o[..., batch.logits_rows, :]
+                x, o = x[batch.logits_rows], o[batch.logits_rows]
             x, h, hq = self._add_norm(x, (o, blk.post_attn_norm), blk.ffn_norm, fused,
                                       self._mm_dtype, _act8(blk.gate_up, fused))
-            gate_up = _product(blk.gate_up, h, hq, fused)
+            gate_up = blk.gate_up(h) if hq is None else blk.gate_up(h, xq=hq)
             if _act8(blk.down, fused):  # the activation kernel quantizes for the q8 down
                 act, aq = gated_act_quant(gate_up, self.cfg.activation, self._mm_dtype)
-                down = _product(blk.down, act, aq, fused)
+                down = blk.down(act, xq=aq)
             else:
-                down = _product(blk.down, self._mlp_act(gate_up, fused), None, fused)
+                down = blk.down(self._mlp_act(gate_up, fused))
             pending = (down, blk.post_ffn_norm)
         return self._add_norm(x, pending, self.output_norm, fused)[1]
 
     def _mlp_act(self, gate_up: torch.Tensor, fused: bool) -> torch.Tensor:
-        """(T, 2 ffn) gate and up rows (fused: or their split partials) -> act(gate) * up
-        (T, ffn)."""
+        """(T, 2 ffn) gate and up rows -> act(gate) * up (T, ffn)."""
         if fused:
             return gated_act(gate_up, self.cfg.activation, self._mm_dtype)
         gate, up = gate_up.split(self.cfg.ffn_size, dim=-1)
@@ -172,8 +159,7 @@ class DecoderModel:
         """(x + post_norm(r), rms_norm(x + post_norm(r)) * weight, the norm quantized for
         kernels/qint.py or None) for residual (r, post-norm weight or None); x itself and
         its norm without a residual. The fused kernel writes the norm in `out_dtype` (and
-        with `quantize` its 8-bit codes), and takes r as split partials too (_product); the
-        torch path leaves that rounding to the matmul."""
+        with `quantize` its 8-bit codes); the torch path leaves that rounding to the matmul."""
         r, r_weight = residual if residual is not None else (None, None)
         if fused:
             return add_rms_norm(x, weight, self.cfg.rms_eps, r, r_weight, out_dtype, quantize)
@@ -184,9 +170,8 @@ class DecoderModel:
     def _attention(self, blk: Block, h: torch.Tensor, hq: QuantX | None, rope: Rope,
                    cs: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
                    kv: KVCache, fused: bool) -> torch.Tensor:
-        """-> the output projection (fused: as _product's split partials), before the
-        post-attention norm (see _add_norm); hq: h quantized by the norm kernel for a q8
-        projection."""
+        """-> the output projection, before the post-attention norm (see _add_norm); hq: h
+        quantized by the norm kernel for a q8 projection."""
         cfg, n = self.cfg, h.shape[0]
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         qkv = blk.qkv(h) if hq is None else blk.qkv(h, xq=hq)
@@ -201,7 +186,7 @@ class DecoderModel:
                 q = rms_norm(q, blk.q_norm, cfg.rms_eps)
                 k = rms_norm(k, blk.k_norm, cfg.rms_eps)
             q, k = rope.apply(q, *cs), rope.apply(k, *cs)
-        return _product(blk.out, attend(blk.attn, q, k, v, batch, kv), None, fused)
+        return blk.out(attend(blk.attn, q, k, v, batch, kv))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

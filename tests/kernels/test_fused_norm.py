@@ -134,37 +134,3 @@ def test_cpu_without_interpreter_runs_the_reference(gen):
     x, w, r, rw = case(gen, 4, 64, True, True, False)
     got, ref = add_rms_norm(x, w, EPS, r, rw), add_rms_norm_reference(x, w, EPS, r, rw)
     assert torch.equal(got.h, ref.h) and torch.equal(got.y, ref.y)
-
-
-@pytest.mark.parametrize("splits,res_norm,quantize", [(1, False, False), (3, False, True),
-                                                      (8, True, False)])
-def test_residual_as_split_partials(interp, gen, splits, res_norm, quantize):
-    """A residual given as a product's split partials (S, rows, dim) is added in split
-    order in float32: the bits of the residual summed that way first (as the product's
-    own finish would store it), in the kernel and in the reference; and the float64
-    norm of that sum. The planes are row-strided views."""
-    rows, dim = 3, 512
-    x, w, _, rw = case(gen, rows, dim, False, res_norm, False)
-    planes = torch.randn(splits, rows + 2, dim, generator=gen)[:, 1:-1] * 4  # strided planes
-    summed = planes[0].clone()
-    for p in planes[1:]:
-        summed = summed + p  # float32, in split order
-    got = interp.call(KERNEL, x, w, EPS, residual=planes, residual_weight=rw, quantize=quantize)
-    want = interp.call(KERNEL, x, w, EPS, residual=summed, residual_weight=rw, quantize=quantize)
-    assert torch.equal(got.h, want.h) and torch.equal(got.y, want.y)
-    if quantize:
-        assert all(torch.equal(a, b) for a, b in zip(got.xq, want.xq, strict=True))
-    ref = add_rms_norm_reference(x, w, EPS, planes, rw, quantize=quantize)
-    ref0 = add_rms_norm_reference(x, w, EPS, summed, rw, quantize=quantize)
-    assert torch.equal(ref.h, ref0.h) and torch.equal(ref.y, ref0.y)
-    want_h, want_y = expected(x, w, summed, rw)
-    assert_close32(got.h, want_h)
-    assert_close32(got.y, want_y)
-
-
-def test_wrapper_rejects_partials_of_another_shape(interp):
-    x = torch.randn(3, 64)
-    with pytest.raises(InvalidRequest):
-        interp.call(KERNEL, x, torch.ones(64), EPS, residual=torch.randn(2, 4, 64))
-    with pytest.raises(InvalidRequest):
-        interp.call(KERNEL, x, torch.ones(64), EPS, residual=torch.randn(2, 3, 64).double())

@@ -100,23 +100,3 @@ def test_wrapper_rejects_bad_inputs(interp, gen):
 def test_cpu_without_interpreter_runs_the_reference(gen):
     gu = case(gen, 3, 64, False)
     assert torch.equal(gated_act(gu, "gelu"), gated_act_reference(gu, "gelu"))
-
-
-@pytest.mark.parametrize("splits,quant", [(1, False), (2, True), (8, False)])
-def test_gate_up_as_split_partials(interp, gen, splits, quant):
-    """gate_up given as a product's split partials (S, rows, 2 F) is added in split order
-    in float32: the bits of gate_up summed that way first (the product's own finish), in
-    the kernel and the reference; and near the float64 activation of that sum."""
-    rows, ffn = 3, 1280
-    planes = torch.randn(splits, rows + 1, 2 * ffn, generator=gen)[:, 1:] * 3  # strided planes
-    summed = planes[0].clone()
-    for p in planes[1:]:
-        summed = summed + p
-    name = "kernels.gated_act:gated_act_quant" if quant else KERNEL
-    got, want = interp.call(name, planes, "silu"), interp.call(name, summed, "silu")
-    if quant:
-        assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
-        got, want = got[0], want[0]
-    assert torch.equal(got, want)
-    assert torch.equal(gated_act_reference(planes, "silu"), gated_act_reference(summed, "silu"))
-    assert_close32(got, summed, "silu")

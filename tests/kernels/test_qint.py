@@ -209,27 +209,6 @@ def test_two_parts_in_one_launch(interp, rng):
     check(tiled[:, n1:], x, g2, T.Q6_K)
 
 
-def test_kept_splits_sum_to_the_product(interp, rng):
-    """qint_parts' keep_splits: a CUDA-core launch's (S, M, N) split partials, S the
-    config's split, whose float32 sum in split order (split_sum_reference: the consumer
-    kernels' order) is the product's y bit for bit; both types, the two-part launch,
-    without a split (S = 1: y itself), and on the matrix unit's path (S = 1)."""
-    from kernels.qgemv import split_sum_reference
-
-    k, n1, n2 = 1024, 64, 24
-    b1, g2 = random_weight(T.Q4_K, n1, k, rng), random_weight(T.Q6_K, n2, k, rng)
-    parts = [(b1, int(T.Q4_K), n1), (repack_q6k(g2, k), Q6_K_A, n2)]
-    x = torch.from_numpy(rng.standard_normal((12, k), dtype=np.float32))
-    for m, cfg, splits in ((1, QIntConfig(16, 4), 4), (2, QIntConfig(16, 2), 2),
-                           (1, QIntConfig(16, 1), 1), (12, QIntConfig(16, 2), 1)):
-        for ps in (parts, parts[:1], parts[1:]):
-            y = interp.call("kernels.qint:qint_parts", x[:m], ps, k, cfg)
-            kept = interp.call("kernels.qint:qint_parts", x[:m], ps, k, cfg, keep_splits=True)
-            assert kept.shape == (splits, m, y.shape[1]), (m, cfg)
-            assert torch.equal(split_sum_reference(kept), y), (m, cfg)
-    check(y, x[:12], g2, T.Q6_K)  # the last: Q6_K alone at 12 rows
-
-
 def parts_with_tile(tile: tuple, *args, **kwargs) -> torch.Tensor:
     """qint_parts with every matrix-unit launch at `tile` (called in the interpreter's worker)."""
     from kernels.qint import forced_tile, qint_parts, tiled_tile
