@@ -469,11 +469,7 @@ if HAS_TRITON:
         sub = i + 4 * (i // 4)  # (1, 8)
         q32 = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         xw = 4 * (s + 4 * (s // 4)) + r + zero  # x's word for word c's low nibbles
-        # x's words, sums and scale before the decode (see _sb_q4k), at 64 rows: the
-        # 128-row build (the output head's) took 162 registers so, against 128, and was
-        # slower (bench/RESULTS.md)
-        EARLY: tl.constexpr = BLOCK_M == 1 and ql.shape[0] <= 64
-        if EARLY:
+        if BLOCK_M == 1:  # x's words, sums and scale before the decode (see _sb_q4k)
             x0 = q32 + sb * 64 + xw
             xa0 = _keep(x0)
             xb0 = _keep(x0 + 16)
@@ -487,7 +483,7 @@ if HAS_TRITON:
         col = tl.arange(0, BLOCK_M)[None, :]
         for m in tl.static_range(BLOCK_M):
             if m < M:
-                if EARLY:
+                if BLOCK_M == 1:
                     xa, xb, ta, tb, dx = xa0, xb0, t0a, t0b, dx0
                 else:
                     xrow = q32 + m * (K // 4) + sb * 64 + xw  # (BN, 32)
