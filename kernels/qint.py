@@ -129,6 +129,12 @@ HIP_BLOCK_N = 32
 # at one row; 30-40% slower from 3 rows); Q6_K is slower on 2 warps.
 WIDE_N = 8192
 Q4K_NARROW_M = 2
+# Q6_K's wide one-row build with x's loads first takes 162 registers (3 programs a
+# multiprocessor), 128 with them in the loop (4). Loads first pay where its programs fill
+# at least this many waves of 3 (the output head: 138 against 146 us, and the one-stream
+# step 2.263 against 2.311 ms); with fewer the last wave runs part-empty (Q6_K 28672 x
+# 4096: 43.0 against 35.4 us; H200, bench/RESULTS.md 2026-12-01).
+Q6K_EARLY_WAVES = 2
 # Q4_K at one row of x on NVIDIA: the 2-warp build capped at this many registers a thread
 # (165 uncapped, since x's loads are issued beside the weights': _sb_q4k; no spills at
 # 128): 8 programs a multiprocessor instead of 6. (Before those loads moved, 126 uncapped
@@ -172,6 +178,9 @@ class QIntConfig(NamedTuple):
     num_warps: int = 4
     num_stages: int | None = None
     max_regs: int | None = None  # the CUDA-core kernel's register cap (NVIDIA's maxnreg)
+    # Q6_K at one row on the CUDA cores: x's loads ahead of the scales' decode (else in
+    # the product's loop, where they wait behind it)
+    x_early: bool = True
 
 
 class QuantX(NamedTuple):
@@ -453,14 +462,15 @@ if HAS_TRITON:
 
     @helper
     def _sb_q6k(acc, ql, qh, sw, d, sb, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M: tl.constexpr,
-                PTX: tl.constexpr):
+                PTX: tl.constexpr, X_EARLY: tl.constexpr = True):
         """acc (BN, BM) + super-block sb of BN Q6_K_A rows (its words from _ld_q6k) times
         the quantized x rows. Its 208-byte record (ql[128], qh[64], scales[16]) is 16-byte
         aligned and read as u32 words; d sits in the row's tail. Word c = 4 s + r (s < 8,
         r < 4) of ql holds, in its low nibbles, 4 codes of 16-element sub-block
         sub(s) = s + 4 (s // 4) and in its high nibbles 4 of sub(s) + 4; their top 2 bits
         are bits 2 a (4 + 2 a) of qh word 8 (s // 4) + 4 (s % 2) + r, a = s // 2 % 2 (qh
-        arrives in ql's order). The words lie flat, (BN, 32), as in _sb_q4k."""
+        arrives in ql's order). The words lie flat, (BN, 32), as in _sb_q4k. X_EARLY: at one
+        row, x's loads before the decode (QIntConfig.x_early)."""
         c = tl.arange(0, 32)[None, :]
         s = c // 4
         r = c % 4
@@ -469,7 +479,8 @@ if HAS_TRITON:
         sub = i + 4 * (i // 4)  # (1, 8)
         q32 = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         xw = 4 * (s + 4 * (s // 4)) + r + zero  # x's word for word c's low nibbles
-        if BLOCK_M == 1:  # x's words, sums and scale before the decode (see _sb_q4k)
+        EARLY: tl.constexpr = BLOCK_M == 1 and X_EARLY
+        if EARLY:  # x's words, sums and scale before the decode (see _sb_q4k)
             x0 = q32 + sb * 64 + xw
             xa0 = _keep(x0)
             xb0 = _keep(x0 + 16)
@@ -483,7 +494,7 @@ if HAS_TRITON:
         col = tl.arange(0, BLOCK_M)[None, :]
         for m in tl.static_range(BLOCK_M):
             if m < M:
-                if BLOCK_M == 1:
+                if EARLY:
                     xa, xb, ta, tb, dx = xa0, xb0, t0a, t0b, dx0
                 else:
                     xrow = q32 + m * (K // 4) + sb * 64 + xw  # (BN, 32)
@@ -507,7 +518,7 @@ if HAS_TRITON:
     @helper
     def _gemv_sbs(acc, w_ptr, row_off, sb0, count, q_ptr, dx_ptr, bs_ptr, K, M,
                   QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, PTX: tl.constexpr,
-                  PDL: tl.constexpr):
+                  PDL: tl.constexpr, X_EARLY: tl.constexpr = True):
         """acc + super-blocks sb0 .. sb0 + count - 1 (count >= 1) of the rows at row_off.
         The first super-block's words are loaded before the wait for x (await_inputs;
         later waits return at once). (Loading each next super-block's words before the
@@ -522,7 +533,7 @@ if HAS_TRITON:
                 ql, qh, sw, d = _ld_q6k(w_ptr, row_off, sb0 + i, K)
                 await_inputs(PDL)
                 acc = _sb_q6k(acc, ql, qh, sw, d, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
-                              BLOCK_M, PTX)
+                              BLOCK_M, PTX, X_EARLY)
         return acc
 
     @triton.jit(do_not_specialize=["M", "N"])
@@ -531,12 +542,13 @@ if HAS_TRITON:
         sb_per_split, nsplit, ticket, w2_ptr, n1, row_bytes2,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PTX: tl.constexpr = False, QTYPE2: tl.constexpr = 0, PDL: tl.constexpr = False,
+        X_EARLY: tl.constexpr = True,
     ):
         """y[m, n] = the product of x's row m (quantized: q, dx, 16-column sums bs) and W's
         row n; grid (N tiles, splits), a program's sum over its range of super-blocks
         finished by qgemv.finish_splits. With QTYPE2, W's rows from n1 on (a multiple of
         BLOCK_N) are the second part's (w2_ptr, row_bytes2, QTYPE2): q|k and v of two
-        types in one launch, into one output."""
+        types in one launch, into one output. X_EARLY: QIntConfig.x_early (Q6_K)."""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -550,11 +562,11 @@ if HAS_TRITON:
         if second:
             row_off = tl.where(rn < N, rn - n1, 0).to(tl.int64) * row_bytes2  # past N: row 0
             acc = _gemv_sbs(acc, w2_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
-                            M, QTYPE2, BLOCK_M, PTX, PDL)
+                            M, QTYPE2, BLOCK_M, PTX, PDL, X_EARLY)
         else:
             row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
             acc = _gemv_sbs(acc, w_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
-                            M, QTYPE, BLOCK_M, PTX, PDL)
+                            M, QTYPE, BLOCK_M, PTX, PDL, X_EARLY)
         offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
         finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, offs,
                       (rm < M)[None, :] & (rn < N)[:, None], ticket)
@@ -830,7 +842,8 @@ def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
     a two-type launch: capped it spills) capped at Q4K_ONE_ROW_REGS registers; HIP_BLOCK_N
     on "hip"); the super-blocks split while 64-row tiles alone give fewer than 4 programs
     per compute unit, up to MAX_SPLIT (num_sms 0: no split). The split never depends on
-    `m` (x's rows): it is in a row's bits (the rows and warps a program takes are not)."""
+    `m` (x's rows): it is in a row's bits (the rows and warps a program takes are not,
+    nor is x_early: Q6K_EARLY_WAVES)."""
     sbs = k // QK
     split = 1
     tiles = -(-n // 64)
@@ -841,7 +854,10 @@ def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
     if ggml_type == Q4_K and m <= Q4K_NARROW_M:
         return QIntConfig(64, split, 2, None,
                           Q4K_ONE_ROW_REGS if m == 1 and not qtype2 else None)
-    return QIntConfig(128 if n >= WIDE_N else 64, split)
+    if n < WIDE_N:
+        return QIntConfig(64, split)
+    early = ggml_type != Q6_K_A or m > 1 or -(-n // 128) * split >= Q6K_EARLY_WAVES * 3 * num_sms
+    return QIntConfig(128, split, x_early=early)
 
 
 def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int],
@@ -948,7 +964,7 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
         grid = (-(-n // cfg.block_n), cfg.split)
         kernel, extra = _qint_gemv_kernel, {"BLOCK_M": next_pow2(m), "BLOCK_N": cfg.block_n,
                                             "num_warps": cfg.num_warps, "QTYPE2": int(type2),
-                                            **stages}
+                                            "X_EARLY": cfg.x_early, **stages}
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
     elif mma_path(m, int(ggml_type), int(type2), backend, device) and (
             not type2 or n1 % (16 * _qint_mma().WARPS) == 0):
@@ -1028,15 +1044,20 @@ def aot_specs(spec: type) -> list:
                 if n == WIDE_N and qtype2:
                     continue  # a fused q|k|v of two types is never that wide
                 cfg = default_qint_config(qtype, n, 4096, backend=backend, m=bm, qtype2=qtype2)
-                consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": cfg.block_n,
-                          "PTX": backend == "cuda", "QTYPE2": qtype2, "PDL": backend == "cuda"}
                 wide = "_wide" if n == WIDE_N else ""
                 sums = "*i32" if sums_dtype(bm) == torch.int32 else "*fp16"
-                out.append(spec(f"qint_{name}_m{bm}{wide}", _qint_gemv_kernel,
-                                {**gemv_sig, "bs_ptr": sums, **{k: "constexpr" for k in consts}},
-                                consts,
-                                cfg.num_warps, False, backend, cfg.num_stages,
-                                divisible + ("w2_ptr", "row_bytes2"), cfg.max_regs))
+                # Q6_K's wide one-row build both ways (x_early: Q6K_EARLY_WAVES)
+                late = (True, False) if qtype == Q6_K_A and bm == 1 and wide else (True,)
+                for early in late:
+                    consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": cfg.block_n,
+                              "PTX": backend == "cuda", "QTYPE2": qtype2,
+                              "PDL": backend == "cuda", "X_EARLY": early}
+                    out.append(spec(f"qint_{name}_m{bm}{wide}{'' if early else '_late'}",
+                                    _qint_gemv_kernel,
+                                    {**gemv_sig, "bs_ptr": sums,
+                                     **{k: "constexpr" for k in consts}},
+                                    consts, cfg.num_warps, False, backend, cfg.num_stages,
+                                    divisible + ("w2_ptr", "row_bytes2"), cfg.max_regs))
         if qtype2:
             continue
         for backend in ("hip", "cuda"):

@@ -23,6 +23,7 @@ from kernels.qint import (
     INT_SUMS_M,
     Q4K_ONE_ROW_REGS,
     Q6_K_A,
+    Q6K_EARLY_WAVES,
     WIDE_N,
     QIntConfig,
     default_qint_config,
@@ -176,6 +177,9 @@ def test_rows_independent_of_batch_and_path(interp, rng, qtype):
     spread = interp.call(KERNEL, x, *held, (n, k), QIntConfig(32, 2), num_sms=10**6)
     assert torch.equal(alone[0], two[1]) and torch.equal(alone[0], five[4])
     assert torch.equal(alone[0], many[4]) and torch.equal(many, spread)
+    # x's loads in the loop instead of first (QIntConfig.x_early; Q4_K ignores it)
+    late = interp.call(KERNEL, x[4:5], *held, (n, k), QIntConfig(16, 2, x_early=False))
+    assert torch.equal(alone, late)
     check(many, x, blocks, qtype)
     check(five, x[:5], blocks, qtype)
     # the split partials were summed by the last program of each tile, counters re-armed
@@ -315,12 +319,17 @@ def test_default_config_rows_a_program_leave_the_split_alone():
     """From WIDE_N rows a program takes 128 rows on CUDA (Q4_K with up to 2 rows of x: 64
     on 2 warps at any N, capped in registers at one row alone); the split (a row's bits)
     counts 64-row tiles whatever the rows of x: while fewer than 4 programs a compute
-    unit, up to 8, dividing the super-blocks evenly."""
+    unit, up to 8, dividing the super-blocks evenly. Q6_K's wide programs load x early
+    at one row only where they fill Q6K_EARLY_WAVES waves of 3 a compute unit."""
     sms = 132
     want = {1024: (64, 8), 4096: (64, 8), WIDE_N - 1: (64, 8), WIDE_N: (128, 8), 14336: (128, 4),
             28672: (128, 2), 128256: (128, 1)}
     for n, (block_n, split) in want.items():
-        for m in (1, 3, 8):
+        early = block_n == 64 or -(-n // 128) * split >= Q6K_EARLY_WAVES * 3 * sms
+        assert early == (n in (1024, 4096, WIDE_N - 1, 128256)), n  # the head: early
+        assert default_qint_config(Q6_K_A, n, 4096, sms) == QIntConfig(
+            block_n, split, x_early=early), n
+        for m in (3, 8):
             assert default_qint_config(Q6_K_A, n, 4096, sms, m=m) == QIntConfig(block_n, split)
         assert default_qint_config(T.Q4_K, n, 4096, sms) == QIntConfig(
             64, split, 2, None, Q4K_ONE_ROW_REGS), n

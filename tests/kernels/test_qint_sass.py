@@ -44,3 +44,21 @@ def test_one_row_loads_issue_before_the_loops_barriers(name):
     weights = [i for i in loads if ".EF" in ops[i]]  # evict-first: the weights' words
     assert weights and bars and len(loads) > len(weights), (name, len(loads), len(bars))
     assert max(loads) < min(bars), (name, [ops[i] for i in loads if i > min(bars)])
+
+
+def test_q6k_wide_one_row_build_without_early_x_takes_fewer_registers():
+    """QIntConfig.x_early's trade (kernels/qint.py, Q6K_EARLY_WAVES): Q6_K's 128-row
+    one-row build with x's loads in the loop holds fewer registers (more programs a
+    multiprocessor) and issues some loads after a barrier, as the early build does not."""
+    from kernels import aot
+
+    regs = {}
+    for name in ("qint_Q6_K_m1_wide", "qint_Q6_K_m1_wide_late"):
+        spec = next(s for s in qint.aot_specs(aot.KernelSpec) if s.name == name
+                    and s.backend == "cuda")
+        regs[name] = aot._cubin_resources(aot.build(spec, "cuda:90").asm["cubin"])["regs"]
+    assert regs["qint_Q6_K_m1_wide_late"] <= 128 < regs["qint_Q6_K_m1_wide"], regs
+    ops = loop_ops("qint_Q6_K_m1_wide_late")
+    loads = [i for i, op in enumerate(ops) if re.match(r"(@!?P\d+\s+)?LDG\b", op)]
+    bars = [i for i, op in enumerate(ops) if "BAR.SYNC" in op]
+    assert bars and max(loads) > min(bars)
