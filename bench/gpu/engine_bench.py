@@ -5,7 +5,9 @@ Run on the device machine (see bench/RESULTS.md for the command):
 One invocation measures several variants (`--variants`, default: GGML blocks and dense
 bf16 weights, each with and without CUDA graphs; `+itloff` turns the ITL target off,
 `+noahead` the look-ahead decode steps, `+notune` q8's load-time tile tuning; `+sampled`
-decodes at temperature 0.8, top-p 0.95 instead of greedily).
+decodes at temperature 0.8, top-p 0.95 instead of greedily; `+padN` launches N empty
+kernels after each fused norm, bench/gpu/pad_kernels.py: the cost of one launch in the
+step's chain).
 Per variant: the forward step alone (runner.forward timed with a device sync, decode
 batches of each concurrency), engine decode at each concurrency (fixed output length,
 ignore_eos) with a per-step breakdown (schedule + batch building, forward launch,
@@ -35,6 +37,7 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
+from pad_kernels import pad_count, padded_norms  # noqa: E402
 from provenance import commit_id  # noqa: E402
 
 from engine.batch import ForwardBatch  # noqa: E402
@@ -364,7 +367,7 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
                          weights=weights, itl_target_ms=None if "itloff" in parts else "auto",
                          look_ahead="noahead" not in parts, tune_tiles="notune" not in parts)
     out.update({"weights": weights, "cuda_graphs": graphs, "look_ahead": "noahead" not in parts,
-                "tune_tiles": "notune" not in parts})
+                "tune_tiles": "notune" not in parts, "pad_kernels": pad_count(name)})
     t0 = time.perf_counter()
     builds = BuildLog()
     loaded = load_for(str(path), opts)
@@ -539,7 +542,8 @@ def main() -> int:
         record: dict = {}
         results["variants"][name] = record
         try:
-            run_variant(path, name, args, levels, lengths, record)
+            with padded_norms(pad_count(name)):
+                run_variant(path, name, args, levels, lengths, record)
         except Exception as exc:  # keep the other variants' figures
             record.update({"error": repr(exc), "traceback": traceback.format_exc(limit=12)})
             print(f"[{name}] FAILED {exc!r}", flush=True)
