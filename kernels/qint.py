@@ -394,6 +394,17 @@ if HAS_TRITON:
         return tl.where(col == m, v, acc)
 
     @helper
+    def _x_q4k(q32, bs_ptr, dx_ptr, xw, j, m, sb, K):
+        """Row m of the quantized x at Q4_K super-block sb: its words against the codes'
+        low nibbles (xw: their indices) and high nibbles, the four pairs of 16-column sums
+        (2 a sub-block) and the scale."""
+        xrow = q32 + m * (K // 4) + sb * 64 + xw
+        bs = bs_ptr + m * (K // 16) + sb * 16 + j * 4
+        return (_keep(xrow), _keep(xrow + 8),  # 32 elements on: the high nibbles' sub-block
+                _sums(bs), _sums(bs + 1), _sums(bs + 2), _sums(bs + 3),
+                tl.load(dx_ptr + m * (K // 256) + sb))
+
+    @helper
     def _sb_q4k(acc, w, head, sb, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M: tl.constexpr,
                 PTX: tl.constexpr):
         """acc (BN, BM) + super-block sb of BN Q4_K rows (its words from _ld_q4k) times the
@@ -411,12 +422,7 @@ if HAS_TRITON:
             # scales' decode below waits on the head's words (and passes them through
             # shared memory), so issued after it they would add their latency to the
             # weights' (more rows keep their loads in the loop: registers)
-            x0 = q32 + sb * 64 + xw
-            xa0 = _keep(x0)
-            xb0 = _keep(x0 + 8)
-            bs0 = bs_ptr + sb * 16 + j * 4
-            t00, t01, t02, t03 = _sums(bs0), _sums(bs0 + 1), _sums(bs0 + 2), _sums(bs0 + 3)
-            dx0 = tl.load(dx_ptr + sb)
+            xa0, xb0, t00, t01, t02, t03, dx0 = _x_q4k(q32, bs_ptr, dx_ptr, xw, j, 0, sb, K)
         lo = w & 0x0F0F0F0F
         hi = (w >> 4) & 0x0F0F0F0F
         w0, w1, w2, w3 = _k4_head_words(head)
@@ -435,12 +441,7 @@ if HAS_TRITON:
                 if BLOCK_M == 1:
                     xa, xb, t0, t1, t2, t3, dx = xa0, xb0, t00, t01, t02, t03, dx0
                 else:
-                    xrow = q32 + m * (K // 4) + sb * 64 + xw
-                    xa = _keep(xrow)
-                    xb = _keep(xrow + 8)  # 32 elements on: the high nibbles' sub-block
-                    bs = bs_ptr + m * (K // 16) + sb * 16 + j * 4  # 16-sums: 2 a sub-block
-                    t0, t1, t2, t3 = _sums(bs), _sums(bs + 1), _sums(bs + 2), _sums(bs + 3)
-                    dx = tl.load(dx_ptr + m * (K // 256) + sb)
+                    xa, xb, t0, t1, t2, t3, dx = _x_q4k(q32, bs_ptr, dx_ptr, xw, j, m, sb, K)
                 p_lo = _quad_dots(lo, xa, PTX)
                 p_hi = _quad_dots(hi, xb, PTX)
                 dot = sc_lo * p_lo + sc_hi * p_hi  # (BN, 8)
@@ -459,6 +460,16 @@ if HAS_TRITON:
         sc_a = (tl.where(low, _col(sw, j, 0)[:, None], _col(sw, j, 2)[:, None]) << sh) >> 24
         sc_b = (tl.where(low, _col(sw, j, 1)[:, None], _col(sw, j, 3)[:, None]) << sh) >> 24
         return sc_a, sc_b
+
+    @helper
+    def _x_q6k(q32, bs_ptr, dx_ptr, xw, sub, m, sb, K):
+        """Row m of the quantized x at Q6_K super-block sb: its words against the codes'
+        low nibbles (xw (BN, 32): their indices) and high nibbles, the 16-column sums of
+        sub-blocks sub (1, 8) and sub + 4, and the scale."""
+        xrow = q32 + m * (K // 4) + sb * 64 + xw
+        bs = bs_ptr + m * (K // 16) + sb * 16 + sub
+        return (_keep(xrow), _keep(xrow + 16), _sums(bs), _sums(bs + 4),
+                tl.load(dx_ptr + m * (K // 256) + sb))
 
     @helper
     def _sb_q6k(acc, ql, qh, sw, d, sb, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M: tl.constexpr,
@@ -481,11 +492,7 @@ if HAS_TRITON:
         xw = 4 * (s + 4 * (s // 4)) + r + zero  # x's word for word c's low nibbles
         EARLY: tl.constexpr = BLOCK_M == 1 and X_EARLY
         if EARLY:  # x's words, sums and scale before the decode (see _sb_q4k)
-            x0 = q32 + sb * 64 + xw
-            xa0 = _keep(x0)
-            xb0 = _keep(x0 + 16)
-            t0a, t0b = _sums(bs_ptr + sb * 16 + sub), _sums(bs_ptr + sb * 16 + sub + 4)
-            dx0 = tl.load(dx_ptr + sb)
+            xa0, xb0, t0a, t0b, dx0 = _x_q6k(q32, bs_ptr, dx_ptr, xw, sub, 0, sb, K)
         a2 = 2 * (s // 2 % 2)
         q_lo = (ql & 0x0F0F0F0F) | (((qh >> a2) & 0x03030303) << 4)
         q_hi = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (a2 + 4)) & 0x03030303) << 4)
@@ -497,12 +504,7 @@ if HAS_TRITON:
                 if EARLY:
                     xa, xb, ta, tb, dx = xa0, xb0, t0a, t0b, dx0
                 else:
-                    xrow = q32 + m * (K // 4) + sb * 64 + xw  # (BN, 32)
-                    xa = _keep(xrow)
-                    xb = _keep(xrow + 16)
-                    bs = bs_ptr + m * (K // 16) + sb * 16 + sub  # (1, 8)
-                    ta, tb = _sums(bs), _sums(bs + 4)
-                    dx = tl.load(dx_ptr + m * (K // 256) + sb)
+                    xa, xb, ta, tb, dx = _x_q6k(q32, bs_ptr, dx_ptr, xw, sub, m, sb, K)
                 p_lo = _quad_dots(q_lo, xa, PTX)
                 p_hi = _quad_dots(q_hi, xb, PTX)
                 # codes are q - 32: minus 32 times x's sum over the sub-block
