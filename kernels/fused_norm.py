@@ -24,14 +24,12 @@ from engine.errors import InvalidRequest
 from kernels.qint import QK, QuantX, empty_quant_x, quant_x_reference
 from kernels.triton_util import (
     HAS_TRITON,
-    PDL_EARLY,
     await_inputs,
     helper,
     interpreter_active,
     jit,
     launcher,
     next_pow2,
-    release_next,
     tl,
 )
 
@@ -82,21 +80,14 @@ if HAS_TRITON:
         x_ptr, r_ptr, rw_ptr, w_ptr, h_ptr, y_ptr, q_ptr, dx_ptr, bs_ptr, stride_x, stride_r,
         stride_h, stride_y, dim, eps, HAS_RESIDUAL: tl.constexpr, HAS_RES_NORM: tl.constexpr,
         BLOCK_D: tl.constexpr, QUANT: tl.constexpr = False, PDL: tl.constexpr = False,
-        X_EARLY: tl.constexpr = False,
     ):
         """One row: h = x + rmsnorm(r) * rw (or x + r), y = rmsnorm(h) * w; with QUANT also
-        y (as stored) quantized per 256 columns (dim a multiple of 256). The weights, and
-        with X_EARLY x too, are read before the wait for the previous kernel."""
-        release_next(PDL)
+        y (as stored) quantized per 256 columns (dim a multiple of 256)."""
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         ok = d < dim
-        w = tl.load(w_ptr + d, mask=ok, other=0.0)
-        if X_EARLY:
-            h = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
         await_inputs(PDL)
-        if not X_EARLY:
-            h = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
+        h = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(r_ptr + row * stride_r + d, mask=ok, other=0.0)
             if HAS_RES_NORM:
@@ -105,7 +96,7 @@ if HAS_TRITON:
             h = h + r
             tl.store(h_ptr + row * stride_h + d, h, mask=ok)
         inv = tl.rsqrt(tl.sum(h * h, 0) / dim + eps)
-        y = cast_out(h * inv * w, y_ptr)
+        y = cast_out(h * inv * tl.load(w_ptr + d, mask=ok, other=0.0), y_ptr)
         tl.store(y_ptr + row * stride_y + d, y, mask=ok)
         if QUANT:
             NB: tl.constexpr = BLOCK_D // 256
@@ -127,13 +118,10 @@ def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...], device) ->
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None,
                  residual_weight: torch.Tensor | None = None,
-                 out_dtype: torch.dtype = torch.float32, quantize: bool = False,
-                 x_early: bool = False) -> NormOut:
+                 out_dtype: torch.dtype = torch.float32, quantize: bool = False) -> NormOut:
     """x, residual (rows, dim) float32, weights (dim,) -> NormOut(h, y[, xq]), one launch;
     y in `out_dtype` (float32, bfloat16 or float16); `quantize` (dim a multiple of 256):
-    also y quantized for kernels/qint.py. `x_early`: x is not the output of the launch just
-    before this one (a decoder's residual stream, written by its previous norm), so that a
-    programmatic dependent launch reads it before its wait for that launch.
+    also y quantized for kernels/qint.py.
 
     The kernel runs on a GPU (or on the CPU when the interpreter is active), else the
     reference. A residual weight needs a residual.
@@ -167,7 +155,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             *(xq or (y, y, y)), x.stride(0), r.stride(0), h.stride(0), y.stride(0), dim,
             float(eps), HAS_RESIDUAL=residual is not None,
             HAS_RES_NORM=residual_weight is not None, BLOCK_D=block, QUANT=quantize,
-            X_EARLY=x_early, num_warps=_warps(block))
+            num_warps=_warps(block))
     return NormOut(h, y, xq)
 
 
@@ -195,10 +183,4 @@ def aot_specs(spec: type) -> list:
         out.append(spec(f"add_rms_norm{name}", _add_rms_norm_kernel,
                         {**sig, "y_ptr": y_type, **{k: "constexpr" for k in consts}}, consts,
                         _warps(4096), False))
-    # the decoder's q8 one as an early-releasing PDL launch, x read early
-    consts = {"HAS_RESIDUAL": True, "HAS_RES_NORM": False, "BLOCK_D": 4096, "QUANT": True,
-              "PDL": PDL_EARLY, "X_EARLY": True}
-    out.append(spec("add_rms_norm_add_q8_early", _add_rms_norm_kernel,
-                    {**sig, **{k: "constexpr" for k in consts}}, consts, _warps(4096), False,
-                    "cuda"))
     return out

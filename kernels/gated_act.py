@@ -16,16 +16,7 @@ import torch.nn.functional as F
 from engine.errors import InvalidRequest
 from kernels.fused_norm import OUT_DTYPES
 from kernels.qint import QK, QuantX, empty_quant_x, quant_x_reference
-from kernels.triton_util import (
-    HAS_TRITON,
-    PDL_EARLY,
-    await_inputs,
-    interpreter_active,
-    jit,
-    launcher,
-    release_next,
-    tl,
-)
+from kernels.triton_util import HAS_TRITON, await_inputs, interpreter_active, jit, launcher, tl
 
 __all__ = ["ACTIVATION_IDS", "gated_act", "gated_act_quant", "gated_act_reference"]
 
@@ -53,7 +44,6 @@ if HAS_TRITON:
                           PDL: tl.constexpr = False):
         """Columns [BLOCK * j, BLOCK * (j + 1)) of one row (BLOCK a multiple of 256); with
         QUANT also their super-blocks quantized (ffn a multiple of 256)."""
-        release_next(PDL)
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = col < ffn
@@ -121,12 +111,8 @@ def aot_specs(spec: type) -> list:
     sig = {"gu_ptr": "*fp32", "out_ptr": "*fp32", "q_ptr": "*i8", "dx_ptr": "*fp32",
            "bs_ptr": "*fp16", "ffn": "i32", "stride_gu": "i32", "stride_out": "i32",
            "ACT": "constexpr", "BLOCK": "constexpr", "QUANT": "constexpr"}
-    out = [spec(f"gated_act_{name}{suffix}", _gated_act_kernel, {**sig, "out_ptr": out},
-                {"ACT": act, "BLOCK": _BLOCK, "QUANT": quant}, 4, False)
-           for name, act in ACTIVATION_IDS.items()
-           for suffix, out, quant in (("", "*fp32", False), ("_bf16", "*bf16", False),
-                                      ("_q8", "*fp32", True))]
-    # the q8 one as an early-releasing PDL launch (triton_util.early_release_kernels)
-    consts = {"ACT": ACTIVATION_IDS["silu"], "BLOCK": _BLOCK, "QUANT": True, "PDL": PDL_EARLY}
-    return [*out, spec("gated_act_silu_q8_early", _gated_act_kernel,
-                       {**sig, "PDL": "constexpr"}, consts, 4, False, "cuda")]
+    return [spec(f"gated_act_{name}{suffix}", _gated_act_kernel, {**sig, "out_ptr": out},
+                 {"ACT": act, "BLOCK": _BLOCK, "QUANT": quant}, 4, False)
+            for name, act in ACTIVATION_IDS.items()
+            for suffix, out, quant in (("", "*fp32", False), ("_bf16", "*bf16", False),
+                                       ("_q8", "*fp32", True))]

@@ -59,17 +59,7 @@ from engine.errors import InvalidRequest
 from kernels.qgemv import _TICKETS, _tickets, ptx
 from kernels.qscaled import _sub_dot
 from kernels.qtiles import Q4_K, Q6_K, _f16, _f16lo, _p32
-from kernels.triton_util import (
-    HAS_TRITON,
-    PDL_EARLY,
-    await_inputs,
-    helper,
-    launcher,
-    next_pow2,
-    release_next,
-    tl,
-    triton,
-)
+from kernels.triton_util import HAS_TRITON, await_inputs, helper, launcher, next_pow2, tl, triton
 
 __all__ = ["ACT8_STORED", "INT_SUMS_M", "MMA_GEMV_MAX_M_OF", "Q6_K_A", "QINT_TYPES",
            "QIntConfig", "default_qint_config",
@@ -303,7 +293,6 @@ if HAS_TRITON:
     def _quantize_x_kernel(x_ptr, q_ptr, dx_ptr, bs_ptr, K, stride_xm,
                            PDL: tl.constexpr = False):
         """Row m (program 0), super-block b (program 1) of x -> quantize_store."""
-        release_next(PDL)
         m = tl.program_id(0).to(tl.int64)
         b = tl.program_id(1) + tl.zeros((1,), tl.int32)
         await_inputs(PDL)
@@ -1044,14 +1033,10 @@ def aot_specs(spec: type) -> list:
            "ticket": "i32"}
     divisible = ("q_ptr", "dx_ptr", "bs_ptr", "w_ptr", "y_ptr", "part_ptr", "ticket_ptr", "K",
                  "row_bytes")
-    quant_sig = {"x_ptr": "*bf16", "q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*fp16",
-                 "K": "i32", "stride_xm": "i32"}
-    quant_div = ("x_ptr", "q_ptr", "dx_ptr", "bs_ptr", "K", "stride_xm")
-    # and as an early-releasing PDL launch (triton_util.early_release_kernels), sm_90 only
-    out = [spec("qint_quantize_x", _quantize_x_kernel, quant_sig, {}, 2, False, None, None,
-                quant_div),
-           spec("qint_quantize_x_early", _quantize_x_kernel, {**quant_sig, "PDL": "constexpr"},
-                {"PDL": PDL_EARLY}, 2, False, "cuda", None, quant_div)]
+    out = [spec("qint_quantize_x", _quantize_x_kernel,
+                {"x_ptr": "*bf16", "q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*fp16",
+                 "K": "i32", "stride_xm": "i32"}, {}, 2, False, None, None,
+                ("x_ptr", "q_ptr", "dx_ptr", "bs_ptr", "K", "stride_xm"))]
     gemv_sig = {**sig, "bs_ptr": "*i32", "w2_ptr": "*u8", "n1": "i32", "row_bytes2": "i32"}
     # each type alone, and q|k in Q4_K with v in Q6_K in one launch (Q4_K_M's attention)
     for qtype, qtype2, name in ((Q4_K, 0, "Q4_K"), (Q6_K_A, 0, "Q6_K"),

@@ -20,9 +20,7 @@ weights, and what earlier kernels or copies wrote (a kernel starts only once the
 before it has passed its own wait, i.e. once every launch before that one has finished);
 after it, everything. So a launch's start-up (and a matmul's first weight loads) overlaps
 the previous kernel's tail. Every such kernel must reach `await_inputs` on every path:
-the kernel after it waits only for it, and so, through its wait, for all before. A few
-small kernels that a weight product follows let it start earlier still (`release_next`,
-before their own wait: `early_release_kernels`). ROCm has
+the kernel after it waits only for it, and so, through its wait, for all before. ROCm has
 no such launch; there `PDL` stays False and the call is nothing. MBUFO_PDL=0 turns it off.
 
 Helpers called from inside kernels are declared with `helper` rather than `triton.jit`:
@@ -58,7 +56,6 @@ __all__ = [
     "HAS_TRITON",
     "await_inputs",
     "compiled",
-    "early_release_kernels",
     "helper",
     "interpreted",
     "interpreter_active",
@@ -67,7 +64,6 @@ __all__ = [
     "next_pow2",
     "pdl_enabled",
     "pdl_launches",
-    "release_next",
     "tl",
     "triton",
 ]
@@ -104,25 +100,12 @@ if HAS_TRITON:
     def await_inputs(PDL: tl.constexpr):
         """With PDL: wait until the previous kernel has finished and its writes are
         visible, then let the next kernel's programs start (they wait in turn). Nothing
-        without (see the module docstring). Letting the next one start before the wait in
-        every kernel measured slower (H200, q8 one stream: 311 tok/s against 343 without
-        PDL and 382 so): the kernels after it pile up, their waiting programs placed while
-        the multiprocessors are busy; with no explicit start (only at each program's exit)
-        351. With PDL == PDL_EARLY the kernel has let the next one start already
-        (`release_next`)."""
+        without (see the module docstring). Letting the next one start before the wait
+        measured slower (H200, q8 one stream: 311 tok/s against 343 without PDL and 382
+        so): the kernels after it pile up, their waiting programs placed while the
+        multiprocessors are busy; with no explicit start (only at each program's exit) 351."""
         if PDL:
             gdc_wait()
-            if PDL != 2:
-                gdc_launch_dependents()
-
-    @_Helper
-    def release_next(PDL: tl.constexpr):
-        """With PDL == PDL_EARLY (`early_release_kernels`): let the next kernel's programs
-        start now, before this kernel's wait. Called first thing by small kernels that
-        precede a weight product, so that the product's programs load their first weights
-        while the kernel before this one still runs (they read nothing else before their
-        own wait, which returns once this kernel has finished)."""
-        if PDL == 2:
             gdc_launch_dependents()
 
     @functools.lru_cache(maxsize=1)
@@ -144,7 +127,7 @@ if HAS_TRITON:
 
 
 else:
-    await_inputs = release_next = None  # kernels are never defined without Triton
+    await_inputs = None  # kernels are never defined without Triton
 
 
 def interpreter_active() -> bool:
@@ -201,35 +184,15 @@ def pdl_enabled(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-PDL_EARLY = 2  # a kernel's PDL constexpr when it lets the next kernel start early
-# The kernels whose source calls release_next: the small ones a weight product follows.
-EARLY_RELEASE = ("_add_rms_norm_kernel", "_gated_act_kernel", "_quantize_x_kernel")
-
-
-def early_release_kernels() -> frozenset[str]:
-    """The kernels that launch with PDL == PDL_EARLY: EARLY_RELEASE, or MBUFO_PDL_EARLY (a
-    comma list of some of them; "none" for none). Read at each launch: a graph capture
-    keeps what its launches were given."""
-    value = os.environ.get("MBUFO_PDL_EARLY")
-    if value is None:
-        return frozenset(EARLY_RELEASE)
-    names = frozenset(n.strip() for n in value.split(",") if n.strip() not in ("", "none"))
-    unknown = names - set(EARLY_RELEASE)
-    if unknown:
-        raise ValueError(f"MBUFO_PDL_EARLY: {sorted(unknown)} not among {EARLY_RELEASE}")
-    return names
-
-
 class _PDLLaunch:
-    """kernel[grid](...) with PDL=True (or PDL_EARLY) and the launch flag added."""
+    """kernel[grid](...) with PDL=True and the launch flag added."""
 
-    def __init__(self, kernel: Any, early: bool = False) -> None:
+    def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
-        self.pdl = PDL_EARLY if early else True
 
     def __getitem__(self, grid: Any) -> Callable[..., Any]:
         run = self.kernel[grid]
-        return lambda *args, **kwargs: run(*args, PDL=self.pdl, launch_pdl=True, **kwargs)
+        return lambda *args, **kwargs: run(*args, PDL=True, launch_pdl=True, **kwargs)
 
 
 _PDL_EAGER = threading.local()  # pdl_launches' switch, per thread
@@ -259,5 +222,5 @@ def launcher(kernel: Any, device: torch.device) -> Any:
     fn = compiled(kernel)
     if "PDL" in fn.arg_names and pdl_enabled(device) and (
             torch.cuda.is_current_stream_capturing() or getattr(_PDL_EAGER, "on", False)):
-        return _PDLLaunch(fn, fn.fn.__name__ in early_release_kernels())
+        return _PDLLaunch(fn)
     return fn

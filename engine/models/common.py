@@ -161,9 +161,8 @@ class DecoderModel:
         its norm without a residual. The fused kernel writes the norm in `out_dtype` (and
         with `quantize` its 8-bit codes); the torch path leaves that rounding to the matmul."""
         r, r_weight = residual if residual is not None else (None, None)
-        if fused:  # with a residual, x is the previous norm's h (read before the wait)
-            return add_rms_norm(x, weight, self.cfg.rms_eps, r, r_weight, out_dtype, quantize,
-                                x_early=r is not None)
+        if fused:
+            return add_rms_norm(x, weight, self.cfg.rms_eps, r, r_weight, out_dtype, quantize)
         if r is not None:
             x = x + (r if r_weight is None else rms_norm(r, r_weight, self.cfg.rms_eps))
         return NormOut(x, rms_norm(x, weight, self.cfg.rms_eps))

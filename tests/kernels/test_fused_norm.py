@@ -68,22 +68,6 @@ def test_kernel_matches_float64(interp, gen, rows, dim, residual, res_norm, stri
         assert torch.equal(h, x)  # no residual: the stream is x itself
 
 
-@pytest.mark.parametrize("res_norm,quantize", [(False, True), (True, False)])
-def test_x_read_early_gives_the_same_bits(interp, gen, res_norm, quantize):
-    """x_early (x read before the wait of a programmatic dependent launch) changes where
-    the kernel loads x, not what it computes."""
-    x, w, r, rw = case(gen, 3, 512, True, res_norm, True)
-    late = interp.call(KERNEL, x, w, EPS, residual=r, residual_weight=rw, quantize=quantize)
-    early = interp.call(KERNEL, x, w, EPS, residual=r, residual_weight=rw, quantize=quantize,
-                        x_early=True)
-    assert torch.equal(late.h, early.h) and torch.equal(late.y, early.y)
-    if quantize:
-        assert all(torch.equal(a, b) for a, b in zip(late.xq, early.xq, strict=True))
-    else:
-        assert late.xq is None and early.xq is None
-    assert_close32(early[1], expected(x, w, r, rw)[1])
-
-
 @pytest.mark.parametrize("residual,res_norm", [(False, False), (True, False), (True, True)])
 def test_reference_matches_float64(gen, residual, res_norm):
     x, w, r, rw = case(gen, 9, 200, residual, res_norm, False)

@@ -17,11 +17,9 @@ pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="the CPU torch build has 
 class _Fake:
     """Stands for a compiled kernel: records its launches."""
 
-    def __init__(self, arg_names, name="_some_kernel"):
+    def __init__(self, arg_names):
         self.arg_names = arg_names
         self.calls = []
-        self.fn = lambda: None  # the JITFunction's Python function, by its name
-        self.fn.__name__ = name
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
@@ -42,18 +40,6 @@ def test_kernels_with_pdl_launch_as_dependent_launches(gpu):
     fake = _Fake(["x_ptr", "n", "PDL"])
     triton_util.launcher(fake, torch.device("cuda", 0))[(3, 2)](1, 2, BLOCK=8)
     assert fake.calls == [((3, 2), (1, 2), {"BLOCK": 8, "PDL": True, "launch_pdl": True})]
-
-
-def test_early_release_kernels_launch_with_pdl_early(gpu, monkeypatch):
-    """triton_util.early_release_kernels: their PDL constexpr is PDL_EARLY (they let the
-    next kernel start before their own wait); MBUFO_PDL_EARLY=none turns that off."""
-    monkeypatch.delenv("MBUFO_PDL_EARLY", raising=False)
-    norm = _Fake(["x_ptr", "PDL"], "_add_rms_norm_kernel")
-    triton_util.launcher(norm, torch.device("cuda", 0))[(1,)](1)
-    monkeypatch.setenv("MBUFO_PDL_EARLY", "none")
-    triton_util.launcher(norm, torch.device("cuda", 0))[(1,)](1)
-    assert norm.calls == [((1,), (1,), {"PDL": triton_util.PDL_EARLY, "launch_pdl": True}),
-                          ((1,), (1,), {"PDL": True, "launch_pdl": True})]
 
 
 def test_no_flags_where_disabled_not_taken_or_not_captured(gpu):
