@@ -12,9 +12,12 @@ and steps with prefill replay engine/mixed_graphs.py's graphs. A padding row dec
 token 0 at position 0 of the scratch page, a page of each group that no sequence owns
 (the runner allocates it beyond the pool), so its K/V land where no real row reads.
 
-Nothing in the captured forward synchronises with the host: the runner's decode forward
-computes write slots and attention plans on the device from the static buffers
-(engine/layers/attention.py's plan_decode). Graphs in one memory pool never run at once
+Nothing in the captured forward synchronises with the host. The write slots and attention
+plans are made on the host from the staged rows (`DecodePlans`: the integers of
+engine/layers/attention.py's plan_decode) and uploaded with them in the same copy, so a
+replay launches no planning kernels: made on the device they took about 23 small torch
+kernels a step, none of them a programmatic dependent launch. Without `DecodePlans` the
+step function plans on the device itself. Graphs in one memory pool never run at once
 (one engine thread), so they may share it.
 """
 
@@ -24,11 +27,14 @@ import contextlib
 import gc
 import logging
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from engine.batch import ForwardBatch
+from engine.layers.attention import GroupInputs, PlannedBatch, decode_items_host
+from kernels.paged_attention_plan import WORK_FIELDS, AttnConfig, AttnPlan
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +43,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # and each costs a mixed step's ~25 ms of launches on the H200
 WARMUP_RUNS = 1
 _FIXED = 3  # columns of a staged row before its page tables: token id, position, seq_len
+_ALIGN = 16  # int64 words: each staged plan array starts 128 bytes aligned
 
 Replay = Callable[[], None]
 
@@ -100,28 +107,54 @@ def bucket_for(num_rows: int, buckets: tuple[int, ...] = BUCKETS) -> int | None:
 Splits = dict[str, int]  # key splits per decode row, by layer group
 
 
+class DecodePlans(NamedTuple):
+    """Per layer group, what a decode step's attention plan is made from on the host:
+    the window (None: full), key positions per split, the most splits a row takes, and
+    the kernel config of decode steps (engine/layers/attention.py's attn_config)."""
+
+    windows: dict[str, int | None]
+    split_keys: dict[str, int]
+    max_splits: dict[str, int]
+    configs: dict[str, AttnConfig]
+
+
+def _words(count: int, itemsize: int) -> int:
+    """int64 words that hold `count` items of `itemsize` bytes, rounded up to _ALIGN."""
+    return -(-count * itemsize // (8 * _ALIGN)) * _ALIGN
+
+
 class DecodeGraphs:
     """Captured decode forwards by (bucket, splits), their static inputs, and the padding
     rule. `step(batch, splits)` maps a decode-only ForwardBatch on the device to its logits
-    (rows, vocab); it is called on views of the static buffers (capture and warm-up only).
+    (rows, vocab); it is called on views of the static buffers (capture and warm-up only),
+    with `plans` a PlannedBatch whose attention plans and write slots were staged.
     """
 
     def __init__(self, step: Callable[[ForwardBatch, Splits], torch.Tensor], groups: list[str],
                  scratch_pages: dict[str, int], page_size: int, max_context: int,
                  device: torch.device, capture: Capturer | None = None,
-                 buckets: tuple[int, ...] = BUCKETS) -> None:
+                 buckets: tuple[int, ...] = BUCKETS, plans: DecodePlans | None = None) -> None:
         self.step = step
         self.groups = list(groups)
         self.scratch_pages = dict(scratch_pages)
+        self.page_size = page_size
         self.max_context = max_context
         self.buckets = tuple(sorted(buckets))
+        self.plans = plans
         self.width = -(-max_context // page_size)  # page-table columns
         rows, cols = self.buckets[-1], _FIXED + len(self.groups) * self.width
-        # A step's rows, staged in (pinned) host memory, then copied in one transfer.
+        self._cols = cols
+        # A step's rows, then (with plans) its plan arrays from word bucket * cols on,
+        # staged in (pinned) host memory and copied in one transfer.
+        extra = 0 if plans is None else _ALIGN + sum(
+            words for _, words in self._plan_sizes(rows, plans.max_splits))
         pin = device.type == "cuda"
-        self._host = torch.zeros(rows, cols, dtype=torch.int64, pin_memory=pin)
+        self._flat = torch.zeros(rows * cols + extra, dtype=torch.int64, pin_memory=pin)
+        self._host = self._flat[:rows * cols].view(rows, cols)
         self._staged = self._host.numpy()
-        self._dev = torch.zeros(rows, cols, dtype=torch.int64, device=device)
+        self._dev_flat = torch.zeros(rows * cols + extra, dtype=torch.int64, device=device)
+        self._dev = self._dev_flat[:rows * cols].view(rows, cols)
+        self._layouts: dict[tuple[int, tuple], dict[str, tuple[int, int]]] = {}
         self._copied = torch.cuda.Event() if pin else None
         self._query_start = torch.arange(rows + 1, device=device)
         self._capture = capture or CudaGraphCapturer(device)
@@ -150,9 +183,10 @@ class DecodeGraphs:
         if key not in self._graphs:
             log.info("capturing the decode graph for %d rows, key splits %s", bucket, splits)
             self._stage_padding(0, bucket)
-            self._upload(bucket)
-            batch = self.static_batch(bucket)
-            self._graphs[key] = self._capture(lambda: self.step(batch, splits))
+            self._upload(bucket, splits)
+            # a new batch object a run: the CPU path memoizes its plans by the batch's id
+            self._graphs[key] = self._capture(
+                lambda: self.step(self.static_batch(bucket, splits), splits))
 
     def run(self, batch: ForwardBatch, splits: Splits,
             input_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -166,20 +200,90 @@ class DecodeGraphs:
         self.capture(bucket, splits)
         replay, out = self._graphs[(bucket, tuple(sorted(splits.items())))]
         self._stage(batch, bucket)
-        self._upload(bucket)
+        self._upload(bucket, splits)
         if input_ids is not None:
             self._dev[:n, 0].copy_(input_ids)
         replay()
         self.num_replays += 1
         return out[:n].clone()  # the next replay overwrites `out`
 
-    def static_batch(self, bucket: int) -> ForwardBatch:
-        """The first `bucket` rows of the static buffers as a ForwardBatch."""
+    def static_batch(self, bucket: int, splits: Splits | None = None) -> ForwardBatch:
+        """The first `bucket` rows of the static buffers as a ForwardBatch; with plans and
+        `splits`, a PlannedBatch over the staged plans of that key."""
         dev = self._dev[:bucket]
         tables = {g: dev[:, _FIXED + i * self.width:_FIXED + (i + 1) * self.width]
                   for i, g in enumerate(self.groups)}
-        return ForwardBatch(dev[:, 0], dev[:, 1], self._query_start[:bucket + 1], dev[:, 2],
-                            tables, self._query_start[:bucket])
+        batch = ForwardBatch(dev[:, 0], dev[:, 1], self._query_start[:bucket + 1], dev[:, 2],
+                             tables, self._query_start[:bucket])
+        if self.plans is None or splits is None:
+            return batch
+
+        def view(name: str, dtype: torch.dtype, count: int) -> torch.Tensor:
+            at, words = self._layout(bucket, splits)[name]
+            return self._dev_flat[at:at + words].view(dtype)[:count]
+
+        pos32 = view("pos32", torch.int32, bucket)
+        attn, slots = {}, {}
+        for g in self.groups:
+            n = splits[g]
+            plan = AttnPlan(view(f"work:{g}", torch.int32, bucket * n * WORK_FIELDS).view(
+                bucket * n, WORK_FIELDS), view(f"base:{g}", torch.int32, bucket),
+                view(f"splits:{g}", torch.int32, bucket), bucket * n, bucket)
+            table = view(f"table:{g}", torch.int32, bucket * self.width).view(bucket, self.width)
+            attn[g] = GroupInputs(plan, table, pos32, self.plans.configs[g])
+            slots[g] = view(f"slots:{g}", torch.int64, bucket)
+        return PlannedBatch(batch.input_ids, batch.positions, batch.query_start,
+                            batch.seq_lens, batch.page_tables, batch.logits_rows,
+                            _write_slots=slots, attn=attn)
+
+    def _plan_sizes(self, bucket: int, splits: Splits) -> list[tuple[str, int]]:
+        """(name, int64 words) of the plan arrays of `bucket` rows with `splits`."""
+        sizes = [("pos32", _words(bucket, 4))]
+        for g in self.groups:
+            sizes += [(f"work:{g}", _words(bucket * splits[g] * WORK_FIELDS, 4)),
+                      (f"base:{g}", _words(bucket, 4)), (f"splits:{g}", _words(bucket, 4)),
+                      (f"table:{g}", _words(bucket * self.width, 4)),
+                      (f"slots:{g}", _words(bucket, 8))]
+        return sizes
+
+    def _layout(self, bucket: int, splits: Splits) -> dict[str, tuple[int, int]]:
+        """name -> (first word, words) in the flat buffers, from word bucket * cols on."""
+        key = (bucket, tuple(sorted(splits.items())))
+        layout = self._layouts.get(key)
+        if layout is None:
+            assert self.plans is not None and all(
+                splits[g] <= self.plans.max_splits[g] for g in self.groups), splits
+            layout, at = {}, -(-bucket * self._cols // _ALIGN) * _ALIGN
+            for name, words in self._plan_sizes(bucket, splits):
+                layout[name] = (at, words)
+                at += words
+            self._layouts[key] = layout
+        return layout
+
+    def _stage_plans(self, bucket: int, splits: Splits) -> int:
+        """Plans and write slots of the staged rows 0..bucket-1 into the staging buffer
+        (decode_items_host; the slots as ForwardBatch.write_slots computes them).
+        -> the end of the staged words."""
+        assert self.plans is not None
+        layout, flat, rows = self._layout(bucket, splits), self._flat.numpy(), self._staged
+        pos, lens, ps = rows[:bucket, 1], rows[:bucket, 2], self.page_size
+
+        def put(name: str, values: np.ndarray) -> None:
+            at, words = layout[name]
+            flat[at:at + words].view(values.dtype)[:values.size] = values.reshape(-1)
+
+        put("pos32", pos.astype(np.int32))
+        for i, g in enumerate(self.groups):
+            n = splits[g]
+            table = rows[:bucket, _FIXED + i * self.width:_FIXED + (i + 1) * self.width]
+            put(f"work:{g}", decode_items_host(lens, self.plans.windows[g],
+                                               self.plans.split_keys[g], n))
+            put(f"base:{g}", np.arange(bucket, dtype=np.int32) * n)
+            put(f"splits:{g}", np.full(bucket, n, dtype=np.int32))
+            put(f"table:{g}", table.astype(np.int32))
+            pages = table[np.arange(bucket), pos // ps]
+            put(f"slots:{g}", pages * ps + pos % ps)
+        return max(at + words for at, words in layout.values())
 
     def _stage(self, batch: ForwardBatch, bucket: int) -> None:
         n, staged = batch.num_rows, self._staged
@@ -205,7 +309,11 @@ class DecodeGraphs:
         for i, g in enumerate(self.groups):
             rows[:, _FIXED + i * self.width] = self.scratch_pages[g]
 
-    def _upload(self, bucket: int) -> None:
-        self._dev[:bucket].copy_(self._host[:bucket], non_blocking=True)
+    def _upload(self, bucket: int, splits: Splits) -> None:
+        """The staged rows (and with plans, theirs) to the device in one copy."""
+        end = bucket * self._cols
+        if self.plans is not None:
+            end = self._stage_plans(bucket, splits)
+        self._dev_flat[:end].copy_(self._flat[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()

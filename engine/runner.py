@@ -17,7 +17,7 @@ import torch
 
 from engine.batch import ForwardBatch
 from engine.errors import OutOfKVPages
-from engine.graphs import Capturer, CudaGraphCapturer, DecodeGraphs, bucket_for
+from engine.graphs import Capturer, CudaGraphCapturer, DecodeGraphs, DecodePlans, bucket_for
 from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache
 from engine.kv.pool import RECURRENT, KVPool, SeqPages
@@ -87,8 +87,13 @@ class ModelRunner:
         # unloaded model) frees its graphs at once, never in a collection during a capture.
         self._step = ModelStep(model, self.kv, self._layers, page_size)
         capturer = (capture or CudaGraphCapturer(device)) if graphs else None
+        plans = DecodePlans({g: layer.window for g, layer in self._layers.items()},
+                            self._split_keys, self._max_splits,
+                            {g: attn_config(layer, device, decode=True)
+                             for g, layer in self._layers.items()})
         self.graphs = DecodeGraphs(self._step.decode, sorted(pages), pages, page_size,
-                                   self.max_context, device, capturer) if graphs else None
+                                   self.max_context, device, capturer,
+                                   plans=plans) if graphs else None
         # Mixed steps (prefill chunks beside decode rows) replay graphs too on the Triton
         # path, unless a recurrent state would advance in their capture's warm-up runs.
         self.mixed = None
@@ -287,5 +292,8 @@ class ModelStep:
 
     def decode(self, batch: ForwardBatch, splits: dict[str, int]) -> torch.Tensor:
         """A decode-only batch on the device and its key splits -> logits (plans made on
-        the device: no host synchronisation)."""
+        the device: no host synchronisation; a PlannedBatch, the decode graphs' staged
+        plans, runs as it is)."""
+        if isinstance(batch, PlannedBatch) and batch.attn:
+            return self.planned(batch)
         return self.planned(plan_decode(batch, self.layers, self.page_size, splits))

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from engine.batch import ForwardBatch
@@ -182,6 +183,23 @@ def _decode_plan(seq_lens: torch.Tensor, window: int | None, split_keys: int, nu
     return AttnPlan(work.reshape(num_rows * num_splits, WORK_FIELDS).contiguous(),
                     row_ids * num_splits, torch.full_like(lens, num_splits),
                     num_rows * num_splits, num_rows)
+
+
+def decode_items_host(seq_lens: np.ndarray, window: int | None, split_keys: int,
+                      num_splits: int) -> np.ndarray:
+    """_decode_plan's work items on the host (numpy; the same integers): (rows * num_splits,
+    WORK_FIELDS) int32 for one-token rows of `seq_lens` tokens. The decode graphs stage
+    them with the step's inputs (engine/graphs.py), so a replay makes no plan."""
+    lens = seq_lens.astype(np.int64)
+    lo = np.maximum(lens - window, 0) if window is not None else np.zeros_like(lens)
+    split = np.arange(num_splits, dtype=np.int64)
+    first = (lo // split_keys)[:, None] + split[None, :]
+    key_hi = np.minimum(lens[:, None], (first + 1) * split_keys)
+    key_lo = np.minimum(np.maximum(lo[:, None], first * split_keys), key_hi)
+    rows = np.broadcast_to(np.arange(len(lens), dtype=np.int64)[:, None], key_lo.shape)
+    work = np.stack([rows, rows, np.ones_like(rows), key_lo, key_hi,
+                     np.broadcast_to(split[None, :], key_lo.shape)], axis=-1)
+    return work.reshape(-1, WORK_FIELDS).astype(np.int32)
 
 
 def _planned(batch: ForwardBatch, attn: dict[str, GroupInputs],

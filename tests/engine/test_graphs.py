@@ -5,6 +5,7 @@ mixed steps. Logits are checked against a runner without graphs on the same tiny
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -14,6 +15,7 @@ from span_batch import span_batch
 from engine.batch import ForwardBatch
 from engine.graphs import DecodeGraphs, bucket_for, is_decode_only
 from engine.kv.pool import SeqPages
+from engine.layers.attention import PlannedBatch, _decode_plan, decode_items_host, plan_decode
 from engine.loader import load
 from engine.runner import ModelRunner
 from engine.synthetic import SyntheticSpec, write_synthetic_gguf
@@ -143,6 +145,51 @@ def test_static_buffers_padding_and_keys():
     assert {"full": 2, "sliding": 1} in seen and seen[-1] == {"full": 1, "sliding": 1}
     too_wide = ForwardBatch.build([([1], 70)], {"full": [[0] * 5], "sliding": [[0] * 5]})
     assert not graphs.fits(too_wide)  # 5 pages > max_context 64 / 16
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_host_items_are_plan_decodes(window):
+    """decode_items_host (numpy) gives _decode_plan's (torch) work items, bit for bit."""
+    gen = torch.Generator().manual_seed(7)
+    lens = torch.cat([torch.tensor([1, 2, 255, 256, 257, 512, 1000]),
+                      torch.randint(1, 3000, (20,), generator=gen)])
+    for splits in (1, 2, 4, 16):
+        want = _decode_plan(lens, window, 256, splits,
+                            torch.arange(len(lens), dtype=torch.int32)).work
+        got = decode_items_host(lens.numpy(), window, 256, splits)
+        assert got.dtype == np.int32 and np.array_equal(got, want.numpy()), splits
+
+
+def test_staged_plans_are_plan_decodes(model):
+    """With DecodePlans (the runner's), a decode graph's step receives a PlannedBatch whose
+    plans, tables, positions and write slots, staged on the host and uploaded with the rows,
+    equal what plan_decode makes on the device from the same rows, padding included."""
+    runner = ModelRunner(model, PAGES, 16, "f16", cuda_graphs=True, max_context=640,
+                         capture=FakeCapture())
+    graphs, seen = runner.graphs, []
+    assert graphs.plans.max_splits == {"full": 3, "sliding": 2}
+    graphs.step = lambda batch, splits: seen.append((batch, dict(splits))) or torch.zeros(1)
+    batch = ForwardBatch.build([([11], 20), ([12], 3), ([13], 90)],
+                               {"full": [[1, 2], [3], [4, 5, 6, 7, 8, 9]],
+                                "sliding": [[-1, 7], [8], [-1, -1, -1, -1, 9, 10]]})
+    for splits in ({"full": 1, "sliding": 1}, {"full": 2, "sliding": 2}):
+        graphs.run(batch, splits)
+        planned, used = seen[-1]
+        assert isinstance(planned, PlannedBatch) and used == splits
+        plain = ForwardBatch(planned.input_ids, planned.positions, planned.query_start,
+                             planned.seq_lens, planned.page_tables, planned.logits_rows)
+        want = plan_decode(plain, runner._layers, 16, splits)
+        for g in ("full", "sliding"):
+            a, b = planned.attn[g], want.attn[g]
+            assert a.plan.num_slots == b.plan.num_slots == 4 * splits[g]
+            assert a.plan.num_tokens == b.plan.num_tokens == 4
+            for x, y in ((a.plan.work, b.plan.work), (a.plan.tok_base, b.plan.tok_base),
+                         (a.plan.tok_splits, b.plan.tok_splits), (a.page_table, b.page_table),
+                         (a.positions, b.positions),
+                         (planned.write_slots(g, 16), want.write_slots(g, 16))):
+                assert x.dtype == y.dtype and torch.equal(x, y), g
+            assert a.config == b.config
+        assert planned.write_slots("full", 16)[3] == PAGES * 16  # the padding row's scratch
 
 
 def test_prepare_and_a_failed_capture(model):
