@@ -14,10 +14,13 @@ strides) and writing new contiguous (T, heads, d) tensors. Float32 throughout.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from engine.errors import InvalidRequest
+from kernels.kv_store import kv_store, store_args
 from kernels.triton_util import (
     HAS_TRITON,
     await_inputs,
@@ -29,7 +32,7 @@ from kernels.triton_util import (
     tl,
 )
 
-__all__ = ["rope_qk", "rope_qk_reference"]
+__all__ = ["KVStore", "rope_qk", "rope_qk_reference"]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
@@ -58,6 +61,7 @@ def rope_qk_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
 
 
 if HAS_TRITON:
+    from kernels.kv_store import _encode
 
     @helper
     def _rope_head(src, dst, cos, sin, w_ptr, eps, HALF: tl.constexpr, HALFP: tl.constexpr,
@@ -78,15 +82,24 @@ if HAS_TRITON:
         tl.store(dst + i0, x0 * cos - x1 * sin, mask=ok)
         tl.store(dst + i1, x0 * sin + x1 * cos, mask=ok)
 
-    @jit
+    # the slots are a slice of the step's slot buffer, at any offset
+    @jit(do_not_specialize_on_alignment=["slot_ptr"])
     def _rope_qk_kernel(
         q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st, eps,
+        v_ptr, slot_ptr, k0_ptr, k1_ptr, v0_ptr, v1_ptr, stride_vt, stride_vh,
         H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, HALFP: tl.constexpr,
-        NEOX: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr = False,
+        NEOX: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr = False,
+        DV: tl.constexpr = 0, K_FMT: tl.constexpr = 0, K_ROT: tl.constexpr = False,
+        V_FMT: tl.constexpr = 0, V_ROT: tl.constexpr = False, HP: tl.constexpr = 1,
+        DKP: tl.constexpr = 1, DVP: tl.constexpr = 1, RKP: tl.constexpr = 1,
+        RVP: tl.constexpr = 1, PDL: tl.constexpr = False,
     ):
         """Token t (program 0), head h (program 1: the q heads, then the k heads), with
-        the token's cos/sin row: a decode step's few tokens still spread over the device."""
+        the token's cos/sin row: a decode step's few tokens still spread over the device.
+        With STORE, program H rotates every k head of the token, then stores them into the
+        KV planes at the token's slot (kernels/kv_store.py's _encode), and program H + 1
+        stores its v: the step's K/V store without a launch of its own."""
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         i = tl.arange(0, HALFP)[None, :]
@@ -96,10 +109,23 @@ if HAS_TRITON:
         if h < H:
             _rope_head(q_ptr + t * stride_qt + h * stride_qh, qo_ptr + (t * H + h) * (2 * HALF),
                        cos, sin, qw_ptr, eps, HALF, HALFP, NEOX, HAS_NORM)
-        else:
+        elif not STORE:
             _rope_head(k_ptr + t * stride_kt + (h - H) * stride_kh,
                        ko_ptr + (t * KVH + h - H) * (2 * HALF), cos, sin, kw_ptr, eps, HALF,
                        HALFP, NEOX, HAS_NORM)
+        elif h == H:
+            k_row = ko_ptr + t * KVH * (2 * HALF)
+            for j in tl.static_range(KVH):
+                _rope_head(k_ptr + t * stride_kt + j * stride_kh, k_row + j * (2 * HALF), cos,
+                           sin, kw_ptr, eps, HALF, HALFP, NEOX, HAS_NORM)
+            tl.debug_barrier()  # the program's own writes of k_row, visible to all its threads
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+            _encode(k_row, 2 * HALF, slot, k0_ptr, k1_ptr, K_FMT, K_ROT, KVH, 2 * HALF, HP, DKP,
+                    RKP)
+        else:
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+            _encode(v_ptr + t * stride_vt, stride_vh, slot, v0_ptr, v1_ptr, V_FMT, V_ROT, KVH,
+                    DV, HP, DVP, RVP)
 
 
 def _check(q, k, cos, sin, q_weight, k_weight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,45 +150,90 @@ def _check(q, k, cos, sin, q_weight, k_weight) -> tuple[torch.Tensor, torch.Tens
     return cos, sin
 
 
+class KVStore(NamedTuple):
+    """Where rope_qk also stores the step's K (rotated) and V: kernels/kv_store.py's
+    arguments besides k."""
+
+    v: torch.Tensor  # (T, KVH, dv) float32, any row and head strides
+    slots: torch.Tensor  # (T,) int, distinct
+    k_planes: dict[str, torch.Tensor]
+    v_planes: dict[str, torch.Tensor]
+    k_format: str
+    v_format: str
+
+
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             neox: bool, q_weight: torch.Tensor | None = None,
-            k_weight: torch.Tensor | None = None,
-            eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+            k_weight: torch.Tensor | None = None, eps: float = 1e-6,
+            store: KVStore | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q (T, H, d), k (T, KVH, d) float32 (any row/head strides), cos/sin (T, d/2) or
-    (T, 1, d/2) -> contiguous rotated (q, k), after their RMSNorm when weights are given.
+    (T, 1, d/2) -> contiguous rotated (q, k), after their RMSNorm when weights are given;
+    with `store`, the rotated k and store.v also stored at store.slots of the KV planes
+    (kv_store's bits) by the same launch.
 
-    One launch on a GPU (or on the CPU when the interpreter is active), else the reference.
+    One launch on a GPU (or on the CPU when the interpreter is active), else the references.
     """
     if not (HAS_TRITON and (q.device.type != "cpu" or interpreter_active())):
-        return rope_qk_reference(q, k, cos, sin, neox, q_weight, k_weight, eps)
+        q_out, k_out = rope_qk_reference(q, k, cos, sin, neox, q_weight, k_weight, eps)
+        if store is not None:
+            kv_store(k_out, *store)
+        return q_out, k_out
     cos, sin = _check(q, k, cos, sin, q_weight, k_weight)
     (tokens, heads, dim), kv_heads = q.shape, k.shape[1]
     q_out = torch.empty(tokens, heads, dim, dtype=torch.float32, device=q.device)
     k_out = torch.empty(tokens, kv_heads, dim, dtype=torch.float32, device=q.device)
+    args, consts, warps = (cos,) * 6 + (0, 0), {}, 1  # no store: placeholders
+    if store is not None:
+        v, slots = store.v, store.slots
+        if v.dim() != 3 or v.shape[:2] != k.shape[:2] or tuple(slots.shape) != (tokens,) \
+                or slots.dtype not in (torch.int32, torch.int64):
+            raise InvalidRequest(f"rope_qk: store's v (T, KVH, dv) and slots (T,) int, got "
+                                 f"{tuple(v.shape)}, {tuple(slots.shape)} {slots.dtype}")
+        planes, consts = store_args(k_out, v, store.k_planes, store.v_planes, store.k_format,
+                                    store.v_format)
+        consts = {n: c for n, c in consts.items() if n not in ("KVH", "DK")}
+        args = (v, slots.to(q.device), *planes, v.stride(0), v.stride(1))
+        # f16 planes take a copy a thread; the quantized ones kv_store's warps
+        warps = 1 if consts["K_FMT"] == consts["V_FMT"] == 0 else 4
     if tokens:
         norm = q_weight is not None
-        launcher(_rope_qk_kernel, q.device)[(tokens, heads + kv_heads)](
+        launcher(_rope_qk_kernel, q.device)[(tokens, heads + (2 if store else kv_heads))](
             q, k, cos, sin, q_weight if norm else cos, k_weight if norm else cos, q_out, k_out,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-            float(eps), H=heads, KVH=kv_heads, HALF=dim // 2, HALFP=next_pow2(dim // 2),
-            NEOX=bool(neox),
-            HAS_NORM=norm, num_warps=1)
+            float(eps), *args, H=heads, KVH=kv_heads, HALF=dim // 2,
+            HALFP=next_pow2(dim // 2), NEOX=bool(neox), HAS_NORM=norm,
+            STORE=store is not None, **consts, num_warps=warps)
     return q_out, k_out
 
 
 def aot_specs(spec: type) -> list:
     """kernels/aot.py: Llama 3 8B (32/8 heads of 128, original layout) and Qwen3-like
-    (neox with q/k norm, 16/8 heads of 128)."""
+    (neox with q/k norm, 16/8 heads of 128); Llama's with the K/V store into f16 and into
+    q8 K with q4 V planes."""
     if not HAS_TRITON:
         return []
     sig = {**{n: "*fp32" for n in ("q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "qw_ptr", "kw_ptr",
-                                   "qo_ptr", "ko_ptr")},
+                                   "qo_ptr", "ko_ptr", "v_ptr", "slot_ptr", "k0_ptr", "k1_ptr",
+                                   "v0_ptr", "v1_ptr")},
            **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh",
-                                 "stride_ct", "stride_st")}, "eps": "fp32"}
+                                 "stride_ct", "stride_st", "stride_vt", "stride_vh")},
+           "eps": "fp32"}
     out = []
     for name, heads, neox, norm in (("llama", 32, False, False), ("qk_norm", 16, True, True)):
         consts = {"H": heads, "KVH": 8, "HALF": 64, "HALFP": 64, "NEOX": neox,
                   "HAS_NORM": norm}
         out.append(spec(f"rope_qk_{name}", _rope_qk_kernel,
                         {**sig, **{k: "constexpr" for k in consts}}, consts, 1, False))
+    plane = {0: "*fp16", 1: "*i8", 2: "*u8"}
+    for name, (kf, kr), (vf, vr), warps in (("f16", (0, False), (0, False), 1),
+                                            ("k8v4", (1, True), (2, True), 4)):
+        consts = {"H": 32, "KVH": 8, "HALF": 64, "HALFP": 64, "NEOX": False,
+                  "HAS_NORM": False, "STORE": True, "DV": 128, "K_FMT": kf, "K_ROT": kr,
+                  "V_FMT": vf, "V_ROT": vr, "HP": 8, "DKP": 128, "DVP": 128, "RKP": 32,
+                  "RVP": 32}
+        store_sig = {**sig, "slot_ptr": "*i64", "k0_ptr": plane[kf], "k1_ptr": "*fp16",
+                     "v0_ptr": plane[vf], "v1_ptr": "*fp16"}
+        out.append(spec(f"rope_qk_llama_store_{name}", _rope_qk_kernel,
+                        {**store_sig, **{k: "constexpr" for k in consts}}, consts, warps,
+                        False))
     return out

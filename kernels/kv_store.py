@@ -36,7 +36,8 @@ from kernels.triton_util import (
     tl,
 )
 
-__all__ = ["kv_encode_reference", "kv_store", "kv_store_reference", "rotate_exact"]
+__all__ = ["kv_encode_reference", "kv_store", "kv_store_reference", "rotate_exact",
+           "store_args"]
 
 # Format name -> the kernel's (FMT, ROTATE) constexprs: FMT 0 f16, 1 q8, 2 q4.
 FORMAT_CODES = {"f16": (0, False), "q8": (1, True), "q4": (2, True), "q8_plain": (1, False),
@@ -191,17 +192,27 @@ def kv_store(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
             tuple(slots.shape) != (k.shape[0],) or slots.dtype not in (torch.int32, torch.int64):
         raise InvalidRequest(f"kv_store: k (n, h, dk), v (n, h, dv), slots (n,) int, got "
                              f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(slots.shape)}")
+    planes, consts = store_args(k, v, k_planes, v_planes, k_format, v_format)
+    if k.shape[0] == 0:
+        return
+    launcher(_kv_store_kernel, k.device)[(k.shape[0], 2)](
+        k, v, slots.to(k.device), *planes, k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), **consts, num_warps=4)
+
+
+def store_args(k: torch.Tensor, v: torch.Tensor, k_planes: dict[str, torch.Tensor],
+               v_planes: dict[str, torch.Tensor], k_format: str,
+               v_format: str) -> tuple[tuple[torch.Tensor, ...], dict[str, int]]:
+    """The planes (k0, k1, v0, v1) and constexprs of a store of k (n, kv_heads, dk) and v
+    (n, kv_heads, dv), checked: _encode's arguments (here and in kernels/fused_rope.py)."""
     k0, k1 = _planes(k_planes, k_format, k, "K")
     v0, v1 = _planes(v_planes, v_format, v, "V")
-    (n, heads, dk), dv = k.shape, v.shape[2]
-    if n == 0:
-        return
+    (_, heads, dk), dv = k.shape, v.shape[2]
     (k_fmt, k_rot), (v_fmt, v_rot) = FORMAT_CODES[k_format], FORMAT_CODES[v_format]
-    launcher(_kv_store_kernel, k.device)[(n, 2)](
-        k, v, slots.to(k.device), k0, k1, v0, v1, k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), KVH=heads, DK=dk, DV=dv, K_FMT=k_fmt, K_ROT=k_rot, V_FMT=v_fmt,
-        V_ROT=v_rot, HP=next_pow2(heads), DKP=next_pow2(dk), DVP=next_pow2(dv),
-        RKP=next_pow2(heads * dk // 32), RVP=next_pow2(heads * dv // 32), num_warps=4)
+    return (k0, k1, v0, v1), dict(
+        KVH=heads, DK=dk, DV=dv, K_FMT=k_fmt, K_ROT=k_rot, V_FMT=v_fmt, V_ROT=v_rot,
+        HP=next_pow2(heads), DKP=next_pow2(dk), DVP=next_pow2(dv),
+        RKP=next_pow2(heads * dk // 32), RVP=next_pow2(heads * dv // 32))
 
 
 def aot_specs(spec: type) -> list:

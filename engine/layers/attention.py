@@ -26,6 +26,7 @@ from engine.batch import ForwardBatch
 from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache
 from engine.layers.attention_cpu import attend_cpu
+from kernels.fused_rope import KVStore
 from kernels.paged_attention import AttnConfig, AttnPlan, paged_attention, plan_attention
 from kernels.paged_attention_plan import WORK_FIELDS
 
@@ -65,15 +66,27 @@ def attend(
     v: torch.Tensor,
     batch: ForwardBatch,
     kv: KVCache,
+    stored: bool = False,
 ) -> torch.Tensor:
-    """q (T, H, D), k (T, KVH, D), v (T, KVH, Dv) float32 -> (T, H * Dv) float32."""
+    """q (T, H, D), k (T, KVH, D), v (T, KVH, Dv) float32 -> (T, H * Dv) float32; `stored`:
+    k and v are in the cache already (rope_qk's store, `kv_target`)."""
     group = kv.group_of(layer.index)
-    kv.write(layer.index, batch.write_slots(group, kv.page_size), k, v)
+    if not stored:
+        kv.write(layer.index, batch.write_slots(group, kv.page_size), k, v)
     if use_triton(q.device):
         return attend_triton(layer, q, batch, kv, group)
     if q.device.type == "cpu":
         return attend_cpu(layer, q, batch, kv, group)
     return attend_reference(layer, q, batch, kv, group)
+
+
+def kv_target(layer: AttnLayer, v: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> KVStore:
+    """Where the step's K and V of `layer` go (rope_qk stores them in its launch; attend
+    then takes stored=True): v (T, KVH, Dv), the batch's write slots, the layer's planes."""
+    k_planes, v_planes = kv.k[layer.index], kv.v[layer.index]
+    assert k_planes is not None and v_planes is not None
+    return KVStore(v, batch.write_slots(kv.group_of(layer.index), kv.page_size), k_planes,
+                   v_planes, kv.k_format.name, kv.v_format.name)
 
 
 def attend_triton(

@@ -15,7 +15,7 @@ from engine.batch import ForwardBatch
 from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache, LayerKVSpec
 from engine.layers.activation import ACTIVATIONS
-from engine.layers.attention import AttnLayer, attend
+from engine.layers.attention import AttnLayer, attend, kv_target
 from engine.layers.linear import Int8Linear, Linear
 from engine.layers.norm import rms_norm
 from engine.layers.rope import Rope
@@ -179,13 +179,14 @@ class DecoderModel:
         q = q.reshape(n, cfg.num_heads, cfg.head_dim)
         k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim_v)
-        if fused:  # q/k norm and RoPE of both in one kernel
-            q, k = rope_qk(q, k, *cs, rope.neox, blk.q_norm, blk.k_norm, cfg.rms_eps)
-        else:
-            if blk.q_norm is not None:
-                q = rms_norm(q, blk.q_norm, cfg.rms_eps)
-                k = rms_norm(k, blk.k_norm, cfg.rms_eps)
-            q, k = rope.apply(q, *cs), rope.apply(k, *cs)
+        if fused:  # q/k norm and RoPE of both, and the K/V store, in one kernel
+            q, k = rope_qk(q, k, *cs, rope.neox, blk.q_norm, blk.k_norm, cfg.rms_eps,
+                           kv_target(blk.attn, v, batch, kv))
+            return blk.out(attend(blk.attn, q, k, v, batch, kv, stored=True))
+        if blk.q_norm is not None:
+            q = rms_norm(q, blk.q_norm, cfg.rms_eps)
+            k = rms_norm(k, blk.k_norm, cfg.rms_eps)
+        q, k = rope.apply(q, *cs), rope.apply(k, *cs)
         return blk.out(attend(blk.attn, q, k, v, batch, kv))
 
     @torch.inference_mode()

@@ -12,7 +12,8 @@ import torch
 
 from engine.errors import InvalidRequest
 from engine.layers.rope import Rope
-from kernels.fused_rope import rope_qk, rope_qk_reference
+from kernels.fused_rope import KVStore, rope_qk, rope_qk_reference
+from kernels.kv_store import kv_store_reference
 
 KERNEL = "kernels.fused_rope:rope_qk"
 EPS = 1e-6
@@ -88,3 +89,71 @@ def test_cpu_without_interpreter_runs_the_reference(gen):
     rope, q, k, cos, sin = case(gen, 3, 4, 2, 64, False)
     got, ref = rope_qk(q, k, cos, sin, False), rope_qk_reference(q, k, cos, sin, False)
     assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+
+
+def rope_store(q, k, cos, sin, neox, qw, kw, v, slots, k_planes, v_planes, k_format,
+               v_format):
+    """rope_qk with its K/V store, in the worker: -> (q, k, the planes it wrote into)."""
+    q_out, k_out = rope_qk(q, k, cos, sin, neox, qw, kw, EPS,
+                           KVStore(v, slots, k_planes, v_planes, k_format, v_format))
+    return q_out, k_out, k_planes, v_planes
+
+
+@pytest.mark.parametrize("k_format,v_format", [("f16", "f16"), ("q8", "q4"),
+                                               ("q4_plain", "q8")])
+@pytest.mark.parametrize("tokens,heads,kv_heads,neox,norm", [(1, 4, 2, False, False),
+                                                            (5, 6, 3, True, True)])
+def test_store_is_rope_then_kv_store(interp, gen, k_format, v_format, tokens, heads, kv_heads,
+                                     neox, norm):
+    """With a KVStore, the launch gives rope_qk's q and k bit for bit and stores the rotated
+    k and v as kv_store's reference does, every other byte of the planes untouched (they
+    start as random bytes); v is a strided view of the qkv row, its head dim another."""
+    from test_kv_store import clone, random_planes, same_bits
+
+    dim, dv = 64, 96
+    rope, q, k, cos, sin = case(gen, tokens, heads, kv_heads, dim, neox)
+    qw, kw = ((torch.rand(dim, generator=gen) + 0.5) for _ in range(2)) if norm else (None,) * 2
+    vrow = torch.randn(tokens, kv_heads * dv + 3, generator=gen)
+    v = vrow[:, :kv_heads * dv].reshape(tokens, kv_heads, dv)
+    slots = torch.randperm(3 * tokens, generator=gen)[:tokens]
+    k_planes = random_planes(gen, k_format, 3 * tokens, kv_heads, dim)
+    v_planes = random_planes(gen, v_format, 3 * tokens, kv_heads, dv)
+    ref_k, ref_v = clone(k_planes), clone(v_planes)
+    got_q, got_k, got_kp, got_vp = interp.call(
+        "test_fused_rope:rope_store", q, k, cos, sin, neox, qw, kw, v, slots, k_planes,
+        v_planes, k_format, v_format)
+    want_q, want_k = interp.call(KERNEL, q, k, cos, sin, neox, qw, kw, EPS)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    kv_store_reference(want_k, v, slots, ref_k, ref_v, k_format, v_format)
+    assert same_bits(got_kp, ref_k) and same_bits(got_vp, ref_v)
+
+
+def test_store_rejects_bad_inputs(interp, gen):
+    from test_kv_store import random_planes
+
+    _, q, k, cos, sin = case(gen, 3, 4, 2, 64, False)
+    v = torch.randn(3, 2, 64, generator=gen)
+    planes = random_planes(gen, "f16", 9, 2, 64)
+    with pytest.raises(InvalidRequest, match="slots"):
+        interp.call(KERNEL, q, k, cos, sin, False, None, None, EPS,
+                    KVStore(v, torch.arange(2), planes, planes, "f16", "f16"))
+    with pytest.raises(InvalidRequest, match="format"):
+        interp.call(KERNEL, q, k, cos, sin, False, None, None, EPS,
+                    KVStore(v, torch.arange(3), planes, planes, "f16", "q5"))
+
+
+def test_cpu_reference_path_stores_too(gen):
+    """Without the interpreter (CPU tensors): the references, the store included."""
+    from test_kv_store import clone, random_planes, same_bits
+
+    _, q, k, cos, sin = case(gen, 3, 4, 2, 64, True)
+    v = torch.randn(3, 2, 64, generator=gen)
+    slots = torch.tensor([4, 0, 7])
+    planes_k, planes_v = random_planes(gen, "q8", 9, 2, 64), random_planes(gen, "f16", 9, 2, 64)
+    ref_k, ref_v = clone(planes_k), clone(planes_v)
+    q_out, k_out = rope_qk(q, k, cos, sin, True, store=KVStore(v, slots, planes_k, planes_v,
+                                                                "q8", "f16"))
+    want_q, want_k = rope_qk_reference(q, k, cos, sin, True)
+    assert torch.equal(q_out, want_q) and torch.equal(k_out, want_k)
+    kv_store_reference(want_k, v, slots, ref_k, ref_v, "q8", "f16")
+    assert same_bits(planes_k, ref_k) and same_bits(planes_v, ref_v)
