@@ -185,12 +185,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     args, consts, warps = (cos,) * 6 + (0, 0), {}, 1  # no store: placeholders
     if store is not None:
         v, slots = store.v, store.slots
-        if v.dim() != 3 or v.shape[:2] != k.shape[:2] or tuple(slots.shape) != (tokens,) \
-                or slots.dtype not in (torch.int32, torch.int64):
-            raise InvalidRequest(f"rope_qk: store's v (T, KVH, dv) and slots (T,) int, got "
-                                 f"{tuple(v.shape)}, {tuple(slots.shape)} {slots.dtype}")
-        planes, consts = store_args(k_out, v, store.k_planes, store.v_planes, store.k_format,
-                                    store.v_format)
+        planes, consts = store_args(k_out, *store)  # v and slots checked against k
         consts = {n: c for n, c in consts.items() if n not in ("KVH", "DK")}
         args = (v, slots.to(q.device), *planes, v.stride(0), v.stride(1))
         # f16 planes take a copy a thread; the quantized ones kv_store's warps

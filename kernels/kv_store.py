@@ -188,11 +188,7 @@ def kv_store(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
     if not (HAS_TRITON and (k.device.type != "cpu" or interpreter_active())):
         kv_store_reference(k, v, slots, k_planes, v_planes, k_format, v_format)
         return
-    if k.dim() != 3 or v.dim() != 3 or k.shape[:2] != v.shape[:2] or \
-            tuple(slots.shape) != (k.shape[0],) or slots.dtype not in (torch.int32, torch.int64):
-        raise InvalidRequest(f"kv_store: k (n, h, dk), v (n, h, dv), slots (n,) int, got "
-                             f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(slots.shape)}")
-    planes, consts = store_args(k, v, k_planes, v_planes, k_format, v_format)
+    planes, consts = store_args(k, v, slots, k_planes, v_planes, k_format, v_format)
     if k.shape[0] == 0:
         return
     launcher(_kv_store_kernel, k.device)[(k.shape[0], 2)](
@@ -200,11 +196,16 @@ def kv_store(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
         v.stride(1), **consts, num_warps=4)
 
 
-def store_args(k: torch.Tensor, v: torch.Tensor, k_planes: dict[str, torch.Tensor],
-               v_planes: dict[str, torch.Tensor], k_format: str,
-               v_format: str) -> tuple[tuple[torch.Tensor, ...], dict[str, int]]:
+def store_args(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+               k_planes: dict[str, torch.Tensor], v_planes: dict[str, torch.Tensor],
+               k_format: str, v_format: str) -> tuple[tuple[torch.Tensor, ...], dict[str, int]]:
     """The planes (k0, k1, v0, v1) and constexprs of a store of k (n, kv_heads, dk) and v
-    (n, kv_heads, dv), checked: _encode's arguments (here and in kernels/fused_rope.py)."""
+    (n, kv_heads, dv) at slots (n,), all checked: _encode's arguments (here and in
+    kernels/fused_rope.py)."""
+    if k.dim() != 3 or v.dim() != 3 or k.shape[:2] != v.shape[:2] or \
+            tuple(slots.shape) != (k.shape[0],) or slots.dtype not in (torch.int32, torch.int64):
+        raise InvalidRequest(f"kv_store: k (n, h, dk), v (n, h, dv), slots (n,) int, got "
+                             f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(slots.shape)}")
     k0, k1 = _planes(k_planes, k_format, k, "K")
     v0, v1 = _planes(v_planes, v_format, v, "V")
     (_, heads, dk), dv = k.shape, v.shape[2]

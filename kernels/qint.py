@@ -1049,8 +1049,8 @@ def aot_specs(spec: type) -> list:
                 wide = "_wide" if n == WIDE_N else ""
                 sums = "*i32" if sums_dtype(bm) == torch.int32 else "*fp16"
                 # Q6_K's wide one-row build both ways (x_early: Q6K_EARLY_WAVES)
-                late = (True, False) if qtype == Q6_K_A and bm == 1 and wide else (True,)
-                for early in late:
+                x_early = (True, False) if qtype == Q6_K_A and bm == 1 and wide else (True,)
+                for early in x_early:
                     consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": cfg.block_n,
                               "PTX": backend == "cuda", "QTYPE2": qtype2,
                               "PDL": backend == "cuda", "X_EARLY": early}
