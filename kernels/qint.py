@@ -181,9 +181,6 @@ class QIntConfig(NamedTuple):
     # Q6_K at one row on the CUDA cores: x's loads ahead of the scales' decode (else in
     # the product's loop, where they wait behind it)
     x_early: bool = True
-    # The CUDA-core kernel on NVIDIA: super-blocks a program asks the L2 for ahead of its
-    # loads (l2_ahead; 0: none)
-    prefetch: int = 0
 
 
 class QuantX(NamedTuple):
@@ -324,22 +321,6 @@ if HAS_TRITON:
     def _keep(p):
         """x's codes: every program of the launch reads them."""
         return tl.load(p, eviction_policy="evict_last")
-
-    @helper
-    def _l2_ahead(w_ptr, row_off, sb, count, SB_BYTES: tl.constexpr):
-        """Ask the L2 for `count` super-blocks of SB_BYTES from super-block sb on, of each
-        row at row_off (BN,) (16-byte aligned): one bulk prefetch a row (sm_90's
-        cp.async.bulk.prefetch.L2), which holds no register and waits for nothing."""
-        p = w_ptr + row_off + sb * SB_BYTES
-        n = (0 * row_off).to(tl.int32) + count * SB_BYTES
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-                                  "=r,l,r", [p, n], dtype=tl.int32, is_pure=False, pack=1)
-
-    @helper
-    def _l2_line(p):
-        """Ask the L2 for the line at each address p."""
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [p],
-                                  dtype=tl.int32, is_pure=False, pack=1)
 
     @helper
     def _sums(p):
@@ -539,26 +520,12 @@ if HAS_TRITON:
     @helper
     def _gemv_sbs(acc, w_ptr, row_off, sb0, count, q_ptr, dx_ptr, bs_ptr, K, M,
                   QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, PTX: tl.constexpr,
-                  PDL: tl.constexpr, X_EARLY: tl.constexpr = True, PF: tl.constexpr = 0):
+                  PDL: tl.constexpr, X_EARLY: tl.constexpr = True):
         """acc + super-blocks sb0 .. sb0 + count - 1 (count >= 1) of the rows at row_off.
         The first super-block's words are loaded before the wait for x (await_inputs;
         later waits return at once). (Loading each next super-block's words before the
-        current one's product measured slower, bench/RESULTS.md.) PF > 0 (NVIDIA): the
-        first PF super-blocks asked of the L2 first (and Q6_K's d's), then super-block
-        i + PF at each step i (_l2_ahead)."""
-        if PF > 0:
-            if QTYPE == 12:
-                _l2_ahead(w_ptr, row_off, sb0, tl.minimum(count, PF), 144)
-            else:
-                _l2_ahead(w_ptr, row_off, sb0, tl.minimum(count, PF), 208)
-                _l2_line(w_ptr + row_off + (K // 256) * 208 + 2 * sb0)
+        current one's product measured slower, bench/RESULTS.md.)"""
         for i in range(0, count):
-            if PF > 0:
-                if i + PF < count:
-                    if QTYPE == 12:
-                        _l2_ahead(w_ptr, row_off, sb0 + i + PF, 1, 144)
-                    else:
-                        _l2_ahead(w_ptr, row_off, sb0 + i + PF, 1, 208)
             if QTYPE == 12:  # Q4_K
                 w, head = _ld_q4k(w_ptr, row_off, sb0 + i)
                 await_inputs(PDL)
@@ -577,7 +544,7 @@ if HAS_TRITON:
         sb_per_split, nsplit, ticket, w2_ptr, n1, row_bytes2,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PTX: tl.constexpr = False, QTYPE2: tl.constexpr = 0, PDL: tl.constexpr = False,
-        X_EARLY: tl.constexpr = True, PF: tl.constexpr = 0,
+        X_EARLY: tl.constexpr = True,
     ):
         """y[m, n] = the product of x's row m (quantized: q, dx, 16-column sums bs) and W's
         row n; grid (N tiles, splits), a program's sum over its range of super-blocks
@@ -597,11 +564,11 @@ if HAS_TRITON:
         if second:
             row_off = tl.where(rn < N, rn - n1, 0).to(tl.int64) * row_bytes2  # past N: row 0
             acc = _gemv_sbs(acc, w2_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
-                            M, QTYPE2, BLOCK_M, PTX, PDL, X_EARLY, PF)
+                            M, QTYPE2, BLOCK_M, PTX, PDL, X_EARLY)
         else:
             row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
             acc = _gemv_sbs(acc, w_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
-                            M, QTYPE, BLOCK_M, PTX, PDL, X_EARLY, PF)
+                            M, QTYPE, BLOCK_M, PTX, PDL, X_EARLY)
         offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
         finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, offs,
                       (rm < M)[None, :] & (rn < N)[:, None], ticket)
@@ -1000,9 +967,6 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
         kernel, extra = _qint_gemv_kernel, {"BLOCK_M": next_pow2(m), "BLOCK_N": cfg.block_n,
                                             "num_warps": cfg.num_warps, "QTYPE2": int(type2),
                                             "X_EARLY": cfg.x_early, **stages}
-        pf = cfg.prefetch or int(os.environ.get("MBUFO_QINT_PREFETCH", "0"))
-        if pf and ptx(device) and all(p[0].data_ptr() % 16 == 0 for p in parts):
-            extra["PF"] = pf
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
     elif mma_path(m, int(ggml_type), int(type2), backend, device) and (
             not type2 or n1 % (16 * _qint_mma().WARPS) == 0):

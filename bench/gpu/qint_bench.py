@@ -149,9 +149,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="sweep the CUDA-core kernel's configs at one row on the swept shapes")
     ap.add_argument("--regs", default="",
                     help="the config sweep's register caps besides none (e.g. 96,128)")
-    ap.add_argument("--prefetch", default="",
-                    help="also time the default config at 1 row with these prefetch "
-                         "distances (QIntConfig.prefetch, e.g. 1,2,4,64)")
     ap.add_argument("--tiles-only", action="store_true",
                     help="sweep the matrix-unit kernel's tiles only (not the CUDA-core configs)")
     args = ap.parse_args(argv)
@@ -176,12 +173,6 @@ def main(argv: list[str] | None = None) -> int:
             for m in ms:
                 for mode in ("qmatmul", "qint") if args.qmatmul else ("qint",):
                     out["rows"].append(measure(run, case, mode, m, None, ceil))
-            for pf in (int(v) for v in args.prefetch.split(",") if v):
-                for m in (v for v in ms if v <= qint.GEMV_MAX_M):
-                    cfg = default_qint_config(case.qtype, n, k, run.sms, m=m)
-                    row = measure(run, case, "qint", m, cfg._replace(prefetch=pf), ceil)
-                    row.update(mode="qint-pf")
-                    out["rows"].append(row)
             if ((n, k) in swept or args.smoke) and args.config_sweep and not args.tiles_only:
                 base = default_qint_config(case.qtype, n, k, run.sms)
                 regs = (None, *(int(v) for v in args.regs.split(",") if v))
