@@ -116,6 +116,8 @@ def measure(run: Run, case: Case, mode: str, m: int, cfg: QIntConfig | None, cei
         if cfg is None or cfg.split == split:  # the default split: row 0's bits as at M = 1
             first = case.row0.setdefault("m1", y[0].clone())
             row["bits_equal_m1"] = bool(torch.equal(y[0], first))
+    if run.warm:
+        weights = weights[:1] * 32
     us = run.attempt(what, lambda: run.time_us([partial(call, blocks=w) for w in weights]))
     if us is not None:
         gbs = case.blocks.numel() / us / 1e3
@@ -149,10 +151,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="sweep the CUDA-core kernel's configs at one row on the swept shapes")
     ap.add_argument("--regs", default="",
                     help="the config sweep's register caps besides none (e.g. 96,128)")
+    ap.add_argument("--warm", action="store_true",
+                    help="time over one weight copy (L2-resident where it fits) instead of "
+                         "copies that miss the L2")
     ap.add_argument("--tiles-only", action="store_true",
                     help="sweep the matrix-unit kernel's tiles only (not the CUDA-core configs)")
     args = ap.parse_args(argv)
     run = Run(args)
+    run.warm = args.warm
     shapes = [(32, 512)] if args.smoke else SHAPES
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
