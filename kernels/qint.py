@@ -181,6 +181,10 @@ class QIntConfig(NamedTuple):
     # Q6_K at one row on the CUDA cores: x's loads ahead of the scales' decode (else in
     # the product's loop, where they wait behind it)
     x_early: bool = True
+    # The CUDA-core kernel: a program takes every split of its block_n rows (on num_warps
+    # warps), summing the partials itself after a barrier instead of a ticket's last
+    # program (_finish_in_cta: the same bits)
+    in_cta: bool = False
 
 
 class QuantX(NamedTuple):
@@ -406,12 +410,13 @@ if HAS_TRITON:
 
     @helper
     def _sb_q4k(acc, w, head, sb, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M: tl.constexpr,
-                PTX: tl.constexpr):
+                PTX: tl.constexpr, VROWS: tl.constexpr = False):
         """acc (BN, BM) + super-block sb of BN Q4_K rows (its words from _ld_q4k) times the
         quantized x rows. The codes stay packed: word c (of 32) holds 4 bytes of group
         g = c // 8, low nibbles 4 codes of sub-block 2g, high nibbles 4 of 2g + 1, against
         one word of x's int8 codes each. The words lie flat, (BN, 32): a thread holds 4
-        words of several rows, which share x's words (loaded once) and a group's scales."""
+        words of several rows, which share x's words (loaded once) and a group's scales.
+        VROWS: sb is (BN, 1), a super-block a row (_qint_gemv_kernel's IN_CTA)."""
         c = tl.arange(0, 32)[None, :]
         zero = tl.zeros((w.shape[0], 1), tl.int32)  # (BN, 1): indices in the codes' shape
         j = tl.arange(0, 4)[None, :]
@@ -423,6 +428,8 @@ if HAS_TRITON:
             # shared memory), so issued after it they would add their latency to the
             # weights' (more rows keep their loads in the loop: registers)
             xa0, xb0, t00, t01, t02, t03, dx0 = _x_q4k(q32, bs_ptr, dx_ptr, xw, j, 0, sb, K)
+            if VROWS:
+                dx0 = tl.reshape(dx0, (w.shape[0],))
         lo = w & 0x0F0F0F0F
         hi = (w >> 4) & 0x0F0F0F0F
         w0, w1, w2, w3 = _k4_head_words(head)
@@ -442,6 +449,8 @@ if HAS_TRITON:
                     xa, xb, t0, t1, t2, t3, dx = xa0, xb0, t00, t01, t02, t03, dx0
                 else:
                     xa, xb, t0, t1, t2, t3, dx = _x_q4k(q32, bs_ptr, dx_ptr, xw, j, m, sb, K)
+                    if VROWS:
+                        dx = tl.reshape(dx, (w.shape[0],))
                 p_lo = _quad_dots(lo, xa, PTX)
                 p_hi = _quad_dots(hi, xb, PTX)
                 dot = sc_lo * p_lo + sc_hi * p_hi  # (BN, 8)
@@ -473,7 +482,7 @@ if HAS_TRITON:
 
     @helper
     def _sb_q6k(acc, ql, qh, sw, d, sb, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M: tl.constexpr,
-                PTX: tl.constexpr, X_EARLY: tl.constexpr = True):
+                PTX: tl.constexpr, X_EARLY: tl.constexpr = True, VROWS: tl.constexpr = False):
         """acc (BN, BM) + super-block sb of BN Q6_K_A rows (its words from _ld_q6k) times
         the quantized x rows. Its 208-byte record (ql[128], qh[64], scales[16]) is 16-byte
         aligned and read as u32 words; d sits in the row's tail. Word c = 4 s + r (s < 8,
@@ -481,7 +490,7 @@ if HAS_TRITON:
         sub(s) = s + 4 (s // 4) and in its high nibbles 4 of sub(s) + 4; their top 2 bits
         are bits 2 a (4 + 2 a) of qh word 8 (s // 4) + 4 (s % 2) + r, a = s // 2 % 2 (qh
         arrives in ql's order). The words lie flat, (BN, 32), as in _sb_q4k. X_EARLY: at one
-        row, x's loads before the decode (QIntConfig.x_early)."""
+        row, x's loads before the decode (QIntConfig.x_early). VROWS: as _sb_q4k's."""
         c = tl.arange(0, 32)[None, :]
         s = c // 4
         r = c % 4
@@ -493,6 +502,8 @@ if HAS_TRITON:
         EARLY: tl.constexpr = BLOCK_M == 1 and X_EARLY
         if EARLY:  # x's words, sums and scale before the decode (see _sb_q4k)
             xa0, xb0, t0a, t0b, dx0 = _x_q6k(q32, bs_ptr, dx_ptr, xw, sub, 0, sb, K)
+            if VROWS:
+                dx0 = tl.reshape(dx0, (ql.shape[0],))
         a2 = 2 * (s // 2 % 2)
         q_lo = (ql & 0x0F0F0F0F) | (((qh >> a2) & 0x03030303) << 4)
         q_hi = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (a2 + 4)) & 0x03030303) << 4)
@@ -505,6 +516,8 @@ if HAS_TRITON:
                     xa, xb, ta, tb, dx = xa0, xb0, t0a, t0b, dx0
                 else:
                     xa, xb, ta, tb, dx = _x_q6k(q32, bs_ptr, dx_ptr, xw, sub, m, sb, K)
+                    if VROWS:
+                        dx = tl.reshape(dx, (ql.shape[0],))
                 p_lo = _quad_dots(q_lo, xa, PTX)
                 p_hi = _quad_dots(q_hi, xb, PTX)
                 # codes are q - 32: minus 32 times x's sum over the sub-block
@@ -520,23 +533,54 @@ if HAS_TRITON:
     @helper
     def _gemv_sbs(acc, w_ptr, row_off, sb0, count, q_ptr, dx_ptr, bs_ptr, K, M,
                   QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, PTX: tl.constexpr,
-                  PDL: tl.constexpr, X_EARLY: tl.constexpr = True):
-        """acc + super-blocks sb0 .. sb0 + count - 1 (count >= 1) of the rows at row_off.
+                  PDL: tl.constexpr, X_EARLY: tl.constexpr = True, VROWS: tl.constexpr = False):
+        """acc + super-blocks sb0 .. sb0 + count - 1 (count >= 1) of the rows at row_off
+        (VROWS: sb0 (BN,), each row's own).
         The first super-block's words are loaded before the wait for x (await_inputs;
         later waits return at once). (Loading each next super-block's words before the
         current one's product measured slower, bench/RESULTS.md.)"""
         for i in range(0, count):
-            if QTYPE == 12:  # Q4_K
-                w, head = _ld_q4k(w_ptr, row_off, sb0 + i)
-                await_inputs(PDL)
-                acc = _sb_q4k(acc, w, head, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M,
-                              PTX)
+            sb = sb0 + i
+            if VROWS:
+                sbx = sb[:, None]
             else:
-                ql, qh, sw, d = _ld_q6k(w_ptr, row_off, sb0 + i, K)
+                sbx = sb
+            if QTYPE == 12:  # Q4_K
+                w, head = _ld_q4k(w_ptr, row_off, sb)
                 await_inputs(PDL)
-                acc = _sb_q6k(acc, ql, qh, sw, d, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, M,
-                              BLOCK_M, PTX, X_EARLY)
+                acc = _sb_q4k(acc, w, head, sbx, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M,
+                              PTX, VROWS)
+            else:
+                ql, qh, sw, d = _ld_q6k(w_ptr, row_off, sb, K)
+                await_inputs(PDL)
+                acc = _sb_q6k(acc, ql, qh, sw, d, sbx, q_ptr, dx_ptr, bs_ptr, K, M,
+                              BLOCK_M, PTX, X_EARLY, VROWS)
         return acc
+
+    @helper
+    def _finish_in_cta(acc, y_ptr, part_ptr, pid_n, M, N, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, S: tl.constexpr):
+        """y's tile of the program's partials acc (BLOCK_N, BLOCK_M): row v split v % S
+        of weight row v // S. The partials pass through part (S, M, N) and
+        the program's barrier (no ticket: every split is the program's own), then each
+        row's are added in split order, as finish_splits adds them."""
+        TILE: tl.constexpr = BLOCK_N // S
+        v = tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rn = pid_n * TILE + v // S
+        plane = M.to(tl.int64) * N
+        offs = (v % S).to(tl.int64)[:, None] * plane + rm.to(tl.int64)[None, :] * N \
+            + rn[:, None]
+        tl.store(part_ptr + offs, acc, mask=(rm < M)[None, :] & (rn < N)[:, None])
+        tl.debug_barrier()  # the program's partials written before any is read
+        rt = pid_n * TILE + tl.arange(0, TILE)
+        offs_t = rm.to(tl.int64)[None, :] * N + rt[:, None]
+        mask_t = (rm < M)[None, :] & (rt < N)[:, None]
+        total = tl.load(part_ptr + offs_t, mask=mask_t, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, S):
+            total += tl.load(part_ptr + s * plane + offs_t, mask=mask_t, other=0.0,
+                             cache_modifier=".cg")
+        tl.store(y_ptr + offs_t, total, mask=mask_t)
 
     @triton.jit(do_not_specialize=["M", "N"])
     def _qint_gemv_kernel(
@@ -544,34 +588,49 @@ if HAS_TRITON:
         sb_per_split, nsplit, ticket, w2_ptr, n1, row_bytes2,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PTX: tl.constexpr = False, QTYPE2: tl.constexpr = 0, PDL: tl.constexpr = False,
-        X_EARLY: tl.constexpr = True,
+        X_EARLY: tl.constexpr = True, IN_CTA: tl.constexpr = 0,
     ):
         """y[m, n] = the product of x's row m (quantized: q, dx, 16-column sums bs) and W's
         row n; grid (N tiles, splits), a program's sum over its range of super-blocks
         finished by qgemv.finish_splits. With QTYPE2, W's rows from n1 on (a multiple of
-        BLOCK_N) are the second part's (w2_ptr, row_bytes2, QTYPE2): q|k and v of two
-        types in one launch, into one output. X_EARLY: QIntConfig.x_early (Q6_K)."""
+        the tile) are the second part's (w2_ptr, row_bytes2, QTYPE2): q|k and v of two
+        types in one launch, into one output. X_EARLY: QIntConfig.x_early (Q6_K).
+        IN_CTA (= nsplit > 1): grid (N tiles, 1), a program's BLOCK_N rows are the
+        IN_CTA splits of its BLOCK_N / IN_CTA weight rows (row v: split v % IN_CTA of
+        weight row v // IN_CTA, so that the rows a thread holds, IN_CTA or more apart,
+        share a split and x's words), finished by _finish_in_cta: the same partials,
+        summed in the same order."""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        sb0 = split * sb_per_split
+        if IN_CTA > 0:
+            TILE: tl.constexpr = BLOCK_N // IN_CTA
+            v = tl.arange(0, BLOCK_N)
+            rn = pid_n * TILE + v // IN_CTA
+            sb0 = (v % IN_CTA) * sb_per_split
+        else:
+            TILE: tl.constexpr = BLOCK_N
+            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            sb0 = split * sb_per_split
         if QTYPE2 != 0:
-            second = pid_n * BLOCK_N >= n1
+            second = pid_n * TILE >= n1
         else:
             second = False
         if second:
             row_off = tl.where(rn < N, rn - n1, 0).to(tl.int64) * row_bytes2  # past N: row 0
             acc = _gemv_sbs(acc, w2_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
-                            M, QTYPE2, BLOCK_M, PTX, PDL, X_EARLY)
+                            M, QTYPE2, BLOCK_M, PTX, PDL, X_EARLY, IN_CTA > 0)
         else:
             row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
             acc = _gemv_sbs(acc, w_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
-                            M, QTYPE, BLOCK_M, PTX, PDL, X_EARLY)
-        offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
-        finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, offs,
-                      (rm < M)[None, :] & (rn < N)[:, None], ticket)
+                            M, QTYPE, BLOCK_M, PTX, PDL, X_EARLY, IN_CTA > 0)
+        if IN_CTA > 0:
+            _finish_in_cta(acc, y_ptr, part_ptr, pid_n, M, N, BLOCK_M, BLOCK_N, IN_CTA)
+        else:
+            offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
+            finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, offs,
+                          (rm < M)[None, :] & (rn < N)[:, None], ticket)
 
     def _q6_codes_asm(j: int, signed: bool) -> str:
         """PTX: 4 ql bytes ($1) and 4 qh bytes ($2) -> 4 Q6_K codes of a 32-column run j:
@@ -862,6 +921,17 @@ def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
     return QIntConfig(128, split, x_early=early)
 
 
+def in_cta_config(cfg: QIntConfig) -> QIntConfig:
+    """`cfg` with its splits in one program (QIntConfig.in_cta), each warp keeping the
+    rows it had: block_n / split * 2 rows a tile (at least a warp's), on as many warps as
+    the tile's splits take. Unchanged without a split."""
+    if cfg.split == 1:
+        return cfg
+    per_warp = cfg.block_n // cfg.num_warps
+    tile = max(per_warp, cfg.block_n // cfg.split * 2)
+    return cfg._replace(block_n=tile, num_warps=cfg.split * tile // per_warp, in_cta=True)
+
+
 def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int],
                 config: QIntConfig | None = None, *, num_sms: int | None = None,
                 xq: QuantX | None = None) -> torch.Tensor:
@@ -902,6 +972,8 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
     backend = "hip" if x.device.type == "cuda" and torch.version.hip else "cuda"
     cfg = config or default_qint_config(int(parts[0][1]), n_all, k, sms, backend, m,
                                         int(parts[1][1]) if len(parts) == 2 else 0)
+    if config is None and os.environ.get("MBUFO_QINT_IN_CTA") == "1":
+        cfg = in_cta_config(cfg)
     if (k // QK) % cfg.split:
         raise InvalidRequest(f"qint: {cfg} does not divide {k // QK} super-blocks")
     if m == 0 or n_all == 0:
@@ -962,11 +1034,16 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
     blocks2, type2, _ = parts[1] if len(parts) == 2 else (blocks, 0, 0)
     y = torch.empty(m, n, dtype=torch.float32, device=device)
     stages = compile_options(cfg.num_stages, cfg.max_regs, backend)
+    in_cta = gemv and cfg.in_cta and cfg.split > 1
     if gemv:
-        grid = (-(-n // cfg.block_n), cfg.split)
-        kernel, extra = _qint_gemv_kernel, {"BLOCK_M": next_pow2(m), "BLOCK_N": cfg.block_n,
+        grid = (-(-n // cfg.block_n), 1 if in_cta else cfg.split)
+        kernel, extra = _qint_gemv_kernel, {"BLOCK_M": next_pow2(m),
+                                            "BLOCK_N": cfg.block_n * (cfg.split if in_cta
+                                                                      else 1),
                                             "num_warps": cfg.num_warps, "QTYPE2": int(type2),
                                             "X_EARLY": cfg.x_early, **stages}
+        if in_cta:
+            extra["IN_CTA"] = cfg.split
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
     elif mma_path(m, int(ggml_type), int(type2), backend, device) and (
             not type2 or n1 % (16 * _qint_mma().WARPS) == 0):
@@ -989,10 +1066,10 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
         # splits a program sums itself, then the second part (or the first again)
         own = (cfg.split // grid[-1], blocks2, n1, blocks2.shape[1])
         extra["QTYPE2"] = int(type2)
-    splits = grid[-1]
+    splits = cfg.split if in_cta else grid[-1]
     part = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=device)
     tiles = grid[0] * (grid[1] if len(grid) == 3 else 1)
-    ticket = tiles <= _TICKETS
+    ticket = tiles <= _TICKETS or in_cta
     launcher(kernel, device)[grid](
         *xq, blocks, y, part, _tickets(device), m, n, k, blocks.shape[1],
         k // QK // cfg.split, splits, int(ticket), *own, QTYPE=int(ggml_type),

@@ -213,6 +213,34 @@ def test_two_parts_in_one_launch(interp, rng):
     check(tiled[:, n1:], x, g2, T.Q6_K)
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_splits_in_one_program_give_the_same_bits(interp, rng, qtype):
+    """QIntConfig.in_cta (a program takes every split of its rows and adds the partials
+    itself) gives the bits of the splits as programs of their own, at 1-4 rows of x, N
+    not a multiple of the tile, 2-8 splits; and for the fused q|k + v launch."""
+    from kernels.qint import in_cta_config
+
+    n, k = 72, 2048
+    blocks = random_weight(qtype, n, k, rng)
+    held = stored(blocks, qtype, k)
+    x = torch.from_numpy(rng.standard_normal((4, k), dtype=np.float32))
+    for split, m in ((2, 1), (4, 3), (8, 2), (8, 4)):
+        cfg = QIntConfig(16, split, 2)
+        one = in_cta_config(cfg)
+        assert one.in_cta and one.split == split and one.block_n * split >= 16
+        want = interp.call(KERNEL, x[:m], *held, (n, k), cfg)
+        got = interp.call(KERNEL, x[:m], *held, (n, k), one)
+        assert torch.equal(got, want), (split, m)
+        check(got, x[:m], blocks, qtype)
+    b1, g2 = random_weight(T.Q4_K, 64, k, rng), random_weight(T.Q6_K, 24, k, rng)
+    parts = [(b1, int(T.Q4_K), 64), (repack_q6k(g2, k), Q6_K_A, 24)]
+    cfg = QIntConfig(16, 4, 2)
+    want = interp.call("kernels.qint:qint_parts", x[:1], parts, k, cfg)
+    got = interp.call("kernels.qint:qint_parts", x[:1], parts, k, in_cta_config(cfg))
+    assert torch.equal(got, want)
+    check(got[:, 64:], x[:1], g2, T.Q6_K)
+
+
 def parts_with_tile(tile: tuple, *args, **kwargs) -> torch.Tensor:
     """qint_parts with every matrix-unit launch at `tile` (called in the interpreter's worker)."""
     from kernels.qint import forced_tile, qint_parts, tiled_tile
