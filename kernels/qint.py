@@ -921,14 +921,14 @@ def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
     return QIntConfig(128, split, x_early=early)
 
 
-def in_cta_config(cfg: QIntConfig) -> QIntConfig:
+def in_cta_config(cfg: QIntConfig, tile: int = 0) -> QIntConfig:
     """`cfg` with its splits in one program (QIntConfig.in_cta), each warp keeping the
     rows it had: block_n / split * 2 rows a tile (at least a warp's), on as many warps as
     the tile's splits take. Unchanged without a split."""
     if cfg.split == 1:
         return cfg
     per_warp = cfg.block_n // cfg.num_warps
-    tile = max(per_warp, cfg.block_n // cfg.split * 2)
+    tile = tile or max(per_warp, cfg.block_n // cfg.split * 2)
     return cfg._replace(block_n=tile, num_warps=cfg.split * tile // per_warp, in_cta=True)
 
 
@@ -972,8 +972,8 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
     backend = "hip" if x.device.type == "cuda" and torch.version.hip else "cuda"
     cfg = config or default_qint_config(int(parts[0][1]), n_all, k, sms, backend, m,
                                         int(parts[1][1]) if len(parts) == 2 else 0)
-    if config is None and os.environ.get("MBUFO_QINT_IN_CTA") == "1":
-        cfg = in_cta_config(cfg)
+    if config is None and cfg.split <= int(os.environ.get("MBUFO_QINT_IN_CTA", "0")):
+        cfg = in_cta_config(cfg, int(os.environ.get("MBUFO_QINT_IN_CTA_TILE", "0")))
     if (k // QK) % cfg.split:
         raise InvalidRequest(f"qint: {cfg} does not divide {k // QK} super-blocks")
     if m == 0 or n_all == 0:
