@@ -928,7 +928,7 @@ def in_cta_config(cfg: QIntConfig, tile: int = 0) -> QIntConfig:
     if cfg.split == 1:
         return cfg
     per_warp = cfg.block_n // cfg.num_warps
-    tile = tile or max(per_warp, cfg.block_n // cfg.split * 2)
+    tile = tile or cfg.block_n // cfg.split
     return cfg._replace(block_n=tile, num_warps=cfg.split * tile // per_warp, in_cta=True)
 
 
