@@ -913,23 +913,21 @@ def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
     if backend == "hip":
         return QIntConfig(HIP_BLOCK_N, split)
     if ggml_type == Q4_K and m <= Q4K_NARROW_M:
-        return QIntConfig(64, split, 2, None,
-                          Q4K_ONE_ROW_REGS if m == 1 and not qtype2 else None)
+        cfg = QIntConfig(64, split, 2, None, Q4K_ONE_ROW_REGS if m == 1 and not qtype2 else None)
+        return in_cta_config(cfg) if m == 1 else cfg
     if n < WIDE_N:
         return QIntConfig(64, split)
     early = ggml_type != Q6_K_A or m > 1 or -(-n // 128) * split >= Q6K_EARLY_WAVES * 3 * num_sms
     return QIntConfig(128, split, x_early=early)
 
 
-def in_cta_config(cfg: QIntConfig, tile: int = 0) -> QIntConfig:
-    """`cfg` with its splits in one program (QIntConfig.in_cta), each warp keeping the
-    rows it had: block_n / split * 2 rows a tile (at least a warp's), on as many warps as
-    the tile's splits take. Unchanged without a split."""
-    if cfg.split == 1:
+def in_cta_config(cfg: QIntConfig) -> QIntConfig:
+    """`cfg` with its splits in one program (QIntConfig.in_cta) of the same rows and
+    warps: block_n / split weight rows, each in every split. Unchanged without a split
+    (or taken already)."""
+    if cfg.split == 1 or cfg.in_cta:
         return cfg
-    per_warp = cfg.block_n // cfg.num_warps
-    tile = tile or cfg.block_n // cfg.split
-    return cfg._replace(block_n=tile, num_warps=cfg.split * tile // per_warp, in_cta=True)
+    return cfg._replace(block_n=cfg.block_n // cfg.split, in_cta=True)
 
 
 def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int],
@@ -972,8 +970,6 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
     backend = "hip" if x.device.type == "cuda" and torch.version.hip else "cuda"
     cfg = config or default_qint_config(int(parts[0][1]), n_all, k, sms, backend, m,
                                         int(parts[1][1]) if len(parts) == 2 else 0)
-    if config is None and cfg.split <= int(os.environ.get("MBUFO_QINT_IN_CTA", "0")):
-        cfg = in_cta_config(cfg, int(os.environ.get("MBUFO_QINT_IN_CTA_TILE", "0")))
     if (k // QK) % cfg.split:
         raise InvalidRequest(f"qint: {cfg} does not divide {k // QK} super-blocks")
     if m == 0 or n_all == 0:
@@ -1137,6 +1133,16 @@ def aot_specs(spec: type) -> list:
                                      **{k: "constexpr" for k in consts}},
                                     consts, cfg.num_warps, False, backend, cfg.num_stages,
                                     divisible + ("w2_ptr", "row_bytes2"), cfg.max_regs))
+        if qtype == Q4_K:  # one row: a tile's splits in one program (in_cta_config)
+            for backend in ("hip", "cuda"):
+                cfg = default_qint_config(qtype, 4096, 4096, 132, "cuda", 1, qtype2)
+                consts = {"QTYPE": qtype, "BLOCK_M": 1, "BLOCK_N": cfg.block_n * cfg.split,
+                          "PTX": backend == "cuda", "QTYPE2": qtype2,
+                          "PDL": backend == "cuda", "IN_CTA": cfg.split}
+                out.append(spec(f"qint_{name}_m1_in_cta", _qint_gemv_kernel,
+                                {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,
+                                cfg.num_warps, False, backend, cfg.num_stages,
+                                divisible + ("w2_ptr", "row_bytes2"), cfg.max_regs))
         if qtype2:
             continue
         for backend in ("hip", "cuda"):

@@ -347,7 +347,8 @@ def test_default_config_rows_a_program_leave_the_split_alone():
     """From WIDE_N rows a program takes 128 rows on CUDA (Q4_K with up to 2 rows of x: 64
     on 2 warps at any N, capped in registers at one row alone); the split (a row's bits)
     counts 64-row tiles whatever the rows of x: while fewer than 4 programs a compute
-    unit, up to 8, dividing the super-blocks evenly. Q6_K's wide programs load x early
+    unit, up to 8, dividing the super-blocks evenly; Q4_K at one row takes a tile's
+    splits in one program (in_cta_config). Q6_K's wide programs load x early
     at one row only where they fill Q6K_EARLY_WAVES waves of 3 a compute unit."""
     sms = 132
     want = {1024: (64, 8), 4096: (64, 8), WIDE_N - 1: (64, 8), WIDE_N: (128, 8), 14336: (128, 4),
@@ -359,10 +360,11 @@ def test_default_config_rows_a_program_leave_the_split_alone():
             block_n, split, x_early=early), n
         for m in (3, 8):
             assert default_qint_config(Q6_K_A, n, 4096, sms, m=m) == QIntConfig(block_n, split)
+        # one row: a tile's splits in one program of the same 64 rows a split
         assert default_qint_config(T.Q4_K, n, 4096, sms) == QIntConfig(
-            64, split, 2, None, Q4K_ONE_ROW_REGS), n
+            64 // split, split, 2, None, Q4K_ONE_ROW_REGS, in_cta=split > 1), n
         assert default_qint_config(T.Q4_K, n, 4096, sms, qtype2=Q6_K_A) == QIntConfig(
-            64, split, 2), n  # a two-type launch: capped, its build spills
+            64 // split, split, 2, in_cta=split > 1), n  # two types: capped, it spills
         assert default_qint_config(T.Q4_K, n, 4096, sms, m=2) == QIntConfig(64, split, 2), n
         assert default_qint_config(T.Q4_K, n, 4096, sms, m=3) == QIntConfig(block_n, split), n
         hip = default_qint_config(T.Q4_K, n, 4096, sms, backend="hip")
