@@ -220,11 +220,11 @@ def test_splits_in_one_program_give_the_same_bits(interp, rng, qtype):
     not a multiple of the tile, 2-8 splits; and for the fused q|k + v launch."""
     from kernels.qint import in_cta_config
 
-    n, k = 72, 2048
+    n, k = 75, 2048
     blocks = random_weight(qtype, n, k, rng)
     held = stored(blocks, qtype, k)
     x = torch.from_numpy(rng.standard_normal((4, k), dtype=np.float32))
-    for split, m in ((2, 1), (4, 3), (8, 2), (8, 4)):
+    for split, m in ((2, 1), (4, 3), (8, 2), (8, 4)):  # 8, 4, 2 and 2 weight rows a tile
         cfg = QIntConfig(16, split, 2)
         one = in_cta_config(cfg)
         assert one.in_cta and one.split == split and one.block_n * split >= 16
