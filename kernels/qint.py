@@ -596,10 +596,11 @@ if HAS_TRITON:
         the tile) are the second part's (w2_ptr, row_bytes2, QTYPE2): q|k and v of two
         types in one launch, into one output. X_EARLY: QIntConfig.x_early (Q6_K).
         IN_CTA (= nsplit > 1): grid (N tiles, 1), a program's BLOCK_N rows are the
-        IN_CTA splits of its BLOCK_N / IN_CTA weight rows (row v: split v % IN_CTA of
-        weight row v // IN_CTA, so that the rows a thread holds, IN_CTA or more apart,
-        share a split and x's words), finished by _finish_in_cta: the same partials,
-        summed in the same order."""
+        IN_CTA splits of its BLOCK_N / IN_CTA weight rows, finished by _finish_in_cta:
+        the same partials, summed in the same order. Row v is split v % IN_CTA of weight
+        row v // IN_CTA: rows a multiple of IN_CTA apart share a split and x's words, and
+        a thread's rows are such in the builds' layouts (with split-major rows the q|k + v
+        pair's sm_90 build of 32 weight rows on 8 warps took 226 registers, 161 so)."""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -900,11 +901,16 @@ def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
                         backend: str = "cuda", m: int = 1, qtype2: int = 0) -> QIntConfig:
     """64 rows a program, 128 from WIDE_N rows on, 4 warps (Q4_K with up to Q4K_NARROW_M
     rows of x: 64 rows on 2 warps, at one row and alone (no `qtype2`, the second part of
-    a two-type launch: capped it spills) capped at Q4K_ONE_ROW_REGS registers; HIP_BLOCK_N
-    on "hip"); the super-blocks split while 64-row tiles alone give fewer than 4 programs
-    per compute unit, up to MAX_SPLIT (num_sms 0: no split). The split never depends on
-    `m` (x's rows): it is in a row's bits (the rows and warps a program takes are not,
-    nor is x_early: Q6K_EARLY_WAVES)."""
+    a two-type launch: capped it spills) capped at Q4K_ONE_ROW_REGS registers, and at one
+    row a tile's splits in one program (in_cta_config); HIP_BLOCK_N on "hip"); the
+    super-blocks split while 64-row tiles alone give fewer than 4 programs per compute
+    unit, up to MAX_SPLIT (num_sms 0: no split). The split never depends on `m` (x's
+    rows): it is in a row's bits (the rows and warps a program takes are not, nor is
+    x_early: Q6K_EARLY_WAVES, nor in_cta).
+    Splits in one program measured faster for Q4_K at one row (H200: 28672 x 4096 21.5
+    against 25.3 us, 4096 x 14336 14.5 against 15.9; one stream 430 -> 450 tok/s) but
+    slower for Q6_K (4096 x 14336 20.1 against 18.5) and mixed at two rows
+    (bench/RESULTS.md, 2026-12-01)."""
     sbs = k // QK
     split = 1
     tiles = -(-n // 64)
@@ -923,9 +929,9 @@ def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
 
 def in_cta_config(cfg: QIntConfig) -> QIntConfig:
     """`cfg` with its splits in one program (QIntConfig.in_cta) of the same rows and
-    warps: block_n / split weight rows, each in every split. Unchanged without a split
-    (or taken already)."""
-    if cfg.split == 1 or cfg.in_cta:
+    warps: block_n / split weight rows, each in every split. Unchanged without a split,
+    where the split does not divide block_n, or taken already."""
+    if cfg.split == 1 or cfg.in_cta or cfg.block_n % cfg.split:
         return cfg
     return cfg._replace(block_n=cfg.block_n // cfg.split, in_cta=True)
 
@@ -1133,7 +1139,8 @@ def aot_specs(spec: type) -> list:
                                      **{k: "constexpr" for k in consts}},
                                     consts, cfg.num_warps, False, backend, cfg.num_stages,
                                     divisible + ("w2_ptr", "row_bytes2"), cfg.max_regs))
-        if qtype == Q4_K:  # one row: a tile's splits in one program (in_cta_config)
+        if qtype == Q4_K:  # one row: a tile's splits in one program (in_cta_config;
+            # NVIDIA's default, built for gfx1151 too so that it stays buildable there)
             for backend in ("hip", "cuda"):
                 cfg = default_qint_config(qtype, 4096, 4096, 132, "cuda", 1, qtype2)
                 consts = {"QTYPE": qtype, "BLOCK_M": 1, "BLOCK_N": cfg.block_n * cfg.split,
