@@ -62,7 +62,7 @@ from kernels.qtiles import Q4_K, Q6_K, _f16, _f16lo, _p32
 from kernels.triton_util import HAS_TRITON, await_inputs, helper, launcher, next_pow2, tl, triton
 
 __all__ = ["ACT8_STORED", "INT_SUMS_M", "MMA_GEMV_MAX_M_OF", "Q6_K_A", "QINT_TYPES",
-           "QIntConfig", "default_qint_config",
+           "QIntConfig", "default_qint_config", "in_cta_config", "other_way",
            "TILE_BOUNDS", "TILE_CANDIDATES", "TUNED_TILES", "forced_tile", "tile_bound",
            "tile_options", "tiled_tile",
            "QuantX", "dequantized_x_reference", "empty_quant_x", "qint_parts", "sums_dtype",
@@ -934,6 +934,14 @@ def in_cta_config(cfg: QIntConfig) -> QIntConfig:
     if cfg.split == 1 or cfg.in_cta or cfg.block_n % cfg.split:
         return cfg
     return cfg._replace(block_n=cfg.block_n // cfg.split, in_cta=True)
+
+
+def other_way(cfg: QIntConfig) -> QIntConfig:
+    """`cfg` with its splits the other way: as programs of their own where in one program
+    (in_cta), else in one program (in_cta_config); a bench's comparison."""
+    if cfg.in_cta:
+        return cfg._replace(block_n=cfg.block_n * cfg.split, in_cta=False)
+    return in_cta_config(cfg)
 
 
 def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int],

@@ -151,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="sweep the CUDA-core kernel's configs at one row on the swept shapes")
     ap.add_argument("--regs", default="",
                     help="the config sweep's register caps besides none (e.g. 96,128)")
+    ap.add_argument("--other-way", action="store_true",
+                    help="also time each CUDA-core launch with its splits the other way: in "
+                         "one program or as programs of their own (kernels.qint.other_way)")
     ap.add_argument("--warm", action="store_true",
                     help="time over one weight copy (L2-resident where it fits) instead of "
                          "copies that miss the L2")
@@ -179,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
             for m in ms:
                 for mode in ("qmatmul", "qint") if args.qmatmul else ("qint",):
                     out["rows"].append(measure(run, case, mode, m, None, ceil))
+                cfg = default_qint_config(case.qtype, n, k, run.sms, m=m)
+                if args.other_way and m <= qint.gemv_max_m(case.kind) and cfg.split > 1:
+                    row = measure(run, case, "qint", m, qint.other_way(cfg), ceil)
+                    row.update(mode="qint-other")
+                    out["rows"].append(row)
             if ((n, k) in swept or args.smoke) and args.config_sweep and not args.tiles_only:
                 base = default_qint_config(case.qtype, n, k, run.sms)
                 regs = (None, *(int(v) for v in args.regs.split(",") if v))

@@ -29,6 +29,7 @@ from kernels.qint import (
     default_qint_config,
     dequantized_x_reference,
     gemv_max_m,
+    other_way,
     qint_reference,
     quantize_x_reference,
     repack_q6k,
@@ -365,6 +366,10 @@ def test_default_config_rows_a_program_leave_the_split_alone():
             64 // split, split, 2, None, Q4K_ONE_ROW_REGS, in_cta=split > 1), n
         assert default_qint_config(T.Q4_K, n, 4096, sms, qtype2=Q6_K_A) == QIntConfig(
             64 // split, split, 2, in_cta=split > 1), n  # two types: capped, it spills
+        one_row = default_qint_config(T.Q4_K, n, 4096, sms)
+        if split > 1:  # qint_bench --other-way: the splits as programs of their own, and back
+            assert other_way(one_row) == QIntConfig(64, split, 2, None, Q4K_ONE_ROW_REGS), n
+            assert other_way(other_way(one_row)) == one_row, n
         assert default_qint_config(T.Q4_K, n, 4096, sms, m=2) == QIntConfig(64, split, 2), n
         assert default_qint_config(T.Q4_K, n, 4096, sms, m=3) == QIntConfig(block_n, split), n
         hip = default_qint_config(T.Q4_K, n, 4096, sms, backend="hip")
