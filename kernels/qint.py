@@ -1140,7 +1140,7 @@ def aot_specs(spec: type) -> list:
                 for early in x_early:
                     consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": cfg.block_n,
                               "PTX": backend == "cuda", "QTYPE2": qtype2,
-                              "PDL": backend == "cuda", "X_EARLY": early}
+                              "PDL": backend == "cuda", "X_EARLY": early, "IN_CTA": 0}
                     out.append(spec(f"qint_{name}_m{bm}{wide}{'' if early else '_late'}",
                                     _qint_gemv_kernel,
                                     {**gemv_sig, "bs_ptr": sums,
@@ -1153,7 +1153,7 @@ def aot_specs(spec: type) -> list:
                 cfg = default_qint_config(qtype, 4096, 4096, 132, "cuda", 1, qtype2)
                 consts = {"QTYPE": qtype, "BLOCK_M": 1, "BLOCK_N": cfg.block_n * cfg.split,
                           "PTX": backend == "cuda", "QTYPE2": qtype2,
-                          "PDL": backend == "cuda", "IN_CTA": cfg.split}
+                          "PDL": backend == "cuda", "X_EARLY": True, "IN_CTA": cfg.split}
                 out.append(spec(f"qint_{name}_m1_in_cta", _qint_gemv_kernel,
                                 {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,
                                 cfg.num_warps, False, backend, cfg.num_stages,

@@ -49,7 +49,8 @@ def loads_and_barriers(ops: list[str]) -> tuple[list[int], list[int]]:
             [i for i, op in enumerate(ops) if "BAR.SYNC" in op])
 
 
-@pytest.mark.parametrize("name", ["qint_Q4_K_m1", "qint_Q4_K_m1_wide", "qint_Q6_K_m1"])
+@pytest.mark.parametrize("name", ["qint_Q4_K_m1", "qint_Q4_K_m1_wide", "qint_Q6_K_m1",
+                                  "qint_Q4_K_m1_in_cta", "qint_Q4_K_Q6_K_m1_in_cta"])
 def test_one_row_loads_issue_before_the_loops_barriers(name):
     """(Q6_K's 128-row build, the output head's, still passes two barriers before x's
     loads: its scale words' conversion is placed ahead of them.)"""
