@@ -148,6 +148,16 @@ def default_config(
 if HAS_TRITON:
 
     @helper
+    def sum_partials(y_ptr, part_ptr, plane, offs, mask, split_k):
+        """y at offs = the split_k partials at part_ptr + s * plane + offs added in split
+        order (read from the L2: other programs wrote them)."""
+        total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in range(1, split_k):
+            total += tl.load(part_ptr + s * plane + offs, mask=mask, other=0.0,
+                             cache_modifier=".cg")
+        tl.store(y_ptr + offs, total, mask=mask)
+
+    @helper
     def finish_splits(acc, y_ptr, part_ptr, ticket_ptr, tile, split, split_k, M, N, offs, mask,
                       ticket):
         """Stores a program's sums `acc` at `offs` of the (M, N) output: into y when K is
@@ -163,11 +173,7 @@ if HAS_TRITON:
                 tl.debug_barrier()  # every thread's partial is written before the ticket
                 arrived = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel", scope="gpu")
                 if arrived == split_k - 1:  # the last: sum in split order, re-arm the counter
-                    total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                    for s in range(1, split_k):
-                        total += tl.load(part_ptr + s * plane + offs, mask=mask, other=0.0,
-                                         cache_modifier=".cg")
-                    tl.store(y_ptr + offs, total, mask=mask)
+                    sum_partials(y_ptr, part_ptr, plane, offs, mask, split_k)
                     tl.atomic_xchg(ticket_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     # M, N and the split count are plain arguments (not specialized on their values): one

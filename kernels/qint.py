@@ -271,7 +271,7 @@ def qint_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int,
 
 
 if HAS_TRITON:
-    from kernels.qgemv import finish_splits
+    from kernels.qgemv import finish_splits, sum_partials
 
     @helper
     def quantize_store(x, b, ok, row, q_ptr, dx_ptr, bs_ptr, K):
@@ -398,15 +398,24 @@ if HAS_TRITON:
         return tl.where(col == m, v, acc)
 
     @helper
-    def _x_q4k(q32, bs_ptr, dx_ptr, xw, j, m, sb, K):
+    def _x_scale(dx_ptr, m, sb, K, BN: tl.constexpr, VROWS: tl.constexpr):
+        """x's scale of row m at super-block sb: a scalar, or with VROWS (sb (BN, 1), a
+        super-block a row) (BN,)."""
+        dx = tl.load(dx_ptr + m * (K // 256) + sb)
+        if VROWS:
+            dx = tl.reshape(dx, (BN,))
+        return dx
+
+    @helper
+    def _x_q4k(q32, bs_ptr, dx_ptr, xw, j, m, sb, K, VROWS: tl.constexpr):
         """Row m of the quantized x at Q4_K super-block sb: its words against the codes'
         low nibbles (xw: their indices) and high nibbles, the four pairs of 16-column sums
-        (2 a sub-block) and the scale."""
+        (2 a sub-block) and the scale (_x_scale)."""
         xrow = q32 + m * (K // 4) + sb * 64 + xw
         bs = bs_ptr + m * (K // 16) + sb * 16 + j * 4
         return (_keep(xrow), _keep(xrow + 8),  # 32 elements on: the high nibbles' sub-block
                 _sums(bs), _sums(bs + 1), _sums(bs + 2), _sums(bs + 3),
-                tl.load(dx_ptr + m * (K // 256) + sb))
+                _x_scale(dx_ptr, m, sb, K, xw.shape[0], VROWS))
 
     @helper
     def _sb_q4k(acc, w, head, sb, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M: tl.constexpr,
@@ -427,9 +436,8 @@ if HAS_TRITON:
             # scales' decode below waits on the head's words (and passes them through
             # shared memory), so issued after it they would add their latency to the
             # weights' (more rows keep their loads in the loop: registers)
-            xa0, xb0, t00, t01, t02, t03, dx0 = _x_q4k(q32, bs_ptr, dx_ptr, xw, j, 0, sb, K)
-            if VROWS:
-                dx0 = tl.reshape(dx0, (w.shape[0],))
+            xa0, xb0, t00, t01, t02, t03, dx0 = _x_q4k(q32, bs_ptr, dx_ptr, xw, j, 0, sb, K,
+                                                       VROWS)
         lo = w & 0x0F0F0F0F
         hi = (w >> 4) & 0x0F0F0F0F
         w0, w1, w2, w3 = _k4_head_words(head)
@@ -448,9 +456,8 @@ if HAS_TRITON:
                 if BLOCK_M == 1:
                     xa, xb, t0, t1, t2, t3, dx = xa0, xb0, t00, t01, t02, t03, dx0
                 else:
-                    xa, xb, t0, t1, t2, t3, dx = _x_q4k(q32, bs_ptr, dx_ptr, xw, j, m, sb, K)
-                    if VROWS:
-                        dx = tl.reshape(dx, (w.shape[0],))
+                    xa, xb, t0, t1, t2, t3, dx = _x_q4k(q32, bs_ptr, dx_ptr, xw, j, m, sb, K,
+                                                        VROWS)
                 p_lo = _quad_dots(lo, xa, PTX)
                 p_hi = _quad_dots(hi, xb, PTX)
                 dot = sc_lo * p_lo + sc_hi * p_hi  # (BN, 8)
@@ -471,14 +478,14 @@ if HAS_TRITON:
         return sc_a, sc_b
 
     @helper
-    def _x_q6k(q32, bs_ptr, dx_ptr, xw, sub, m, sb, K):
+    def _x_q6k(q32, bs_ptr, dx_ptr, xw, sub, m, sb, K, VROWS: tl.constexpr):
         """Row m of the quantized x at Q6_K super-block sb: its words against the codes'
         low nibbles (xw (BN, 32): their indices) and high nibbles, the 16-column sums of
-        sub-blocks sub (1, 8) and sub + 4, and the scale."""
+        sub-blocks sub (1, 8) and sub + 4, and the scale (_x_scale)."""
         xrow = q32 + m * (K // 4) + sb * 64 + xw
         bs = bs_ptr + m * (K // 16) + sb * 16 + sub
         return (_keep(xrow), _keep(xrow + 16), _sums(bs), _sums(bs + 4),
-                tl.load(dx_ptr + m * (K // 256) + sb))
+                _x_scale(dx_ptr, m, sb, K, xw.shape[0], VROWS))
 
     @helper
     def _sb_q6k(acc, ql, qh, sw, d, sb, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M: tl.constexpr,
@@ -501,9 +508,7 @@ if HAS_TRITON:
         xw = 4 * (s + 4 * (s // 4)) + r + zero  # x's word for word c's low nibbles
         EARLY: tl.constexpr = BLOCK_M == 1 and X_EARLY
         if EARLY:  # x's words, sums and scale before the decode (see _sb_q4k)
-            xa0, xb0, t0a, t0b, dx0 = _x_q6k(q32, bs_ptr, dx_ptr, xw, sub, 0, sb, K)
-            if VROWS:
-                dx0 = tl.reshape(dx0, (ql.shape[0],))
+            xa0, xb0, t0a, t0b, dx0 = _x_q6k(q32, bs_ptr, dx_ptr, xw, sub, 0, sb, K, VROWS)
         a2 = 2 * (s // 2 % 2)
         q_lo = (ql & 0x0F0F0F0F) | (((qh >> a2) & 0x03030303) << 4)
         q_hi = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (a2 + 4)) & 0x03030303) << 4)
@@ -515,9 +520,8 @@ if HAS_TRITON:
                 if EARLY:
                     xa, xb, ta, tb, dx = xa0, xb0, t0a, t0b, dx0
                 else:
-                    xa, xb, ta, tb, dx = _x_q6k(q32, bs_ptr, dx_ptr, xw, sub, m, sb, K)
-                    if VROWS:
-                        dx = tl.reshape(dx, (ql.shape[0],))
+                    xa, xb, ta, tb, dx = _x_q6k(q32, bs_ptr, dx_ptr, xw, sub, m, sb, K,
+                                                VROWS)
                 p_lo = _quad_dots(q_lo, xa, PTX)
                 p_hi = _quad_dots(q_hi, xb, PTX)
                 # codes are q - 32: minus 32 times x's sum over the sub-block
@@ -574,13 +578,8 @@ if HAS_TRITON:
         tl.store(part_ptr + offs, acc, mask=(rm < M)[None, :] & (rn < N)[:, None])
         tl.debug_barrier()  # the program's partials written before any is read
         rt = pid_n * TILE + tl.arange(0, TILE)
-        offs_t = rm.to(tl.int64)[None, :] * N + rt[:, None]
-        mask_t = (rm < M)[None, :] & (rt < N)[:, None]
-        total = tl.load(part_ptr + offs_t, mask=mask_t, other=0.0, cache_modifier=".cg")
-        for s in tl.static_range(1, S):
-            total += tl.load(part_ptr + s * plane + offs_t, mask=mask_t, other=0.0,
-                             cache_modifier=".cg")
-        tl.store(y_ptr + offs_t, total, mask=mask_t)
+        sum_partials(y_ptr, part_ptr, plane, rm.to(tl.int64)[None, :] * N + rt[:, None],
+                     (rm < M)[None, :] & (rt < N)[:, None], S)
 
     @triton.jit(do_not_specialize=["M", "N"])
     def _qint_gemv_kernel(
@@ -1079,12 +1078,12 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
     splits = cfg.split if in_cta else grid[-1]
     part = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=device)
     tiles = grid[0] * (grid[1] if len(grid) == 3 else 1)
-    ticket = tiles <= _TICKETS or in_cta
+    ticket = tiles <= _TICKETS
     launcher(kernel, device)[grid](
         *xq, blocks, y, part, _tickets(device), m, n, k, blocks.shape[1],
         k // QK // cfg.split, splits, int(ticket), *own, QTYPE=int(ggml_type),
         PTX=ptx(device), **extra)
-    if splits > 1 and not ticket:
+    if splits > 1 and not ticket and not in_cta:
         from kernels.qmatmul import sum_splits
 
         sum_splits(part, y)
@@ -1149,8 +1148,8 @@ def aot_specs(spec: type) -> list:
                                     divisible + ("w2_ptr", "row_bytes2"), cfg.max_regs))
         if qtype == Q4_K:  # one row: a tile's splits in one program (in_cta_config;
             # NVIDIA's default, built for gfx1151 too so that it stays buildable there)
+            cfg = default_qint_config(qtype, 4096, 4096, 132, "cuda", 1, qtype2)
             for backend in ("hip", "cuda"):
-                cfg = default_qint_config(qtype, 4096, 4096, 132, "cuda", 1, qtype2)
                 consts = {"QTYPE": qtype, "BLOCK_M": 1, "BLOCK_N": cfg.block_n * cfg.split,
                           "PTX": backend == "cuda", "QTYPE2": qtype2,
                           "PDL": backend == "cuda", "X_EARLY": True, "IN_CTA": cfg.split}
