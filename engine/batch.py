@@ -27,6 +27,7 @@ class ForwardBatch:
     # Host facts the runner asks for on every step, computed once (None: not yet).
     _decode_only: bool | None = field(default=None, repr=False)
     _max_seq_len: int | None = field(default=None, repr=False)
+    _every_token: bool | None = field(default=None, repr=False)
 
     @property
     def num_rows(self) -> int:
@@ -49,6 +50,16 @@ class ForwardBatch:
                     np.array_equal(self.query_start.numpy(), rows)
                     and np.array_equal(self.logits_rows.numpy(), rows[:n]))
         return self._decode_only
+
+    def every_token(self) -> bool:
+        """Whether `logits_rows` is every token in order (decode rows only, a prefill of
+        all its logits), so that the hidden states need no gather. Computed on host
+        tensors and carried by `to`; a batch made on a device says False unless told."""
+        if self._every_token is None:
+            rows = self.logits_rows
+            self._every_token = rows.device.type == "cpu" and rows.numel() == self.num_tokens \
+                and bool(np.array_equal(rows.numpy(), np.arange(self.num_tokens)))
+        return self._every_token
 
     def max_seq_len(self) -> int:
         """The longest row's context after this step (0 without rows)."""
@@ -82,7 +93,7 @@ class ForwardBatch:
         return ForwardBatch(self.input_ids.to(device), self.positions.to(device),
                             self.query_start.to(device), self.seq_lens.to(device),
                             {g: t.to(device) for g, t in self.page_tables.items()},
-                            self.logits_rows.to(device))
+                            self.logits_rows.to(device), _every_token=self.every_token())
 
     @classmethod
     def build(
@@ -111,7 +122,8 @@ class ForwardBatch:
         return cls(_ids(input_ids), torch.from_numpy(starts),
                    torch.from_numpy(rows), torch.from_numpy(starts + 1),
                    {g: torch.from_numpy(t) for g, t in page_tables.items()},
-                   torch.from_numpy(rows[:-1]), _decode_only=len(input_ids) > 0)
+                   torch.from_numpy(rows[:-1]), _decode_only=len(input_ids) > 0,
+                   _every_token=True)
 
     @classmethod
     def from_rows(

@@ -214,7 +214,7 @@ class DecodeGraphs:
         tables = {g: dev[:, _FIXED + i * self.width:_FIXED + (i + 1) * self.width]
                   for i, g in enumerate(self.groups)}
         batch = ForwardBatch(dev[:, 0], dev[:, 1], self._query_start[:bucket + 1], dev[:, 2],
-                             tables, self._query_start[:bucket])
+                             tables, self._query_start[:bucket], _every_token=True)
         if self.plans is None or splits is None:
             return batch
 
@@ -234,7 +234,7 @@ class DecodeGraphs:
             slots[g] = view(f"slots:{g}", torch.int64, bucket)
         return PlannedBatch(batch.input_ids, batch.positions, batch.query_start,
                             batch.seq_lens, batch.page_tables, batch.logits_rows,
-                            _write_slots=slots, attn=attn)
+                            _write_slots=slots, attn=attn, _every_token=True)
 
     def _plan_sizes(self, bucket: int, splits: Splits) -> list[tuple[str, int]]:
         """(name, int64 words) of the plan arrays of `bucket` rows with `splits`."""

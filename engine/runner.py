@@ -254,12 +254,12 @@ class ModelRunner:
         """The same logits without graphs (graph replays are checked against this)."""
         on_device = batch.to(self.model.device)
         if not self.triton:
-            return self.model.logits(self.model.forward(on_device, self.kv))
+            return self.model.step_logits(on_device, self.kv)
         if batch.is_decode_only() and batch.max_seq_len() <= self.max_context:
             return self._step.decode(on_device, self._decode_splits(batch))
         host = batch.to(torch.device("cpu"))
         planned = plan_batch(host, on_device, self._layers, self.page_size)
-        return self.model.logits(self.model.forward(planned, self.kv))
+        return self.model.step_logits(planned, self.kv)
 
     def _decode_splits(self, batch: ForwardBatch) -> dict[str, int]:
         return self._splits_for(batch.max_seq_len())
@@ -288,7 +288,7 @@ class ModelStep:
 
     def planned(self, planned: PlannedBatch) -> torch.Tensor:
         """A planned batch on the device -> the logits of its logits rows."""
-        return self.model.logits(self.model.forward(planned, self.kv))
+        return self.model.step_logits(planned, self.kv)
 
     def decode(self, batch: ForwardBatch, splits: dict[str, int]) -> torch.Tensor:
         """A decode-only batch on the device and its key splits -> logits (plans made on

@@ -218,7 +218,8 @@ def decode_items_host(seq_lens: np.ndarray, window: int | None, split_keys: int,
 def _planned(batch: ForwardBatch, attn: dict[str, GroupInputs],
              slots: dict[str, torch.Tensor]) -> PlannedBatch:
     return PlannedBatch(batch.input_ids, batch.positions, batch.query_start, batch.seq_lens,
-                        batch.page_tables, batch.logits_rows, _write_slots=slots, attn=attn)
+                        batch.page_tables, batch.logits_rows, _write_slots=slots, attn=attn,
+                        _every_token=batch.every_token())
 
 
 def attend_reference(

@@ -120,6 +120,18 @@ class DecoderModel:
 
         A block's output joins the residual stream at the next norm (`_add_norm`), which on
         the Triton path is one kernel for the add, the optional post-norm and the norm."""
+        return self._forward(batch, kv, False).y
+
+    @torch.inference_mode()
+    def step_logits(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """logits(forward(batch, kv)); the output norm's kernel also quantizes its output
+        for a q8 head (no quantization launch of the head's own)."""
+        out = self._forward(batch, kv, True)
+        return self.logits(out.y, out.xq)
+
+    def _forward(self, batch: ForwardBatch, kv: KVCache, head_xq: bool) -> NormOut:
+        """forward's NormOut of the output norm; `head_xq`: quantized for the head where it
+        takes that (q8)."""
         cfg = self.cfg
         x = self.embed(batch.input_ids)  # (T, hidden) f32 residual stream
         fused = use_triton(x.device)
@@ -133,8 +145,8 @@ class DecoderModel:
             x, h, hq = self._add_norm(x, pending, blk.attn_norm, fused, self._mm_dtype,
                                       _act8(blk.qkv, fused))
             o = self._attention(blk, h, hq, rope, cs, batch, kv, fused)
-            if i == last:  # only the requested rows go through the last MLP
-                x, o = x[batch.logits_rows], o[batch.logits_rows]
+            if i == last and not batch.every_token():  # only the requested rows go
+                x, o = x[batch.logits_rows], o[batch.logits_rows]  # through the last MLP
             x, h, hq = self._add_norm(x, (o, blk.post_attn_norm), blk.ffn_norm, fused,
                                       self._mm_dtype, _act8(blk.gate_up, fused))
             gate_up = blk.gate_up(h) if hq is None else blk.gate_up(h, xq=hq)
@@ -144,7 +156,8 @@ class DecoderModel:
             else:
                 down = blk.down(self._mlp_act(gate_up, fused))
             pending = (down, blk.post_ffn_norm)
-        return self._add_norm(x, pending, self.output_norm, fused)[1]
+        return self._add_norm(x, pending, self.output_norm, fused,
+                              quantize=head_xq and _act8(self.head, fused))
 
     def _mlp_act(self, gate_up: torch.Tensor, fused: bool) -> torch.Tensor:
         """(T, 2 ffn) gate and up rows -> act(gate) * up (T, ffn)."""
@@ -190,9 +203,9 @@ class DecoderModel:
         return blk.out(attend(blk.attn, q, k, v, batch, kv))
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (n, hidden) -> (n, vocab) float32."""
-        out = self.head(hidden)
+    def logits(self, hidden: torch.Tensor, xq: QuantX | None = None) -> torch.Tensor:
+        """hidden (n, hidden) -> (n, vocab) float32; `xq`: hidden quantized for a q8 head."""
+        out = self.head(hidden) if xq is None else self.head(hidden, xq=xq)
         if self.cfg.final_softcap:
             out = torch.tanh(out / self.cfg.final_softcap) * self.cfg.final_softcap
         return out

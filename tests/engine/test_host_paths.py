@@ -8,6 +8,8 @@ import asyncio
 import sys
 from pathlib import Path
 
+import torch
+
 _HELPERS = str(Path(__file__).with_name("scheduler"))  # sched_fakes.py, in any import mode
 if _HELPERS not in sys.path:
     sys.path.insert(0, _HELPERS)
@@ -71,10 +73,30 @@ def test_built_batches_match_the_definition():
             assert any(-1 in row for row in tables["sliding"])  # a released page
             assert got == {"input_ids": ids, "positions": pos, "query_start": starts,
                            "seq_lens": lens, "logits_rows": logits, "tables": tables}
-            assert build_batch(plan, groups).is_decode_only() == (plan is decode)
+            built = build_batch(plan, groups)
+            assert built.is_decode_only() == (plan is decode)
+            # every token's logits, in order: the forward skips its gather of the rows
+            assert built.every_token() == (logits == list(range(len(ids))))
+            assert built.to(torch.device("meta")).every_token() == built.every_token()
     finally:
         seqs[2].num_computed += 3
         seqs[3].num_computed += 2
+    assert build_batch(decode, groups).every_token()
+    assert not build_batch(mixed, groups).every_token()  # a chunk without logits
+
+
+def test_every_token_on_batches_made_on_a_device():
+    """A batch built on a device cannot tell without reading its rows back: False unless
+    its maker says so; a prefill whose every token needs logits says True."""
+    rows = torch.arange(3)
+    made = ForwardBatch(rows, rows, torch.arange(4), rows + 1, {}, rows.to("meta"))
+    assert not made.every_token()
+    told = ForwardBatch(rows, rows, torch.arange(4), rows + 1, {}, rows.to("meta"),
+                        _every_token=True)
+    assert told.every_token()
+    spans = ForwardBatch.build([([1, 2, 3], 0)], {"full": [[0]]}, logits_rows=[0, 1, 2])
+    assert spans.every_token() and not ForwardBatch.build([([1, 2, 3], 0)],
+                                                          {"full": [[0]]}).every_token()
 
 
 def test_async_streams_get_a_step_in_one_wakeup():
