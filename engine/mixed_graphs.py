@@ -222,7 +222,7 @@ class MixedGraphs:
             planned = PlannedBatch(view("ids"), positions, view("qs"), view("lens"), tables,
                                    view("logits"),
                                    _write_slots={g: view(f"slots:{g}") for g in self.groups},
-                                   attn=attn)
+                                   attn=attn, _every_token=False)  # rows differ by replay
             return self.step(planned)
 
         return step

@@ -10,6 +10,12 @@ rope.py's Rope.cos_sin, computed once per step and shared by every layer):
 One program per (token, head) rotates one q or k head (GQA: fewer k heads), reading q and
 k in place from the fused qkv projection (any row and head
 strides) and writing new contiguous (T, heads, d) tensors. Float32 throughout.
+
+`rope_cos_sin` makes a step's cos/sin in one launch (torch takes four: the positions'
+conversion, the product with the frequencies, cos, sin), with torch's float32 operations:
+the angle pos * inv_freq rounded once, then tl.cos / tl.sin, which lower to the math
+library's fully range-reduced cosf / sinf (libdevice on NVIDIA, as torch's CUDA kernels
+call them, no approximate instruction; ocml on ROCm).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from kernels.triton_util import (
     tl,
 )
 
-__all__ = ["KVStore", "rope_qk", "rope_qk_reference"]
+__all__ = ["KVStore", "rope_cos_sin", "rope_cos_sin_reference", "rope_qk", "rope_qk_reference"]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
@@ -60,7 +66,31 @@ def rope_qk_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
     return out[0], out[1]
 
 
+def rope_cos_sin_reference(positions: torch.Tensor,
+                           inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions (T,) int, inv_freq (d/2,) float32 -> cos, sin (T, 1, d/2) float32."""
+    angles = positions.to(torch.float32)[:, None] * inv_freq
+    return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+
 if HAS_TRITON:
+    @jit
+    def _cos_sin_kernel(pos_ptr, inv_ptr, out_ptr, tokens, stride_pos, HALF: tl.constexpr,
+                        HALFP: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
+        """Tokens [BLOCK_T j, BLOCK_T (j + 1)): out[t, 0] = cos, out[t, 1] = sin of
+        pos[t * stride_pos] * inv (out (T, 2, HALF))."""
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        i = tl.arange(0, HALFP)
+        inv = tl.load(inv_ptr + i, mask=i < HALF, other=0.0)
+        await_inputs(PDL)
+        pos = tl.load(pos_ptr + t.to(tl.int64) * stride_pos, mask=t < tokens,
+                      other=0).to(tl.float32)
+        angle = pos[:, None] * inv[None, :]
+        ok = (t < tokens)[:, None] & (i < HALF)[None, :]
+        at = out_ptr + t.to(tl.int64)[:, None] * (2 * HALF) + i[None, :]
+        tl.store(at, tl.cos(angle), mask=ok)
+        tl.store(at + HALF, tl.sin(angle), mask=ok)
+
     from kernels.kv_store import _encode
 
     @helper
@@ -201,6 +231,36 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return q_out, k_out
 
 
+_COS_SIN_ELEMENTS = 256  # angles a program (one warp) of _cos_sin_kernel: 8 a thread
+
+
+def _cos_sin_tokens(half: int) -> int:
+    """Tokens a program of _cos_sin_kernel takes (a power of two, at least 1)."""
+    return max(1, _COS_SIN_ELEMENTS // next_pow2(half))
+
+
+def rope_cos_sin(positions: torch.Tensor,
+                 inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope_cos_sin_reference's cos, sin (T, 1, d/2) float32 (views into one (T, 2, d/2)
+    buffer) of positions with any stride, one launch on a GPU (or on the CPU when the
+    interpreter is active), else the reference."""
+    if not (HAS_TRITON and (positions.device.type != "cpu" or interpreter_active())):
+        return rope_cos_sin_reference(positions, inv_freq)
+    if positions.dim() != 1 or positions.dtype.is_floating_point or inv_freq.dim() != 1 or \
+            inv_freq.dtype != torch.float32 or inv_freq.device != positions.device:
+        raise InvalidRequest(f"rope_cos_sin: positions (T,) integers and inv_freq (d/2,) "
+                             f"float32 on one device, got {positions.dtype} "
+                             f"{tuple(positions.shape)}, {inv_freq.dtype} {tuple(inv_freq.shape)}")
+    tokens, half = positions.shape[0], inv_freq.shape[0]
+    out = torch.empty(tokens, 2, half, dtype=torch.float32, device=positions.device)
+    if tokens and half:
+        block = _cos_sin_tokens(half)
+        launcher(_cos_sin_kernel, positions.device)[(-(-tokens // block),)](
+            positions, inv_freq.contiguous(), out, tokens, positions.stride(0), HALF=half,
+            HALFP=next_pow2(half), BLOCK_T=block, num_warps=1)
+    return out[:, 0:1], out[:, 1:2]
+
+
 def aot_specs(spec: type) -> list:
     """kernels/aot.py: Llama 3 8B (32/8 heads of 128, original layout) and Qwen3-like
     (neox with q/k norm, 16/8 heads of 128); Llama's with the K/V store into f16 and into
@@ -213,7 +273,13 @@ def aot_specs(spec: type) -> list:
            **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh",
                                  "stride_ct", "stride_st", "stride_vt", "stride_vh")},
            "eps": "fp32"}
-    out = []
+    out = [spec(f"rope_cos_sin_{half}", _cos_sin_kernel,
+                {"pos_ptr": "*i64", "inv_ptr": "*fp32", "out_ptr": "*fp32", "tokens": "i32",
+                 "stride_pos": "i32", "HALF": "constexpr", "HALFP": "constexpr",
+                 "BLOCK_T": "constexpr"},
+                {"HALF": half, "HALFP": next_pow2(half), "BLOCK_T": _cos_sin_tokens(half)}, 1,
+                False)
+           for half in (64, 128)]  # head dims 128 (Llama) and 256 (Gemma 3 27B)
     for name, heads, neox, norm in (("llama", 32, False, False), ("qk_norm", 16, True, True)):
         consts = {"H": heads, "KVH": 8, "HALF": 64, "HALFP": 64, "NEOX": neox,
                   "HAS_NORM": norm}

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernel_select import use_triton
+from kernels.fused_rope import rope_cos_sin, rope_cos_sin_reference
+
 
 class Rope:
     def __init__(
@@ -29,11 +32,13 @@ class Rope:
         self.inv_freq = inv_freq.to(torch.float32)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (n,) -> cos, sin (n, 1, d/2) float32, shared by every layer of one step."""
+        """positions (n,) -> cos, sin (n, 1, d/2) float32, shared by every layer of one step
+        (one kernel on the Triton path: kernels/fused_rope.py's rope_cos_sin)."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq
-        return angles.cos()[:, None, :], angles.sin()[:, None, :]
+        if use_triton(positions.device):
+            return rope_cos_sin(positions, self.inv_freq)
+        return rope_cos_sin_reference(positions, self.inv_freq)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x (n, heads, d) float32 -> rotated (n, heads, d) float32."""

@@ -12,7 +12,7 @@ import torch
 
 from engine.errors import InvalidRequest
 from engine.layers.rope import Rope
-from kernels.fused_rope import KVStore, rope_qk, rope_qk_reference
+from kernels.fused_rope import KVStore, rope_cos_sin_reference, rope_qk, rope_qk_reference
 from kernels.kv_store import kv_store_reference
 
 KERNEL = "kernels.fused_rope:rope_qk"
@@ -157,3 +157,48 @@ def test_cpu_reference_path_stores_too(gen):
     assert torch.equal(q_out, want_q) and torch.equal(k_out, want_k)
     kv_store_reference(want_k, v, slots, ref_k, ref_v, "q8", "f16")
     assert same_bits(planes_k, ref_k) and same_bits(planes_v, ref_v)
+
+
+def cos_sin_then_rope(positions, inv_freq, q, k, neox):
+    """In the interpreter's worker: rope_cos_sin's tables, and rope_qk run on them as the
+    decoder passes them (views into one buffer)."""
+    from kernels.fused_rope import rope_cos_sin
+
+    cos, sin = rope_cos_sin(positions, inv_freq)
+    return cos.clone(), sin.clone(), *rope_qk(q, k, cos, sin, neox)
+
+
+@pytest.mark.parametrize("tokens,dim,base,factors", [
+    (1, 128, 500000.0, True), (37, 64, 10000.0, False), (5, 96, 1000000.0, False)])
+def test_cos_sin_kernel_matches_float64(interp, gen, tokens, dim, base, factors):
+    """rope_cos_sin: cos and sin of the float32 angle pos * inv_freq (as torch rounds it)
+    within 2 ulp of float64's (cosf / sinf's bound in CUDA's math library; the interpreter
+    takes numpy's), up to 128K positions and Llama 3's frequency factors; and the same
+    float32 angle as the reference takes, so within 3 ulp of its tables. An approximate
+    cos of the large angles, or an angle rounded otherwise, is off by orders more."""
+    ff = torch.rand(dim // 2, generator=gen) * 7 + 1 if factors else None
+    rope = Rope(dim, base, False, freq_factors=ff)
+    # a column of a staged (rows, 3) block, as the decode graphs hold positions
+    positions = torch.randint(0, 131072, (tokens, 3), generator=gen)[:, 1]
+    positions[0] = 131071
+    q = torch.randn(tokens, 4, dim, generator=gen)
+    k = torch.randn(tokens, 2, dim, generator=gen)
+    cos, sin, got_q, got_k = interp.call("test_fused_rope:cos_sin_then_rope", positions,
+                                         rope.inv_freq, q, k, False)
+    angle = (positions.to(torch.float32)[:, None] * rope.inv_freq).double()
+    assert cos.shape == sin.shape == (tokens, 1, dim // 2)
+    for got, want in ((cos, angle.cos()), (sin, angle.sin())):
+        assert torch.isfinite(got).all(), "table not fully written"
+        assert ((got[:, 0].double() - want).abs() <= 2.4e-7).all()
+    ref_cos, ref_sin = rope_cos_sin_reference(positions, rope.inv_freq)
+    assert ((cos - ref_cos).abs() <= 3.6e-7).all() and ((sin - ref_sin).abs() <= 3.6e-7).all()
+    assert_close32(got_q, expected(rope, q, cos, sin, None))
+    assert_close32(got_k, expected(rope, k, cos, sin, None))
+
+
+def test_cos_sin_rejects_bad_inputs(interp):
+    with pytest.raises(InvalidRequest, match="rope_cos_sin"):
+        interp.call("kernels.fused_rope:rope_cos_sin", torch.zeros(3), torch.ones(8))
+    with pytest.raises(InvalidRequest, match="rope_cos_sin"):
+        interp.call("kernels.fused_rope:rope_cos_sin", torch.zeros(3, dtype=torch.long),
+                    torch.ones(8, dtype=torch.float64))
