@@ -202,3 +202,23 @@ def test_cos_sin_rejects_bad_inputs(interp):
     with pytest.raises(InvalidRequest, match="rope_cos_sin"):
         interp.call("kernels.fused_rope:rope_cos_sin", torch.zeros(3, dtype=torch.long),
                     torch.ones(8, dtype=torch.float64))
+
+
+@pytest.mark.gpu
+def test_gpu_cos_sin_against_torch_cuda():
+    """On the GPU: rope_cos_sin's tables against torch's CUDA ops on the same positions
+    (within 2 ulp; the same math library, so expected equal) and float64."""
+    if not torch.cuda.is_available():
+        pytest.fail("marked gpu: run on a GPU machine with pytest -m gpu")
+    from kernels.fused_rope import rope_cos_sin
+
+    rope = Rope(128, 500000.0, False, freq_factors=torch.linspace(1, 8, 64))
+    positions = torch.arange(0, 131072, 7, device="cuda")
+    inv = rope.inv_freq.cuda()
+    got = rope_cos_sin(positions, inv)
+    want = rope_cos_sin_reference(positions, inv)
+    angle = (positions.to(torch.float32)[:, None] * inv).double()
+    for g, w, f in zip(got, want, (angle.cos(), angle.sin()), strict=True):
+        assert (g - w).abs().max() <= 2.4e-7
+        assert (g[:, 0].double() - f).abs().max() <= 2.4e-7
+    print("equal to torch's", [bool(torch.equal(g, w)) for g, w in zip(got, want, strict=True)])
