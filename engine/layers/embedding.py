@@ -2,14 +2,17 @@
 
 Decoding only the looked-up rows keeps the lookup exact (the file's values in float32)
 when the table is not held dense, e.g. with int8 linears where the tied output head holds
-re-quantized codes of the same tensor.
+re-quantized codes of the same tensor, or on a GPU's block layouts, where one launch of
+kernels/gather_rows.py decodes the rows (no host synchronisation: graph capture).
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.kernel_select import use_triton
 from kernels.dequant import dequantize_rows
+from kernels.gather_rows import GATHER_TYPES, gather_rows
 
 
 class Embedding:
@@ -27,4 +30,8 @@ class Embedding:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.table is not None:
             return self.table[ids].float()
+        rows, cols = self.shape
+        if int(self.ggml_type) in GATHER_TYPES and cols % 256 == 0 and ids.dim() == 1 and \
+                use_triton(self.raw.device):  # ids checked at admission (engine/core.py)
+            return gather_rows(self.raw.view(rows, -1), int(self.ggml_type), cols, ids)
         return dequantize_rows(self.raw, self.ggml_type, self.shape, ids, name=self.name)

@@ -20,6 +20,7 @@ from engine.layers.embedding import Embedding
 from engine.layers.ggml_linear import GGMLLinear
 from engine.layers.linear import Int8Linear, Linear, quantize_rows_int8
 from kernels.dequant import dequantize
+from kernels.gather_rows import GATHER_TYPES
 
 INT8_SLICE_ROWS = 8192  # rows dequantized at a time when re-quantizing to int8
 # Linear weights: ggml (the file's blocks, fused dequant kernels), q8 (the blocks, with Q4_K
@@ -97,8 +98,13 @@ class WeightLoader:
         return self.load(name, shape, self.dtype)
 
     def embedding(self, name: str, shape: tuple[int, int]) -> Embedding:
-        """The token table: dense in `dtype`, or (int8 layout) read from the blocks per lookup."""
-        if self.int8:
+        """The token table: dense in `dtype`, or read from the blocks per lookup: on the
+        int8 layout, and on a GPU's block layouts where kernels/gather_rows.py decodes the
+        type (a quarter of a bf16 table's bytes for Q4_K, exact values)."""
+        info = self.file.tensors.get(name)
+        gather = self.ggml and self.device.type != "cpu" and use_triton(self.device) and \
+            info is not None and int(info.ggml_type) in GATHER_TYPES and shape[1] % 256 == 0
+        if self.int8 or gather:
             raw, ggml_type = self.raw(name, shape)
             return Embedding(None, raw, ggml_type, shape, name)
         return Embedding(self.matrix(name, shape))
@@ -109,15 +115,22 @@ class WeightLoader:
             return self._linear(name, shape, None)
         if embedding.table is not None and not self.ggml:  # ggml: the tied table's blocks
             return Linear(embedding.table)
+        if self.ggml and embedding.raw is not None:  # the blocks the lookup reads, shared
+            return self._ggml_linear(embedding.raw, int(embedding.ggml_type), embedding.name,
+                                     shape, None)
         return self._linear(embedding.name, shape, None)
+
+    def _ggml_linear(self, raw: torch.Tensor, ggml_type: int, name: str,
+                     shape: tuple[int, int], bias: torch.Tensor | None) -> GGMLLinear:
+        dense = self.dtype if self.dtype.is_floating_point else torch.bfloat16
+        return GGMLLinear.from_raw(raw, ggml_type, shape, bias, name=name, dense_dtype=dense,
+                                   act8=self.act8)
 
     def _linear(self, name: str, shape: tuple[int, int],
                 bias: torch.Tensor | None) -> Linear | Int8Linear | GGMLLinear:
         if self.ggml:
             raw, ggml_type = self.raw(name, shape)
-            dense = self.dtype if self.dtype.is_floating_point else torch.bfloat16
-            return GGMLLinear.from_raw(raw, ggml_type, shape, bias, name=name, dense_dtype=dense,
-                                       act8=self.act8)
+            return self._ggml_linear(raw, ggml_type, name, shape, bias)
         if self.int8:
             return Int8Linear(*self.load_int8(name, shape), bias)
         return Linear(self.matrix(name, shape), bias)
