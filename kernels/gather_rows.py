@@ -34,14 +34,16 @@ if HAS_TRITON:
             tl.float16, bitcast=True).to(tl.float32)
 
     @jit
-    def _gather_kernel(raw_ptr, ids_ptr, out_ptr, rows, row_bytes, cols,
+    def _gather_kernel(raw_ptr, ids_ptr, out_ptr, rows, row_bytes, cols, stride_ids,
                        QTYPE: tl.constexpr, PDL: tl.constexpr = False):
-        """Elements [256 j, 256 (j + 1)) (program 1) of the row of id t (program 0)."""
+        """Elements [256 j, 256 (j + 1)) (program 1) of the row of id t (program 0; ids
+        t * stride_ids apart: the decode graphs stage them as a column)."""
         t = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1)
         e = tl.arange(0, 256)
         await_inputs(PDL)
-        row = tl.minimum(tl.maximum(tl.load(ids_ptr + t), 0), rows - 1).to(tl.int64)
+        row = tl.load(ids_ptr + t * stride_ids)
+        row = tl.minimum(tl.maximum(row, 0), rows - 1).to(tl.int64)
         if QTYPE == 8:  # Q8_0: 8 blocks of d (f16) and 32 int8 codes
             blk = raw_ptr + row * row_bytes + (j * 8 + e // 32).to(tl.int64) * 34
             d = _f16_at(blk)
@@ -77,8 +79,8 @@ if HAS_TRITON:
 def gather_rows(raw: torch.Tensor, ggml_type: int, cols: int,
                 ids: torch.Tensor) -> torch.Tensor:
     """raw (rows, row_bytes) uint8 blocks of a (rows, cols) GGML_TYPES tensor, ids (T,)
-    integers on its device -> (T, cols) float32, one launch on a GPU (or the CPU when the
-    interpreter is active). No host synchronisation (graph capture)."""
+    integers on its device (any stride) -> (T, cols) float32, one launch on a GPU (or the
+    CPU when the interpreter is active). No host synchronisation (graph capture)."""
     qtype = int(ggml_type)
     if qtype not in GATHER_TYPES or not HAS_TRITON:
         raise InvalidRequest(f"gather_rows: no kernel for GGML type {qtype}")
@@ -93,7 +95,8 @@ def gather_rows(raw: torch.Tensor, ggml_type: int, cols: int,
     out = torch.empty(ids.shape[0], cols, dtype=torch.float32, device=raw.device)
     if ids.shape[0]:
         launcher(_gather_kernel, raw.device)[(ids.shape[0], cols // _SPAN)](
-            raw, ids, out, raw.shape[0], raw.shape[1], cols, QTYPE=qtype, num_warps=2,
+            raw, ids, out, raw.shape[0], raw.shape[1], cols, ids.stride(0), QTYPE=qtype,
+            num_warps=2,
             **({} if raw.device.type == "cpu" else {"enable_fp_fusion": False}))
     return out
 
@@ -103,6 +106,6 @@ def aot_specs(spec: type) -> list:
     if not HAS_TRITON:
         return []
     sig = {"raw_ptr": "*u8", "ids_ptr": "*i64", "out_ptr": "*fp32", "rows": "i32",
-           "row_bytes": "i32", "cols": "i32", "QTYPE": "constexpr"}
+           "row_bytes": "i32", "cols": "i32", "stride_ids": "i32", "QTYPE": "constexpr"}
     return [spec(f"gather_rows_{T(q).name}", _gather_kernel, sig, {"QTYPE": q}, 2, False)
             for q in GATHER_TYPES]

@@ -27,7 +27,8 @@ def rng() -> np.random.Generator:
 def test_rows_bit_equal_to_gguf(interp, rng, qtype):
     rows, cols = 37, 768
     blocks = random_weight(qtype, rows, cols, rng)
-    ids = torch.tensor([5, 0, 36, 5, 17], dtype=torch.int64)
+    # a column of a staged (rows, 3) block, as the decode graphs hold the token ids
+    ids = torch.tensor([[5, 1, 2], [0, 3, 4], [36, 9, 9], [5, 0, 0], [17, 8, 8]])[:, 0]
     got = interp.call(KERNEL, blocks, int(qtype), cols, ids)
     want = torch.from_numpy(gguf_dequantize(blocks[ids].numpy(), qtype).reshape(len(ids), cols))
     assert got.dtype == torch.float32 and got.shape == (len(ids), cols)
@@ -63,7 +64,7 @@ def test_gpu_rows_bit_equal_to_gguf(rng, qtype):
 
     rows, cols = 1000, 4096
     blocks = random_weight(qtype, rows, cols, rng)
-    ids = torch.from_numpy(rng.integers(0, rows, 64))
+    ids = torch.from_numpy(rng.integers(0, rows, (64, 3)))[:, 1]
     got = gather_rows(blocks.cuda(), int(qtype), cols, ids.cuda()).cpu()
     want = torch.from_numpy(gguf_dequantize(blocks[ids].numpy(), qtype).reshape(64, cols))
     assert torch.equal(got, want)
