@@ -5,7 +5,7 @@ Runs on the lent GPU machine (`pytest -m gpu`), never in CI.
 
 The ggml layout rounds activations to bf16 inside qmatmul, q8 quantizes them to 8 bits
 for Q4_K (kernels/qint.py) and the bf16 layout rounds the weights, so GPU logits differ
-from the f32 CPU logits by a few 1e-3 relative (q8: about 1e-2); greedy tokens must agree
+from the f32 CPU logits by a few 1e-3 relative (q8: 1-7%); greedy tokens must agree
 except after a near tie of the CPU's own top two logits.
 """
 
@@ -40,6 +40,11 @@ SPECS = {
 # models' logits (std ~0.6) by 1-2% relative (measured on the CPU by emulating the
 # rounding); f16 attention operands add ~3e-4. A wrong plan or slot moves them by O(1).
 MAX_REL = 5e-2
+# q8's 8-bit activations move a linear's output by ~0.7-3% (README); over gemma3's six
+# layers the prefill step's logits measured 0.049 (bf16 token table) and 0.067 (the exact
+# table, 9e321e6) against the CPU's on the H200; a wrong row or plan moves them by O(1)
+# (0.77 with ids read at the wrong stride).
+MAX_REL_Q8 = 0.1
 NEAR_TIE = 0.1  # CPU top-1 minus top-2 logit below which a GPU choice may differ
 PARAMS = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
@@ -156,7 +161,8 @@ def test_gpu_logits_close_to_cpu(tiny, weights):
             logits.append(runner.forward(span_batch(runner, pages, spans)).cpu())
         a, b = logits
         rel = (a - b).norm() / a.norm()
-        assert torch.isfinite(b).all() and rel < MAX_REL, float(rel)
+        bound = MAX_REL_Q8 if weights == "q8" else MAX_REL
+        assert torch.isfinite(b).all() and rel < bound, float(rel)
         spans = [(i, [t]) for i, t in enumerate(a.argmax(-1).tolist())]
     assert runners[1].graphs is not None and runners[1].graphs.num_replays == 5
 
