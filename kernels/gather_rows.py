@@ -16,13 +16,18 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from engine.errors import InvalidRequest
+from kernels.dequant import block_geometry
 from kernels.triton_util import HAS_TRITON, await_inputs, helper, jit, launcher, tl
 
-__all__ = ["GATHER_TYPES", "gather_rows"]
+__all__ = ["GATHER_TYPES", "can_gather", "gather_rows"]
 
-# type -> (elements a block, bytes a block)
-GATHER_TYPES = {int(T.Q8_0): (32, 34), int(T.Q4_K): (256, 144), int(T.Q6_K): (256, 210)}
+GATHER_TYPES = frozenset({int(T.Q8_0), int(T.Q4_K), int(T.Q6_K)})
 _SPAN = 256  # elements a program decodes
+
+
+def can_gather(ggml_type: int, cols: int) -> bool:
+    """Whether gather_rows takes rows of `cols` columns of `ggml_type` (with Triton)."""
+    return HAS_TRITON and int(ggml_type) in GATHER_TYPES and cols % _SPAN == 0
 
 
 if HAS_TRITON:
@@ -84,7 +89,7 @@ def gather_rows(raw: torch.Tensor, ggml_type: int, cols: int,
     qtype = int(ggml_type)
     if qtype not in GATHER_TYPES or not HAS_TRITON:
         raise InvalidRequest(f"gather_rows: no kernel for GGML type {qtype}")
-    block, size = GATHER_TYPES[qtype]
+    block, size = block_geometry(qtype)
     if raw.dim() != 2 or raw.dtype != torch.uint8 or cols % _SPAN or \
             raw.shape[1] != cols // block * size or not raw.is_contiguous():
         raise InvalidRequest(f"gather_rows: raw must be contiguous uint8 (rows, "

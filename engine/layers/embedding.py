@@ -12,7 +12,7 @@ import torch
 
 from engine.kernel_select import use_triton
 from kernels.dequant import dequantize_rows
-from kernels.gather_rows import GATHER_TYPES, gather_rows
+from kernels.gather_rows import can_gather, gather_rows
 
 
 class Embedding:
@@ -31,7 +31,7 @@ class Embedding:
         if self.table is not None:
             return self.table[ids].float()
         rows, cols = self.shape
-        if int(self.ggml_type) in GATHER_TYPES and cols % 256 == 0 and ids.dim() == 1 and \
+        if can_gather(self.ggml_type, cols) and ids.dim() == 1 and \
                 use_triton(self.raw.device):  # ids checked at admission (engine/core.py)
             return gather_rows(self.raw.view(rows, -1), int(self.ggml_type), cols, ids)
         return dequantize_rows(self.raw, self.ggml_type, self.shape, ids, name=self.name)

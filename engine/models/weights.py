@@ -20,7 +20,7 @@ from engine.layers.embedding import Embedding
 from engine.layers.ggml_linear import GGMLLinear
 from engine.layers.linear import Int8Linear, Linear, quantize_rows_int8
 from kernels.dequant import dequantize
-from kernels.gather_rows import GATHER_TYPES
+from kernels.gather_rows import can_gather
 
 INT8_SLICE_ROWS = 8192  # rows dequantized at a time when re-quantizing to int8
 # Linear weights: ggml (the file's blocks, fused dequant kernels), q8 (the blocks, with Q4_K
@@ -103,7 +103,7 @@ class WeightLoader:
         type (a quarter of a bf16 table's bytes for Q4_K, exact values)."""
         info = self.file.tensors.get(name)
         gather = self.ggml and self.device.type != "cpu" and use_triton(self.device) and \
-            info is not None and int(info.ggml_type) in GATHER_TYPES and shape[1] % 256 == 0
+            info is not None and can_gather(info.ggml_type, shape[1])
         if self.int8 or gather:
             raw, ggml_type = self.raw(name, shape)
             return Embedding(None, raw, ggml_type, shape, name)
