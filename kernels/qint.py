@@ -271,7 +271,7 @@ def qint_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int,
 
 
 if HAS_TRITON:
-    from kernels.qgemv import finish_splits, sum_partials
+    from kernels.qgemv import finish_splits
 
     @helper
     def quantize_store(x, b, ok, row, q_ptr, dx_ptr, bs_ptr, K):
@@ -565,21 +565,20 @@ if HAS_TRITON:
     def _finish_in_cta(acc, y_ptr, part_ptr, pid_n, M, N, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, S: tl.constexpr):
         """y's tile of the program's partials acc (BLOCK_N, BLOCK_M): row v split v % S
-        of weight row v // S. The partials pass through part (S, M, N) and
-        the program's barrier (no ticket: every split is the program's own), then each
-        row's are added in split order, as finish_splits adds them."""
+        of weight row v // S. acc as (rows, S, BLOCK_M) (Triton's layout conversion passes
+        it through shared memory, not the L2), then each row's partials added in split
+        order, as finish_splits adds them: partial s picked by a sum whose other terms are
+        -0.0 (exact: x + -0.0 = x for every x). part_ptr unused."""
         TILE: tl.constexpr = BLOCK_N // S
-        v = tl.arange(0, BLOCK_N)
+        a = tl.reshape(acc, (TILE, S, BLOCK_M))
+        pick = tl.arange(0, S)[None, :, None]
+        total = tl.sum(tl.where(pick == 0, a, -0.0), axis=1)
+        for s in tl.static_range(1, S):
+            total += tl.sum(tl.where(pick == s, a, -0.0), axis=1)
         rm = tl.arange(0, BLOCK_M)
-        rn = pid_n * TILE + v // S
-        plane = M.to(tl.int64) * N
-        offs = (v % S).to(tl.int64)[:, None] * plane + rm.to(tl.int64)[None, :] * N \
-            + rn[:, None]
-        tl.store(part_ptr + offs, acc, mask=(rm < M)[None, :] & (rn < N)[:, None])
-        tl.debug_barrier()  # the program's partials written before any is read
         rt = pid_n * TILE + tl.arange(0, TILE)
-        sum_partials(y_ptr, part_ptr, plane, rm.to(tl.int64)[None, :] * N + rt[:, None],
-                     (rm < M)[None, :] & (rt < N)[:, None], S)
+        tl.store(y_ptr + rm.to(tl.int64)[None, :] * N + rt[:, None], total,
+                 mask=(rm < M)[None, :] & (rt < N)[:, None])
 
     @triton.jit(do_not_specialize=["M", "N"])
     def _qint_gemv_kernel(
@@ -1075,7 +1074,7 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
         # splits a program sums itself, then the second part (or the first again)
         own = (cfg.split // grid[-1], blocks2, n1, blocks2.shape[1])
         extra["QTYPE2"] = int(type2)
-    splits = cfg.split if in_cta else grid[-1]
+    splits = grid[-1]  # in_cta: the partials stay in the program
     part = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=device)
     tiles = grid[0] * (grid[1] if len(grid) == 3 else 1)
     ticket = tiles <= _TICKETS
