@@ -565,10 +565,11 @@ if HAS_TRITON:
     def _finish_in_cta(acc, y_ptr, part_ptr, pid_n, M, N, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, S: tl.constexpr):
         """y's tile of the program's partials acc (BLOCK_N, BLOCK_M): row v split v % S
-        of weight row v // S. acc as (rows, S, BLOCK_M) (Triton's layout conversion passes
-        it through shared memory, not the L2), then each row's partials added in split
-        order, as finish_splits adds them: partial s picked by a sum whose other terms are
-        -0.0 (exact: x + -0.0 = x for every x). part_ptr unused."""
+        of weight row v // S. acc as (rows, S, BLOCK_M) (the sm_90 build reshapes it in
+        registers: no layout conversion, no barrier; the sums are warp shuffles), then each
+        row's partials added in split order, as finish_splits adds them: partial s picked
+        by a sum whose other terms are -0.0 (exact: x + -0.0 = x for every x). part_ptr
+        unused."""
         TILE: tl.constexpr = BLOCK_N // S
         a = tl.reshape(acc, (TILE, S, BLOCK_M))
         pick = tl.arange(0, S)[None, :, None]
