@@ -16,9 +16,10 @@ Work items (kernels/paged_attention_plan.py) are a block of query tokens of one 
 query heads of one KV head, GQA packed into the MMA's M side) times a range of key
 positions. Rows of one query block (decode, verify) have their keys cut into fixed,
 position-aligned splits (flash-decoding), so a long context still fills the GPU. Items
-write unnormalized partials (max, sum, acc); a second kernel merges each token's splits in
-split order and applies the sinks. Nothing depends on the other rows, so a row's output
-is bit-equal whatever else is in the batch. Dots take f16 operands, accumulate in f32.
+write unnormalized partials (max, sum, acc); a second kernel merges each token's splits
+(per head, in an order fixed by their count) and applies the sinks. Nothing depends on the
+other rows, so a row's output is bit-equal whatever else is in the batch. Dots take f16
+operands, accumulate in f32.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ The partial kernel runs one work item (kernels/paged_attention_plan.py) per prog
 one KV head per program along the second axis: the item's query tokens times the group's
 query heads fill the MMA's M side, keys stream in BLOCK_N blocks with an online softmax in
 base 2. It writes unnormalized partials (max, sum, acc) to the item's split slots; the
-merge kernel combines each token's splits in split order and applies the sinks. When every
+merge kernel combines each token's splits per head (BLOCK_S of them a load, in an order
+fixed by their count) and applies the sinks. When every
 token has one split and there are no sinks (short decode rows, prefill), the partial
 kernel writes the output itself and the merge is not launched.
 """
@@ -20,9 +21,11 @@ import torch
 from kernels.paged_attention_plan import FORMAT_IDS, AttnConfig, AttnPlan
 from kernels.triton_util import HAS_TRITON, await_inputs, helper, jit, launcher, next_pow2, tl
 
-__all__ = ["aot_specs", "launch"]
+__all__ = ["aot_specs", "launch", "merge"]
 
 _LOG2E = 1.4426950408889634
+# The merge on a GPU: heads of one token a program, and splits a load
+MERGE_HEADS, MERGE_SPLITS = 4, 8
 
 if HAS_TRITON:
 
@@ -129,42 +132,47 @@ if HAS_TRITON:
     @jit(do_not_specialize=["num_tokens"])
     def _attn_merge_kernel(
         m_ptr, l_ptr, acc_ptr, tok_base_ptr, tok_splits_ptr, sink_ptr, out_ptr, num_tokens,
-        H: tl.constexpr, HP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-        HAS_SINKS: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = False,
+        H: tl.constexpr, HB: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+        HAS_SINKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
-        """out[t] = merge of token t's splits in split order, for BLOCK_T tokens."""
-        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_ok = t < num_tokens
+        """out[t, h] = the merge of token t's splits of head h, for BLOCK_T tokens times
+        HB heads a program (row r: token r // HB, head r % HB). A row's splits are read
+        BLOCK_S at a time (one load of their (BLOCK_S, Dv) partials, not one per split):
+        the largest logit first, then the weighted sums."""
+        r = tl.arange(0, BLOCK_T * HB)
+        t = tl.program_id(0) * BLOCK_T + r // HB
+        h = tl.program_id(1) * HB + r % HB
+        ok = (t < num_tokens) & (h < H)
         await_inputs(PDL)
-        base = tl.load(tok_base_ptr + t, mask=t_ok, other=0).to(tl.int64)
-        num = tl.load(tok_splits_ptr + t, mask=t_ok, other=0)
-        h = tl.arange(0, HP)
-        dv = tl.arange(0, DVP)[None, None, :]
-        mx = tl.full((BLOCK_T, HP), float("-inf"), tl.float32)
-        for s in range(0, tl.max(num, 0)):
-            idx = (base + s)[:, None] * H + h[None, :]  # (BT, HP) partial row
-            live = (s < num)[:, None] & (h < H)[None, :]
-            mx = tl.maximum(mx, tl.load(m_ptr + idx, mask=live, other=float("-inf")))
+        base = tl.load(tok_base_ptr + t, mask=ok, other=0).to(tl.int64)
+        num = tl.load(tok_splits_ptr + t, mask=ok, other=0)
+        sp = tl.arange(0, BLOCK_S)
+        dv = tl.arange(0, DVP)
+        mx = tl.full((BLOCK_T * HB,), float("-inf"), tl.float32)
+        for s0 in range(0, tl.max(num, 0), BLOCK_S):
+            live = ok[:, None] & (s0 + sp[None, :] < num[:, None])  # (R, BS)
+            idx = (base[:, None] + s0 + sp[None, :]) * H + h[:, None]
+            mx = tl.maximum(mx, tl.max(tl.load(m_ptr + idx, mask=live, other=float("-inf")), 1))
         if HAS_SINKS:  # sink logits arrive in log2 units
-            sink = tl.load(sink_ptr + h, mask=h < H, other=float("-inf"))[None, :]
+            sink = tl.load(sink_ptr + h, mask=h < H, other=float("-inf"))
             mx = tl.maximum(mx, sink)
         mx = tl.where(mx == float("-inf"), 0.0, mx)  # padding only: a query sees itself
-        den = tl.full((BLOCK_T, HP), 0.0, tl.float32)
-        acc = tl.full((BLOCK_T, HP, DVP), 0.0, tl.float32)
-        for s in range(0, tl.max(num, 0)):
-            idx = (base + s)[:, None] * H + h[None, :]
-            live = (s < num)[:, None] & (h < H)[None, :]
-            w = tl.exp2(tl.load(m_ptr + idx, mask=live, other=float("-inf")) - mx)
-            den += tl.load(l_ptr + idx, mask=live, other=0.0) * w
-            a = tl.load(acc_ptr + idx[:, :, None] * DV + dv, mask=live[:, :, None] & (dv < DV),
-                        other=0.0)
-            acc += a * w[:, :, None]
+        den = tl.full((BLOCK_T * HB,), 0.0, tl.float32)
+        acc = tl.full((BLOCK_T * HB, DVP), 0.0, tl.float32)
+        for s0 in range(0, tl.max(num, 0), BLOCK_S):
+            live = ok[:, None] & (s0 + sp[None, :] < num[:, None])
+            idx = (base[:, None] + s0 + sp[None, :]) * H + h[:, None]
+            w = tl.exp2(tl.load(m_ptr + idx, mask=live, other=float("-inf")) - mx[:, None])
+            den += tl.sum(tl.load(l_ptr + idx, mask=live, other=0.0) * w, 1)
+            a = tl.load(acc_ptr + idx[:, :, None] * DV + dv[None, None, :],
+                        mask=live[:, :, None] & (dv < DV)[None, None, :], other=0.0)
+            acc += tl.sum(a * w[:, :, None], 1)
         if HAS_SINKS:
             den += tl.exp2(sink - mx)
-        ok = t_ok[:, None] & (h < H)[None, :]
         den = tl.where(ok, den, 1.0)
-        out = (t.to(tl.int64)[:, None] * H + h[None, :])[:, :, None] * DV + dv
-        tl.store(out_ptr + out, acc / den[:, :, None], mask=ok[:, :, None] & (dv < DV))
+        out = (t.to(tl.int64) * H + h)[:, None] * DV + dv[None, :]
+        tl.store(out_ptr + out, acc / den[:, None], mask=ok[:, None] & (dv < DV)[None, :])
 
 
 def launch(q: torch.Tensor, planes: tuple[torch.Tensor, ...], formats: tuple[int, int],
@@ -200,14 +208,29 @@ def launch(q: torch.Tensor, planes: tuple[torch.Tensor, ...], formats: tuple[int
     )
     if direct:
         return
-    sink = m_part if sinks is None else (sinks.float() * _LOG2E).contiguous()
-    # One token per program on a GPU (its (H, Dv) accumulator fills the registers); the
-    # interpreter pays per program, so it takes many.
-    block_t = 16 if dev.type == "cpu" else 1
-    launcher(_attn_merge_kernel, dev)[(-(-num_tokens // block_t),)](
-        m_part, l_part, acc_part, plan.tok_base, plan.tok_splits, sink, out, num_tokens,
-        H=num_heads, HP=next_pow2(num_heads), DV=dim_v, DVP=next_pow2(dim_v),
-        HAS_SINKS=sinks is not None, BLOCK_T=block_t,
+    merge(m_part, l_part, acc_part, plan.tok_base, plan.tok_splits,
+          None if sinks is None else (sinks.float() * _LOG2E).contiguous(), out)
+
+
+def merge(m_part: torch.Tensor, l_part: torch.Tensor, acc_part: torch.Tensor,
+          tok_base: torch.Tensor, tok_splits: torch.Tensor, sinks_log2: torch.Tensor | None,
+          out: torch.Tensor, geometry: tuple[int, int] | None = None) -> None:
+    """The merge kernel: token t's partials at slots tok_base[t] .. + tok_splits[t] - 1 of
+    m_part, l_part (slots, H) (log2 units) and acc_part (slots, H, Dv) -> out (T, H, Dv),
+    with the sink logits (H,) in log2 units. `geometry` (tokens, heads) a program: by
+    default on a GPU (1, MERGE_HEADS), a one-stream step's merge on many multiprocessors
+    rather than one; the interpreter pays per program, so there it takes many."""
+    num_tokens, num_heads, dim_v = out.shape
+    if geometry is None:
+        geometry = ((16, next_pow2(num_heads)) if out.device.type == "cpu"
+                    else (1, MERGE_HEADS))
+    block_t, heads = geometry
+    launcher(_attn_merge_kernel, out.device)[(-(-num_tokens // block_t),
+                                              -(-num_heads // heads))](
+        m_part, l_part, acc_part, tok_base, tok_splits,
+        m_part if sinks_log2 is None else sinks_log2, out, num_tokens,
+        H=num_heads, HB=heads, DV=dim_v, DVP=next_pow2(dim_v),
+        HAS_SINKS=sinks_log2 is not None, BLOCK_T=block_t, BLOCK_S=MERGE_SPLITS,
     )
 
 
@@ -240,7 +263,8 @@ def aot_specs(spec: type) -> list:
         out.append(spec(name, _attn_partial_kernel, signature, consts, cfg.num_warps, True,
                         backend, cfg.num_stages))
     for sinks in (False, True):
-        consts = {"H": 32, "HP": 32, "DV": 128, "DVP": 128, "HAS_SINKS": sinks, "BLOCK_T": 1}
+        consts = {"H": 32, "HB": MERGE_HEADS, "DV": 128, "DVP": 128, "HAS_SINKS": sinks,
+                  "BLOCK_T": 1, "BLOCK_S": MERGE_SPLITS}
         signature = {**{n: "*fp32" for n in ("m_ptr", "l_ptr", "acc_ptr")},
                      "tok_base_ptr": "*i32", "tok_splits_ptr": "*i32", "sink_ptr": "*fp32",
                      "out_ptr": "*fp32", "num_tokens": "i32", **{k: "constexpr" for k in consts}}

@@ -152,3 +152,51 @@ def test_checks_inputs(interp, rng):
         interp.call(KERNEL, q[:, :7], kv.k[0], kv.v[0], "q8", "q8", **kw)
     with pytest.raises(InvalidRequest):
         interp.call(KERNEL, q, kv.k[0], kv.v[0], "q8", "q8", **{**kw, "sinks": torch.zeros(3)})
+
+
+def merge_reference(m, l, acc, base, splits, sinks):
+    """Token t's partials merged in float64: sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M)
+    l_s + 2^(sink - M))."""
+    out = torch.empty(len(base), m.shape[1], acc.shape[2], dtype=torch.float64)
+    for t, (b, n) in enumerate(zip(base.tolist(), splits.tolist(), strict=True)):
+        mt, lt, at = m[b:b + n].double(), l[b:b + n].double(), acc[b:b + n].double()
+        top = mt.max(0).values
+        if sinks is not None:
+            top = torch.maximum(top, sinks.double())
+        w = torch.exp2(mt - top)
+        den = (lt * w).sum(0) + (0 if sinks is None else torch.exp2(sinks.double() - top))
+        out[t] = (at * w[..., None]).sum(0) / den[:, None]
+    return out
+
+
+@pytest.mark.parametrize("geometry", [(1, 4), (2, 8), (16, 8)])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_merge_geometries(interp, rng, geometry, with_sinks):
+    """The merge kernel on partials of 1 to 19 splits a token (more than one load's
+    MERGE_SPLITS), empty splits among them (m = -inf, l = 0: a split past the row's keys),
+    6 heads (not a multiple of the heads a program takes), in the GPU's geometry (one token,
+    4 heads a program) and others, against the float64 merge."""
+    counts = [1, 3, 19, 8, 9]
+    heads, dv = 6, 40
+    slots = sum(counts)
+    t = lambda *shape: torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))  # noqa: E731
+    m, l_part, acc = t(slots, heads) * 3, t(slots, heads).abs() + 0.5, t(slots, heads, dv)
+    base = torch.tensor(np.cumsum([0] + counts[:-1]), dtype=torch.int32)
+    splits = torch.tensor(counts, dtype=torch.int32)
+    empty = [int(base[2]) + 17, int(base[1]) + 2]  # token 2's split 17, token 1's last
+    m[empty], l_part[empty], acc[empty] = float("-inf"), 0.0, 0.0
+    sinks = t(heads) if with_sinks else None
+    out = torch.full((len(counts), heads, dv), float("nan"))
+    out = interp.call("tests.kernels.test_paged_attention:_merge_out", m, l_part, acc, base,
+                      splits, sinks, out, geometry)
+    want = merge_reference(m, l_part, acc, base, splits, sinks)
+    assert torch.isfinite(out).all()
+    assert float((out.double() - want).abs().max()) < 1e-5
+
+
+def _merge_out(m, l_part, acc, base, splits, sinks, out, geometry):
+    """Runs in the interpreter worker: the merge kernel into `out`, returned."""
+    from kernels.paged_attention_triton import merge
+
+    merge(m, l_part, acc, base, splits, sinks, out, geometry)
+    return out
