@@ -113,7 +113,7 @@ class DecodePlans(NamedTuple):
     the kernel config of decode steps (engine/layers/attention.py's attn_config)."""
 
     windows: dict[str, int | None]
-    split_keys: dict[str, int]
+    split_keys: dict[str, int]  # the most; a step's own may be fewer (decode_split_keys)
     max_splits: dict[str, int]
     configs: dict[str, AttnConfig]
 
@@ -189,18 +189,20 @@ class DecodeGraphs:
                 lambda: self.step(self.static_batch(bucket, splits), splits))
 
     def run(self, batch: ForwardBatch, splits: Splits,
-            input_ids: torch.Tensor | None = None) -> torch.Tensor:
+            input_ids: torch.Tensor | None = None,
+            keys: dict[str, int] | None = None) -> torch.Tensor:
         """Logits (rows, vocab) of a batch that `fits`, from its bucket's graph for `splits`
-        (enough for its longest row), captured first if need be. `input_ids` (rows,) on the
-        device replace the batch's token ids (a step launched from the sampled tokens of
-        the one before it, before the host has read them)."""
+        (enough for its longest row, cut at `keys` key positions a split; default the
+        plans' split_keys), captured first if need be. `input_ids` (rows,) on the device
+        replace the batch's token ids (a step launched from the sampled tokens of the one
+        before it, before the host has read them)."""
         n = batch.num_rows
         bucket = bucket_for(n, self.buckets)
         assert bucket is not None  # the caller checked fits(batch)
         self.capture(bucket, splits)
         replay, out = self._graphs[(bucket, tuple(sorted(splits.items())))]
         self._stage(batch, bucket)
-        self._upload(bucket, splits)
+        self._upload(bucket, splits, keys)
         if input_ids is not None:
             self._dev[:n, 0].copy_(input_ids)
         replay()
@@ -260,10 +262,10 @@ class DecodeGraphs:
             self._layouts[key] = layout
         return layout
 
-    def _stage_plans(self, bucket: int, splits: Splits) -> int:
+    def _stage_plans(self, bucket: int, splits: Splits, keys: dict[str, int] | None) -> int:
         """Plans and write slots of the staged rows 0..bucket-1 into the staging buffer
-        (decode_items_host; the slots as ForwardBatch.write_slots computes them).
-        -> the end of the staged words."""
+        (decode_items_host, splits of `keys` or the plans' split_keys; the slots as
+        ForwardBatch.write_slots computes them). -> the end of the staged words."""
         assert self.plans is not None
         layout, flat, rows = self._layout(bucket, splits), self._flat.numpy(), self._staged
         pos, lens, ps = rows[:bucket, 1], rows[:bucket, 2], self.page_size
@@ -276,8 +278,8 @@ class DecodeGraphs:
         for i, g in enumerate(self.groups):
             n = splits[g]
             table = rows[:bucket, _FIXED + i * self.width:_FIXED + (i + 1) * self.width]
-            put(f"work:{g}", decode_items_host(lens, self.plans.windows[g],
-                                               self.plans.split_keys[g], n))
+            put(f"work:{g}", decode_items_host(
+                lens, self.plans.windows[g], (keys or self.plans.split_keys)[g], n))
             put(f"base:{g}", np.arange(bucket, dtype=np.int32) * n)
             put(f"splits:{g}", np.full(bucket, n, dtype=np.int32))
             put(f"table:{g}", table.astype(np.int32))
@@ -309,11 +311,11 @@ class DecodeGraphs:
         for i, g in enumerate(self.groups):
             rows[:, _FIXED + i * self.width] = self.scratch_pages[g]
 
-    def _upload(self, bucket: int, splits: Splits) -> None:
+    def _upload(self, bucket: int, splits: Splits, keys: dict[str, int] | None = None) -> None:
         """The staged rows (and with plans, theirs) to the device in one copy."""
         end = bucket * self._cols
         if self.plans is not None:
-            end = self._stage_plans(bucket, splits)
+            end = self._stage_plans(bucket, splits, keys)
         self._dev_flat[:end].copy_(self._flat[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()

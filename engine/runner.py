@@ -32,6 +32,7 @@ from engine.layers.attention import (
 )
 from engine.mixed_graphs import MixedGraphs
 from engine.models.common import DecoderModel
+from kernels.paged_attention_plan import MIN_SPLIT_KEYS, decode_split_keys
 from kernels.triton_util import next_pow2, pdl_enabled, pdl_launches
 
 __all__ = ["ForwardBatch", "ModelRunner"]
@@ -55,11 +56,14 @@ WARM_UP_MIXED = ((15, 64, 2), (16, 160, 2), (16, 16, 0), (1, 15, 0))
 class ModelRunner:
     """`max_context`: the most tokens a sequence may hold (it sizes decode plans and the
     graphs' page tables); default, the largest group's pages. `capture` replaces CUDA
-    graph capture (tests use a fake to run the graph path on the CPU)."""
+    graph capture (tests use a fake to run the graph path on the CPU). `num_sms`: the
+    multiprocessors decode steps' key splits fill (decode_split_keys; default the GPU's,
+    0 on the CPU path)."""
 
     def __init__(self, model: DecoderModel, num_pages: int | dict[str, int],
                  page_size: int = 16, kv_quant: str = "f16", *, cuda_graphs: bool = False,
-                 max_context: int | None = None, capture: Capturer | None = None) -> None:
+                 max_context: int | None = None, capture: Capturer | None = None,
+                 num_sms: int | None = None) -> None:
         self.model = model
         device = torch.device(model.device)
         groups = {spec.group for spec in model.kv_layers() if spec is not None}
@@ -75,14 +79,18 @@ class ModelRunner:
         self.kv = KVCache(model.kv_layers(), kv_pages, page_size, kv_quant, device)
         self.max_context = max_context or max(pages.values(), default=1) * page_size
         self._layers = group_layers((blk.attn for blk in model.blocks), self.kv)
-        self._max_splits = {g: decode_splits(layer, self.max_context, device)
-                            for g, layer in self._layers.items()}
-        # Key positions per split. A step's splits are those of a row reaching the end of
-        # the longest row's split (the same with today's decode_splits, and enough with any
-        # that grows with the length): one cached dict per split, not one per length.
+        # Key positions per split: at most the decode config's, fewer where a decode step
+        # would not fill the device's multiprocessors (decode_split_keys; none on the CPU).
+        # A step's splits are those of a row reaching the end of the longest row's split
+        # (the same with today's decode_splits, and enough with any that grows with the
+        # length): one cached dict per split, not one per length.
         self._split_keys = {g: attn_config(layer, device, decode=True).split_keys
                             for g, layer in self._layers.items()}
-        self._splits_cache: dict[tuple[int, ...], dict[str, int]] = {}
+        self.num_sms = num_sms if num_sms is not None else (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if self.triton and device.type == "cuda" else 0)
+        self._max_splits = {g: self._most_splits(g, layer) for g, layer in self._layers.items()}
+        self._splits_cache: dict[tuple, dict[str, int]] = {}
         # The graphs' step functions hold the model, not the runner: a dropped runner (an
         # unloaded model) frees its graphs at once, never in a collection during a capture.
         self._step = ModelStep(model, self.kv, self._layers, page_size)
@@ -136,10 +144,10 @@ class ModelRunner:
             return self._replay_mixed(batch)
         if self.graphs is None or not self.graphs.fits(batch):
             return None
-        splits = self._decode_splits(batch)
+        splits, keys = self._decode_splits(batch)
         if not self._captured(bucket_for(batch.num_rows, self.graphs.buckets), splits):
             return None
-        return self.graphs.run(batch, splits, input_ids)
+        return self.graphs.run(batch, splits, input_ids, keys)
 
     def _replay_mixed(self, batch: ForwardBatch) -> torch.Tensor | None:
         """A mixed step's logits from its graph; a failed capture turns mixed-step graphs
@@ -161,8 +169,8 @@ class ModelRunner:
         stalls its step. -> graphs held."""
         if self.graphs is None:
             return 0
-        for splits in self._splits_up_to(min(context, self.max_context)):
-            for bucket in self.graphs.buckets:
+        for bucket in self.graphs.buckets:
+            for splits in self._splits_up_to(min(context, self.max_context), bucket):
                 if not self._captured(bucket, splits):
                     return 0
         return 0 if self.graphs is None else self.graphs.num_graphs
@@ -225,14 +233,15 @@ class ModelRunner:
             for s in seqs:
                 s.free()
 
-    def _splits_up_to(self, context: int) -> list[dict[str, int]]:
-        """Every distinct splits dict of decode steps whose longest row has at most
-        `context` tokens, fewest splits first."""
-        lengths = sorted({min(context, k << i) for k in self._split_keys.values()
-                          for i in range(max(1, context).bit_length() + 1)})
+    def _splits_up_to(self, context: int, rows: int) -> list[dict[str, int]]:
+        """Every distinct splits dict of decode steps of `rows` rows whose longest row has
+        at most `context` tokens, by length."""
+        # every length where a split's size or count can change
+        step = min(MIN_SPLIT_KEYS, *self._split_keys.values())
+        lengths = [*range(step, context, step), max(1, context)]
         out: list[dict[str, int]] = []
         for length in lengths:
-            splits = self._splits_for(length)
+            splits = self._splits_for(length, self._decode_keys(rows, length))
             if splits not in out:
                 out.append(splits)
         return out
@@ -256,24 +265,46 @@ class ModelRunner:
         if not self.triton:
             return self.model.step_logits(on_device, self.kv)
         if batch.is_decode_only() and batch.max_seq_len() <= self.max_context:
-            return self._step.decode(on_device, self._decode_splits(batch))
+            return self._step.decode(on_device, *self._decode_splits(batch))
         host = batch.to(torch.device("cpu"))
         planned = plan_batch(host, on_device, self._layers, self.page_size)
         return self.model.step_logits(planned, self.kv)
 
-    def _decode_splits(self, batch: ForwardBatch) -> dict[str, int]:
-        return self._splits_for(batch.max_seq_len())
+    def _decode_splits(self, batch: ForwardBatch) -> tuple[dict[str, int], dict[str, int]]:
+        """A decode step's (key splits a row, key positions a split) per group."""
+        keys = self._decode_keys(batch.num_rows, batch.max_seq_len())
+        return self._splits_for(batch.max_seq_len(), keys), keys
 
-    def _splits_for(self, longest: int) -> dict[str, int]:
-        """Key splits per decode row when the longest row holds `longest` tokens: a power
-        of two (few distinct graphs), at most what `max_context` needs. (Do not modify the
-        dict: it is cached.)"""
-        ends = tuple(-(-max(1, longest) // k) * k for k in self._split_keys.values())
-        splits = self._splits_cache.get(ends)
+    def _decode_keys(self, rows: int, longest: int) -> dict[str, int]:
+        """Key positions per split of a decode step of `rows` rows (as their power of two,
+        the graphs' bucket) whose longest holds `longest` tokens (decode_split_keys)."""
+        return {g: decode_split_keys(
+            next_pow2(max(1, rows)), min(longest, layer.window or longest),
+            layer.num_kv_heads, self.num_sms, self._split_keys[g])
+            for g, layer in self._layers.items()}
+
+    def _most_splits(self, group: str, layer: AttnLayer) -> int:
+        """The most key splits a decode row of up to max_context tokens takes: one row
+        (the smallest splits), every length where a split count can change."""
+        device = torch.device(self.model.device)
+        step = min(MIN_SPLIT_KEYS, self._split_keys[group])
+        return max(decode_splits(layer, n, device, self._decode_keys(1, n)[group])
+                   for n in [*range(step, self.max_context, step), self.max_context])
+
+    def _splits_for(self, longest: int, keys: dict[str, int] | None = None) -> dict[str, int]:
+        """Key splits per decode row when the longest row holds `longest` tokens, cut at
+        `keys` (default: the decode config's split_keys): a power of two (few distinct
+        graphs), at most what `max_context` needs. (Do not modify the dict: it is
+        cached.)"""
+        keys = keys or self._split_keys
+        ends = tuple(-(-max(1, longest) // keys[g]) * keys[g] for g in self._layers)
+        cached = (ends, tuple(keys.values()))
+        splits = self._splits_cache.get(cached)
         if splits is None:
             device = torch.device(self.model.device)
-            splits = self._splits_cache[ends] = {
-                g: min(next_pow2(decode_splits(layer, end, device)), self._max_splits[g])
+            splits = self._splits_cache[cached] = {
+                g: min(next_pow2(decode_splits(layer, end, device, keys[g])),
+                       self._max_splits[g])
                 for (g, layer), end in zip(self._layers.items(), ends, strict=True)}
         return splits
 
@@ -290,10 +321,11 @@ class ModelStep:
         """A planned batch on the device -> the logits of its logits rows."""
         return self.model.step_logits(planned, self.kv)
 
-    def decode(self, batch: ForwardBatch, splits: dict[str, int]) -> torch.Tensor:
-        """A decode-only batch on the device and its key splits -> logits (plans made on
-        the device: no host synchronisation; a PlannedBatch, the decode graphs' staged
-        plans, runs as it is)."""
+    def decode(self, batch: ForwardBatch, splits: dict[str, int],
+               keys: dict[str, int] | None = None) -> torch.Tensor:
+        """A decode-only batch on the device, its key splits and their key positions ->
+        logits (plans made on the device: no host synchronisation; a PlannedBatch, the
+        decode graphs' staged plans, runs as it is)."""
         if isinstance(batch, PlannedBatch) and batch.attn:
             return self.planned(batch)
-        return self.planned(plan_decode(batch, self.layers, self.page_size, splits))
+        return self.planned(plan_decode(batch, self.layers, self.page_size, splits, keys))

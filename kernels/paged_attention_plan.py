@@ -18,7 +18,7 @@ import torch
 from engine.errors import InvalidRequest
 from kernels.triton_util import next_pow2
 
-__all__ = ["FORMAT_IDS", "AttnConfig", "AttnPlan", "plan_attention"]
+__all__ = ["FORMAT_IDS", "AttnConfig", "AttnPlan", "decode_split_keys", "plan_attention"]
 
 # KV format name -> the kernel's constexpr: 0 f16, 1 q8, 2 q4 (rotation is done outside).
 FORMAT_IDS = {"f16": 0, "q8": 1, "q8_plain": 1, "q4": 2, "q4_plain": 2}
@@ -27,6 +27,8 @@ WORK_FIELDS = 6  # row, q_begin, q_count, key_lo, key_hi, split
 # and row, so its keys are cut to keep the device busy (one stream: 8 programs a layer for
 # Llama 3 8B without splits); more splits cost one merge term each.
 SPLIT_KEYS = 256
+# The fewest key positions a decode split is cut to (decode_split_keys)
+MIN_SPLIT_KEYS = 64
 
 
 class AttnConfig(NamedTuple):
@@ -70,6 +72,19 @@ class AttnPlan(NamedTuple):
     tok_splits: torch.Tensor  # (T,) int32 number of splits of each token
     num_slots: int
     num_tokens: int
+
+
+def decode_split_keys(rows: int, keys: int, kv_heads: int, num_sms: int,
+                      most: int = SPLIT_KEYS) -> int:
+    """Key positions per split of a decode step's rows (`rows`, each seeing at most `keys`
+    keys): `most`, halved down to MIN_SPLIT_KEYS while the step's work items (rows x KV
+    heads x the splits of `keys`) are fewer than the device's `num_sms` multiprocessors
+    (0: never halved). A short one-stream context otherwise runs on a few of them: Llama 3
+    8B at 577 keys, 24 programs of 256 keys against 80 of 64 (bench/RESULTS.md)."""
+    split = most
+    while split > MIN_SPLIT_KEYS and rows * kv_heads * -(-keys // split) < num_sms:
+        split //= 2
+    return split
 
 
 def _row_items(row: int, q0: int, num_new: int, seq_len: int, block_q: int,

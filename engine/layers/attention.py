@@ -149,9 +149,11 @@ def plan_batch(host: ForwardBatch, batch: ForwardBatch, layers: dict[str, AttnLa
     return _planned(batch, attn, slots)
 
 
-def decode_splits(layer: AttnLayer, max_context: int, device: torch.device) -> int:
-    """Key splits a decode row of at most `max_context` tokens can need (plan_decode)."""
-    split_keys = attn_config(layer, device, decode=True).split_keys
+def decode_splits(layer: AttnLayer, max_context: int, device: torch.device,
+                  split_keys: int | None = None) -> int:
+    """Key splits a decode row of at most `max_context` tokens can need (plan_decode), cut
+    at `split_keys` (default: the decode config's)."""
+    split_keys = split_keys or attn_config(layer, device, decode=True).split_keys
     splits = -(-max_context // split_keys)
     if layer.window is not None:  # keys (pos - window, pos] touch at most this many
         splits = min(splits, -(-layer.window // split_keys) + 1)
@@ -159,9 +161,10 @@ def decode_splits(layer: AttnLayer, max_context: int, device: torch.device) -> i
 
 
 def plan_decode(batch: ForwardBatch, layers: dict[str, AttnLayer], page_size: int,
-                splits: dict[str, int]) -> PlannedBatch:
+                splits: dict[str, int], keys: dict[str, int] | None = None) -> PlannedBatch:
     """A decode-only batch (one new token per row, at position seq_len - 1) on the device:
-    write slots and plans by device ops only, `splits[group]` work items per row."""
+    write slots and plans by device ops only, `splits[group]` work items per row of
+    `keys[group]` key positions (default: the decode config's split_keys)."""
     rows = batch.positions.shape[0]
     dev = batch.positions.device
     positions = batch.positions.to(torch.int32)
@@ -172,8 +175,8 @@ def plan_decode(batch: ForwardBatch, layers: dict[str, AttnLayer], page_size: in
         page = table.gather(1, (batch.positions // page_size)[:, None]).squeeze(1)
         slots[group] = page * page_size + batch.positions % page_size
         config = attn_config(layer, dev, decode=True)
-        plan = _decode_plan(batch.seq_lens, layer.window, config.split_keys, splits[group],
-                            row_ids)
+        plan = _decode_plan(batch.seq_lens, layer.window,
+                            keys[group] if keys else config.split_keys, splits[group], row_ids)
         attn[group] = GroupInputs(plan, table.to(torch.int32), positions, config)
     return _planned(batch, attn, slots)
 

@@ -10,8 +10,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from engine.batch import ForwardBatch
+from engine.graphs import bucket_for
 from engine.kv.pool import SeqPages
-from engine.layers.attention import decode_splits
+from engine.layers.attention import decode_splits, plan_decode
 from engine.loader import load
 from engine.runner import ModelRunner
 from engine.synthetic import SyntheticSpec, write_synthetic_gguf
@@ -80,3 +81,43 @@ def test_prepared_graphs_cover_every_row_length(model):
     fresh = ModelRunner(model, 300, 16, cuda_graphs=True, max_context=CONTEXT,
                         capture=CountingCapture())
     assert fresh.prepare_graphs() == 7  # one key for short rows
+
+
+def test_split_keys_follow_the_device(model):
+    """With multiprocessors to fill (num_sms), a decode step of few rows cuts its keys
+    finer (decode_split_keys): prepare_graphs still captures every key such steps use,
+    and a replay's staged work items are the device plan's for the same keys."""
+    fake = CountingCapture()
+    runner = ModelRunner(model, 300, 16, cuda_graphs=True, max_context=CONTEXT, capture=fake,
+                         num_sms=64)
+    assert runner._decode_keys(1, 300) == {"full": 64, "sliding": 64}
+    assert runner._decode_keys(64, 300)["full"] == K  # 64 rows fill 64 multiprocessors
+    runner.prepare_graphs(CONTEXT)
+    captured = fake.captures
+    assert captured > KEYS * 7  # one-row steps take more split counts than K's
+    for lengths in ((5,), (70,), (K + 76,), (2 * K + 452,), (CONTEXT - 96,), (5, K + 76, 3),
+                    (CONTEXT - 96, 7), (300,) * 9):
+        seqs = [SeqPages(runner.pool) for _ in lengths]
+        try:
+            for s, n in zip(seqs, lengths, strict=True):
+                s.ensure(n)
+            batch = ForwardBatch.build([([1], n - 1) for n in lengths],
+                                       {g: [s.table(g) for s in seqs] for g in runner.pool.groups})
+            assert runner.forward(batch).shape[0] == len(lengths)
+            splits, keys = runner._decode_splits(batch)
+            staged = runner.graphs.static_batch(bucket_for(len(lengths)), splits)
+            device_plan = plan_decode(batch, runner._layers, 16, splits, keys)
+            for g in runner.pool.groups:
+                rows = len(lengths) * splits[g]
+                assert torch.equal(staged.attn[g].plan.work[:rows],
+                                   device_plan.attn[g].plan.work), (lengths, g)
+                # every key of each row in exactly one of its items
+                work = device_plan.attn[g].plan.work
+                for r, n in enumerate(lengths):
+                    items = work[work[:, 0] == r]
+                    seen = int((items[:, 4] - items[:, 3]).sum())
+                    assert seen == min(n, runner._layers[g].window or n), (lengths, g, r)
+        finally:
+            for s in seqs:
+                s.free()
+    assert fake.captures == captured

@@ -19,7 +19,13 @@ from engine.layers.attention import (
     plan_batch,
     plan_decode,
 )
-from kernels.paged_attention_plan import AttnConfig, plan_attention
+from kernels.paged_attention_plan import (
+    MIN_SPLIT_KEYS,
+    SPLIT_KEYS,
+    AttnConfig,
+    decode_split_keys,
+    plan_attention,
+)
 
 PAGE = 16
 HEADS, KV_HEADS, DIM = 4, 2, 32
@@ -147,3 +153,15 @@ def test_plans_carry_their_config(gen):
     assert decoded.plan.num_slots == 2 * -(-300 // decode_cfg.split_keys)
     planned = plan_batch(batch, batch, {"full": layer}, PAGE).attn["full"]
     assert planned.config == AttnConfig.default(HEADS // KV_HEADS, DIM, DIM)
+
+
+def test_decode_split_keys_fill_the_device():
+    """Splits are halved (to MIN_SPLIT_KEYS at least) only while a step's items are fewer
+    than the multiprocessors: Llama 3 8B's 8 KV heads on 132 of them."""
+    assert decode_split_keys(1, 577, 8, 132) == MIN_SPLIT_KEYS  # 24 items at 256: 80 at 64
+    assert decode_split_keys(1, 4096, 8, 132) == 128  # 128 items at 256, 256 at 128
+    assert decode_split_keys(1, 64 * 1024, 8, 132) == SPLIT_KEYS
+    assert decode_split_keys(16, 577, 8, 132) == SPLIT_KEYS  # 384 items already
+    assert decode_split_keys(4, 577, 8, 132) == 128  # 96 items at 256, 160 at 128
+    assert decode_split_keys(1, 577, 8, 0) == SPLIT_KEYS  # the CPU: never cut
+    assert decode_split_keys(1, 577, 8, 132, most=32) == 32  # never above `most`
