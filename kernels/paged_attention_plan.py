@@ -28,7 +28,7 @@ WORK_FIELDS = 6  # row, q_begin, q_count, key_lo, key_hi, split
 # Llama 3 8B without splits); more splits cost one merge term each.
 SPLIT_KEYS = 256
 # The fewest key positions a decode split is cut to (decode_split_keys)
-MIN_SPLIT_KEYS = 64
+MIN_SPLIT_KEYS = 128
 
 
 class AttnConfig(NamedTuple):
@@ -78,11 +78,12 @@ def decode_split_keys(rows: int, keys: int, kv_heads: int, num_sms: int,
                       most: int = SPLIT_KEYS) -> int:
     """Key positions per split of a decode step's rows (`rows`, each seeing at most `keys`
     keys): `most`, halved down to MIN_SPLIT_KEYS while the step's work items (rows x KV
-    heads x the splits of `keys`) are fewer than the device's `num_sms` multiprocessors
-    (0: never halved). A short one-stream context otherwise runs on a few of them: Llama 3
-    8B at 577 keys, 24 programs of 256 keys against 80 of 64 (bench/RESULTS.md)."""
+    heads x the splits of `keys`) are fewer than a quarter of the device's `num_sms`
+    multiprocessors (0: never halved). H200, Llama 3 8B, one row (bench/RESULTS.md): 577
+    keys 6.9 us in 128-key splits against 8.4 in 256 and 8.0 in 64; 1024 keys 7.4 / 8.8
+    / 9.2; 4096 keys 16.2 in 128 against 14.7 in 256; 16 rows fastest in 256."""
     split = most
-    while split > MIN_SPLIT_KEYS and rows * kv_heads * -(-keys // split) < num_sms:
+    while split > MIN_SPLIT_KEYS and 4 * rows * kv_heads * -(-keys // split) < num_sms:
         split //= 2
     return split
 

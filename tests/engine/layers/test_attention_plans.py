@@ -157,11 +157,13 @@ def test_plans_carry_their_config(gen):
 
 def test_decode_split_keys_fill_the_device():
     """Splits are halved (to MIN_SPLIT_KEYS at least) only while a step's items are fewer
-    than the multiprocessors: Llama 3 8B's 8 KV heads on 132 of them."""
-    assert decode_split_keys(1, 577, 8, 132) == MIN_SPLIT_KEYS  # 24 items at 256: 80 at 64
-    assert decode_split_keys(1, 4096, 8, 132) == 128  # 128 items at 256, 256 at 128
-    assert decode_split_keys(1, 64 * 1024, 8, 132) == SPLIT_KEYS
+    than a quarter of the multiprocessors: Llama 3 8B's 8 KV heads on 132 of them."""
+    assert MIN_SPLIT_KEYS == 128
+    assert decode_split_keys(1, 577, 8, 132) == 128  # 24 items at 256, 40 at 128
+    assert decode_split_keys(1, 1024, 8, 132) == 128  # 32 at 256
+    assert decode_split_keys(1, 4096, 8, 132) == SPLIT_KEYS  # 128 at 256
+    assert decode_split_keys(1, 96, 8, 132) == 128  # one split either way
+    assert decode_split_keys(1, 577, 8, 400) == 128  # never below MIN_SPLIT_KEYS
     assert decode_split_keys(16, 577, 8, 132) == SPLIT_KEYS  # 384 items already
-    assert decode_split_keys(4, 577, 8, 132) == 128  # 96 items at 256, 160 at 128
     assert decode_split_keys(1, 577, 8, 0) == SPLIT_KEYS  # the CPU: never cut
     assert decode_split_keys(1, 577, 8, 132, most=32) == 32  # never above `most`
