@@ -1,0 +1,205 @@
+"""Chained one-row Q4_K products: what a persistent decode kernel would save over launches.
+
+A decode step at one stream is a chain of products, each waiting for the one before; a
+small product's time is mostly its ramp (its first weights arrive a DRAM latency after it
+may start) and its tail. This bench times `layers` products of one shape, x fixed (one
+row, quantized once), each weight matrix its own (they miss the L2), four ways:
+
+- `launches`: one qint launch each (kernels/qint.py, the engine's one-row build), in one
+  CUDA graph with programmatic dependent launches: each waits for the one before;
+- `barrier`: one launch of a persistent kernel, a program for each in_cta tile (the same
+  tile, loads and sums as qint's: the same bits), a grid barrier between products (an
+  atomic count, then a spin until every program has arrived), the next product's first
+  super-block loaded after it;
+- `prefetch`: the same, the next product's first super-block loaded before the barrier
+  (its weights stream while the slowest program finishes the product before);
+- `free`: no barrier, each program streams through its tiles of every product: the bound.
+
+Every product's output is checked bit-equal to qint_triton's. The barrier needs every
+program resident at once: a shape whose tiles do not fit is skipped, and the spin gives up
+after SPIN_LIMIT polls (its check then fails) rather than hang.
+
+    python3 bench/gpu/chain_bench.py [--layers 32] [--shapes 4096x4096,...] [--out DIR]
+    python3 bench/gpu/chain_bench.py --smoke    # interpreted, tiny shapes, no barrier
+
+Writes $OUT/chain_bench.json and prints us a product and GB/s.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--smoke" in sys.argv:  # before Triton is imported: the interpreter's own functions
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+from datetime import UTC, datetime  # noqa: E402
+from functools import partial  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench" / "gpu")]
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from kernels_check import random_blocks  # noqa: E402
+from provenance import commit_id  # noqa: E402
+from qmatmul_bench import Run, ceilings  # noqa: E402
+
+from kernels import qint  # noqa: E402
+from kernels.qint import Q4_K, default_qint_config, qint_triton, quantize_x  # noqa: E402
+
+SHAPES = "4096x4096,6144x4096,4096x14336,28672x4096"
+SPIN_LIMIT = 1 << 22
+
+
+@triton.jit
+def _grid_barrier(ctr_ptr, target):
+    """Every program of the grid here: count this one in (release: its stores before),
+    then poll the count (acquire) until it reaches `target`, at most SPIN_LIMIT times."""
+    tl.debug_barrier()
+    tl.atomic_add(ctr_ptr, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (seen < target) & (spins < 4194304):
+        seen = tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
+        spins += 1
+    tl.debug_barrier()
+
+
+@triton.jit
+def _chain_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, ctr_ptr, N, K, row_bytes, layer_bytes,
+                  sb_per_split, layers, BLOCK_N: tl.constexpr, S: tl.constexpr,
+                  PTX: tl.constexpr, BARRIER: tl.constexpr, PREFETCH: tl.constexpr):
+    """y[l] = W_l x for l < layers: program p takes in_cta tile p of every product (BLOCK_N
+    rows: split v % S of weight row v // S, as qint's _qint_gemv_kernel with IN_CTA)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    TILE: tl.constexpr = BLOCK_N // S
+    v = tl.arange(0, BLOCK_N)
+    rn = pid * TILE + v // S
+    sb0 = (v % S) * sb_per_split
+    row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
+    w, head = qint._ld_q4k(w_ptr, row_off, sb0)
+    for layer in range(layers):
+        wl = w_ptr + tl.cast(layer, tl.int64) * layer_bytes
+        acc = tl.zeros((BLOCK_N, 1), tl.float32)
+        acc = qint._sb_q4k(acc, w, head, sb0[:, None], q_ptr, dx_ptr, bs_ptr, K, 1, 1, PTX,
+                           True)
+        for i in range(1, sb_per_split):
+            wi, hi = qint._ld_q4k(wl, row_off, sb0 + i)
+            acc = qint._sb_q4k(acc, wi, hi, (sb0 + i)[:, None], q_ptr, dx_ptr, bs_ptr, K, 1,
+                               1, PTX, True)
+        qint._finish_in_cta(acc, y_ptr + tl.cast(layer, tl.int64) * N, y_ptr, pid, 1, N, 1,
+                            BLOCK_N, S)
+        nxt = w_ptr + tl.cast((layer + 1) % layers, tl.int64) * layer_bytes  # the last: 0
+        if PREFETCH:
+            w, head = qint._ld_q4k(nxt, row_off, sb0)
+        if BARRIER:
+            _grid_barrier(ctr_ptr, (layer + 1) * nprog)
+        if not PREFETCH:
+            w, head = qint._ld_q4k(nxt, row_off, sb0)
+
+
+def resident(kernel, warps: int, sms: int) -> int:
+    """Programs of a compiled kernel the device holds at once (registers and shared
+    memory per multiprocessor; at most 32 programs each)."""
+    props = torch.cuda.get_device_properties(0)
+    regs = max(1, kernel.n_regs) * 32 * warps
+    per_sm = min(32, 65536 // regs)
+    shared = getattr(kernel.metadata, "shared", 0)
+    if shared:
+        per_sm = min(per_sm, props.shared_memory_per_multiprocessor // shared)
+    return per_sm * sms
+
+
+def chain(run: Run, n: int, k: int, layers: int) -> dict:
+    cfg = default_qint_config(Q4_K, n, k, run.sms, m=1)
+    row = {"n": n, "k": k, "layers": layers, "config": list(cfg),
+           "mb_per_product": n * k // 256 * 144 / 1e6}
+    if not (cfg.in_cta and cfg.split > 1):  # the persistent tile is in_cta's
+        cfg = qint.in_cta_config(cfg._replace(split=max(2, cfg.split)))
+    s, tile = cfg.split, cfg.block_n
+    w = torch.stack([random_blocks(run, "Q4_K", n, k) for _ in range(layers)])
+    x = torch.randn(1, k, device=run.dev, generator=run.gen).bfloat16()
+    xq = quantize_x(x)
+    want = torch.stack([qint_triton(x, w[i], Q4_K, (n, k), cfg, xq=xq)[0]
+                        for i in range(layers)])
+    y = torch.empty(layers, n, dtype=torch.float32, device=run.dev)
+    ctr = torch.zeros(1, dtype=torch.int32, device=run.dev)
+    programs = -(-n // tile)
+    args = (*xq, w, y, ctr, n, k, w.shape[2], w[0].numel(), k // 256 // s, layers)
+    consts = {"BLOCK_N": tile * s, "S": s, "PTX": qint.ptx(run.dev), "num_warps": cfg.num_warps}
+    if cfg.max_regs and not run.smoke:
+        consts["maxnreg"] = cfg.max_regs
+
+    def persistent(barrier: bool, prefetch: bool) -> None:
+        if barrier:
+            ctr.zero_()
+        _chain_kernel[(programs,)](*args, BARRIER=barrier, PREFETCH=prefetch, **consts)
+
+    variants = {"free": (False, True)} if run.smoke else {
+        "free": (False, True), "barrier": (True, False), "prefetch": (True, True)}
+    row["programs"] = programs
+    for label, (barrier, prefetch) in variants.items():
+        if barrier:
+            built = _chain_kernel.warmup(*args, BARRIER=True, PREFETCH=prefetch,
+                                         grid=(programs,), **consts)
+            row[f"{label}_resident"] = resident(built, cfg.num_warps, run.sms)
+            if programs > row[f"{label}_resident"]:
+                row[label] = None  # not every program resident: the barrier would hang
+                continue
+        y.fill_(float("nan"))
+        persistent(barrier, prefetch)
+        row[f"{label}_ok"] = bool(torch.equal(y, want))
+        if not run.smoke:
+            row[label] = run.time_us([partial(persistent, barrier, prefetch)]) / layers
+    if not run.smoke:
+        row["launches"] = run.time_us([partial(qint_triton, x, w[i], Q4_K, (n, k), cfg, xq=xq)
+                                       for i in range(layers)])
+        row["launches_ok"] = True  # qint_triton is the reference itself
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--shapes", default=SHAPES)
+    ap.add_argument("--budget-s", type=float, default=240.0)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.layers, args.shapes = 3, "16x512,48x1024"
+    run = Run(args)
+    out = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "commit": commit_id(),
+           "device": "cpu" if args.smoke else torch.cuda.get_device_name(0), **run.out}
+    if not args.smoke:
+        out["ceilings"] = ceilings(run)
+        print(f"copy {out['ceilings']['copy_gb_s']:.0f} GB/s; us a product (GB/s):")
+    labels = ("launches", "barrier", "prefetch", "free")
+    for shape in args.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        if run.left() < 20:
+            out["skipped"].append(shape)
+            continue
+        row = run.attempt(shape, lambda n=n, k=k: chain(run, n, k, args.layers))
+        if row is None:
+            continue
+        out["rows"].append(row)
+        cells = [f"{row[v]:7.2f} ({row['mb_per_product'] / row[v] * 1e3:5.0f})"
+                 if row.get(v) else f"{'-':>15}" for v in labels]
+        print(f"Q4_K {n:6} x {k:6} programs {row['programs']:5} " + " ".join(
+            f"{v} {c}" for v, c in zip(labels, cells, strict=True)), flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "chain_bench.json").write_text(json.dumps(out, indent=1))
+    bad = [r["n"] for r in out["rows"] for key in r if key.endswith("_ok") and not r[key]]
+    print(f"failures: {bad}; errors: {len(out['errors'])}")
+    return 1 if bad or out["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

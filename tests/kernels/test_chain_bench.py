@@ -1,0 +1,56 @@
+"""bench/gpu/chain_bench.py: its persistent kernel's products bit-equal to qint's launches
+(interpreted, tiny shapes, --smoke: no barrier, which needs every program running at once),
+and its barrier variants built for both targets (the grid barrier: a release count by one
+thread of each program, acquire polls)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="the CPU torch build has no Triton")
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu"
+SCRIPT = BENCH / "chain_bench.py"
+
+
+def test_smoke_products_bit_equal(tmp_path):
+    run = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = json.loads((tmp_path / "chain_bench.json").read_text())["rows"]
+    assert [(r["n"], r["k"], r["layers"]) for r in rows] == [(16, 512, 3), (48, 1024, 3)]
+    assert all(r["free_ok"] is True for r in rows)
+    assert rows[1]["programs"] == 2  # 48 rows in tiles of 32
+
+
+@pytest.mark.parametrize("target", ["cuda:90", "hip:gfx1151"])
+def test_barrier_variant_builds(target):
+    sys.path[:0] = [str(BENCH)]
+    try:
+        import chain_bench
+    finally:
+        sys.path.remove(str(BENCH))
+    from kernels import aot
+
+    sig = {"q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*i32", "w_ptr": "*u8",
+           "y_ptr": "*fp32", "ctr_ptr": "*i32", "N": "i32", "K": "i32", "row_bytes": "i32",
+           "layer_bytes": "i64", "sb_per_split": "i32", "layers": "i32"}
+    consts = {"BLOCK_N": 64, "S": 8, "PTX": target.startswith("cuda"), "BARRIER": True,
+              "PREFETCH": True}
+    spec = aot.KernelSpec("chain", chain_bench._chain_kernel,
+                          {**sig, **{k: "constexpr" for k in consts}}, consts, 2, False,
+                          divisible=("q_ptr", "dx_ptr", "bs_ptr", "w_ptr", "y_ptr"),
+                          max_regs=128 if target.startswith("cuda") else None)
+    kernel = aot.build(spec, target)
+    info = aot.check_asm(spec, target, kernel)
+    assert not info["problems"], info
+    if target.startswith("cuda"):
+        ptx = kernel.asm["ptx"]
+        assert "atom.global.gpu.release.add" in ptx and "ld.global.gpu.acquire" in ptx
