@@ -361,7 +361,7 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
     """Fills `out` as it goes (a failure keeps what was measured before it)."""
     parts = name.split("+")
     weights, graphs = parts[0], "graphs" in parts
-    context = max(lengths) + args.tokens + 64
+    context = max(*lengths, args.prompt) + args.tokens + 64
     opts = EngineOptions(sessions=max(levels), context=context, prefill_chunk=512,
                          device=args.device, max_pending_per_client=None, cuda_graphs=graphs,
                          weights=weights, itl_target_ms=None if "itloff" in parts else "auto",
@@ -411,7 +411,7 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
     engine = Engine(core, name=path.stem, loaded=loaded).start()
     vocab = loaded.config.vocab_size
 
-    def prompts(c: int, n: int = 32) -> list[tuple[int, ...]]:
+    def prompts(c: int, n: int = args.prompt) -> list[tuple[int, ...]]:
         return [tuple(torch.randint(1000, vocab, (n,), generator=gen).tolist())
                 for _ in range(c)]
 
@@ -503,6 +503,9 @@ def main() -> int:
                     help="comma list of WEIGHTS[+graphs], WEIGHTS in ggml|q8|bf16|auto")
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=32,
+                    help="the decode streams' prompt tokens (their context: this plus the "
+                         "tokens decoded so far)")
     ap.add_argument("--prefill", default="512,4096")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--profile-rows", default="",
@@ -528,7 +531,8 @@ def main() -> int:
                "device": torch.cuda.get_device_name() if on_gpu else "cpu",
                "commit": commit_id(),
                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-               "tokens_per_stream": args.tokens, "variants": {}}
+               "tokens_per_stream": args.tokens, "prompt_tokens": args.prompt,
+               "variants": {}}
     out_file = Path(args.out) / "engine_bench.json"
     out_file.parent.mkdir(parents=True, exist_ok=True)
 
