@@ -15,6 +15,11 @@ row, quantized once), each weight matrix its own (they miss the L2), four ways:
   (its weights stream while the slowest program finishes the product before);
 - `free`: no barrier, each program streams through its tiles of every product: the bound.
 
+Square shapes run again as a dependent chain (`dep`): each product's x is the output of
+the one before, quantized (as quantize_x does) by the kernel's programs between two
+barriers, against launches of quantize_x and the product in turn (the engine's o
+projection after its attention).
+
 Every product's output is checked bit-equal to qint_triton's. The barrier needs every
 program resident at once: a shape whose tiles do not fit is skipped, and the spin gives up
 after SPIN_LIMIT polls (its check then fails) rather than hang.
@@ -73,9 +78,14 @@ def _grid_barrier(ctr_ptr, target):
 @triton.jit
 def _chain_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, ctr_ptr, N, K, row_bytes, layer_bytes,
                   sb_per_split, layers, BLOCK_N: tl.constexpr, S: tl.constexpr,
-                  PTX: tl.constexpr, BARRIER: tl.constexpr, PREFETCH: tl.constexpr):
-    """y[l] = W_l x for l < layers: program p takes in_cta tile p of every product (BLOCK_N
-    rows: split v % S of weight row v // S, as qint's _qint_gemv_kernel with IN_CTA)."""
+                  PTX: tl.constexpr, BARRIER: tl.constexpr, PREFETCH: tl.constexpr,
+                  DEP: tl.constexpr = False):
+    """y[l] = W_l x_l for l < layers: program p takes in_cta tile p of every product (BLOCK_N
+    rows: split v % S of weight row v // S, as qint's _qint_gemv_kernel with IN_CTA). x_l is
+    x_0 (q, dx, bs at slot 0) for every l, or with DEP (N = K) y[l - 1] quantized: after a
+    barrier the programs quantize its super-blocks into slot l (quantize_store, as
+    quantize_x), then a second barrier. Each x_l has its own slot: no program reads a stale
+    copy of an earlier one."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     TILE: tl.constexpr = BLOCK_N // S
@@ -84,22 +94,35 @@ def _chain_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, ctr_ptr, N, K, row_bytes,
     sb0 = (v % S) * sb_per_split
     row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
     w, head = qint._ld_q4k(w_ptr, row_off, sb0)
+    passed = 0
     for layer in range(layers):
         wl = w_ptr + tl.cast(layer, tl.int64) * layer_bytes
+        if DEP:
+            slot = layer
+        else:
+            slot = 0
+        qp, dxp, bsp = q_ptr + slot * K, dx_ptr + slot * (K // 256), bs_ptr + slot * (K // 16)
         acc = tl.zeros((BLOCK_N, 1), tl.float32)
-        acc = qint._sb_q4k(acc, w, head, sb0[:, None], q_ptr, dx_ptr, bs_ptr, K, 1, 1, PTX,
-                           True)
+        acc = qint._sb_q4k(acc, w, head, sb0[:, None], qp, dxp, bsp, K, 1, 1, PTX, True)
         for i in range(1, sb_per_split):
             wi, hi = qint._ld_q4k(wl, row_off, sb0 + i)
-            acc = qint._sb_q4k(acc, wi, hi, (sb0 + i)[:, None], q_ptr, dx_ptr, bs_ptr, K, 1,
-                               1, PTX, True)
-        qint._finish_in_cta(acc, y_ptr + tl.cast(layer, tl.int64) * N, y_ptr, pid, 1, N, 1,
-                            BLOCK_N, S)
+            acc = qint._sb_q4k(acc, wi, hi, (sb0 + i)[:, None], qp, dxp, bsp, K, 1, 1, PTX,
+                               True)
+        yl = y_ptr + tl.cast(layer, tl.int64) * N
+        qint._finish_in_cta(acc, yl, y_ptr, pid, 1, N, 1, BLOCK_N, S)
         nxt = w_ptr + tl.cast((layer + 1) % layers, tl.int64) * layer_bytes  # the last: 0
         if PREFETCH:
             w, head = qint._ld_q4k(nxt, row_off, sb0)
         if BARRIER:
-            _grid_barrier(ctr_ptr, (layer + 1) * nprog)
+            passed += nprog
+            _grid_barrier(ctr_ptr, passed)
+        if DEP:  # y[layer] -> x slot layer + 1, its super-blocks spread over the programs
+            for b in range(pid, K // 256, nprog):
+                bb = b + tl.zeros((1,), tl.int32)
+                xv = tl.load(yl + bb[:, None] * 256 + tl.arange(0, 256)[None, :])
+                qint.quantize_store(xv, bb, bb >= 0, slot + 1, q_ptr, dx_ptr, bs_ptr, K)
+            passed += nprog
+            _grid_barrier(ctr_ptr, passed)
         if not PREFETCH:
             w, head = qint._ld_q4k(nxt, row_off, sb0)
 
@@ -116,24 +139,40 @@ def resident(kernel, warps: int, sms: int) -> int:
     return per_sm * sms
 
 
-def chain(run: Run, n: int, k: int, layers: int) -> dict:
+def chain(run: Run, n: int, k: int, layers: int, dep: bool = False) -> dict:
+    """One shape's variants (dep: each product's x the one before's output, quantized)."""
     cfg = default_qint_config(Q4_K, n, k, run.sms, m=1)
-    row = {"n": n, "k": k, "layers": layers, "config": list(cfg),
+    row = {"n": n, "k": k, "layers": layers, "dep": dep, "config": list(cfg),
            "mb_per_product": n * k // 256 * 144 / 1e6}
     if not (cfg.in_cta and cfg.split > 1):  # the persistent tile is in_cta's
         cfg = qint.in_cta_config(cfg._replace(split=max(2, cfg.split)))
+    if run.smoke and dep:  # one program: its own barrier passes in the interpreter
+        cfg = cfg._replace(block_n=n)
     s, tile = cfg.split, cfg.block_n
     w = torch.stack([random_blocks(run, "Q4_K", n, k) for _ in range(layers)])
     x = torch.randn(1, k, device=run.dev, generator=run.gen).bfloat16()
-    xq = quantize_x(x)
-    want = torch.stack([qint_triton(x, w[i], Q4_K, (n, k), cfg, xq=xq)[0]
-                        for i in range(layers)])
+    slots = layers + 1 if dep else 1
+    xq = qint.QuantX(*(torch.zeros((slots, *t.shape[1:]), dtype=t.dtype, device=run.dev)
+                       for t in quantize_x(x)))
+    for t, v in zip(xq, quantize_x(x), strict=True):
+        t[0] = v[0]
+
+    def launches(i: int, xl: qint.QuantX) -> torch.Tensor:
+        return qint_triton(x, w[i], Q4_K, (n, k), cfg, xq=xl)
+
+    want, xl = [], quantize_x(x)
+    for i in range(layers):
+        want.append(launches(i, xl)[0])
+        if dep:
+            xl = quantize_x(want[-1][None])
+    want = torch.stack(want)
     y = torch.empty(layers, n, dtype=torch.float32, device=run.dev)
     ctr = torch.zeros(1, dtype=torch.int32, device=run.dev)
     programs = -(-n // tile)
     args = (*xq, w, y, ctr, n, k, w.shape[2], w[0].numel(), k // 256 // s, layers)
-    consts = {"BLOCK_N": tile * s, "S": s, "PTX": qint.ptx(run.dev), "num_warps": cfg.num_warps}
-    if cfg.max_regs and not run.smoke:
+    consts = {"BLOCK_N": tile * s, "S": s, "PTX": qint.ptx(run.dev), "DEP": dep,
+              "num_warps": cfg.num_warps}
+    if cfg.max_regs and not run.smoke and not dep:  # dep's quantization spills under it
         consts["maxnreg"] = cfg.max_regs
 
     def persistent(barrier: bool, prefetch: bool) -> None:
@@ -141,11 +180,17 @@ def chain(run: Run, n: int, k: int, layers: int) -> dict:
             ctr.zero_()
         _chain_kernel[(programs,)](*args, BARRIER=barrier, PREFETCH=prefetch, **consts)
 
-    variants = {"free": (False, True)} if run.smoke else {
-        "free": (False, True), "barrier": (True, False), "prefetch": (True, True)}
+    if dep:  # a barrier is what makes the quantized x whole
+        variants = {"barrier": (True, False), "prefetch": (True, True)}
+        if run.smoke:
+            variants = {"prefetch": (True, True)}
+    else:
+        variants = {"free": (False, True), "barrier": (True, False), "prefetch": (True, True)}
+        if run.smoke:
+            variants = {"free": (False, True)}
     row["programs"] = programs
     for label, (barrier, prefetch) in variants.items():
-        if barrier:
+        if barrier and not run.smoke:
             built = _chain_kernel.warmup(*args, BARRIER=True, PREFETCH=prefetch,
                                          grid=(programs,), **consts)
             row[f"{label}_resident"] = resident(built, cfg.num_warps, run.sms)
@@ -158,9 +203,14 @@ def chain(run: Run, n: int, k: int, layers: int) -> dict:
         if not run.smoke:
             row[label] = run.time_us([partial(persistent, barrier, prefetch)]) / layers
     if not run.smoke:
-        row["launches"] = run.time_us([partial(qint_triton, x, w[i], Q4_K, (n, k), cfg, xq=xq)
-                                       for i in range(layers)])
-        row["launches_ok"] = True  # qint_triton is the reference itself
+        def chained() -> None:
+            xl = quantize_x(x)
+            for i in range(layers):
+                yl = launches(i, xl)
+                if dep:
+                    xl = quantize_x(yl)
+
+        row["launches"] = run.time_us([chained]) / layers
     return row
 
 
@@ -173,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     if args.smoke:
-        args.layers, args.shapes = 3, "16x512,48x1024"
+        args.layers, args.shapes = 3, "16x512,48x1024,512x512"
     run = Run(args)
     out = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "commit": commit_id(),
            "device": "cpu" if args.smoke else torch.cuda.get_device_name(0), **run.out}
@@ -186,14 +236,17 @@ def main(argv: list[str] | None = None) -> int:
         if run.left() < 20:
             out["skipped"].append(shape)
             continue
-        row = run.attempt(shape, lambda n=n, k=k: chain(run, n, k, args.layers))
-        if row is None:
-            continue
-        out["rows"].append(row)
-        cells = [f"{row[v]:7.2f} ({row['mb_per_product'] / row[v] * 1e3:5.0f})"
-                 if row.get(v) else f"{'-':>15}" for v in labels]
-        print(f"Q4_K {n:6} x {k:6} programs {row['programs']:5} " + " ".join(
-            f"{v} {c}" for v, c in zip(labels, cells, strict=True)), flush=True)
+        for dep in (False, True) if n == k else (False,):
+            row = run.attempt(f"{shape}{' dep' if dep else ''}",
+                              lambda n=n, k=k, d=dep: chain(run, n, k, args.layers, d))
+            if row is None:
+                continue
+            out["rows"].append(row)
+            cells = [f"{row[v]:7.2f} ({row['mb_per_product'] / row[v] * 1e3:5.0f})"
+                     if row.get(v) else f"{'-':>15}" for v in labels]
+            print(f"Q4_K {n:6} x {k:6}{' dep' if dep else '    '} programs "
+                  f"{row['programs']:5} " + " ".join(
+                      f"{v} {c}" for v, c in zip(labels, cells, strict=True)), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "chain_bench.json").write_text(json.dumps(out, indent=1))
     bad = [r["n"] for r in out["rows"] for key in r if key.endswith("_ok") and not r[key]]

@@ -1,5 +1,6 @@
 """bench/gpu/chain_bench.py: its persistent kernel's products bit-equal to qint's launches
-(interpreted, tiny shapes, --smoke: no barrier, which needs every program running at once),
+(interpreted, tiny shapes, --smoke: no barrier, which needs every program running at once,
+except in the dependent chain's one-program case),
 and its barrier variants built for both targets (the grid barrier: a release count by one
 thread of each program, acquire polls)."""
 
@@ -25,9 +26,13 @@ def test_smoke_products_bit_equal(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     rows = json.loads((tmp_path / "chain_bench.json").read_text())["rows"]
-    assert [(r["n"], r["k"], r["layers"]) for r in rows] == [(16, 512, 3), (48, 1024, 3)]
-    assert all(r["free_ok"] is True for r in rows)
+    assert [(r["n"], r["k"], r["dep"]) for r in rows] == [
+        (16, 512, False), (48, 1024, False), (512, 512, False), (512, 512, True)]
+    assert all(r["free_ok"] is True for r in rows[:3])
     assert rows[1]["programs"] == 2  # 48 rows in tiles of 32
+    # each product's x the one before's output, quantized in the kernel between its
+    # barriers (one program: the interpreter runs programs one after the other)
+    assert rows[3]["prefetch_ok"] is True and rows[3]["programs"] == 1
 
 
 @pytest.mark.parametrize("target", ["cuda:90", "hip:gfx1151"])
