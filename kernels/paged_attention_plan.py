@@ -79,10 +79,14 @@ def decode_split_keys(rows: int, keys: int, kv_heads: int, num_sms: int,
     """Key positions per split of a decode step's rows (`rows`, each seeing at most `keys`
     keys): `most`, halved down to MIN_SPLIT_KEYS while the step's work items (rows x KV
     heads x the splits of `keys`) are fewer than a quarter of the device's `num_sms`
-    multiprocessors (0: never halved). H200, Llama 3 8B, one row (bench/RESULTS.md): 577
-    keys 6.9 us in 128-key splits against 8.4 in 256 and 8.0 in 64; 1024 keys 7.4 / 8.8
-    / 9.2; 4096 keys 16.2 in 128 against 14.7 in 256; 16 rows fastest in 256."""
+    multiprocessors (0: never halved), unless `most` holds the keys in one split (no
+    merge: cut in two, 96 keys took 6.1 against 3.8 us). H200, Llama 3 8B, one row
+    (bench/RESULTS.md): 577 keys 6.9 us in 128-key splits against 8.4 in 256 and 8.0 in
+    64; 1024 keys 7.4 / 8.8 / 9.2; 4096 keys 16.2 in 128 against 14.7 in 256; 16 rows
+    fastest in 256."""
     split = most
+    if keys <= most:
+        return most
     while split > MIN_SPLIT_KEYS and 4 * rows * kv_heads * -(-keys // split) < num_sms:
         split //= 2
     return split

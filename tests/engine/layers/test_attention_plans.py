@@ -162,7 +162,9 @@ def test_decode_split_keys_fill_the_device():
     assert decode_split_keys(1, 577, 8, 132) == 128  # 24 items at 256, 40 at 128
     assert decode_split_keys(1, 1024, 8, 132) == 128  # 32 at 256
     assert decode_split_keys(1, 4096, 8, 132) == SPLIT_KEYS  # 128 at 256
-    assert decode_split_keys(1, 96, 8, 132) == 128  # one split either way
+    assert decode_split_keys(1, 96, 8, 132) == SPLIT_KEYS  # one split: no merge
+    assert decode_split_keys(1, 256, 8, 132) == SPLIT_KEYS
+    assert decode_split_keys(1, 257, 8, 132) == 128  # 16 items at 256, 24 at 128
     assert decode_split_keys(1, 577, 8, 400) == 128  # never below MIN_SPLIT_KEYS
     assert decode_split_keys(16, 577, 8, 132) == SPLIT_KEYS  # 384 items already
     assert decode_split_keys(1, 577, 8, 0) == SPLIT_KEYS  # the CPU: never cut
