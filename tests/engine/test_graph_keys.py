@@ -5,6 +5,8 @@ plan asks for (decode_splits rounded up to a power of two, capped at max_context
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -33,6 +35,20 @@ class CountingCapture:
         self.captures += 1
         out = fn()
         return (lambda: out.copy_(fn())), out
+
+
+@contextlib.contextmanager
+def decode_rows(runner, lengths):
+    """A decode-only batch of rows holding `lengths` tokens, on pages given back after."""
+    seqs = [SeqPages(runner.pool) for _ in lengths]
+    try:
+        for s, n in zip(seqs, lengths, strict=True):
+            s.ensure(n)
+        yield ForwardBatch.build([([1], n - 1) for n in lengths],
+                                 {g: [s.table(g) for s in seqs] for g in runner.pool.groups})
+    finally:
+        for s in seqs:
+            s.free()
 
 
 @pytest.fixture(scope="module")
@@ -67,16 +83,8 @@ def test_prepared_graphs_cover_every_row_length(model):
     replays = runner.graphs.num_replays
     for lengths in ((5,), (K + 76,), (2 * K + 452,), (CONTEXT - 96,), (5, K + 76, 3),
                     (CONTEXT - 96, 7)):
-        seqs = [SeqPages(runner.pool) for _ in lengths]
-        try:
-            for s, n in zip(seqs, lengths, strict=True):
-                s.ensure(n)
-            batch = ForwardBatch.build([([1], n - 1) for n in lengths],
-                                       {g: [s.table(g) for s in seqs] for g in runner.pool.groups})
+        with decode_rows(runner, lengths) as batch:
             assert runner.forward(batch).shape[0] == len(lengths)
-        finally:
-            for s in seqs:
-                s.free()
     assert fake.captures == KEYS * 7 and runner.graphs.num_replays == replays + 6
     fresh = ModelRunner(model, 300, 16, cuda_graphs=True, max_context=CONTEXT,
                         capture=CountingCapture())
@@ -99,12 +107,7 @@ def test_split_keys_follow_the_device(model):
     assert max(one_row) > CONTEXT // K  # one-row steps split in 128 keys below 4096
     for lengths in ((5,), (140,), (K + 76,), (2 * K + 452,), (CONTEXT - 96,), (5, K + 76, 3),
                     (CONTEXT - 96, 7), (300,) * 9):
-        seqs = [SeqPages(runner.pool) for _ in lengths]
-        try:
-            for s, n in zip(seqs, lengths, strict=True):
-                s.ensure(n)
-            batch = ForwardBatch.build([([1], n - 1) for n in lengths],
-                                       {g: [s.table(g) for s in seqs] for g in runner.pool.groups})
+        with decode_rows(runner, lengths) as batch:
             assert runner.forward(batch).shape[0] == len(lengths)
             splits, keys = runner._decode_splits(batch)
             staged = runner.graphs.static_batch(bucket_for(len(lengths)), splits)
@@ -119,7 +122,4 @@ def test_split_keys_follow_the_device(model):
                     items = work[work[:, 0] == r]
                     seen = int((items[:, 4] - items[:, 3]).sum())
                     assert seen == min(n, runner._layers[g].window or n), (lengths, g, r)
-        finally:
-            for s in seqs:
-                s.free()
     assert fake.captures == captured
