@@ -284,8 +284,8 @@ class ModelRunner:
             for g, layer in self._layers.items()}
 
     def _most_splits(self, group: str, layer: AttnLayer) -> int:
-        """The most key splits a decode row of up to max_context tokens takes: one row
-        (the smallest splits), every length where a split count can change."""
+        """The most key splits a decode row of up to max_context tokens takes: at one row
+        (the fewest keys a split), every length where a split count can change."""
         device = torch.device(self.model.device)
         step = min(MIN_SPLIT_KEYS, self._split_keys[group])
         return max(decode_splits(layer, n, device, self._decode_keys(1, n)[group])
