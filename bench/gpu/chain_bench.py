@@ -131,6 +131,7 @@ def resident(kernel, warps: int, sms: int) -> int:
     """Programs of a compiled kernel the device holds at once (registers and shared
     memory per multiprocessor; at most 32 programs each)."""
     props = torch.cuda.get_device_properties(0)
+    kernel._init_handles()  # loads the binary: its register count is known from then on
     regs = max(1, kernel.n_regs) * 32 * warps
     per_sm = min(32, 65536 // regs)
     shared = getattr(kernel.metadata, "shared", 0)
