@@ -58,7 +58,7 @@ from kernels import qint  # noqa: E402
 from kernels.qint import Q4_K, default_qint_config, qint_triton, quantize_x  # noqa: E402
 
 SHAPES = "4096x4096,6144x4096,4096x14336,28672x4096"
-SPIN_LIMIT = 1 << 22
+SPIN_LIMIT = tl.constexpr(1 << 18)  # polls a barrier waits at most (a stuck one: ~0.2 s)
 
 
 @triton.jit
@@ -69,7 +69,7 @@ def _grid_barrier(ctr_ptr, target):
     tl.atomic_add(ctr_ptr, 1, sem="release", scope="gpu")
     seen = tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
     spins = 0
-    while (seen < target) & (spins < 4194304):
+    while (seen < target) & (spins < SPIN_LIMIT):
         seen = tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
         spins += 1
     tl.debug_barrier()
