@@ -34,6 +34,7 @@ from engine.mixed_graphs import MixedGraphs
 from engine.models.common import DecoderModel
 from kernels.paged_attention_plan import MIN_SPLIT_KEYS, decode_split_keys
 from kernels.triton_util import next_pow2, pdl_enabled, pdl_launches
+from kernels.triton_util import num_sms as device_sms
 
 __all__ = ["ForwardBatch", "ModelRunner"]
 
@@ -87,8 +88,7 @@ class ModelRunner:
         self._split_keys = {g: attn_config(layer, device, decode=True).split_keys
                             for g, layer in self._layers.items()}
         self.num_sms = num_sms if num_sms is not None else (
-            torch.cuda.get_device_properties(device).multi_processor_count
-            if self.triton and device.type == "cuda" else 0)
+            device_sms(device) if self.triton else 0)
         self._max_splits = {g: self._most_splits(g, layer) for g, layer in self._layers.items()}
         self._splits_cache: dict[tuple, dict[str, int]] = {}
         # The graphs' step functions hold the model, not the runner: a dropped runner (an
@@ -272,8 +272,9 @@ class ModelRunner:
 
     def _decode_splits(self, batch: ForwardBatch) -> tuple[dict[str, int], dict[str, int]]:
         """A decode step's (key splits a row, key positions a split) per group."""
-        keys = self._decode_keys(batch.num_rows, batch.max_seq_len())
-        return self._splits_for(batch.max_seq_len(), keys), keys
+        longest = batch.max_seq_len()
+        keys = self._decode_keys(batch.num_rows, longest)
+        return self._splits_for(longest, keys), keys
 
     def _decode_keys(self, rows: int, longest: int) -> dict[str, int]:
         """Key positions per split of a decode step of `rows` rows (as their power of two,

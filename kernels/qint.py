@@ -60,6 +60,7 @@ from kernels.qgemv import _TICKETS, _tickets, ptx
 from kernels.qscaled import _sub_dot
 from kernels.qtiles import Q4_K, Q6_K, _f16, _f16lo, _p32
 from kernels.triton_util import HAS_TRITON, await_inputs, helper, launcher, next_pow2, tl, triton
+from kernels.triton_util import num_sms as device_sms
 
 __all__ = ["ACT8_STORED", "INT_SUMS_M", "MMA_GEMV_MAX_M_OF", "Q6_K_A", "QINT_TYPES",
            "QIntConfig", "default_qint_config", "in_cta_config", "other_way",
@@ -869,11 +870,6 @@ def tile_options(tile: tuple[int, ...], backend: str) -> dict[str, int]:
 
 
 @functools.lru_cache(maxsize=16)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if \
-        device.type == "cuda" else 0
-
-
 def empty_quant_x(m: int, k: int, device: torch.device) -> QuantX:
     return QuantX(torch.empty(m, k, dtype=torch.int8, device=device),
                   torch.empty(m, k // QK, dtype=torch.float32, device=device),
@@ -979,7 +975,7 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
             raise InvalidRequest(f"qint: blocks must be ({n}, {width}) uint8 at a 4-byte "
                                  "aligned address")
     n_all = sum(n for _, _, n in parts)
-    sms = _num_sms(x.device) if num_sms is None else int(num_sms)
+    sms = device_sms(x.device) if num_sms is None else int(num_sms)
     backend = "hip" if x.device.type == "cuda" and torch.version.hip else "cuda"
     cfg = config or default_qint_config(int(parts[0][1]), n_all, k, sms, backend, m,
                                         int(parts[1][1]) if len(parts) == 2 else 0)

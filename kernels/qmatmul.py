@@ -50,6 +50,7 @@ from kernels.triton_util import (
     tl,
     triton,
 )
+from kernels.triton_util import num_sms as device_sms
 
 __all__ = ["QMMConfig", "SUPPORTED_TYPES", "default_config", "qmatmul", "qmatmul_reference",
            "qmatmul_tiled", "qmatmul_triton", "sum_splits"]
@@ -78,8 +79,7 @@ def qmatmul_reference(
 def _device_info(device: torch.device) -> tuple[str, int]:
     if device.type != "cuda":
         return "cuda", 0
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return ("hip" if torch.version.hip else "cuda"), sms
+    return ("hip" if torch.version.hip else "cuda"), device_sms(device)
 
 
 if HAS_TRITON:

@@ -62,6 +62,7 @@ __all__ = [
     "jit",
     "launcher",
     "next_pow2",
+    "num_sms",
     "pdl_enabled",
     "pdl_launches",
     "tl",
@@ -71,6 +72,12 @@ __all__ = [
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def num_sms(device: torch.device) -> int:
+    """The multiprocessors (compute units on ROCm) of a GPU device; 0 for any other."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if \
+        device.type == "cuda" else 0
 
 
 if HAS_TRITON:

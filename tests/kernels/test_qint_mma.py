@@ -15,7 +15,7 @@ from test_qint import check, rng  # noqa: F401 - the fixture
 from test_qmatmul import random_weight
 
 from kernels import qint_mma
-from kernels.triton_util import HAS_TRITON
+from kernels.triton_util import HAS_TRITON, num_sms
 
 
 def build(qtype: str = "Q4_K", **consts):
@@ -224,7 +224,7 @@ def test_gpu_same_bits_as_qint(rng):  # noqa: F811 - the fixture
         x = torch.from_numpy(rng.standard_normal((16, k), dtype=np.float32))
         for m in rows:
             xq = qint.quantize_x(x[:m].cuda())
-            split = qint.default_qint_config(held_type, n, k, qint._num_sms(held.device),
+            split = qint.default_qint_config(held_type, n, k, num_sms(held.device),
                                              m=m).split
             with qint.forced_tile(qint.TILE_CANDIDATES["cuda"][16][0]):
                 want = qint.qint_triton(x[:m].cuda(), held, held_type, (n, k), xq=xq).cpu()
