@@ -58,7 +58,11 @@ from kernels import qint  # noqa: E402
 from kernels.qint import Q4_K, default_qint_config, qint_triton, quantize_x  # noqa: E402
 
 SHAPES = "4096x4096,6144x4096,4096x14336,28672x4096"
-SPIN_LIMIT = tl.constexpr(1 << 18)  # polls a barrier waits at most (a stuck one: ~0.2 s)
+TREE_GROUPS = 16  # _tree_barrier's arrival counters
+SPIN_LIMIT = tl.constexpr(1 << 18)
+# floats between x slots' scales: a slot's own 128-byte lines (a scale read of slot l
+# must not bring slot l + 1's line, still unwritten, into a multiprocessor's L1)
+DX_SLOT = tl.constexpr(32)  # polls a barrier waits at most (a stuck one: ~0.2 s)
 
 
 @triton.jit
@@ -76,16 +80,41 @@ def _grid_barrier(ctr_ptr, target):
 
 
 @triton.jit
+def _tree_barrier(ctr_ptr, passes, GROUPS: tl.constexpr):
+    """_grid_barrier's meaning, the arrivals spread over GROUPS counters (each on its own
+    128-byte line from ctr_ptr + 32): a program counts itself into counter pid % GROUPS
+    (acq_rel); the one that completes its group's count for this pass (the passes-th)
+    counts the group into the top counter ctr_ptr (release: cumulative, so every member's
+    stores before); every program polls the top until all GROUPS are in."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    g = pid % GROUPS
+    members = (nprog - g + GROUPS - 1) // GROUPS
+    tl.debug_barrier()
+    old = tl.atomic_add(ctr_ptr + 32 + g * 32, 1, sem="acq_rel", scope="gpu")
+    if old == passes * members - 1:
+        tl.atomic_add(ctr_ptr, 1, sem="release", scope="gpu")
+    target = passes * GROUPS
+    seen = tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (seen < target) & (spins < SPIN_LIMIT):
+        seen = tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
+        spins += 1
+    tl.debug_barrier()
+
+
+@triton.jit
 def _chain_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, ctr_ptr, N, K, row_bytes, layer_bytes,
                   sb_per_split, layers, BLOCK_N: tl.constexpr, S: tl.constexpr,
                   PTX: tl.constexpr, BARRIER: tl.constexpr, PREFETCH: tl.constexpr,
-                  DEP: tl.constexpr = False):
+                  DEP: tl.constexpr = False, GROUPS: tl.constexpr = 0):
     """y[l] = W_l x_l for l < layers: program p takes in_cta tile p of every product (BLOCK_N
     rows: split v % S of weight row v // S, as qint's _qint_gemv_kernel with IN_CTA). x_l is
     x_0 (q, dx, bs at slot 0) for every l, or with DEP (N = K) y[l - 1] quantized: after a
     barrier the programs quantize its super-blocks into slot l (quantize_store, as
     quantize_x), then a second barrier. Each x_l has its own slot: no program reads a stale
-    copy of an earlier one."""
+    copy of an earlier one. GROUPS > 0: _tree_barrier's arrivals over GROUPS counters
+    instead of _grid_barrier's one."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     TILE: tl.constexpr = BLOCK_N // S
@@ -95,13 +124,14 @@ def _chain_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, ctr_ptr, N, K, row_bytes,
     row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
     w, head = qint._ld_q4k(w_ptr, row_off, sb0)
     passed = 0
+    passes = 0
     for layer in range(layers):
         wl = w_ptr + tl.cast(layer, tl.int64) * layer_bytes
         if DEP:
             slot = layer
         else:
             slot = 0
-        qp, dxp, bsp = q_ptr + slot * K, dx_ptr + slot * (K // 256), bs_ptr + slot * (K // 16)
+        qp, dxp, bsp = q_ptr + slot * K, dx_ptr + slot * DX_SLOT, bs_ptr + slot * (K // 16)
         acc = tl.zeros((BLOCK_N, 1), tl.float32)
         acc = qint._sb_q4k(acc, w, head, sb0[:, None], qp, dxp, bsp, K, 1, 1, PTX, True)
         for i in range(1, sb_per_split):
@@ -115,14 +145,24 @@ def _chain_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, ctr_ptr, N, K, row_bytes,
             w, head = qint._ld_q4k(nxt, row_off, sb0)
         if BARRIER:
             passed += nprog
-            _grid_barrier(ctr_ptr, passed)
+            passes += 1
+            if GROUPS > 0:
+                _tree_barrier(ctr_ptr, passes, GROUPS)
+            else:
+                _grid_barrier(ctr_ptr, passed)
         if DEP:  # y[layer] -> x slot layer + 1, its super-blocks spread over the programs
             for b in range(pid, K // 256, nprog):
                 bb = b + tl.zeros((1,), tl.int32)
                 xv = tl.load(yl + bb[:, None] * 256 + tl.arange(0, 256)[None, :])
-                qint.quantize_store(xv, bb, bb >= 0, slot + 1, q_ptr, dx_ptr, bs_ptr, K)
+                qint.quantize_store(xv, bb, bb >= 0, 0, q_ptr + (slot + 1) * K,
+                                    dx_ptr + (slot + 1) * DX_SLOT, bs_ptr + (slot + 1) * (K // 16),
+                                    K)
             passed += nprog
-            _grid_barrier(ctr_ptr, passed)
+            passes += 1
+            if GROUPS > 0:
+                _tree_barrier(ctr_ptr, passes, GROUPS)
+            else:
+                _grid_barrier(ctr_ptr, passed)
         if not PREFETCH:
             w, head = qint._ld_q4k(nxt, row_off, sb0)
 
@@ -153,10 +193,12 @@ def chain(run: Run, n: int, k: int, layers: int, dep: bool = False) -> dict:
     w = torch.stack([random_blocks(run, "Q4_K", n, k) for _ in range(layers)])
     x = torch.randn(1, k, device=run.dev, generator=run.gen).bfloat16()
     slots = layers + 1 if dep else 1
-    xq = qint.QuantX(*(torch.zeros((slots, *t.shape[1:]), dtype=t.dtype, device=run.dev)
-                       for t in quantize_x(x)))
+    assert k // 256 <= DX_SLOT.value
+    xq = qint.QuantX(*(torch.zeros((slots, DX_SLOT.value if i == 1 else t.shape[1]),
+                                   dtype=t.dtype, device=run.dev)
+                       for i, t in enumerate(quantize_x(x))))
     for t, v in zip(xq, quantize_x(x), strict=True):
-        t[0] = v[0]
+        t[0, :v.shape[1]] = v[0]
 
     def launches(i: int, xl: qint.QuantX) -> torch.Tensor:
         return qint_triton(x, w[i], Q4_K, (n, k), cfg, xq=xl)
@@ -168,7 +210,7 @@ def chain(run: Run, n: int, k: int, layers: int, dep: bool = False) -> dict:
             xl = quantize_x(want[-1][None])
     want = torch.stack(want)
     y = torch.empty(layers, n, dtype=torch.float32, device=run.dev)
-    ctr = torch.zeros(1, dtype=torch.int32, device=run.dev)
+    ctr = torch.zeros(32 * (TREE_GROUPS + 1), dtype=torch.int32, device=run.dev)
     programs = -(-n // tile)
     args = (*xq, w, y, ctr, n, k, w.shape[2], w[0].numel(), k // 256 // s, layers)
     consts = {"BLOCK_N": tile * s, "S": s, "PTX": qint.ptx(run.dev), "DEP": dep,
@@ -176,33 +218,36 @@ def chain(run: Run, n: int, k: int, layers: int, dep: bool = False) -> dict:
     if cfg.max_regs and not run.smoke and not dep:  # dep's quantization spills under it
         consts["maxnreg"] = cfg.max_regs
 
-    def persistent(barrier: bool, prefetch: bool) -> None:
+    def persistent(barrier: bool, prefetch: bool, groups: int = 0) -> None:
         if barrier:
             ctr.zero_()
-        _chain_kernel[(programs,)](*args, BARRIER=barrier, PREFETCH=prefetch, **consts)
+        _chain_kernel[(programs,)](*args, BARRIER=barrier, PREFETCH=prefetch, GROUPS=groups,
+                                   **consts)
 
     if dep:  # a barrier is what makes the quantized x whole
-        variants = {"barrier": (True, False), "prefetch": (True, True)}
+        variants = {"barrier": (True, False, 0), "prefetch": (True, True, 0),
+                    "tree": (True, True, TREE_GROUPS)}
         if run.smoke:
-            variants = {"prefetch": (True, True)}
+            variants = {"prefetch": (True, True, 0), "tree": (True, True, TREE_GROUPS)}
     else:
-        variants = {"free": (False, True), "barrier": (True, False), "prefetch": (True, True)}
+        variants = {"free": (False, True, 0), "barrier": (True, False, 0),
+                    "prefetch": (True, True, 0), "tree": (True, True, TREE_GROUPS)}
         if run.smoke:
-            variants = {"free": (False, True)}
+            variants = {"free": (False, True, 0)}
     row["programs"] = programs
-    for label, (barrier, prefetch) in variants.items():
+    for label, (barrier, prefetch, groups) in variants.items():
         if barrier and not run.smoke:
-            built = _chain_kernel.warmup(*args, BARRIER=True, PREFETCH=prefetch,
+            built = _chain_kernel.warmup(*args, BARRIER=True, PREFETCH=prefetch, GROUPS=groups,
                                          grid=(programs,), **consts)
             row[f"{label}_resident"] = resident(built, cfg.num_warps, run.sms)
             if programs > row[f"{label}_resident"]:
                 row[label] = None  # not every program resident: the barrier would hang
                 continue
         y.fill_(float("nan"))
-        persistent(barrier, prefetch)
+        persistent(barrier, prefetch, groups)
         row[f"{label}_ok"] = bool(torch.equal(y, want))
         if not run.smoke:
-            row[label] = run.time_us([partial(persistent, barrier, prefetch)]) / layers
+            row[label] = run.time_us([partial(persistent, barrier, prefetch, groups)]) / layers
     if not run.smoke:
         def chained() -> None:
             xl = quantize_x(x)
@@ -231,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke:
         out["ceilings"] = ceilings(run)
         print(f"copy {out['ceilings']['copy_gb_s']:.0f} GB/s; us a product (GB/s):")
-    labels = ("launches", "barrier", "prefetch", "free")
+    labels = ("launches", "barrier", "prefetch", "tree", "free")
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
         if run.left() < 20:
