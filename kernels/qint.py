@@ -869,7 +869,6 @@ def tile_options(tile: tuple[int, ...], backend: str) -> dict[str, int]:
     return compile_options(*(*tile[3:], None, None)[:2], backend)
 
 
-@functools.lru_cache(maxsize=16)
 def empty_quant_x(m: int, k: int, device: torch.device) -> QuantX:
     return QuantX(torch.empty(m, k, dtype=torch.int8, device=device),
                   torch.empty(m, k // QK, dtype=torch.float32, device=device),
