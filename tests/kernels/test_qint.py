@@ -28,6 +28,7 @@ from kernels.qint import (
     QIntConfig,
     default_qint_config,
     dequantized_x_reference,
+    empty_quant_x,
     gemv_max_m,
     other_way,
     qint_reference,
@@ -99,6 +100,16 @@ def test_quantize_x_definition(rng):
     assert (q.abs().reshape(3, 3, 256).amax(-1)[a > 0] == 127).all()
     assert (q.reshape(3, 3, 256)[1, 1] == 0).all() and dx[1, 1] == 0
     assert torch.allclose(dx.double(), a / 127.0, rtol=2**-23, atol=0)
+
+
+def test_empty_quant_x_buffers_are_fresh():
+    """Every call its own buffers: the norm, activation and quantize_x launches of one
+    shape write into them while earlier results (and graph captures' pools) still hold
+    theirs."""
+    a, b = (empty_quant_x(2, 512, torch.device("cpu")) for _ in range(2))
+    for ta, tb in zip(a, b, strict=True):
+        assert ta.untyped_storage().data_ptr() != tb.untyped_storage().data_ptr()
+    assert [tuple(t.shape) for t in a] == [(2, 512), (2, 2), (2, 32)]
 
 
 def test_quantize_kernel_bits(interp, rng):
