@@ -59,10 +59,7 @@ from kernels.qint import Q4_K, default_qint_config, qint_triton, quantize_x  # n
 
 SHAPES = "4096x4096,6144x4096,4096x14336,28672x4096"
 TREE_GROUPS = 16  # _tree_barrier's arrival counters
-SPIN_LIMIT = tl.constexpr(1 << 18)
-# floats between x slots' scales: a slot's own 128-byte lines (a scale read of slot l
-# must not bring slot l + 1's line, still unwritten, into a multiprocessor's L1)
-DX_SLOT = tl.constexpr(32)  # polls a barrier waits at most (a stuck one: ~0.2 s)
+SPIN_LIMIT = tl.constexpr(1 << 18)  # polls a barrier waits at most (a stuck one: ~0.2 s)
 
 
 @triton.jit
@@ -105,7 +102,7 @@ def _tree_barrier(ctr_ptr, passes, GROUPS: tl.constexpr):
 
 @triton.jit
 def _chain_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, ctr_ptr, N, K, row_bytes, layer_bytes,
-                  sb_per_split, layers, BLOCK_N: tl.constexpr, S: tl.constexpr,
+                  sb_per_split, layers, dx_slot, BLOCK_N: tl.constexpr, S: tl.constexpr,
                   PTX: tl.constexpr, BARRIER: tl.constexpr, PREFETCH: tl.constexpr,
                   DEP: tl.constexpr = False, GROUPS: tl.constexpr = 0):
     """y[l] = W_l x_l for l < layers: program p takes in_cta tile p of every product (BLOCK_N
@@ -131,7 +128,7 @@ def _chain_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, ctr_ptr, N, K, row_bytes,
             slot = layer
         else:
             slot = 0
-        qp, dxp, bsp = q_ptr + slot * K, dx_ptr + slot * DX_SLOT, bs_ptr + slot * (K // 16)
+        qp, dxp, bsp = q_ptr + slot * K, dx_ptr + slot * dx_slot, bs_ptr + slot * (K // 16)
         acc = tl.zeros((BLOCK_N, 1), tl.float32)
         acc = qint._sb_q4k(acc, w, head, sb0[:, None], qp, dxp, bsp, K, 1, 1, PTX, True)
         for i in range(1, sb_per_split):
@@ -155,7 +152,7 @@ def _chain_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, ctr_ptr, N, K, row_bytes,
                 bb = b + tl.zeros((1,), tl.int32)
                 xv = tl.load(yl + bb[:, None] * 256 + tl.arange(0, 256)[None, :])
                 qint.quantize_store(xv, bb, bb >= 0, 0, q_ptr + (slot + 1) * K,
-                                    dx_ptr + (slot + 1) * DX_SLOT, bs_ptr + (slot + 1) * (K // 16),
+                                    dx_ptr + (slot + 1) * dx_slot, bs_ptr + (slot + 1) * (K // 16),
                                     K)
             passed += nprog
             passes += 1
@@ -193,8 +190,10 @@ def chain(run: Run, n: int, k: int, layers: int, dep: bool = False) -> dict:
     w = torch.stack([random_blocks(run, "Q4_K", n, k) for _ in range(layers)])
     x = torch.randn(1, k, device=run.dev, generator=run.gen).bfloat16()
     slots = layers + 1 if dep else 1
-    assert k // 256 <= DX_SLOT.value
-    xq = qint.QuantX(*(torch.zeros((slots, DX_SLOT.value if i == 1 else t.shape[1]),
+    # floats between x slots' scales: each slot on its own 128-byte lines (a read of slot
+    # l's scales must not bring slot l + 1's line, still unwritten, into an L1)
+    dx_slot = -(-k // 256 // 32) * 32
+    xq = qint.QuantX(*(torch.zeros((slots, dx_slot if i == 1 else t.shape[1]),
                                    dtype=t.dtype, device=run.dev)
                        for i, t in enumerate(quantize_x(x))))
     for t, v in zip(xq, quantize_x(x), strict=True):
@@ -212,7 +211,8 @@ def chain(run: Run, n: int, k: int, layers: int, dep: bool = False) -> dict:
     y = torch.empty(layers, n, dtype=torch.float32, device=run.dev)
     ctr = torch.zeros(32 * (TREE_GROUPS + 1), dtype=torch.int32, device=run.dev)
     programs = -(-n // tile)
-    args = (*xq, w, y, ctr, n, k, w.shape[2], w[0].numel(), k // 256 // s, layers)
+    args = (*xq, w, y, ctr, n, k, w.shape[2], w[0].numel(), k // 256 // s, layers,
+            dx_slot)
     consts = {"BLOCK_N": tile * s, "S": s, "PTX": qint.ptx(run.dev), "DEP": dep,
               "num_warps": cfg.num_warps}
     if cfg.max_regs and not run.smoke and not dep:  # dep's quantization spills under it

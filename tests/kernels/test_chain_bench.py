@@ -2,7 +2,7 @@
 (interpreted, tiny shapes, --smoke: no barrier, which needs every program running at once,
 except in the dependent chain's one-program case),
 and its barrier variants built for both targets (the grid barrier: a release count by one
-thread of each program, acquire polls)."""
+thread of each program, acquire polls; and the tree's arrivals over group counters)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ def test_smoke_products_bit_equal(tmp_path):
     assert rows[3]["prefetch_ok"] is True and rows[3]["programs"] == 1
 
 
-@pytest.mark.parametrize("target", ["cuda:90", "hip:gfx1151"])
-def test_barrier_variant_builds(target):
+@pytest.mark.parametrize("target,groups", [("cuda:90", 0), ("hip:gfx1151", 0),
+                                           ("cuda:90", 16)])
+def test_barrier_variant_builds(target, groups):
     sys.path[:0] = [str(BENCH)]
     try:
         import chain_bench
@@ -46,9 +47,9 @@ def test_barrier_variant_builds(target):
 
     sig = {"q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*i32", "w_ptr": "*u8",
            "y_ptr": "*fp32", "ctr_ptr": "*i32", "N": "i32", "K": "i32", "row_bytes": "i32",
-           "layer_bytes": "i64", "sb_per_split": "i32", "layers": "i32"}
+           "layer_bytes": "i64", "sb_per_split": "i32", "layers": "i32", "dx_slot": "i32"}
     consts = {"BLOCK_N": 64, "S": 8, "PTX": target.startswith("cuda"), "BARRIER": True,
-              "PREFETCH": True}
+              "PREFETCH": True, "DEP": False, "GROUPS": groups}
     spec = aot.KernelSpec("chain", chain_bench._chain_kernel,
                           {**sig, **{k: "constexpr" for k in consts}}, consts, 2, False,
                           divisible=("q_ptr", "dx_ptr", "bs_ptr", "w_ptr", "y_ptr"),
@@ -59,3 +60,5 @@ def test_barrier_variant_builds(target):
     if target.startswith("cuda"):
         ptx = kernel.asm["ptx"]
         assert "atom.global.gpu.release.add" in ptx and "ld.global.gpu.acquire" in ptx
+        # the tree's group count: acquire (the members' stores) and release at once
+        assert ("atom.global.gpu.acq_rel.add" in ptx) == (groups > 0)
