@@ -3,7 +3,7 @@
 A decode step at one stream is a chain of products, each waiting for the one before; a
 small product's time is mostly its ramp (its first weights arrive a DRAM latency after it
 may start) and its tail. This bench times `layers` products of one shape, x fixed (one
-row, quantized once), each weight matrix its own (they miss the L2), four ways:
+row, quantized once), each weight matrix its own (they miss the L2), five ways:
 
 - `launches`: one qint launch each (kernels/qint.py, the engine's one-row build), in one
   CUDA graph with programmatic dependent launches: each waits for the one before;
@@ -13,6 +13,8 @@ row, quantized once), each weight matrix its own (they miss the L2), four ways:
   super-block loaded after it;
 - `prefetch`: the same, the next product's first super-block loaded before the barrier
   (its weights stream while the slowest program finishes the product before);
+- `tree`: `prefetch` with the barrier's arrivals spread over 16 counters, the last of each
+  group counting it into the top one (is the barrier's cost its one contended counter?);
 - `free`: no barrier, each program streams through its tiles of every product: the bound.
 
 Square shapes run again as a dependent chain (`dep`): each product's x is the output of
@@ -73,30 +75,41 @@ def _grid_barrier(ctr_ptr, target):
     while (seen < target) & (spins < SPIN_LIMIT):
         seen = tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
         spins += 1
+    _gave_up(ctr_ptr, spins)
     tl.debug_barrier()
+
+
+@triton.jit
+def _gave_up(ctr_ptr, spins):
+    """Counts a program whose poll gave up into ctr_ptr[1] (the bench's check reads it)."""
+    if spins >= SPIN_LIMIT:
+        tl.atomic_add(ctr_ptr + 1, 1, scope="gpu")
 
 
 @triton.jit
 def _tree_barrier(ctr_ptr, passes, GROUPS: tl.constexpr):
     """_grid_barrier's meaning, the arrivals spread over GROUPS counters (each on its own
-    128-byte line from ctr_ptr + 32): a program counts itself into counter pid % GROUPS
-    (acq_rel); the one that completes its group's count for this pass (the passes-th)
-    counts the group into the top counter ctr_ptr (release: cumulative, so every member's
-    stores before); every program polls the top until all GROUPS are in."""
+    128-byte line from ctr_ptr + 32; fewer groups than GROUPS when there are fewer
+    programs): a program counts itself into counter pid % groups (acq_rel); the one that
+    completes its group's count for this pass (the passes-th) counts the group into the
+    top counter ctr_ptr (release: cumulative, so every member's stores before); every
+    program polls the top until all groups are in."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    g = pid % GROUPS
-    members = (nprog - g + GROUPS - 1) // GROUPS
+    groups = tl.minimum(nprog, GROUPS)
+    g = pid % groups
+    members = (nprog - g + groups - 1) // groups
     tl.debug_barrier()
     old = tl.atomic_add(ctr_ptr + 32 + g * 32, 1, sem="acq_rel", scope="gpu")
     if old == passes * members - 1:
         tl.atomic_add(ctr_ptr, 1, sem="release", scope="gpu")
-    target = passes * GROUPS
+    target = passes * groups
     seen = tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
     spins = 0
     while (seen < target) & (spins < SPIN_LIMIT):
         seen = tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
         spins += 1
+    _gave_up(ctr_ptr, spins)
     tl.debug_barrier()
 
 
@@ -245,7 +258,7 @@ def chain(run: Run, n: int, k: int, layers: int, dep: bool = False) -> dict:
                 continue
         y.fill_(float("nan"))
         persistent(barrier, prefetch, groups)
-        row[f"{label}_ok"] = bool(torch.equal(y, want))
+        row[f"{label}_ok"] = bool(torch.equal(y, want)) and int(ctr[1]) == 0  # no poll gave up
         if not run.smoke:
             row[label] = run.time_us([partial(persistent, barrier, prefetch, groups)]) / layers
     if not run.smoke:

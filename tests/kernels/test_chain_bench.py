@@ -33,6 +33,7 @@ def test_smoke_products_bit_equal(tmp_path):
     # each product's x the one before's output, quantized in the kernel between its
     # barriers (one program: the interpreter runs programs one after the other)
     assert rows[3]["prefetch_ok"] is True and rows[3]["programs"] == 1
+    assert rows[3]["tree_ok"] is True  # the tree barrier's pass count, one group of one
 
 
 @pytest.mark.parametrize("target,groups", [("cuda:90", 0), ("hip:gfx1151", 0),
