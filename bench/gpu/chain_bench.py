@@ -67,23 +67,25 @@ SPIN_LIMIT = tl.constexpr(1 << 18)  # polls a barrier waits at most (a stuck one
 @triton.jit
 def _grid_barrier(ctr_ptr, target):
     """Every program of the grid here: count this one in (release: its stores before),
-    then poll the count (acquire) until it reaches `target`, at most SPIN_LIMIT times."""
+    then _await_count."""
     tl.debug_barrier()
     tl.atomic_add(ctr_ptr, 1, sem="release", scope="gpu")
+    _await_count(ctr_ptr, target)
+
+
+@triton.jit
+def _await_count(ctr_ptr, target):
+    """Polls the count at ctr_ptr (acquire) until it reaches `target`, at most SPIN_LIMIT
+    times; a program whose polls gave up counts itself into ctr_ptr[1] (the bench's check
+    reads it)."""
     seen = tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
     spins = 0
     while (seen < target) & (spins < SPIN_LIMIT):
         seen = tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
         spins += 1
-    _gave_up(ctr_ptr, spins)
-    tl.debug_barrier()
-
-
-@triton.jit
-def _gave_up(ctr_ptr, spins):
-    """Counts a program whose poll gave up into ctr_ptr[1] (the bench's check reads it)."""
     if spins >= SPIN_LIMIT:
-        tl.atomic_add(ctr_ptr + 1, 1, scope="gpu")
+        tl.atomic_add(ctr_ptr + 1, 1, sem="relaxed", scope="gpu")
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -93,7 +95,7 @@ def _tree_barrier(ctr_ptr, passes, GROUPS: tl.constexpr):
     programs): a program counts itself into counter pid % groups (acq_rel); the one that
     completes its group's count for this pass (the passes-th) counts the group into the
     top counter ctr_ptr (release: cumulative, so every member's stores before); every
-    program polls the top until all groups are in."""
+    program awaits all groups in the top (_await_count)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     groups = tl.minimum(nprog, GROUPS)
@@ -103,14 +105,7 @@ def _tree_barrier(ctr_ptr, passes, GROUPS: tl.constexpr):
     old = tl.atomic_add(ctr_ptr + 32 + g * 32, 1, sem="acq_rel", scope="gpu")
     if old == passes * members - 1:
         tl.atomic_add(ctr_ptr, 1, sem="release", scope="gpu")
-    target = passes * groups
-    seen = tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
-    spins = 0
-    while (seen < target) & (spins < SPIN_LIMIT):
-        seen = tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
-        spins += 1
-    _gave_up(ctr_ptr, spins)
-    tl.debug_barrier()
+    _await_count(ctr_ptr, passes * groups)
 
 
 @triton.jit
