@@ -254,6 +254,10 @@ def chain(run: Run, n: int, k: int, layers: int, dep: bool = False) -> dict:
         y.fill_(float("nan"))
         persistent(barrier, prefetch, groups)
         row[f"{label}_ok"] = bool(torch.equal(y, want)) and int(ctr[1]) == 0  # no poll gave up
+        if not row[f"{label}_ok"]:  # where it went wrong: the first product off, polls given up
+            off = (y != want).any(dim=1).nonzero()
+            row[f"{label}_first_off"] = int(off[0]) if len(off) else None
+            row[f"{label}_gave_up"] = int(ctr[1])
         if not run.smoke:
             row[label] = run.time_us([partial(persistent, barrier, prefetch, groups)]) / layers
     if not run.smoke:
