@@ -26,7 +26,7 @@ Every product's output is checked bit-equal to qint_triton's. The barrier needs 
 program resident at once: a shape whose tiles do not fit is skipped, and the spin gives up
 after SPIN_LIMIT polls (its check then fails) rather than hang.
 
-    python3 bench/gpu/chain_bench.py [--layers 32] [--shapes 4096x4096,...] [--out DIR]
+    python3 bench/gpu/chain_bench.py [--layers 32] [--shapes 4096x4096,...] [--split S] [--out DIR]
     python3 bench/gpu/chain_bench.py --smoke    # interpreted, tiny shapes, no barrier
 
 Writes $OUT/chain_bench.json and prints us a product and GB/s.
@@ -185,9 +185,14 @@ def resident(kernel, warps: int, sms: int) -> int:
     return per_sm * sms
 
 
-def chain(run: Run, n: int, k: int, layers: int, dep: bool = False) -> dict:
-    """One shape's variants (dep: each product's x the one before's output, quantized)."""
+def chain(run: Run, n: int, k: int, layers: int, dep: bool = False, split: int = 0) -> dict:
+    """One shape's variants (dep: each product's x the one before's output, quantized;
+    split: the in_cta split instead of the default's, 64 / split weight rows a program)."""
     cfg = default_qint_config(Q4_K, n, k, run.sms, m=1)
+    if split:
+        if (k // 256) % split or 64 % split:
+            raise ValueError(f"--split {split} must divide {k // 256} super-blocks and 64")
+        cfg = qint.in_cta_config(qint.QIntConfig(64, split, 2, None, cfg.max_regs))
     row = {"n": n, "k": k, "layers": layers, "dep": dep, "config": list(cfg),
            "mb_per_product": n * k // 256 * 144 / 1e6}
     if not (cfg.in_cta and cfg.split > 1):  # the persistent tile is in_cta's
@@ -277,11 +282,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--budget-s", type=float, default=240.0)
+    ap.add_argument("--split", type=int, default=0,
+                    help="the in_cta split of every product (default: qint's for the shape); "
+                         "16 at 4096 columns: every super-block a program takes is loaded "
+                         "before its wait for x")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
-    if args.smoke:
-        args.layers, args.shapes = 3, "16x512,48x1024,512x512"
+    if args.smoke:  # tiny shapes unless named
+        args.layers = 3
+        args.shapes = "16x512,48x1024,512x512" if args.shapes == SHAPES else args.shapes
     run = Run(args)
     out = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "commit": commit_id(),
            "device": "cpu" if args.smoke else torch.cuda.get_device_name(0), **run.out}
@@ -296,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for dep in (False, True) if n == k else (False,):
             row = run.attempt(f"{shape}{' dep' if dep else ''}",
-                              lambda n=n, k=k, d=dep: chain(run, n, k, args.layers, d))
+                              lambda n=n, k=k, d=dep: chain(run, n, k, args.layers, d, args.split))
             if row is None:
                 continue
             out["rows"].append(row)

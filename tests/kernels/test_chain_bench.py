@@ -36,6 +36,23 @@ def test_smoke_products_bit_equal(tmp_path):
     assert rows[3]["tree_ok"] is True  # the tree barrier's pass count, one group of one
 
 
+def test_smoke_split_override(tmp_path):
+    """--split S: every product at in_cta split S (64 / S weight rows a program), still
+    bit-equal to qint's launches at that config; a split that does not divide is refused."""
+    run = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--split", "4", "--shapes",
+                          "48x1024", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = json.loads((tmp_path / "chain_bench.json").read_text())["rows"]
+    # the default there is split 2, 32 rows a program
+    assert [r["config"][:2] for r in rows] == [[16, 4]] and rows[0]["free_ok"] is True
+    assert rows[0]["programs"] == 3  # 48 rows, 16 a program
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--split", "3", "--shapes",
+                          "48x1024", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 1 and "must divide" in bad.stdout
+
+
 @pytest.mark.parametrize("target,groups", [("cuda:90", 0), ("hip:gfx1151", 0),
                                            ("cuda:90", 16)])
 def test_barrier_variant_builds(target, groups):
