@@ -109,6 +109,16 @@ def _tree_barrier(ctr_ptr, passes, GROUPS: tl.constexpr):
 
 
 @triton.jit
+def _barrier(ctr_ptr, passes, GROUPS: tl.constexpr):
+    """The grid's passes-th barrier: _tree_barrier over GROUPS counters, or with GROUPS 0
+    _grid_barrier (every program in once a pass)."""
+    if GROUPS > 0:
+        _tree_barrier(ctr_ptr, passes, GROUPS)
+    else:
+        _grid_barrier(ctr_ptr, passes * tl.num_programs(0))
+
+
+@triton.jit
 def _chain_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, ctr_ptr, N, K, row_bytes, layer_bytes,
                   sb_per_split, layers, dx_slot, BLOCK_N: tl.constexpr, S: tl.constexpr,
                   PTX: tl.constexpr, BARRIER: tl.constexpr, PREFETCH: tl.constexpr,
@@ -128,7 +138,6 @@ def _chain_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, ctr_ptr, N, K, row_bytes,
     sb0 = (v % S) * sb_per_split
     row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
     w, head = qint._ld_q4k(w_ptr, row_off, sb0)
-    passed = 0
     passes = 0
     for layer in range(layers):
         wl = w_ptr + tl.cast(layer, tl.int64) * layer_bytes
@@ -149,12 +158,8 @@ def _chain_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, ctr_ptr, N, K, row_bytes,
         if PREFETCH:
             w, head = qint._ld_q4k(nxt, row_off, sb0)
         if BARRIER:
-            passed += nprog
             passes += 1
-            if GROUPS > 0:
-                _tree_barrier(ctr_ptr, passes, GROUPS)
-            else:
-                _grid_barrier(ctr_ptr, passed)
+            _barrier(ctr_ptr, passes, GROUPS)
         if DEP:  # y[layer] -> x slot layer + 1, its super-blocks spread over the programs
             for b in range(pid, K // 256, nprog):
                 bb = b + tl.zeros((1,), tl.int32)
@@ -162,12 +167,8 @@ def _chain_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, ctr_ptr, N, K, row_bytes,
                 qint.quantize_store(xv, bb, bb >= 0, 0, q_ptr + (slot + 1) * K,
                                     dx_ptr + (slot + 1) * dx_slot, bs_ptr + (slot + 1) * (K // 16),
                                     K)
-            passed += nprog
             passes += 1
-            if GROUPS > 0:
-                _tree_barrier(ctr_ptr, passes, GROUPS)
-            else:
-                _grid_barrier(ctr_ptr, passed)
+            _barrier(ctr_ptr, passes, GROUPS)
         if not PREFETCH:
             w, head = qint._ld_q4k(nxt, row_off, sb0)
 
