@@ -84,9 +84,9 @@ def decode_split_keys(rows: int, keys: int, kv_heads: int, num_sms: int,
     (bench/RESULTS.md): 577 keys 6.9 us in 128-key splits against 8.4 in 256 and 8.0 in
     64; 1024 keys 7.4 / 8.8 / 9.2; 4096 keys 16.2 in 128 against 14.7 in 256; 16 rows
     fastest in 256."""
-    split = most
     if keys <= most:
         return most
+    split = most
     while split > MIN_SPLIT_KEYS and 4 * rows * kv_heads * -(-keys // split) < num_sms:
         split //= 2
     return split
