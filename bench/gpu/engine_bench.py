@@ -201,11 +201,24 @@ def timeline(intervals: list[tuple[float, float]]) -> tuple[float, float]:
     return end - intervals[0][0], busy
 
 
+def last_step(kernels: list[tuple[str, float, float]], steps: int) -> list[list]:
+    """The last of `steps` equal steps of (name, start, end) kernels in start order (us):
+    its kernels as [name (40 characters), start, end], the times from its first kernel's
+    start; where the overlaps and the gaps sit, kernel by kernel."""
+    per_step = len(kernels) // steps if steps > 0 else 0
+    if per_step == 0:
+        return []
+    last = kernels[-per_step:]
+    t0 = last[0][1]
+    return [[name[:40], round(start - t0, 2), round(end - t0, 2)] for name, start, end in last]
+
+
 def profile_graph(runner, rows: int, context: int, steps: int = 5, top: int = 24) -> dict:
     """The kernels of decode steps replayed from their CUDA graph, on the device's timeline:
     per step the span from the first kernel's start to the last one's end, the time some
     kernel runs (the union of their intervals: programmatic dependent launches overlap),
-    the sum of their durations, the idle time between them, and the top kernels by time."""
+    the sum of their durations, the idle time between them, the top kernels by time, and
+    the last step kernel by kernel (last_step)."""
     prof = _profiled(runner, rows, context, runner.forward, steps, 3)
     kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                       and e.time_range.end > e.time_range.start),
@@ -218,6 +231,8 @@ def profile_graph(runner, rows: int, context: int, steps: int = 5, top: int = 24
         by_name.setdefault(e.name[:80], []).append(e.time_range.end - e.time_range.start)
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     return {"rows": rows, "steps": steps, "kernels_per_step": len(kernels) / steps,
+            "last_step": last_step([(e.name, e.time_range.start, e.time_range.end)
+                                    for e in kernels], steps),
             "span_ms_per_step": round(span / steps / 1e3, 4),
             "busy_ms_per_step": round(busy / steps / 1e3, 4),
             "sum_ms_per_step": round(sum(e.time_range.end - e.time_range.start

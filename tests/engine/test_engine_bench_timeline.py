@@ -22,3 +22,15 @@ import engine_bench  # noqa: E402
 ])
 def test_span_and_busy(intervals, span, busy):
     assert engine_bench.timeline(intervals) == (span, busy)
+
+
+def test_last_step_is_the_final_steps_kernels_from_its_own_start():
+    long = "_qint_gemv_kernel_with_a_name_longer_than_forty_characters"
+    kernels = [("a", 0.0, 1.0), ("b", 0.5, 2.0),  # step 1
+               ("a", 10.0, 11.25), (long, 10.5, 13.0)]  # step 2
+    assert engine_bench.last_step(kernels, 2) == [["a", 0.0, 1.25], [long[:40], 0.5, 3.0]]
+
+
+@pytest.mark.parametrize("kernels,steps", [([], 3), ([("a", 0.0, 1.0)], 2), ([("a", 0.0, 1.0)], 0)])
+def test_last_step_of_too_few_kernels_is_empty(kernels, steps):
+    assert engine_bench.last_step(kernels, steps) == []
