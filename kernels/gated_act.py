@@ -16,7 +16,15 @@ import torch.nn.functional as F
 from engine.errors import InvalidRequest
 from kernels.fused_norm import OUT_DTYPES
 from kernels.qint import QK, QuantX, empty_quant_x, quant_x_reference
-from kernels.triton_util import HAS_TRITON, await_inputs, interpreter_active, jit, launcher, tl
+from kernels.triton_util import (
+    HAS_TRITON,
+    await_inputs,
+    interpreter_active,
+    jit,
+    launcher,
+    release_first,
+    tl,
+)
 
 __all__ = ["ACTIVATION_IDS", "gated_act", "gated_act_quant", "gated_act_reference"]
 
@@ -41,13 +49,15 @@ if HAS_TRITON:
     @jit
     def _gated_act_kernel(gu_ptr, out_ptr, q_ptr, dx_ptr, bs_ptr, ffn, stride_gu, stride_out,
                           ACT: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr = False,
-                          PDL: tl.constexpr = False):
+                          PDL: tl.constexpr = False, RELEASE_FIRST: tl.constexpr = False):
         """Columns [BLOCK * j, BLOCK * (j + 1)) of one row (BLOCK a multiple of 256); with
-        QUANT also their super-blocks quantized (ffn a multiple of 256)."""
+        QUANT also their super-blocks quantized (ffn a multiple of 256). RELEASE_FIRST
+        (with QUANT: the down product after it reads only weights before its wait):
+        triton_util.release_first."""
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = col < ffn
-        await_inputs(PDL)
+        await_inputs(PDL, RELEASE_FIRST)
         g = tl.load(gu_ptr + row * stride_gu + col, mask=ok, other=0.0)
         u = tl.load(gu_ptr + row * stride_gu + ffn + col, mask=ok, other=0.0)
         if ACT == 0:
@@ -100,7 +110,8 @@ def _gated_act(gate_up: torch.Tensor, activation: str, out_dtype: torch.dtype,
     if rows and ffn:
         launcher(_gated_act_kernel, gate_up.device)[(rows, -(-ffn // _BLOCK))](
             gate_up, out, *(xq or (out, out, out)), ffn, gate_up.stride(0), out.stride(0),
-            ACT=ACTIVATION_IDS[activation], BLOCK=_BLOCK, QUANT=quantize, num_warps=4)
+            ACT=ACTIVATION_IDS[activation], BLOCK=_BLOCK, QUANT=quantize, num_warps=4,
+            **({"RELEASE_FIRST": True} if quantize and release_first("gated_act") else {}))
     return out, xq
 
 

@@ -59,7 +59,16 @@ from engine.errors import InvalidRequest
 from kernels.qgemv import _TICKETS, _tickets, ptx
 from kernels.qscaled import _sub_dot
 from kernels.qtiles import Q4_K, Q6_K, _f16, _f16lo, _p32
-from kernels.triton_util import HAS_TRITON, await_inputs, helper, launcher, next_pow2, tl, triton
+from kernels.triton_util import (
+    HAS_TRITON,
+    await_inputs,
+    helper,
+    launcher,
+    next_pow2,
+    release_first,
+    tl,
+    triton,
+)
 from kernels.triton_util import num_sms as device_sms
 
 __all__ = ["ACT8_STORED", "INT_SUMS_M", "MMA_GEMV_MAX_M_OF", "Q6_K_A", "QINT_TYPES",
@@ -296,11 +305,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _quantize_x_kernel(x_ptr, q_ptr, dx_ptr, bs_ptr, K, stride_xm,
-                           PDL: tl.constexpr = False):
-        """Row m (program 0), super-block b (program 1) of x -> quantize_store."""
+                           PDL: tl.constexpr = False, RELEASE_FIRST: tl.constexpr = False):
+        """Row m (program 0), super-block b (program 1) of x -> quantize_store.
+        RELEASE_FIRST: triton_util.release_first (the product after it reads only weights
+        before its wait)."""
         m = tl.program_id(0).to(tl.int64)
         b = tl.program_id(1) + tl.zeros((1,), tl.int32)
-        await_inputs(PDL)
+        await_inputs(PDL, RELEASE_FIRST)
         cols = b[:, None] * 256 + tl.arange(0, 256)[None, :]
         x = tl.load(x_ptr + m * stride_xm + cols).to(tl.float32)  # (1, 256)
         quantize_store(x, b, b >= 0, m, q_ptr, dx_ptr, bs_ptr, K)
@@ -902,8 +913,9 @@ def quantize_x(x: torch.Tensor) -> QuantX:
     m, k = x.shape
     out = empty_quant_x(m, k, x.device)
     if m:
+        release = {"RELEASE_FIRST": True} if release_first("quantize_x") else {}
         launcher(_quantize_x_kernel, x.device)[(m, k // QK)](x, *out, k, x.stride(0),
-                                                              num_warps=2)
+                                                              num_warps=2, **release)
     return out
 
 

@@ -17,8 +17,10 @@ flags): such a kernel may start while the one before it in the stream is still r
 and `await_inputs(PDL)` is where it waits for that kernel's results. Before that point a
 kernel must write nothing and may read only what the previous kernel does not write:
 weights, and what earlier kernels or copies wrote (a kernel starts only once the one
-before it has passed its own wait, i.e. once every launch before that one has finished);
-after it, everything. So a launch's start-up (and a matmul's first weight loads) overlaps
+before it has passed its own wait, i.e. once every launch before that one has finished;
+except after a kernel named in MBUFO_PDL_RELEASE_FIRST, `release_first`, whose next
+kernel is a quantized product that reads only weights before its wait); after it,
+everything. So a launch's start-up (and a matmul's first weight loads) overlaps
 the previous kernel's tail. Every such kernel must reach `await_inputs` on every path:
 the kernel after it waits only for it, and so, through its wait, for all before. ROCm has
 no such launch; there `PDL` stays False and the call is nothing. MBUFO_PDL=0 turns it off.
@@ -68,6 +70,7 @@ __all__ = [
     "num_sms",
     "pdl_enabled",
     "pdl_launches",
+    "release_first",
     "tl",
     "triton",
 ]
@@ -107,16 +110,25 @@ if HAS_TRITON:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @_Helper
-    def await_inputs(PDL: tl.constexpr):
+    def await_inputs(PDL: tl.constexpr, RELEASE_FIRST: tl.constexpr = False):
         """With PDL: wait until the previous kernel has finished and its writes are
         visible, then let the next kernel's programs start (they wait in turn). Nothing
         without (see the module docstring). Letting the next one start before the wait
-        measured slower (H200, q8 one stream: 311 tok/s against 343 without PDL and 382
-        so): the kernels after it pile up, their waiting programs placed while the
-        multiprocessors are busy; with no explicit start (only at each program's exit) 351."""
+        measured slower for every kernel (H200, q8 one stream: 311 tok/s against 343
+        without PDL and 382 so): the kernels after it pile up, their waiting programs
+        placed while the multiprocessors are busy; with no explicit start (only at each
+        program's exit) 351. RELEASE_FIRST does that for one kernel (release_first): the
+        next kernel's programs start while this one still waits, so that a product's
+        programs load weights while the kernel two before runs (the attention before the
+        o product's quantize_x). The next kernel must then read nothing before its own
+        wait that any kernel still running writes: weights only."""
         if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
+            if RELEASE_FIRST:
+                gdc_launch_dependents()
+                gdc_wait()
+            else:
+                gdc_wait()
+                gdc_launch_dependents()
 
     @functools.lru_cache(maxsize=1)
     def _fix_scalar_index() -> None:
@@ -219,6 +231,23 @@ def pdl_launches() -> Iterator[None]:
         yield
     finally:
         _PDL_EAGER.on = before
+
+
+RELEASE_FIRST_KERNELS = ("quantize_x", "gated_act")
+
+
+def release_first(kernel: str) -> bool:
+    """Whether `kernel` (one of RELEASE_FIRST_KERNELS: the kernels right before a
+    quantized product, which reads only weights before its wait) lets the next kernel
+    start before its own wait (await_inputs' RELEASE_FIRST): named in
+    MBUFO_PDL_RELEASE_FIRST (comma-separated; default none)."""
+    names = {n.strip() for n in os.environ.get("MBUFO_PDL_RELEASE_FIRST", "").split(",")
+             if n.strip()}
+    unknown = names - set(RELEASE_FIRST_KERNELS)
+    if unknown:
+        raise ValueError(f"MBUFO_PDL_RELEASE_FIRST: unknown kernel(s) {sorted(unknown)}; "
+                         f"known: {', '.join(RELEASE_FIRST_KERNELS)}")
+    return kernel in names
 
 
 def launcher(kernel: Any, device: torch.device) -> Any:
