@@ -25,16 +25,19 @@ operands, accumulate in f32.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
 from engine.errors import InvalidRequest
 from kernels.paged_attention_plan import FORMAT_IDS, AttnConfig, AttnPlan, plan_attention
-from kernels.paged_attention_triton import aot_specs, launch
+from kernels.paged_attention_triton import MERGE_HEADS, aot_specs, launch
+from kernels.qint import QK, QuantX, empty_quant_x
 from kernels.triton_util import HAS_TRITON, interpreter_active
 
 # aot_specs: kernels/aot.py collects every module's specs from here.
-__all__ = ["AttnConfig", "AttnPlan", "aot_specs", "paged_attention", "paged_attention_reference",
+__all__ = ["AttnConfig", "AttnPlan", "aot_specs", "paged_attention", "paged_attention_q8",
+           "paged_attention_reference",
            "plan_attention"]
 
 _PLANES = {"f16": {"data": (torch.float16, 1)},
@@ -166,12 +169,49 @@ def paged_attention(
     reference. `plan` (plan_attention, built from the host copies of query_start and
     seq_lens) may be shared by every layer of a step with the same window and config.
     """
+    return _attention(q, k_planes, v_planes, k_format, v_format, False, query_start=query_start,
+                      seq_lens=seq_lens, positions=positions, page_table=page_table,
+                      page_size=page_size, scale=scale, window=window, softcap=softcap,
+                      sinks=sinks, plan=plan, config=config)[0]
+
+
+def paged_attention_q8(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
+                       v_planes: dict[str, torch.Tensor], k_format: str, v_format: str,
+                       **kwargs: Any) -> tuple[torch.Tensor, QuantX | None]:
+    """paged_attention's output, and it quantized for a q8 product (kernels/qint.py's
+    quantize_x bits) by the kernel that writes it, where it can: the kernels run, V is
+    stored unrotated (its rotation would follow the kernel) and each KV head's query heads
+    hold whole 256-column super-blocks (G Dv a multiple of 256); else None (the product
+    quantizes for itself). No launch of its own."""
+    return _attention(q, k_planes, v_planes, k_format, v_format, True, **kwargs)
+
+
+def _attention(
+    q: torch.Tensor,
+    k_planes: dict[str, torch.Tensor],
+    v_planes: dict[str, torch.Tensor],
+    k_format: str,
+    v_format: str,
+    quantize: bool,
+    *,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    positions: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    plan: AttnPlan | None = None,
+    config: AttnConfig | None = None,
+) -> tuple[torch.Tensor, QuantX | None]:
     kwargs = dict(query_start=query_start, seq_lens=seq_lens, positions=positions,
                   page_table=page_table, page_size=page_size, scale=scale, window=window,
                   softcap=softcap, sinks=sinks)
     if not (HAS_TRITON and (q.device.type != "cpu" or interpreter_active())):
         return paged_attention_reference(q, k_planes, v_planes, k_format, v_format,
-                                         **kwargs).float()
+                                         **kwargs).float(), None
     if q.dim() != 3 or q.stride(-1) != 1 or not q.dtype.is_floating_point:
         raise InvalidRequest(f"paged_attention: q must be (T, H, D) float, last dim "
                              f"contiguous, got {q.dtype} {tuple(q.shape)}")
@@ -194,9 +234,15 @@ def paged_attention(
     if k_format in ("q8", "q4"):
         q = _rotate(q)
     out = torch.empty(num_tokens, num_heads, dim_v, dtype=torch.float32, device=q.device)
+    xq = None
+    # whole 256-column blocks in every program that writes out: a KV head's query heads
+    # (the partial kernel) and MERGE_HEADS heads (the merge on a GPU)
+    if quantize and v_format not in ("q8", "q4") and (group * dim_v) % QK == 0 \
+            and (MERGE_HEADS * dim_v) % QK == 0:
+        xq = empty_quant_x(num_tokens, num_heads * dim_v, q.device)
     if num_tokens:
         launch(q, (k0, k1, v0, v1), (FORMAT_IDS[k_format], FORMAT_IDS[v_format]), positions,
-               page_table, page_size, (scale, window, softcap), sinks, plan, cfg, out)
+               page_table, page_size, (scale, window, softcap), sinks, plan, cfg, out, xq)
     if v_format in ("q8", "q4"):
         out = _rotate(out)
-    return out.reshape(num_tokens, num_heads * dim_v)
+    return out.reshape(num_tokens, num_heads * dim_v), xq

@@ -18,8 +18,14 @@ import itertools
 
 import torch
 
+from engine.errors import InvalidRequest
 from kernels.paged_attention_plan import FORMAT_IDS, AttnConfig, AttnPlan
 from kernels.triton_util import HAS_TRITON, await_inputs, helper, jit, launcher, next_pow2, tl
+
+if HAS_TRITON:
+    from kernels.qint import QuantX, quantize_store
+else:
+    from kernels.qint import QuantX
 
 __all__ = ["aot_specs", "launch", "merge"]
 
@@ -68,15 +74,17 @@ if HAS_TRITON:
     def _attn_partial_kernel(
         q_ptr, k0_ptr, k1_ptr, v0_ptr, v1_ptr, pt_ptr, pos_ptr, work_ptr, tok_base_ptr,
         m_ptr, l_ptr, acc_ptr, stride_qt, stride_qh, stride_pt, qk_scale, softcap, window,
+        xq_ptr, xdx_ptr, xbs_ptr,
         K_FMT: tl.constexpr, V_FMT: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
         D: tl.constexpr, DV: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
         PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        DIRECT: tl.constexpr = False, PDL: tl.constexpr = False,
+        DIRECT: tl.constexpr = False, PDL: tl.constexpr = False, QUANT: tl.constexpr = False,
     ):
         """Partials of one work item (program 0) and KV head (program 1); base-2 logits.
         DIRECT (every token in one split, no sinks): the output acc / l itself into acc_ptr,
-        the merge's bits (its weights are exp2(0) = 1), and no merge launch."""
+        the merge's bits (its weights are exp2(0) = 1), and no merge launch; with QUANT
+        (G * DV a multiple of 256) also quantized for kernels/qint.py (_quantize_out)."""
         item = work_ptr + tl.program_id(0) * 6
         kvh = tl.program_id(1)
         # The work item and positions are the step's inputs, written before the kernels
@@ -128,18 +136,38 @@ if HAS_TRITON:
             tl.store(l_ptr + out, l_i, mask=ok)
         tl.store(acc_ptr + out[:, None] * DV + dv[None, :], acc,
                  mask=ok[:, None] & (dv < DV)[None, :])
+        if DIRECT and QUANT:  # the item's tokens' columns of this KV head
+            for i in range(0, q_count):
+                _quantize_out(acc_ptr, q_begin + i, kvh * (G * DV // 256), G * DV // 256,
+                              xq_ptr, xdx_ptr, xbs_ptr, KVH * G * DV)
+
+    @helper
+    def _quantize_out(out_ptr, tok, b0, NB: tl.constexpr, q_ptr, dx_ptr, bs_ptr,
+                      K: tl.constexpr):
+        """Super-blocks b0 .. b0 + NB - 1 of token tok's row of out (T, K), written by this
+        program, quantized as kernels/qint.py's quantize_x (quantize_store): after the
+        program's barrier, read back (L1) in 256-column blocks, no layout change of the
+        accumulator in registers (which cost the decode build 168 registers against 96)."""
+        tl.debug_barrier()
+        b = b0 + tl.arange(0, NB)
+        row = tok.to(tl.int64)
+        x = tl.load(out_ptr + row * K + b[:, None] * 256 + tl.arange(0, 256)[None, :],
+                    mask=(b < K // 256)[:, None], other=0.0)  # padded heads: no block
+        quantize_store(x, b, b < K // 256, row, q_ptr, dx_ptr, bs_ptr, K)
 
     @jit(do_not_specialize=["num_tokens"])
     def _attn_merge_kernel(
         m_ptr, l_ptr, acc_ptr, tok_base_ptr, tok_splits_ptr, sink_ptr, out_ptr, num_tokens,
+        xq_ptr, xdx_ptr, xbs_ptr,
         H: tl.constexpr, HB: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
         HAS_SINKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = False, QUANT: tl.constexpr = False,
     ):
         """out[t, h] = the merge of token t's splits of head h, for BLOCK_T tokens times
         HB heads a program (row r: token r // HB, head r % HB). A row's splits are read
         BLOCK_S at a time (one load of their (BLOCK_S, Dv) partials, not one per split):
-        the largest logit first, then the weighted sums."""
+        the largest logit first, then the weighted sums. QUANT (HB * DV a multiple of
+        256): also the program's columns of each token quantized for kernels/qint.py."""
         r = tl.arange(0, BLOCK_T * HB)
         t = tl.program_id(0) * BLOCK_T + r // HB
         h = tl.program_id(1) * HB + r % HB
@@ -173,16 +201,24 @@ if HAS_TRITON:
         den = tl.where(ok, den, 1.0)
         out = (t.to(tl.int64) * H + h)[:, None] * DV + dv[None, :]
         tl.store(out_ptr + out, acc / den[:, None], mask=ok[:, None] & (dv < DV)[None, :])
+        if QUANT:  # the program's heads: whole 256-column blocks of each of its tokens
+            for i in tl.static_range(BLOCK_T):
+                tok = tl.program_id(0) * BLOCK_T + i
+                if tok < num_tokens:
+                    _quantize_out(out_ptr, tok, tl.program_id(1) * (HB * DV // 256),
+                                  HB * DV // 256, xq_ptr, xdx_ptr, xbs_ptr, H * DV)
 
 
 def launch(q: torch.Tensor, planes: tuple[torch.Tensor, ...], formats: tuple[int, int],
            positions: torch.Tensor, page_table: torch.Tensor, page_size: int,
            params: tuple[float, int | None, float | None], sinks: torch.Tensor | None,
-           plan: AttnPlan, cfg: AttnConfig, out: torch.Tensor) -> None:
+           plan: AttnPlan, cfg: AttnConfig, out: torch.Tensor,
+           xq: QuantX | None = None) -> None:
     """Both kernels (the partial one alone when every token has one split and there are no
     sinks), writing out (T, H, Dv) float32; planes are (k0, k1, v0, v1), formats the
     FORMAT_IDS of K and V, params (scale, window, softcap). Partial buffers are (slots, H)
-    and (slots, H, Dv) float32."""
+    and (slots, H, Dv) float32. `xq` (G Dv a multiple of 256): also out quantized into it
+    by the kernel that writes out."""
     (num_tokens, num_heads, dim), dim_v, dev = q.shape, out.shape[2], q.device
     kv_heads = planes[0].shape[1]
     scale, window, softcap = params
@@ -196,41 +232,50 @@ def launch(q: torch.Tensor, planes: tuple[torch.Tensor, ...], formats: tuple[int
         acc_part = torch.empty(plan.num_slots, num_heads, dim_v, dtype=torch.float32,
                                device=dev)
     table = page_table.to(device=dev, dtype=torch.int32).contiguous()
+    quant = (xq.q, xq.dx, xq.bs) if xq is not None else (out, out, out)
     launcher(_attn_partial_kernel, dev)[(plan.work.shape[0], kv_heads)](
         q, *planes, table, positions.to(device=dev, dtype=torch.int32), plan.work,
         plan.tok_base, m_part, l_part, acc_part, q.stride(0), q.stride(1), table.stride(0),
-        scale * _LOG2E, float(softcap or 1.0), int(window or 0),
+        scale * _LOG2E, float(softcap or 1.0), int(window or 0), *quant,
         K_FMT=formats[0], V_FMT=formats[1], KVH=kv_heads, G=num_heads // kv_heads, D=dim,
         DV=dim_v, DP=next_pow2(dim), DVP=next_pow2(dim_v), PAGE=page_size,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DIRECT=direct, num_warps=cfg.num_warps,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DIRECT=direct,
+        QUANT=direct and xq is not None, num_warps=cfg.num_warps,
         **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
     )
     if direct:
         return
     merge(m_part, l_part, acc_part, plan.tok_base, plan.tok_splits,
-          None if sinks is None else (sinks.float() * _LOG2E).contiguous(), out)
+          None if sinks is None else (sinks.float() * _LOG2E).contiguous(), out, xq=xq)
 
 
 def merge(m_part: torch.Tensor, l_part: torch.Tensor, acc_part: torch.Tensor,
           tok_base: torch.Tensor, tok_splits: torch.Tensor, sinks_log2: torch.Tensor | None,
-          out: torch.Tensor, geometry: tuple[int, int] | None = None) -> None:
+          out: torch.Tensor, geometry: tuple[int, int] | None = None,
+          xq: QuantX | None = None) -> None:
     """The merge kernel: token t's partials at slots tok_base[t] .. + tok_splits[t] - 1 of
     m_part, l_part (slots, H) (log2 units) and acc_part (slots, H, Dv) -> out (T, H, Dv),
     with the sink logits (H,) in log2 units. `geometry` (tokens, heads) a program: by
     default on a GPU (1, MERGE_HEADS), a one-stream step's merge on many multiprocessors
-    rather than one; the interpreter pays per program, so there it takes many."""
+    rather than one; the interpreter pays per program, so there it takes many. `xq`: out
+    also quantized into it (each program's heads whole 256-column blocks)."""
     num_tokens, num_heads, dim_v = out.shape
     if geometry is None:
         geometry = ((16, next_pow2(num_heads)) if out.device.type == "cpu"
                     else (1, MERGE_HEADS))
     block_t, heads = geometry
+    if xq is not None and (heads * dim_v) % 256:
+        raise InvalidRequest(f"attention merge: {heads} heads of {dim_v} columns a program "
+                             "are not whole 256-column blocks to quantize")
+    quant = (xq.q, xq.dx, xq.bs) if xq is not None else (out, out, out)
     launcher(_attn_merge_kernel, out.device)[(-(-num_tokens // block_t),
                                               -(-num_heads // heads))](
         m_part, l_part, acc_part, tok_base, tok_splits,
-        m_part if sinks_log2 is None else sinks_log2, out, num_tokens,
+        m_part if sinks_log2 is None else sinks_log2, out, num_tokens, *quant,
         H=num_heads, HB=heads, DV=dim_v, DVP=next_pow2(dim_v),
         HAS_SINKS=sinks_log2 is not None, BLOCK_T=block_t, BLOCK_S=MERGE_SPLITS,
+        QUANT=xq is not None,
     )
 
 
@@ -245,7 +290,8 @@ def aot_specs(spec: type) -> list:
            **{n: "*i32" for n in ("pt_ptr", "pos_ptr", "work_ptr", "tok_base_ptr")},
            **{n: "*fp32" for n in ("m_ptr", "l_ptr", "acc_ptr")},
            "stride_qt": "i32", "stride_qh": "i32", "stride_pt": "i32", "qk_scale": "fp32",
-           "softcap": "fp32", "window": "i32"}
+           "softcap": "fp32", "window": "i32", "xq_ptr": "*i8", "xdx_ptr": "*fp32",
+           "xbs_ptr": "*i32"}
     out = []
     for (k_fmt, v_fmt, extras, decode), backend in itertools.product(
             (("f16", "f16", False, False), ("q8", "q8", True, False), ("q4", "q4", False, False),
@@ -262,12 +308,22 @@ def aot_specs(spec: type) -> list:
                 + ("_window_softcap" if extras else ""))
         out.append(spec(name, _attn_partial_kernel, signature, consts, cfg.num_warps, True,
                         backend, cfg.num_stages))
+        if decode and k_fmt == "f16":  # the q8 layout's decode step: out quantized for o
+            q_consts = {**consts, "DIRECT": True, "QUANT": True}
+            out.append(spec(name + "_direct_q8", _attn_partial_kernel,
+                            {**signature, "DIRECT": "constexpr", "QUANT": "constexpr"},
+                            q_consts, cfg.num_warps, True, backend, cfg.num_stages))
     for sinks in (False, True):
         consts = {"H": 32, "HB": MERGE_HEADS, "DV": 128, "DVP": 128, "HAS_SINKS": sinks,
                   "BLOCK_T": 1, "BLOCK_S": MERGE_SPLITS}
         signature = {**{n: "*fp32" for n in ("m_ptr", "l_ptr", "acc_ptr")},
                      "tok_base_ptr": "*i32", "tok_splits_ptr": "*i32", "sink_ptr": "*fp32",
-                     "out_ptr": "*fp32", "num_tokens": "i32", **{k: "constexpr" for k in consts}}
+                     "out_ptr": "*fp32", "num_tokens": "i32", "xq_ptr": "*i8",
+                     "xdx_ptr": "*fp32", "xbs_ptr": "*i32", **{k: "constexpr" for k in consts}}
         out.append(spec(f"paged_attention_merge{'_sinks' if sinks else ''}", _attn_merge_kernel,
                         signature, consts, 4, False))
+    consts = {"H": 32, "HB": MERGE_HEADS, "DV": 128, "DVP": 128, "HAS_SINKS": False,
+              "BLOCK_T": 1, "BLOCK_S": MERGE_SPLITS, "QUANT": True}
+    out.append(spec("paged_attention_merge_q8", _attn_merge_kernel,
+                    {**signature, "QUANT": "constexpr"}, consts, 4, False))
     return out

@@ -15,9 +15,10 @@ be captured in a CUDA graph (engine/graphs.py).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -27,8 +28,15 @@ from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache
 from engine.layers.attention_cpu import attend_cpu
 from kernels.fused_rope import KVStore
-from kernels.paged_attention import AttnConfig, AttnPlan, paged_attention, plan_attention
+from kernels.paged_attention import (
+    AttnConfig,
+    AttnPlan,
+    paged_attention,
+    paged_attention_q8,
+    plan_attention,
+)
 from kernels.paged_attention_plan import WORK_FIELDS
+from kernels.qint import QuantX
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,15 +97,34 @@ def kv_target(layer: AttnLayer, v: torch.Tensor, batch: ForwardBatch, kv: KVCach
                    v_planes, kv.k_format.name, kv.v_format.name)
 
 
+def attn_quant_enabled() -> bool:
+    """Whether the attention writes its output quantized for a q8 output projection
+    (attend_q8; MBUFO_ATTN_QUANT=1, off by default): one quantize_x launch a layer fewer,
+    the o product launched right after the attention. It measured 18% slower on the H200
+    (379 against 464 tok/s, 2026-12-01) under the shared-memory carveout effect that
+    MBUFO_CARVEOUT addresses (bench/RESULTS.md, 2026-12-02): to be measured with it."""
+    return os.environ.get("MBUFO_ATTN_QUANT", "0") == "1"
+
+
+def attend_q8(layer: AttnLayer, q: torch.Tensor, batch: ForwardBatch,
+              kv: KVCache) -> tuple[torch.Tensor, QuantX | None]:
+    """attend(..., stored=True) on the Triton path, and its output quantized for a q8
+    output projection by the attention's own launch where it can (paged_attention_q8;
+    None: the projection quantizes for itself)."""
+    return attend_triton(layer, q, batch, kv, kv.group_of(layer.index), quantize=True)
+
+
 def attend_triton(
-    layer: AttnLayer, q: torch.Tensor, batch: ForwardBatch, kv: KVCache, group: str
-) -> torch.Tensor:
+    layer: AttnLayer, q: torch.Tensor, batch: ForwardBatch, kv: KVCache, group: str,
+    quantize: bool = False,
+) -> Any:
     """One paged-attention launch for every row; without a PlannedBatch the plan is made
-    here from the batch (a host synchronisation per layer)."""
+    here from the batch (a host synchronisation per layer). With `quantize`:
+    (out, out quantized or None), paged_attention_q8's."""
     inputs = batch.attn.get(group) if isinstance(batch, PlannedBatch) else None
     k_planes, v_planes = kv.k[layer.index], kv.v[layer.index]
     assert k_planes is not None and v_planes is not None
-    return paged_attention(
+    return (paged_attention_q8 if quantize else paged_attention)(
         q, k_planes, v_planes, kv.k_format.name, kv.v_format.name,
         query_start=batch.query_start, seq_lens=batch.seq_lens,
         positions=batch.positions if inputs is None else inputs.positions,

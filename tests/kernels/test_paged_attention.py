@@ -19,6 +19,7 @@ from engine.errors import InvalidRequest
 from engine.kv.cache import KVCache, LayerKVSpec
 from engine.layers.attention import AttnLayer, attend_reference
 from kernels.paged_attention import AttnConfig, paged_attention_reference
+from kernels.qint import quantize_x_reference
 
 KERNEL = "kernels.paged_attention:paged_attention"
 PAGE = 16
@@ -200,3 +201,42 @@ def _merge_out(m, l_part, acc, base, splits, sinks, out, geometry):
 
     merge(m, l_part, acc, base, splits, sinks, out, geometry)
     return out
+
+
+@pytest.mark.parametrize("rows,config,sinks", [
+    ([(1, 40), (1, 7), (1, 130)], AttnConfig.decode(4, 128, 128, "cuda"), False),  # direct
+    ([(1, 300), (3, 35), (1, 129)], AttnConfig(block_m=16, block_n=16, split_keys=64), False),
+    ([(1, 40), (2, 9)], None, True),  # sinks: the merge kernel writes out
+])
+def test_output_quantized_for_q8(interp, rng, rows, config, sinks):
+    """paged_attention_q8: the launch that writes the output (the partial kernel with one
+    split a token and no sinks, else the merge) also writes it quantized, with
+    kernels/qint.py's quantize_x bits of that output (its float64-exact reference), and
+    the output itself is paged_attention's."""
+    q, kv, batch = make_case(rng, "f16", rows, heads=8, kv_heads=2, dim=128)
+    kw = kwargs(batch, 128, sinks=torch.from_numpy(rng.standard_normal(8, dtype=np.float32))
+                if sinks else None)
+    args = (q, kv.k[0], kv.v[0], "f16", "f16")
+    out, xq = interp.call("kernels.paged_attention:paged_attention_q8", *args, config=config,
+                          **kw)
+    assert xq is not None
+    assert torch.equal(out, interp.call(KERNEL, *args, config=config, **kw))
+    codes, scales = quantize_x_reference(out)
+    assert torch.equal(xq.q.to(torch.int32), codes) and torch.equal(xq.dx, scales)
+    want_sums = codes.to(torch.int32).view(out.shape[0], -1, 16).sum(-1)
+    assert torch.equal(xq.bs.to(torch.int32), want_sums)
+    assert_close(out, paged_attention_reference(*args, **kw))
+
+
+def test_output_quantized_only_where_it_can(interp, rng):
+    """A rotated V (q8 planes) or a KV head's query heads short of a 256-column block:
+    no quantized output (None), and the output as paged_attention's."""
+    q, kv, batch = make_case(rng, "q8", [(1, 40), (2, 9)], heads=8, kv_heads=2, dim=128)
+    args = (q, kv.k[0], kv.v[0], "q8", "q8")
+    out, xq = interp.call("kernels.paged_attention:paged_attention_q8", *args,
+                          **kwargs(batch, 128))
+    assert xq is None and torch.equal(out, interp.call(KERNEL, *args, **kwargs(batch, 128)))
+    q, kv, batch = make_case(rng, "f16", [(1, 40)], heads=2, kv_heads=2, dim=128)
+    out, xq = interp.call("kernels.paged_attention:paged_attention_q8", q, kv.k[0], kv.v[0],
+                          "f16", "f16", **kwargs(batch, 128))
+    assert xq is None
