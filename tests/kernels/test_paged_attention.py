@@ -195,12 +195,48 @@ def test_merge_geometries(interp, rng, geometry, with_sinks):
     assert float((out.double() - want).abs().max()) < 1e-5
 
 
-def _merge_out(m, l_part, acc, base, splits, sinks, out, geometry):
-    """Runs in the interpreter worker: the merge kernel into `out`, returned."""
+def _merge_out(m, l_part, acc, base, splits, sinks, out, geometry, quantize=False):
+    """Runs in the interpreter worker: the merge kernel into `out`, returned (with
+    `quantize` also its quantized copy)."""
     from kernels.paged_attention_triton import merge
+    from kernels.qint import empty_quant_x
 
-    merge(m, l_part, acc, base, splits, sinks, out, geometry)
-    return out
+    xq = empty_quant_x(out.shape[0], out.shape[1] * out.shape[2], out.device) if quantize \
+        else None
+    merge(m, l_part, acc, base, splits, sinks, out, geometry, xq=xq)
+    return (out, xq) if quantize else out
+
+
+@pytest.mark.parametrize("geometry", [(1, 4), (2, 8), (16, 8)])
+def test_merge_quantizes_each_programs_blocks(interp, rng, geometry):
+    """With a quantized copy asked for, each merge program quantizes its own heads' whole
+    256-column blocks (4 heads of 128 columns: 2 blocks; the GPU's geometry) of each of its
+    tokens: together quantize_x's bits of the merged output."""
+    counts, heads, dv = [1, 3, 9], 8, 128
+    slots = sum(counts)
+    t = lambda *shape: torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))  # noqa: E731
+    m, l_part, acc = t(slots, heads) * 3, t(slots, heads).abs() + 0.5, t(slots, heads, dv)
+    base = torch.tensor(np.cumsum([0] + counts[:-1]), dtype=torch.int32)
+    splits = torch.tensor(counts, dtype=torch.int32)
+    out = torch.full((len(counts), heads, dv), float("nan"))
+    out, xq = interp.call("tests.kernels.test_paged_attention:_merge_out", m, l_part, acc,
+                          base, splits, None, out, geometry, True)
+    assert float((out.double() - merge_reference(m, l_part, acc, base, splits, None)
+                  ).abs().max()) < 1e-5
+    codes, scales = quantize_x_reference(out.reshape(len(counts), -1))
+    assert torch.equal(xq.q.to(torch.int32), codes) and torch.equal(xq.dx, scales)
+    assert torch.equal(xq.bs.to(torch.int32), codes.to(torch.int32).view(len(counts), -1,
+                                                                         16).sum(-1))
+
+
+def test_merge_refuses_to_quantize_partial_blocks(interp, rng):
+    """A program's heads short of whole 256-column blocks (4 heads of 40 columns) cannot be
+    quantized by it: a clear error, not a wrong scale."""
+    out = torch.zeros(1, 6, 40)
+    with pytest.raises(InvalidRequest, match="256-column blocks"):
+        interp.call("tests.kernels.test_paged_attention:_merge_out", torch.zeros(1, 6),
+                    torch.ones(1, 6), torch.zeros(1, 6, 40), torch.zeros(1, dtype=torch.int32),
+                    torch.ones(1, dtype=torch.int32), None, out, (1, 4), True)
 
 
 @pytest.mark.parametrize("rows,config,sinks", [
