@@ -13,9 +13,24 @@ import torch
 T = __import__("gguf").GGMLQuantizationType
 
 
-def step_both_ways(path: str) -> dict:
+def step_both_ways(path: str, attn_quant: bool = False) -> dict:
     """In the interpreter's worker: one prefill step of the tiny model, its logits by
-    step_logits and by logits(forward()), and how many x quantization launches each took."""
+    step_logits and by logits(forward()), and how many x quantization launches each took
+    (`attn_quant`: with MBUFO_ATTN_QUANT=1, the attention quantizing for the o product)."""
+    import os
+
+    before = os.environ.get("MBUFO_ATTN_QUANT")
+    os.environ["MBUFO_ATTN_QUANT"] = "1" if attn_quant else "0"
+    try:
+        return _step_both_ways(path)
+    finally:  # the worker serves other tests
+        if before is None:
+            os.environ.pop("MBUFO_ATTN_QUANT")
+        else:
+            os.environ["MBUFO_ATTN_QUANT"] = before
+
+
+def _step_both_ways(path: str) -> dict:
     from engine.build import EngineOptions, build_core, load_for
     from engine.kernel_select import set_mode
     from engine.sampler import SamplingParams
@@ -70,7 +85,8 @@ def step_both_ways(path: str) -> dict:
         set_mode(None)
 
 
-def test_output_norm_quantizes_for_the_head(interp, tmp_path, vocab_dir):
+@pytest.mark.parametrize("attn_quant", [False, True])
+def test_output_norm_quantizes_for_the_head(interp, tmp_path, vocab_dir, attn_quant):
     from engine.synthetic import SyntheticSpec, write_synthetic_gguf
 
     q4 = {name: T.Q4_K for name in ("attn_q.weight", "attn_k.weight", "attn_output.weight",
@@ -81,12 +97,13 @@ def test_output_norm_quantizes_for_the_head(interp, tmp_path, vocab_dir):
                                 "output.weight": T.Q6_K})
     path = tmp_path / "tiny.gguf"
     write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-bpe.gguf", seed=3)
-    got = interp.call("test_model_q8_head:step_both_ways", str(path))
+    got = interp.call("test_model_q8_head:step_both_ways", str(path), attn_quant)
     assert got["head_takes_xq"]
-    # none for the o projections (the attention quantizes for them, f16 KV); the head's
-    # own only the apart way
-    assert got["fused_launches"] == 0
-    assert got["apart_launches"] == 1
+    # one a layer for the o projection, none with MBUFO_ATTN_QUANT (the attention quantizes
+    # for it: f16 KV, 4 query heads of 64 columns a KV head); the head's own only apart
+    layers = 0 if attn_quant else got["layers"]
+    assert got["fused_launches"] == layers
+    assert got["apart_launches"] == layers + 1
     assert got["fused"].shape[-1] == got["apart"].shape[-1] > 0
     assert not torch.isnan(got["fused"]).any()
     assert torch.equal(got["fused"], got["apart"])
