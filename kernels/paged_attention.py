@@ -186,29 +186,20 @@ def paged_attention_q8(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
     return _attention(q, k_planes, v_planes, k_format, v_format, True, **kwargs)
 
 
-def _attention(
-    q: torch.Tensor,
-    k_planes: dict[str, torch.Tensor],
-    v_planes: dict[str, torch.Tensor],
-    k_format: str,
-    v_format: str,
-    quantize: bool,
-    *,
-    query_start: torch.Tensor,
-    seq_lens: torch.Tensor,
-    positions: torch.Tensor,
-    page_table: torch.Tensor,
-    page_size: int,
-    scale: float,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    plan: AttnPlan | None = None,
-    config: AttnConfig | None = None,
-) -> tuple[torch.Tensor, QuantX | None]:
-    kwargs = dict(query_start=query_start, seq_lens=seq_lens, positions=positions,
-                  page_table=page_table, page_size=page_size, scale=scale, window=window,
-                  softcap=softcap, sinks=sinks)
+def _attention(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
+               v_planes: dict[str, torch.Tensor], k_format: str, v_format: str,
+               quantize: bool, plan: AttnPlan | None = None, config: AttnConfig | None = None,
+               **kwargs: Any) -> tuple[torch.Tensor, QuantX | None]:
+    """paged_attention (kwargs: its query_start .. sinks), and with `quantize` the output
+    quantized where it can be (paged_attention_q8)."""
+    names = ("query_start", "seq_lens", "positions", "page_table", "page_size", "scale",
+             "window", "softcap", "sinks")
+    kwargs = {"window": None, "softcap": None, "sinks": None, **kwargs}
+    if set(kwargs) != set(names):
+        raise TypeError(f"paged_attention: arguments {sorted(set(kwargs) ^ set(names))} "
+                        "missing or unknown")
+    query_start, seq_lens, positions, page_table, page_size, scale, window, softcap, sinks = (
+        kwargs[k] for k in names)
     if not (HAS_TRITON and (q.device.type != "cpu" or interpreter_active())):
         return paged_attention_reference(q, k_planes, v_planes, k_format, v_format,
                                          **kwargs).float(), None
