@@ -1059,17 +1059,25 @@ def gemv_max_m(qtype: int, backend: str = "", device: torch.device | None = None
     return GEMV_MAX_M_OF.get(int(qtype), GEMV_MAX_M)
 
 
-def l2_prefetch(device: torch.device, sb_per_split: int) -> int:
+def l2_prefetch(device: torch.device, sb_per_split: int, split_sb_bytes: int = 0) -> int:
     """Super-blocks past its first that each split of a CUDA-core program asks the L2 cache
-    for before its wait for x (_gemv_sbs' PREFETCH): MBUFO_QINT_PREFETCH (default 0:
-    none), at most sb_per_split - 1; 0 off NVIDIA (the prefetch is a PTX instruction).
-    Inside a decode graph the program starts while the kernel before it runs (a norm, the
-    attention: the memory then idles), so those bytes arrive before the wait ends."""
-    raw = os.environ.get("MBUFO_QINT_PREFETCH", "0").strip() or "0"
-    if not raw.isdigit():
-        raise ValueError(f"MBUFO_QINT_PREFETCH must be a whole number of super-blocks "
-                         f"(0: none), got {raw!r}")
-    return min(int(raw), sb_per_split - 1) if ptx(device) else 0
+    for before its wait for x (_gemv_sbs' PREFETCH), from MBUFO_QINT_PREFETCH (default 0:
+    none): a count ("3"), or a budget of bytes a launch ("16mb"): as many super-blocks as
+    its splits' rows fit in it, `split_sb_bytes` the bytes one super-block of every row
+    and split takes. At most sb_per_split - 1; 0 off NVIDIA (the prefetch is a PTX
+    instruction). Inside a decode graph the program starts while the kernel before it runs
+    (a norm, the attention: the memory then idles), so those bytes arrive before the wait
+    ends; a budget keeps a launch's prefetch within the time and the L2 cache that has."""
+    raw = os.environ.get("MBUFO_QINT_PREFETCH", "0").strip().lower() or "0"
+    budget = raw[:-2].strip() if raw.endswith("mb") else None
+    if not (budget if budget is not None else raw).isdigit():
+        raise ValueError(f"MBUFO_QINT_PREFETCH must be a whole number of super-blocks or of "
+                         f"megabytes a launch ('16mb'; 0: none), got {raw!r}")
+    if budget is not None:
+        count = int(budget) * 10**6 // split_sb_bytes if split_sb_bytes > 0 else 0
+    else:
+        count = int(raw)
+    return min(count, sb_per_split - 1) if ptx(device) else 0
 
 
 def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, k: int,
@@ -1090,7 +1098,8 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
                                             "X_EARLY": cfg.x_early, **stages}
         if in_cta:
             extra["IN_CTA"] = cfg.split
-        prefetch = l2_prefetch(device, k // QK // cfg.split)
+        sb_bytes = 144 if int(ggml_type) == Q4_K else 208  # a super-block's codes a row
+        prefetch = l2_prefetch(device, k // QK // cfg.split, n * cfg.split * sb_bytes)
         if prefetch:
             extra["PREFETCH"] = prefetch
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)

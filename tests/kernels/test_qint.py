@@ -372,14 +372,15 @@ def test_gpu_l2_prefetch_gives_the_same_bits(rng, monkeypatch):
         x = torch.from_numpy(rng.standard_normal((1, k), dtype=np.float32)).cuda()
         monkeypatch.delenv("MBUFO_QINT_PREFETCH", raising=False)
         want = qint_parts(x, parts, k).cpu()
-        for sbs in ("1", "3", "99"):
+        for sbs in ("1", "3", "99", "1mb"):
             monkeypatch.setenv("MBUFO_QINT_PREFETCH", sbs)
             assert torch.equal(qint_parts(x, parts, k).cpu(), want), (k, len(parts), sbs)
 
 
 def test_l2_prefetch_setting(monkeypatch):
-    """MBUFO_QINT_PREFETCH: 0 unless set; at most a split's super-blocks past its first;
-    nothing off NVIDIA's PTX; a clear error for anything but a whole number."""
+    """MBUFO_QINT_PREFETCH: 0 unless set; a count, or megabytes a launch; at most a split's
+    super-blocks past its first; nothing off NVIDIA's PTX; a clear error for anything
+    else."""
     from kernels.qint import l2_prefetch
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -391,7 +392,15 @@ def test_l2_prefetch_setting(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.4", raising=False)
     assert l2_prefetch(cuda, 8) == 0
     monkeypatch.setattr(torch.version, "hip", None, raising=False)
-    for bad in ("-1", "two", "1.5"):
+    # a budget a launch: 28672 rows x 2 splits x 144 bytes = 8.26 MB a super-block
+    monkeypatch.setenv("MBUFO_QINT_PREFETCH", "16MB")
+    assert l2_prefetch(cuda, 8, 28672 * 2 * 144) == 1
+    assert l2_prefetch(cuda, 8, 4096 * 8 * 144) == 3  # 4.72 MB a super-block
+    assert l2_prefetch(cuda, 2, 4096 * 8 * 144) == 1  # the split's own limit
+    assert l2_prefetch(cuda, 8, 0) == 0  # no size given: nothing
+    monkeypatch.setenv("MBUFO_QINT_PREFETCH", " 64 mb ")
+    assert l2_prefetch(cuda, 8, 28672 * 2 * 144) == 7
+    for bad in ("-1", "two", "1.5", "mb", "16gb", "1.5mb"):
         monkeypatch.setenv("MBUFO_QINT_PREFETCH", bad)
         with pytest.raises(ValueError, match="MBUFO_QINT_PREFETCH"):
             l2_prefetch(cuda, 8)
