@@ -352,8 +352,8 @@ def test_gpu_every_candidate_tile_gives_the_same_bits(rng):
 @pytest.mark.gpu
 def test_gpu_l2_prefetch_gives_the_same_bits(rng, monkeypatch):
     """On the GPU, the one-row products with their next super-blocks asked of the L2 cache
-    first (MBUFO_QINT_PREFETCH: 1, 3, and more than a split has) give the bits they give
-    without: each type alone, the fused q|k + v launch, and Q4_K at 14336 columns (7
+    first (MBUFO_QINT_PREFETCH: 1, 3, more than a split has, 1 MB a launch) give the bits
+    they give without: each type alone, the fused q|k + v launch, and Q4_K at 14336 columns (7
     super-blocks a split)."""
     if not torch.cuda.is_available():
         pytest.fail("no GPU: run the gpu tests on the device")
