@@ -103,7 +103,10 @@ def attn_quant_enabled() -> bool:
     the o product launched right after the attention. It measured 18% slower on the H200
     (379 against 464 tok/s, 2026-12-01) under the shared-memory carveout effect that
     MBUFO_CARVEOUT addresses (bench/RESULTS.md, 2026-12-02): to be measured with it."""
-    return os.environ.get("MBUFO_ATTN_QUANT", "0") == "1"
+    raw = os.environ.get("MBUFO_ATTN_QUANT", "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"MBUFO_ATTN_QUANT must be 0 or 1, got {raw!r}")
+    return raw == "1"
 
 
 def attend_q8(layer: AttnLayer, q: torch.Tensor, batch: ForwardBatch,
