@@ -1067,7 +1067,9 @@ def l2_prefetch(device: torch.device, sb_per_split: int, split_sb_bytes: int = 0
     and split takes. At most sb_per_split - 1; 0 off NVIDIA (the prefetch is a PTX
     instruction). Inside a decode graph the program starts while the kernel before it runs
     (a norm, the attention: the memory then idles), so those bytes arrive before the wait
-    ends; a budget keeps a launch's prefetch within the time and the L2 cache that has."""
+    ends; a budget keeps a launch's prefetch within the time and the L2 cache that has.
+    (Prefetching all of a launch's bytes, or N super-blocks ahead of the loads, measured
+    slower on the H200, alone and in the step: bench/RESULTS.md, 2026-12-01.)"""
     raw = os.environ.get("MBUFO_QINT_PREFETCH", "0").strip().lower() or "0"
     budget = raw[:-2].strip() if raw.endswith("mb") else None
     if not (budget if budget is not None else raw).isdigit():
