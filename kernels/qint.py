@@ -1070,16 +1070,22 @@ def l2_prefetch(device: torch.device, sb_per_split: int, split_sb_bytes: int = 0
     ends; a budget keeps a launch's prefetch within the time and the L2 cache that has.
     (Prefetching all of a launch's bytes, or N super-blocks ahead of the loads, measured
     slower on the H200, alone and in the step: bench/RESULTS.md, 2026-12-01.)"""
-    raw = os.environ.get("MBUFO_QINT_PREFETCH", "0").strip().lower() or "0"
+    count, budget = _prefetch_setting(os.environ.get("MBUFO_QINT_PREFETCH", "0"))
+    if budget is not None:
+        count = budget // split_sb_bytes if split_sb_bytes > 0 else 0
+    return min(count, sb_per_split - 1) if ptx(device) else 0
+
+
+@functools.lru_cache(maxsize=8)
+def _prefetch_setting(value: str) -> tuple[int, int | None]:
+    """MBUFO_QINT_PREFETCH's value -> (super-blocks, None) or (0, bytes a launch); parsed
+    once a value (l2_prefetch runs at every one-row launch)."""
+    raw = value.strip().lower() or "0"
     budget = raw[:-2].strip() if raw.endswith("mb") else None
     if not (budget if budget is not None else raw).isdigit():
         raise ValueError(f"MBUFO_QINT_PREFETCH must be a whole number of super-blocks or of "
                          f"megabytes a launch ('16mb'; 0: none), got {raw!r}")
-    if budget is not None:
-        count = int(budget) * 10**6 // split_sb_bytes if split_sb_bytes > 0 else 0
-    else:
-        count = int(raw)
-    return min(count, sb_per_split - 1) if ptx(device) else 0
+    return (0, int(budget) * 10**6) if budget is not None else (int(raw), None)
 
 
 def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, k: int,

@@ -241,13 +241,19 @@ def release_first(kernel: str) -> bool:
     quantized product, which reads only weights before its wait) lets the next kernel
     start before its own wait (await_inputs' RELEASE_FIRST): named in
     MBUFO_PDL_RELEASE_FIRST (comma-separated; default none)."""
-    names = {n.strip() for n in os.environ.get("MBUFO_PDL_RELEASE_FIRST", "").split(",")
-             if n.strip()}
+    return kernel in _release_first_names(os.environ.get("MBUFO_PDL_RELEASE_FIRST", ""))
+
+
+@functools.lru_cache(maxsize=8)
+def _release_first_names(value: str) -> frozenset[str]:
+    """MBUFO_PDL_RELEASE_FIRST's names, checked; parsed once a value (release_first runs at
+    every launch of those kernels)."""
+    names = frozenset(n.strip() for n in value.split(",") if n.strip())
     unknown = names - set(RELEASE_FIRST_KERNELS)
     if unknown:
         raise ValueError(f"MBUFO_PDL_RELEASE_FIRST: unknown kernel(s) {sorted(unknown)}; "
                          f"known: {', '.join(RELEASE_FIRST_KERNELS)}")
-    return kernel in names
+    return names
 
 
 def launcher(kernel: Any, device: torch.device) -> Any:
