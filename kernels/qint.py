@@ -145,6 +145,10 @@ Q4K_NARROW_M = 2
 # step 2.263 against 2.311 ms); with fewer the last wave runs part-empty (Q6_K 28672 x
 # 4096: 43.0 against 35.4 us; H200, bench/RESULTS.md 2026-12-01).
 Q6K_EARLY_WAVES = 2
+# ... and where they do, 32 rows a program: 118.5 against 165.0 us for the output head
+# (Q6_K 128256 x 4096, qint_bench; 64 rows on 8 warps 121.5) and one stream 470 against
+# 465 tok/s (H200, bench/RESULTS.md 2026-12-02).
+Q6K_HEAD_BLOCK_N = 32
 # Q4_K at one row of x on NVIDIA: the 2-warp build capped at this many registers a thread
 # (165 uncapped, since x's loads are issued beside the weights': _sb_q4k; no spills at
 # 128): 8 programs a multiprocessor instead of 6. (Before those loads moved, 126 uncapped
@@ -929,7 +933,8 @@ def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
     super-blocks split while 64-row tiles alone give fewer than 4 programs per compute
     unit, up to MAX_SPLIT (num_sms 0: no split). The split never depends on `m` (x's
     rows): it is in a row's bits (the rows and warps a program takes are not, nor is
-    x_early: Q6K_EARLY_WAVES, nor in_cta).
+    x_early: Q6K_EARLY_WAVES, nor in_cta; Q6_K's programs filling those waves at one row
+    take Q6K_HEAD_BLOCK_N rows).
     Splits in one program measured faster for Q4_K at one row (H200: 28672 x 4096 21.5
     against 25.3 us, 4096 x 14336 14.5 against 15.9; one stream 430 -> 450 tok/s) but
     slower for Q6_K (4096 x 14336 20.1 against 18.5) and mixed at two rows
@@ -947,6 +952,8 @@ def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
     if n < WIDE_N:
         return QIntConfig(64, split)
     early = ggml_type != Q6_K_A or m > 1 or -(-n // 128) * split >= Q6K_EARLY_WAVES * 3 * num_sms
+    if ggml_type == Q6_K_A and m == 1 and early:  # the output head's shape
+        return QIntConfig(Q6K_HEAD_BLOCK_N, split)
     return QIntConfig(128, split, x_early=early)
 
 
@@ -1191,10 +1198,13 @@ def aot_specs(spec: type) -> list:
                 cfg = default_qint_config(qtype, n, 4096, backend=backend, m=bm, qtype2=qtype2)
                 wide = "_wide" if n == WIDE_N else ""
                 sums = "*i32" if sums_dtype(bm) == torch.int32 else "*fp16"
-                # Q6_K's wide one-row build both ways (x_early: Q6K_EARLY_WAVES)
+                # Q6_K's wide one-row build both ways (x_early: Q6K_EARLY_WAVES; early:
+                # the output head's, Q6K_HEAD_BLOCK_N rows on CUDA)
                 x_early = (True, False) if qtype == Q6_K_A and bm == 1 and wide else (True,)
                 for early in x_early:
-                    consts = {"QTYPE": qtype, "BLOCK_M": bm, "BLOCK_N": cfg.block_n,
+                    head = len(x_early) == 2 and early and backend == "cuda"
+                    consts = {"QTYPE": qtype, "BLOCK_M": bm,
+                              "BLOCK_N": Q6K_HEAD_BLOCK_N if head else cfg.block_n,
                               "PTX": backend == "cuda", "QTYPE2": qtype2,
                               "PDL": backend == "cuda", "X_EARLY": early, "IN_CTA": 0,
                               "PREFETCH": 0}

@@ -38,6 +38,7 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,6 +58,8 @@ except ImportError:  # the CPU torch build: kernels fall back to their reference
 __all__ = [
     "HAS_TRITON",
     "await_inputs",
+    "DEFAULT_CARVEOUT",
+    "SMLimits",
     "carveout_for",
     "carveout_setting",
     "compiled",
@@ -66,6 +69,7 @@ __all__ = [
     "interpreter_active",
     "jit",
     "launcher",
+    "resident_programs",
     "next_pow2",
     "num_sms",
     "pdl_enabled",
@@ -277,41 +281,82 @@ def launcher(kernel: Any, device: torch.device) -> Any:
 # programmatic dependent launches multiprocessors seldom idle, so a split taken for one
 # kernel (the attention's shared memory) can stay for the kernels after it (bench/RESULTS.md,
 # 2026-12-02: one stream 381 against 465 tok/s when the o product directly followed the
-# attention, 478 with one carveout for every kernel). MBUFO_CARVEOUT=P gives every kernel
+# attention, 478 with one carveout for every kernel). MBUFO_CARVEOUT=P (DEFAULT_CARVEOUT;
+# off: the driver's) gives every kernel
 # of at most SMALL_SHARED bytes of shared memory the preferred carveout P (percent of the
-# most shared memory); the larger ones keep what Triton sets (shared memory preferred).
+# most shared memory), raised to what its resident programs need (a carveout below that
+# cuts the programs a multiprocessor holds: 16 streams lost 17% with 15% for every kernel,
+# the same run); the larger ones keep what Triton sets (shared memory preferred).
 SMALL_SHARED = 48 * 1024
+SHARED_RESERVED = 1024  # the shared memory a program takes besides its own (sm_80 on)
+
+
+DEFAULT_CARVEOUT = 15
 
 
 def carveout_setting(raw: str | None) -> int | None:
-    """MBUFO_CARVEOUT's value: None when unset or empty (the driver chooses), else a whole
-    percentage 0..100; a clear error for anything else."""
+    """MBUFO_CARVEOUT's value: DEFAULT_CARVEOUT when unset or empty, None for "off" (the
+    driver chooses), else a whole percentage 0..100; a clear error for anything else."""
     if raw is None or not raw.strip():
-        return None
+        return DEFAULT_CARVEOUT
     raw = raw.strip()
+    if raw.lower() == "off":
+        return None
     if not raw.isdigit() or int(raw) > 100:
-        raise ValueError(f"MBUFO_CARVEOUT must be a whole percentage 0..100 of the most "
-                         f"shared memory, got {raw!r}")
+        raise ValueError(f"MBUFO_CARVEOUT must be off or a whole percentage 0..100 of the "
+                         f"most shared memory, got {raw!r}")
     return int(raw)
 
 
-def carveout_for(shared_bytes: int, percent: int | None) -> int | None:
-    """The carveout to set for a kernel of `shared_bytes` shared memory: `percent` for the
-    small ones, None (leave it) for the others or without a setting."""
-    return percent if percent is not None and shared_bytes <= SMALL_SHARED else None
+@dataclass(frozen=True, slots=True)
+class SMLimits:
+    """What a multiprocessor holds (the H100/H200's by default)."""
+    shared: int = 228 * 1024
+    regs: int = 65536
+    warps: int = 64
+    programs: int = 32
 
 
-def _kernel_shared(metadata_group: dict) -> int:
-    """A loaded kernel's shared memory in bytes, from its metadata file; unknown: the most."""
+def resident_programs(regs: int, num_warps: int, shared: int, sm: SMLimits) -> int:
+    """Programs of `num_warps` warps and `regs` registers a thread a multiprocessor holds
+    by registers (allocated 256 a warp at a time), warps and program slots, with its
+    shared memory all given to shared (`shared` bytes each, SHARED_RESERVED besides)."""
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = (sm.regs // per_warp) // num_warps
+    by_shared = sm.shared // (shared + SHARED_RESERVED)
+    return max(1, min(sm.programs, sm.warps // num_warps, by_regs, by_shared))
+
+
+def carveout_for(shared_bytes: int, percent: int | None, regs: int = 0, num_warps: int = 4,
+                 sm: SMLimits = SMLimits()) -> int | None:
+    """The carveout to set for a kernel of `shared_bytes` shared memory, `regs` registers a
+    thread on `num_warps` warps: `percent` for the small ones, raised to the least that
+    holds as many of its programs as all of the shared memory would; None (leave it) for
+    the others or without a setting."""
+    if percent is None or shared_bytes > SMALL_SHARED:
+        return None
+    need = resident_programs(regs, num_warps, shared_bytes, sm) * (shared_bytes + SHARED_RESERVED)
+    return min(100, max(percent, -(-need * 100 // sm.shared)))
+
+
+def _kernel_meta(metadata_group: dict) -> tuple[int, int]:
+    """A loaded kernel's shared memory in bytes and warps, from its metadata file;
+    unknown: the most shared memory."""
     import json
 
     path = next((p for name, p in (metadata_group or {}).items() if name.endswith(".json")),
                 None)
     try:
         with open(path) as f:
-            return int(json.load(f)["shared"])
+            meta = json.load(f)
+        return int(meta["shared"]), int(meta.get("num_warps", 4))
     except (TypeError, OSError, ValueError, KeyError):
-        return 1 << 30
+        return 1 << 30, 4
+
+
+def _kernel_shared(metadata_group: dict) -> int:
+    """A loaded kernel's shared memory in bytes, from its metadata file; unknown: the most."""
+    return _kernel_meta(metadata_group)[0]
 
 
 @functools.lru_cache(maxsize=1)
@@ -326,11 +371,23 @@ def install_carveout() -> int | None:
 
     cuda = ctypes.CDLL("libcuda.so.1")
     attribute = 9  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+    num_regs = 4  # CU_FUNC_ATTRIBUTE_NUM_REGS
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    sm = SMLimits(
+        shared=int(getattr(props, "shared_memory_per_multiprocessor", 0) or SMLimits.shared),
+        regs=int(getattr(props, "regs_per_multiprocessor", 0) or SMLimits.regs),
+        warps=int(getattr(props, "max_threads_per_multi_processor", 0) or 2048) // 32)
 
     def on_load(module: Any, function: Any, name: str, metadata_group: dict,
                 hash: str, **_: Any) -> None:
-        value = carveout_for(_kernel_shared(metadata_group), percent)
-        if function is None or value is None:
+        if function is None:
+            return
+        shared, warps = _kernel_meta(metadata_group)
+        regs = ctypes.c_int(0)
+        if cuda.cuFuncGetAttribute(ctypes.byref(regs), num_regs, ctypes.c_void_p(function)):
+            regs.value = 255  # unknown: the most, so the fewest programs
+        value = carveout_for(shared, percent, regs.value, warps, sm)
+        if value is None:
             return
         err = cuda.cuFuncSetAttribute(ctypes.c_void_p(function), attribute, ctypes.c_int(value))
         if err:

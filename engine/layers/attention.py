@@ -37,6 +37,7 @@ from kernels.paged_attention import (
 )
 from kernels.paged_attention_plan import WORK_FIELDS
 from kernels.qint import QuantX
+from kernels.triton_util import carveout_setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,16 +98,22 @@ def kv_target(layer: AttnLayer, v: torch.Tensor, batch: ForwardBatch, kv: KVCach
                    v_planes, kv.k_format.name, kv.v_format.name)
 
 
-def attn_quant_enabled() -> bool:
-    """Whether the attention writes its output quantized for a q8 output projection
-    (attend_q8; MBUFO_ATTN_QUANT=1, off by default): one quantize_x launch a layer fewer,
-    the o product launched right after the attention. It measured 18% slower on the H200
-    (379 against 464 tok/s, 2026-12-01) under the shared-memory carveout effect that
-    MBUFO_CARVEOUT addresses (bench/RESULTS.md, 2026-12-02): to be measured with it."""
+def attn_quant_enabled(tokens: int = 1) -> bool:
+    """Whether the attention of a step of `tokens` query rows writes its output quantized
+    for a q8 output projection (attend_q8): one quantize_x launch a layer fewer, the o
+    product launched right after the attention. MBUFO_ATTN_QUANT=1: always, 0: never;
+    unset: at one row on a GPU where the shared-memory carveout is set (NVIDIA, MBUFO_CARVEOUT:
+    without it the o product right after the attention ran 18% slower, 381 against 465
+    tok/s) or on ROCm, whose shared memory is apart from L1. On the H200 one stream 474
+    against 466 tok/s with it, 16 streams 3440 against 3567 (bench/RESULTS.md, 2026-12-02)."""
     raw = os.environ.get("MBUFO_ATTN_QUANT", "").strip()
     if raw not in ("", "0", "1"):
         raise ValueError(f"MBUFO_ATTN_QUANT must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    if raw:
+        return raw == "1"
+    return tokens == 1 and torch.cuda.is_available() and (
+        torch.version.hip is not None
+        or carveout_setting(os.environ.get("MBUFO_CARVEOUT")) is not None)
 
 
 def attend_q8(layer: AttnLayer, q: torch.Tensor, batch: ForwardBatch,

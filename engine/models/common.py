@@ -195,7 +195,7 @@ class DecoderModel:
         if fused:  # q/k norm and RoPE of both, and the K/V store, in one kernel
             q, k = rope_qk(q, k, *cs, rope.neox, blk.q_norm, blk.k_norm, cfg.rms_eps,
                            kv_target(blk.attn, v, batch, kv))
-            if _act8(blk.out, fused) and attn_quant_enabled():  # the attention quantizes
+            if _act8(blk.out, fused) and attn_quant_enabled(n):  # the attention quantizes
                 o, oq = attend_q8(blk.attn, q, batch, kv)
                 return blk.out(o) if oq is None else blk.out(o, xq=oq)
             return blk.out(attend(blk.attn, q, k, v, batch, kv, stored=True))

@@ -24,6 +24,7 @@ from kernels.qint import (
     Q4K_ONE_ROW_REGS,
     Q6_K_A,
     Q6K_EARLY_WAVES,
+    Q6K_HEAD_BLOCK_N,
     WIDE_N,
     QIntConfig,
     default_qint_config,
@@ -418,15 +419,17 @@ def test_default_config_rows_a_program_leave_the_split_alone():
     counts 64-row tiles whatever the rows of x: while fewer than 4 programs a compute
     unit, up to 8, dividing the super-blocks evenly; Q4_K at one row takes a tile's
     splits in one program (in_cta_config). Q6_K's wide programs load x early
-    at one row only where they fill Q6K_EARLY_WAVES waves of 3 a compute unit."""
+    at one row only where they fill Q6K_EARLY_WAVES waves of 3 a compute unit, and there
+    take Q6K_HEAD_BLOCK_N rows."""
     sms = 132
     want = {1024: (64, 8), 4096: (64, 8), WIDE_N - 1: (64, 8), WIDE_N: (128, 8), 14336: (128, 4),
             28672: (128, 2), 128256: (128, 1)}
     for n, (block_n, split) in want.items():
         early = block_n == 64 or -(-n // 128) * split >= Q6K_EARLY_WAVES * 3 * sms
         assert early == (n in (1024, 4096, WIDE_N - 1, 128256)), n  # the head: early
+        head = early and block_n == 128  # the output head's shape: fewer rows a program
         assert default_qint_config(Q6_K_A, n, 4096, sms) == QIntConfig(
-            block_n, split, x_early=early), n
+            Q6K_HEAD_BLOCK_N if head else block_n, split, x_early=early), n
         for m in (3, 8):
             assert default_qint_config(Q6_K_A, n, 4096, sms, m=m) == QIntConfig(block_n, split)
         # one row: a tile's splits in one program of the same 64 rows a split
