@@ -125,7 +125,6 @@ def check_asm(spec: KernelSpec, target: str, kernel: Any) -> dict[str, Any]:
         ops = re.findall(r"\b(?:mma\.sync|wgmma\.mma_async)\.[\w.]+", asm.get("ptx", ""))
         # programmatic dependent launch (kernels/triton_util.py): the wait before the inputs
         info["gdc_waits"] = asm.get("ptx", "").count("griddepcontrol.wait")
-        info["l2_prefetches"] = asm.get("ptx", "").count("prefetch.global.L2")  # qint
         info["mma"] = len(ops)
         info["ops"] = sorted(set(ops))
         info.update(_cubin_resources(binary))

@@ -72,7 +72,7 @@ from kernels.triton_util import (
 from kernels.triton_util import num_sms as device_sms
 
 __all__ = ["ACT8_STORED", "INT_SUMS_M", "MMA_GEMV_MAX_M_OF", "Q6_K_A", "QINT_TYPES",
-           "QIntConfig", "default_qint_config", "in_cta_config", "l2_prefetch", "other_way",
+           "QIntConfig", "default_qint_config", "in_cta_config", "other_way",
            "TILE_BOUNDS", "TILE_CANDIDATES", "TUNED_TILES", "forced_tile", "tile_bound",
            "tile_options", "tiled_tile",
            "QuantX", "dequantized_x_reference", "empty_quant_x", "qint_parts", "sums_dtype",
@@ -551,30 +551,16 @@ if HAS_TRITON:
         return tl.sum(tl.where(g == gi, t, 0), axis=1)
 
     @helper
-    def _l2_prefetch(w_ptr, row_off, sb0, SBS: tl.constexpr, SB_BYTES: tl.constexpr):
-        """Asks the L2 cache for super-blocks sb0 .. sb0 + SBS - 1 of the rows at row_off
-        (BN,) (a row's super-blocks lie SB_BYTES apart), one 128-byte line an instruction,
-        nothing returned (so no registers held). sm_90 PTX only: callers pass SBS = 0
-        elsewhere. Every line asked for starts inside the range."""
-        base = w_ptr + row_off + sb0 * SB_BYTES
-        for j in tl.static_range((SBS * SB_BYTES + 127) // 128):
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [base + j * 128], dtype=tl.int32, is_pure=False, pack=1)
-
-    @helper
     def _gemv_sbs(acc, w_ptr, row_off, sb0, count, q_ptr, dx_ptr, bs_ptr, K, M,
                   QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, PTX: tl.constexpr,
-                  PDL: tl.constexpr, X_EARLY: tl.constexpr = True, VROWS: tl.constexpr = False,
-                  PREFETCH: tl.constexpr = 0):
+                  PDL: tl.constexpr, X_EARLY: tl.constexpr = True, VROWS: tl.constexpr = False):
         """acc + super-blocks sb0 .. sb0 + count - 1 (count >= 1) of the rows at row_off
         (VROWS: sb0 (BN,), each row's own).
         The first super-block's words are loaded before the wait for x (await_inputs;
         later waits return at once). (Loading each next super-block's words before the
-        current one's product measured slower, bench/RESULTS.md.) PREFETCH (< count, PTX
-        builds): the next PREFETCH super-blocks asked of the L2 cache before that, so that
-        they come from memory while the kernel before this one still runs (l2_prefetch)."""
-        if PREFETCH > 0 and PTX:
-            _l2_prefetch(w_ptr, row_off, sb0 + 1, PREFETCH, 144 if QTYPE == 12 else 208)
+        current one's product measured slower, and so did asking the L2 cache for the next
+        super-blocks before the wait, alone and in the step: bench/RESULTS.md 2026-12-01
+        and 2026-12-02.)"""
         for i in range(0, count):
             sb = sb0 + i
             if VROWS:
@@ -619,14 +605,13 @@ if HAS_TRITON:
         sb_per_split, nsplit, ticket, w2_ptr, n1, row_bytes2,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PTX: tl.constexpr = False, QTYPE2: tl.constexpr = 0, PDL: tl.constexpr = False,
-        X_EARLY: tl.constexpr = True, IN_CTA: tl.constexpr = 0, PREFETCH: tl.constexpr = 0,
+        X_EARLY: tl.constexpr = True, IN_CTA: tl.constexpr = 0,
     ):
         """y[m, n] = the product of x's row m (quantized: q, dx, 16-column sums bs) and W's
         row n; grid (N tiles, splits), a program's sum over its range of super-blocks
         finished by qgemv.finish_splits. With QTYPE2, W's rows from n1 on (a multiple of
         the tile) are the second part's (w2_ptr, row_bytes2, QTYPE2): q|k and v of two
         types in one launch, into one output. X_EARLY: QIntConfig.x_early (Q6_K).
-        PREFETCH: l2_prefetch's super-blocks (_gemv_sbs); the products are the same.
         IN_CTA (= nsplit > 1): grid (N tiles, 1), a program's BLOCK_N rows are the
         IN_CTA splits of its BLOCK_N / IN_CTA weight rows, finished by _finish_in_cta:
         the same partials, summed in the same order. Row v is split v % IN_CTA of weight
@@ -653,11 +638,11 @@ if HAS_TRITON:
         if second:
             row_off = tl.where(rn < N, rn - n1, 0).to(tl.int64) * row_bytes2  # past N: row 0
             acc = _gemv_sbs(acc, w2_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
-                            M, QTYPE2, BLOCK_M, PTX, PDL, X_EARLY, IN_CTA > 0, PREFETCH)
+                            M, QTYPE2, BLOCK_M, PTX, PDL, X_EARLY, IN_CTA > 0)
         else:
             row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
             acc = _gemv_sbs(acc, w_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
-                            M, QTYPE, BLOCK_M, PTX, PDL, X_EARLY, IN_CTA > 0, PREFETCH)
+                            M, QTYPE, BLOCK_M, PTX, PDL, X_EARLY, IN_CTA > 0)
         if IN_CTA > 0:
             _finish_in_cta(acc, y_ptr, part_ptr, pid_n, M, N, BLOCK_M, BLOCK_N, IN_CTA)
         else:
@@ -1066,35 +1051,6 @@ def gemv_max_m(qtype: int, backend: str = "", device: torch.device | None = None
     return GEMV_MAX_M_OF.get(int(qtype), GEMV_MAX_M)
 
 
-def l2_prefetch(device: torch.device, sb_per_split: int, split_sb_bytes: int = 0) -> int:
-    """Super-blocks past its first that each split of a CUDA-core program asks the L2 cache
-    for before its wait for x (_gemv_sbs' PREFETCH), from MBUFO_QINT_PREFETCH (default 0:
-    none): a count ("3"), or a budget of bytes a launch ("16mb"): as many super-blocks as
-    its splits' rows fit in it, `split_sb_bytes` the bytes one super-block of every row
-    and split takes. At most sb_per_split - 1; 0 off NVIDIA (the prefetch is a PTX
-    instruction). Inside a decode graph the program starts while the kernel before it runs
-    (a norm, the attention: the memory then idles), so those bytes arrive before the wait
-    ends; a budget keeps a launch's prefetch within the time and the L2 cache that has.
-    (Prefetching all of a launch's bytes, or N super-blocks ahead of the loads, measured
-    slower on the H200, alone and in the step: bench/RESULTS.md, 2026-12-01.)"""
-    count, budget = _prefetch_setting(os.environ.get("MBUFO_QINT_PREFETCH", "0"))
-    if budget is not None:
-        count = budget // split_sb_bytes if split_sb_bytes > 0 else 0
-    return min(count, sb_per_split - 1) if ptx(device) else 0
-
-
-@functools.lru_cache(maxsize=8)
-def _prefetch_setting(value: str) -> tuple[int, int | None]:
-    """MBUFO_QINT_PREFETCH's value -> (super-blocks, None) or (0, bytes a launch); parsed
-    once a value (l2_prefetch runs at every one-row launch)."""
-    raw = value.strip().lower() or "0"
-    budget = raw[:-2].strip() if raw.endswith("mb") else None
-    if not (budget if budget is not None else raw).isdigit():
-        raise ValueError(f"MBUFO_QINT_PREFETCH must be a whole number of super-blocks or of "
-                         f"megabytes a launch ('16mb'; 0: none), got {raw!r}")
-    return (0, int(budget) * 10**6) if budget is not None else (int(raw), None)
-
-
 def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, k: int,
             cfg: QIntConfig, sms: int, backend: str, gemv: bool) -> torch.Tensor:
     """One product kernel over checked inputs (two parts: the first fills whole programs)."""
@@ -1113,10 +1069,6 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
                                             "X_EARLY": cfg.x_early, **stages}
         if in_cta:
             extra["IN_CTA"] = cfg.split
-        sb_bytes = 144 if int(ggml_type) == Q4_K else 208  # a super-block's codes a row
-        prefetch = l2_prefetch(device, k // QK // cfg.split, n * cfg.split * sb_bytes)
-        if prefetch:
-            extra["PREFETCH"] = prefetch
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
     elif mma_path(m, int(ggml_type), int(type2), backend, device) and (
             not type2 or n1 % (16 * _qint_mma().WARPS) == 0):
@@ -1206,8 +1158,7 @@ def aot_specs(spec: type) -> list:
                     consts = {"QTYPE": qtype, "BLOCK_M": bm,
                               "BLOCK_N": Q6K_HEAD_BLOCK_N if head else cfg.block_n,
                               "PTX": backend == "cuda", "QTYPE2": qtype2,
-                              "PDL": backend == "cuda", "X_EARLY": early, "IN_CTA": 0,
-                              "PREFETCH": 0}
+                              "PDL": backend == "cuda", "X_EARLY": early, "IN_CTA": 0}
                     out.append(spec(f"qint_{name}_m{bm}{wide}{'' if early else '_late'}",
                                     _qint_gemv_kernel,
                                     {**gemv_sig, "bs_ptr": sums,
@@ -1215,15 +1166,13 @@ def aot_specs(spec: type) -> list:
                                     consts, cfg.num_warps, False, backend, cfg.num_stages,
                                     divisible + ("w2_ptr", "row_bytes2"), cfg.max_regs))
         if qtype == Q4_K:  # one row: a tile's splits in one program (in_cta_config;
-            # NVIDIA's default, built for gfx1151 too so that it stays buildable there),
-            # and with the L2 prefetch (l2_prefetch; nothing asked on gfx1151)
+            # NVIDIA's default, built for gfx1151 too so that it stays buildable there)
             cfg = default_qint_config(qtype, 4096, 4096, 132, "cuda", 1, qtype2)
-            for backend, prefetch in (("hip", 0), ("cuda", 0), ("hip", 1), ("cuda", 1)):
+            for backend in ("hip", "cuda"):
                 consts = {"QTYPE": qtype, "BLOCK_M": 1, "BLOCK_N": cfg.block_n * cfg.split,
                           "PTX": backend == "cuda", "QTYPE2": qtype2,
-                          "PDL": backend == "cuda", "X_EARLY": True, "IN_CTA": cfg.split,
-                          "PREFETCH": prefetch}
-                out.append(spec(f"qint_{name}_m1_in_cta{'_prefetch' if prefetch else ''}",
+                          "PDL": backend == "cuda", "X_EARLY": True, "IN_CTA": cfg.split}
+                out.append(spec(f"qint_{name}_m1_in_cta",
                                 _qint_gemv_kernel,
                                 {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,
                                 cfg.num_warps, False, backend, cfg.num_stages,

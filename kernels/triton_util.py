@@ -58,7 +58,6 @@ except ImportError:  # the CPU torch build: kernels fall back to their reference
 __all__ = [
     "HAS_TRITON",
     "await_inputs",
-    "DEFAULT_CARVEOUT",
     "SMLimits",
     "carveout_for",
     "carveout_setting",
@@ -280,28 +279,25 @@ def launcher(kernel: Any, device: torch.device) -> Any:
 # L1 and shared memory, and changes the split only when idle. Within a decode graph's
 # programmatic dependent launches multiprocessors seldom idle, so a split taken for one
 # kernel (the attention's shared memory) can stay for the kernels after it (bench/RESULTS.md,
-# 2026-12-02: one stream 381 against 465 tok/s when the o product directly followed the
-# attention, 478 with one carveout for every kernel). MBUFO_CARVEOUT=P (DEFAULT_CARVEOUT;
-# off: the driver's) gives every kernel
-# of at most SMALL_SHARED bytes of shared memory the preferred carveout P (percent of the
-# most shared memory), raised to what its resident programs need (a carveout below that
-# cuts the programs a multiprocessor holds: 16 streams lost 17% with 15% for every kernel,
-# the same run); the larger ones keep what Triton sets (shared memory preferred).
+# 2026-12-02: one stream 377 against 466 tok/s when the o product directly followed the
+# attention, 474 with a carveout of 15% for every kernel). MBUFO_CARVEOUT=P (unset or off:
+# the driver's) gives every kernel of at most SMALL_SHARED bytes of shared memory the
+# preferred carveout P (percent of the most shared memory), raised to what its resident
+# programs need: a carveout below that cuts the programs a multiprocessor holds (15% for
+# every kernel cost 16 streams 17%; raised, 3%: 3425 against 3538 tok/s, and one stream
+# gained 1.3%, 478 against 472, with the attention quantizing for the o product, which
+# the setting turns on at one row: engine/layers/attention.py). Off by default for that
+# 3%; the larger kernels keep what Triton sets (shared memory preferred).
 SMALL_SHARED = 48 * 1024
 SHARED_RESERVED = 1024  # the shared memory a program takes besides its own (sm_80 on)
 
 
-DEFAULT_CARVEOUT = 15
-
-
 def carveout_setting(raw: str | None) -> int | None:
-    """MBUFO_CARVEOUT's value: DEFAULT_CARVEOUT when unset or empty, None for "off" (the
-    driver chooses), else a whole percentage 0..100; a clear error for anything else."""
-    if raw is None or not raw.strip():
-        return DEFAULT_CARVEOUT
-    raw = raw.strip()
-    if raw.lower() == "off":
+    """MBUFO_CARVEOUT's value: None when unset, empty or "off" (the driver chooses), else a
+    whole percentage 0..100; a clear error for anything else."""
+    if raw is None or not raw.strip() or raw.strip().lower() == "off":
         return None
+    raw = raw.strip()
     if not raw.isdigit() or int(raw) > 100:
         raise ValueError(f"MBUFO_CARVEOUT must be off or a whole percentage 0..100 of the "
                          f"most shared memory, got {raw!r}")

@@ -109,22 +109,6 @@ def test_pdl_builds_wait_for_their_inputs(report):
             assert (report[spec.name]["cuda:90"]["gdc_waits"] > 0) == pdl, spec.name
 
 
-def test_l2_prefetch_builds_ask_the_cache(report):
-    """qint's one-row builds with PREFETCH ask the L2 cache for their next super-block's
-    lines on sm_90 (one instruction per 128 bytes: Q4_K's 144 bytes take 2, the q|k + v
-    pair's branches 2 each), the same builds without it ask nothing, and every build of
-    it (gfx1151's: no PTX) has no problems and keeps the register count."""
-    cuda = {name: targets["cuda:90"] for name, targets in report.items() if "cuda:90" in targets}
-    for plain in ("qint_Q4_K_m1_in_cta", "qint_Q4_K_Q6_K_m1_in_cta"):
-        with_prefetch = plain + "_prefetch"
-        assert cuda[plain]["l2_prefetches"] == 0, plain
-        assert cuda[with_prefetch]["l2_prefetches"] == (2 if "Q6_K" not in plain else 4)
-        assert cuda[with_prefetch]["regs"] <= cuda[plain]["regs"], with_prefetch
-        assert not report[with_prefetch]["hip:gfx1151"]["problems"], with_prefetch
-    assert all(info["l2_prefetches"] == 0 for name, info in cuda.items()
-               if not name.endswith("_prefetch") and "l2_prefetches" in info)
-
-
 def test_skinny_and_tiled_qmatmul_use_the_same_instruction(report):
     """Batch invariance needs a row's dot products to run through the same matrix
     instruction whether M takes the skinny kernel (kernels/qgemv.py, 16 columns of x) or

@@ -9,7 +9,6 @@ import json
 import pytest
 
 from kernels.triton_util import (
-    DEFAULT_CARVEOUT,
     SHARED_RESERVED,
     SMALL_SHARED,
     SMLimits,
@@ -21,8 +20,8 @@ from kernels.triton_util import (
 )
 
 
-@pytest.mark.parametrize("raw,want", [(None, DEFAULT_CARVEOUT), ("", DEFAULT_CARVEOUT),
-                                      ("  ", DEFAULT_CARVEOUT), ("off", None), (" OFF ", None),
+@pytest.mark.parametrize("raw,want", [(None, None), ("", None), ("  ", None), ("off", None),
+                                      (" OFF ", None),
                                       ("0", 0), ("15", 15), (" 29 ", 29), ("100", 100)])
 def test_setting(raw, want):
     assert carveout_setting(raw) == want

@@ -350,63 +350,6 @@ def test_gpu_every_candidate_tile_gives_the_same_bits(rng):
                 assert torch.equal(g, w), (m, tile)
 
 
-@pytest.mark.gpu
-def test_gpu_l2_prefetch_gives_the_same_bits(rng, monkeypatch):
-    """On the GPU, the one-row products with their next super-blocks asked of the L2 cache
-    first (MBUFO_QINT_PREFETCH: 1, 3, more than a split has, 1 MB a launch) give the bits
-    they give without: each type alone, the fused q|k + v launch, and Q4_K at 14336 columns (7
-    super-blocks a split)."""
-    if not torch.cuda.is_available():
-        pytest.fail("no GPU: run the gpu tests on the device")
-    from kernels.qint import qint_parts
-
-    cases = []
-    for k, n1, n2 in ((4096, 1024, 512), (14336, 512, 0)):
-        b1 = random_weight(T.Q4_K, n1, k, rng)
-        parts = [(b1.cuda(), int(T.Q4_K), n1)]
-        if n2:
-            g2 = random_weight(T.Q6_K, n2, k, rng)
-            parts.append((repack_q6k(g2, k).cuda(), Q6_K_A, n2))
-            cases += [(k, parts[1:])]
-        cases += [(k, parts), (k, parts[:1])]
-    for k, parts in cases:
-        x = torch.from_numpy(rng.standard_normal((1, k), dtype=np.float32)).cuda()
-        monkeypatch.delenv("MBUFO_QINT_PREFETCH", raising=False)
-        want = qint_parts(x, parts, k).cpu()
-        for sbs in ("1", "3", "99", "1mb"):
-            monkeypatch.setenv("MBUFO_QINT_PREFETCH", sbs)
-            assert torch.equal(qint_parts(x, parts, k).cpu(), want), (k, len(parts), sbs)
-
-
-def test_l2_prefetch_setting(monkeypatch):
-    """MBUFO_QINT_PREFETCH: 0 unless set; a count, or megabytes a launch; at most a split's
-    super-blocks past its first; nothing off NVIDIA's PTX; a clear error for anything
-    else."""
-    from kernels.qint import l2_prefetch
-
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    monkeypatch.delenv("MBUFO_QINT_PREFETCH", raising=False)
-    assert l2_prefetch(cuda, 8) == 0
-    monkeypatch.setenv("MBUFO_QINT_PREFETCH", "3")
-    assert [l2_prefetch(cuda, s) for s in (1, 2, 4, 8)] == [0, 1, 3, 3]
-    assert l2_prefetch(cpu, 8) == 0
-    monkeypatch.setattr(torch.version, "hip", "6.4", raising=False)
-    assert l2_prefetch(cuda, 8) == 0
-    monkeypatch.setattr(torch.version, "hip", None, raising=False)
-    # a budget a launch: 28672 rows x 2 splits x 144 bytes = 8.26 MB a super-block
-    monkeypatch.setenv("MBUFO_QINT_PREFETCH", "16MB")
-    assert l2_prefetch(cuda, 8, 28672 * 2 * 144) == 1
-    assert l2_prefetch(cuda, 8, 4096 * 8 * 144) == 3  # 4.72 MB a super-block
-    assert l2_prefetch(cuda, 2, 4096 * 8 * 144) == 1  # the split's own limit
-    assert l2_prefetch(cuda, 8, 0) == 0  # no size given: nothing
-    monkeypatch.setenv("MBUFO_QINT_PREFETCH", " 64 mb ")
-    assert l2_prefetch(cuda, 8, 28672 * 2 * 144) == 7
-    for bad in ("-1", "two", "1.5", "mb", "16gb", "1.5mb"):
-        monkeypatch.setenv("MBUFO_QINT_PREFETCH", bad)
-        with pytest.raises(ValueError, match="MBUFO_QINT_PREFETCH"):
-            l2_prefetch(cuda, 8)
-
-
 def interp_free(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int, k: int):
     from kernels.qint import qint_triton
 
