@@ -25,7 +25,6 @@ from kernels.qint import QK, QuantX, empty_quant_x, quant_x_reference
 from kernels.triton_util import (
     HAS_TRITON,
     await_inputs,
-    helper,
     interpreter_active,
     jit,
     launcher,
@@ -63,17 +62,7 @@ def add_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 if HAS_TRITON:
 
-    @helper
-    def cast_out(y, ptr):
-        """float32 y -> the element type of `ptr`, rounded to nearest even. bf16 is rounded
-        on the bits: the interpreter's float32 -> bf16 conversion truncates."""
-        if ptr.dtype.element_ty == tl.bfloat16:
-            bits = y.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        return y.to(ptr.dtype.element_ty)
-
-    from kernels.qint import quantize_store
+    from kernels.qint import cast_out, quantize_store
 
     @jit
     def _add_rms_norm_kernel(

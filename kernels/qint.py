@@ -72,7 +72,8 @@ from kernels.triton_util import (
 from kernels.triton_util import num_sms as device_sms
 
 __all__ = ["ACT8_STORED", "INT_SUMS_M", "MMA_GEMV_MAX_M_OF", "Q6_K_A", "QINT_TYPES",
-           "QIntConfig", "default_qint_config", "in_cta_config", "other_way",
+           "NormTail", "QIntConfig", "default_qint_config", "norm_tail_enabled", "qint_norm",
+           "in_cta_config", "other_way",
            "TILE_BOUNDS", "TILE_CANDIDATES", "TUNED_TILES", "forced_tile", "tile_bound",
            "tile_options", "tiled_tile",
            "QuantX", "dequantized_x_reference", "empty_quant_x", "qint_parts", "sums_dtype",
@@ -599,13 +600,56 @@ if HAS_TRITON:
         tl.store(y_ptr + rm.to(tl.int64)[None, :] * N + rt[:, None], total,
                  mask=(rm < M)[None, :] & (rt < N)[:, None])
 
+    @helper
+    def cast_out(y, ptr):
+        """float32 y -> the element type of `ptr`, rounded to nearest even. bf16 is rounded
+        on the bits: the interpreter's float32 -> bf16 conversion truncates."""
+        if ptr.dtype.element_ty == tl.bfloat16:
+            bits = y.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return y.to(ptr.dtype.element_ty)
+
+    @helper
+    def _norm_tail(y_ptr, N, nx_ptr, nw_ptr, nh_ptr, ny_ptr, nq_ptr, ndx_ptr, nbs_ptr,
+                   nticket_ptr, eps, programs, QUANT: tl.constexpr):
+        """The residual add and RMSNorm of the product's one row y (N columns, a multiple
+        of 256; read from the L2: other programs wrote it), by the last of `programs` (the
+        launch's programs, or its tiles where a tile's last program finishes it) to
+        arrive: h = x + y, out =
+        rmsnorm(h) * w (ny_ptr's type; QUANT: also quantized, quantize_store), as
+        kernels/fused_norm.py's kernel computes them (the sum of squares added 256
+        columns at a time). The counter is left zero for the next launch."""
+        tl.debug_barrier()  # the program's outputs are written before it arrives
+        arrived = tl.atomic_add(nticket_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == programs - 1:
+            c256 = tl.arange(0, 256)
+            ss = tl.sum(tl.zeros((256,), tl.float32), 0)
+            for c in range(0, N, 256):
+                h = tl.load(nx_ptr + c + c256) + tl.load(y_ptr + c + c256,
+                                                         cache_modifier=".cg")
+                tl.store(nh_ptr + c + c256, h)
+                ss += tl.sum(h * h, 0)
+            inv = tl.rsqrt(ss / N + eps)
+            for c in range(0, N, 256):
+                h = tl.load(nx_ptr + c + c256) + tl.load(y_ptr + c + c256,
+                                                         cache_modifier=".cg")
+                out = cast_out(h * inv * tl.load(nw_ptr + c + c256), ny_ptr)
+                tl.store(ny_ptr + c + c256, out)
+                if QUANT:
+                    b = c // 256 + tl.zeros((1,), tl.int32)
+                    quantize_store(tl.reshape(out.to(tl.float32), (1, 256)), b, b >= 0, 0,
+                                   nq_ptr, ndx_ptr, nbs_ptr, N)
+            tl.atomic_xchg(nticket_ptr, 0, sem="relaxed", scope="gpu")
+
     @triton.jit(do_not_specialize=["M", "N"])
     def _qint_gemv_kernel(
         q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
         sb_per_split, nsplit, ticket, w2_ptr, n1, row_bytes2,
+        nx_ptr, nw_ptr, nh_ptr, ny_ptr, nq_ptr, ndx_ptr, nbs_ptr, nticket_ptr, eps,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PTX: tl.constexpr = False, QTYPE2: tl.constexpr = 0, PDL: tl.constexpr = False,
-        X_EARLY: tl.constexpr = True, IN_CTA: tl.constexpr = 0,
+        X_EARLY: tl.constexpr = True, IN_CTA: tl.constexpr = 0, NORM: tl.constexpr = 0,
     ):
         """y[m, n] = the product of x's row m (quantized: q, dx, 16-column sums bs) and W's
         row n; grid (N tiles, splits), a program's sum over its range of super-blocks
@@ -617,7 +661,10 @@ if HAS_TRITON:
         the same partials, summed in the same order. Row v is split v % IN_CTA of weight
         row v // IN_CTA: rows a multiple of IN_CTA apart share a split and x's words, and
         a thread's rows are such in the builds' layouts (with split-major rows the q|k + v
-        pair's sm_90 build of 32 weight rows on 8 warps took 226 registers, 161 so)."""
+        pair's sm_90 build of 32 weight rows on 8 warps took 226 registers, 161 so).
+        NORM (one row; 2: the norm quantized too): the launch's last program to finish a tile adds
+        y to the residual nx and normalizes it (_norm_tail: nh, ny, nq/ndx/nbs), sparing
+        the norm kernel after the product (the n* pointers are unused otherwise)."""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -645,10 +692,17 @@ if HAS_TRITON:
                             M, QTYPE, BLOCK_M, PTX, PDL, X_EARLY, IN_CTA > 0)
         if IN_CTA > 0:
             _finish_in_cta(acc, y_ptr, part_ptr, pid_n, M, N, BLOCK_M, BLOCK_N, IN_CTA)
+            if NORM > 0:
+                _norm_tail(y_ptr, N, nx_ptr, nw_ptr, nh_ptr, ny_ptr, nq_ptr, ndx_ptr, nbs_ptr,
+                           nticket_ptr, eps, tl.num_programs(0), NORM > 1)
         else:
             offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
-            finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, offs,
-                          (rm < M)[None, :] & (rn < N)[:, None], ticket)
+            done = finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M,
+                                 N, offs, (rm < M)[None, :] & (rn < N)[:, None], ticket)
+            if NORM > 0:
+                if done:  # the tile's final y: a tile arrives at the norm's counter
+                    _norm_tail(y_ptr, N, nx_ptr, nw_ptr, nh_ptr, ny_ptr, nq_ptr, ndx_ptr,
+                               nbs_ptr, nticket_ptr, eps, tl.num_programs(0), NORM > 1)
 
     def _q6_codes_asm(j: int, signed: bool) -> str:
         """PTX: 4 ql bytes ($1) and 4 qh bytes ($2) -> 4 Q6_K codes of a 32-column run j:
@@ -1021,6 +1075,54 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
+def norm_tail_enabled() -> bool:
+    """MBUFO_NORM_TAIL=1: one-row products followed by the residual add and RMSNorm do
+    both in their last program (qint_norm) instead of the norm kernel after them; 0 or
+    unset: off (not yet measured on a GPU)."""
+    raw = os.environ.get("MBUFO_NORM_TAIL", "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"MBUFO_NORM_TAIL must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def qint_norm(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int, *,
+              xq: QuantX | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+              out_dtype: torch.dtype = torch.float32, quantize: bool = False,
+              num_sms: int | None = None) -> tuple[torch.Tensor, NormTail] | None:
+    """qint_triton of one weight of N = residual's columns rows for one row x, with the
+    launch's last program adding y to `residual` and normalizing it (kernels/fused_norm.py's
+    add_rms_norm without a residual weight: h, out in `out_dtype`, and with `quantize`
+    out quantized): (y, NormTail). None where one launch cannot (more rows, the
+    matrix-unit or a tiled path, a split without tickets, N not a multiple of 256): the
+    caller runs the product and the norm kernel."""
+    m, n = x.shape[0], residual.shape[-1]
+    if m != 1 or tuple(residual.shape) != (1, n) or n % QK or int(ggml_type) not in QINT_TYPES:
+        return None
+    backend = "hip" if x.device.type == "cuda" and torch.version.hip else "cuda"
+    sms = device_sms(x.device) if num_sms is None else int(num_sms)
+    cfg = default_qint_config(int(ggml_type), n, k, sms, backend, m)
+    in_cta = cfg.in_cta and cfg.split > 1
+    if not (in_cta or cfg.split == 1 or -(-n // cfg.block_n) <= _TICKETS):
+        return None
+    for name, t, shape in (("residual", residual, (1, n)), ("weight", weight, (n,))):
+        if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() \
+                or t.device != x.device:
+            raise InvalidRequest(f"qint_norm: {name} must be contiguous float32 {shape} on "
+                                 f"{x.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if x.dim() != 2 or x.shape[1] != k or k % QK or x.stride(1) != 1:
+        raise InvalidRequest(f"qint: x must be (M, {k}) with K a multiple of 256 and "
+                             f"contiguous rows, got {tuple(x.shape)}")
+    if tuple(blocks.shape) != (n, row_bytes(int(ggml_type), k)) or blocks.data_ptr() % 4:
+        raise InvalidRequest(f"qint: blocks must be ({n}, {row_bytes(int(ggml_type), k)}) "
+                             "uint8 at a 4-byte aligned address")
+    xq = xq if xq is not None else quantize_x(x)
+    tail = NormTail(residual, weight, float(eps), torch.empty(1, n, device=x.device),
+                    torch.empty(1, n, dtype=out_dtype, device=x.device),
+                    empty_quant_x(1, n, x.device) if quantize else None)
+    y = _launch(xq, [(blocks, int(ggml_type), n)], 1, k, cfg, sms, backend, True, tail)
+    return y, tail
+
+
 def _qint_mma():
     """kernels/qint_mma.py (imported late: it takes helpers from this module)."""
     from kernels import qint_mma
@@ -1051,9 +1153,28 @@ def gemv_max_m(qtype: int, backend: str = "", device: torch.device | None = None
     return GEMV_MAX_M_OF.get(int(qtype), GEMV_MAX_M)
 
 
+class NormTail(NamedTuple):
+    """What qint_norm's last program writes besides y (kernels/fused_norm.py's NormOut):
+    h = x + y, out = rmsnorm(h) * weight, and out quantized where xq is given."""
+    x: torch.Tensor  # (1, N) float32 residual stream
+    weight: torch.Tensor  # (N,) float32
+    eps: float
+    h: torch.Tensor  # (1, N) float32
+    out: torch.Tensor  # (1, N) float32, bf16 or f16
+    xq: QuantX | None
+
+
+@functools.lru_cache(maxsize=16)
+def _norm_ticket(device: torch.device) -> torch.Tensor:
+    """The counter of qint_norm's launches (each leaves it zero; one stream or graph)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
 def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, k: int,
-            cfg: QIntConfig, sms: int, backend: str, gemv: bool) -> torch.Tensor:
-    """One product kernel over checked inputs (two parts: the first fills whole programs)."""
+            cfg: QIntConfig, sms: int, backend: str, gemv: bool,
+            norm: NormTail | None = None) -> torch.Tensor:
+    """One product kernel over checked inputs (two parts: the first fills whole programs);
+    `norm` (one row, CUDA-core launches): its tail too."""
     (blocks, ggml_type, n1), device = parts[0], xq.q.device
     n = sum(p[2] for p in parts)
     blocks2, type2, _ = parts[1] if len(parts) == 2 else (blocks, 0, 0)
@@ -1070,6 +1191,13 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
         if in_cta:
             extra["IN_CTA"] = cfg.split
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
+        if norm is not None:
+            assert m == 1 and (in_cta or cfg.split == 1 or -(-n // cfg.block_n) <= _TICKETS)
+            extra["NORM"] = 1 if norm.xq is None else 2
+            own += (norm.x, norm.weight, norm.h, norm.out, *(norm.xq or (y, y, y)),
+                    _norm_ticket(device), float(norm.eps))
+        else:
+            own += (y,) * 7 + (_tickets(device), 0.0)
     elif mma_path(m, int(ggml_type), int(type2), backend, device) and (
             not type2 or n1 % (16 * _qint_mma().WARPS) == 0):
         return _qint_mma().qint_mma_launch(
@@ -1139,7 +1267,9 @@ def aot_specs(spec: type) -> list:
                 {"x_ptr": "*bf16", "q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*fp16",
                  "K": "i32", "stride_xm": "i32"}, {}, 2, False, None, None,
                 ("x_ptr", "q_ptr", "dx_ptr", "bs_ptr", "K", "stride_xm"))]
-    gemv_sig = {**sig, "bs_ptr": "*i32", "w2_ptr": "*u8", "n1": "i32", "row_bytes2": "i32"}
+    gemv_sig = {**sig, "bs_ptr": "*i32", "w2_ptr": "*u8", "n1": "i32", "row_bytes2": "i32",
+                **{n: "*fp32" for n in ("nx_ptr", "nw_ptr", "nh_ptr", "ny_ptr", "ndx_ptr")},
+                "nq_ptr": "*i8", "nbs_ptr": "*i32", "nticket_ptr": "*i32", "eps": "fp32"}
     # each type alone, and q|k in Q4_K with v in Q6_K in one launch (Q4_K_M's attention)
     for qtype, qtype2, name in ((Q4_K, 0, "Q4_K"), (Q6_K_A, 0, "Q6_K"),
                                 (Q4_K, Q6_K_A, "Q4_K_Q6_K")):
@@ -1158,21 +1288,35 @@ def aot_specs(spec: type) -> list:
                     consts = {"QTYPE": qtype, "BLOCK_M": bm,
                               "BLOCK_N": Q6K_HEAD_BLOCK_N if head else cfg.block_n,
                               "PTX": backend == "cuda", "QTYPE2": qtype2,
-                              "PDL": backend == "cuda", "X_EARLY": early, "IN_CTA": 0}
+                              "PDL": backend == "cuda", "X_EARLY": early, "IN_CTA": 0,
+                              "NORM": 0}
                     out.append(spec(f"qint_{name}_m{bm}{wide}{'' if early else '_late'}",
                                     _qint_gemv_kernel,
                                     {**gemv_sig, "bs_ptr": sums,
                                      **{k: "constexpr" for k in consts}},
                                     consts, cfg.num_warps, False, backend, cfg.num_stages,
                                     divisible + ("w2_ptr", "row_bytes2"), cfg.max_regs))
+        if qtype == Q6_K_A:  # one row with the norm's tail (a tile's last program arrives)
+            cfg = default_qint_config(qtype, 4096, 14336, 132, "cuda", 1)
+            for backend in ("hip", "cuda"):
+                consts = {"QTYPE": qtype, "BLOCK_M": 1, "BLOCK_N": cfg.block_n,
+                          "PTX": backend == "cuda", "QTYPE2": 0, "PDL": backend == "cuda",
+                          "X_EARLY": True, "IN_CTA": 0, "NORM": 2}
+                out.append(spec("qint_Q6_K_m1_norm", _qint_gemv_kernel,
+                                {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,
+                                cfg.num_warps, False, backend, cfg.num_stages,
+                                divisible + ("w2_ptr", "row_bytes2"), cfg.max_regs))
         if qtype == Q4_K:  # one row: a tile's splits in one program (in_cta_config;
             # NVIDIA's default, built for gfx1151 too so that it stays buildable there)
             cfg = default_qint_config(qtype, 4096, 4096, 132, "cuda", 1, qtype2)
-            for backend in ("hip", "cuda"):
+            for backend, norm in (("hip", 0), ("cuda", 0), ("hip", 2), ("cuda", 2)):
+                if norm and qtype2:
+                    continue  # the norm's tail follows a one-weight product (o, down)
                 consts = {"QTYPE": qtype, "BLOCK_M": 1, "BLOCK_N": cfg.block_n * cfg.split,
                           "PTX": backend == "cuda", "QTYPE2": qtype2,
-                          "PDL": backend == "cuda", "X_EARLY": True, "IN_CTA": cfg.split}
-                out.append(spec(f"qint_{name}_m1_in_cta",
+                          "PDL": backend == "cuda", "X_EARLY": True, "IN_CTA": cfg.split,
+                          "NORM": norm}
+                out.append(spec(f"qint_{name}_m1_in_cta{'_norm' if norm else ''}",
                                 _qint_gemv_kernel,
                                 {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,
                                 cfg.num_warps, False, backend, cfg.num_stages,

@@ -21,10 +21,12 @@ import torch
 from engine.errors import GGUFFormatError
 from engine.kernel_select import use_triton
 from kernels.dequant import block_geometry, dequantize
+from kernels.fused_norm import NormOut
 from kernels.qint import (
     ACT8_STORED,
     QINT_TYPES,
     QuantX,
+    qint_norm,
     qint_parts,
     qint_reference,
     qint_triton,
@@ -138,6 +140,22 @@ class GGMLLinear:
         outs = [self._part(part, x, triton, xq) for part in self.parts]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         return y if self.bias is None else y + self.bias
+
+    def norm_tail(self, x: torch.Tensor, xq: QuantX | None, residual: torch.Tensor,
+                  weight: torch.Tensor, eps: float, out_dtype: torch.dtype,
+                  quantize: bool) -> NormOut | None:
+        """add_rms_norm(residual + self(x)) by the product's own launch (kernels.qint's
+        qint_norm: one row of one q8 part without a bias, on the Triton path): NormOut(h,
+        the norm in `out_dtype`, quantized with `quantize`); None where that launch cannot
+        (the caller runs both)."""
+        if not (len(self.parts) == 1 and self._all_qint and self.bias is None
+                and use_triton(x.device)):
+            return None
+        part = self.parts[0]
+        done = qint_norm(x if x.stride(-1) == 1 else x.contiguous(), part.weight,
+                         part.ggml_type, self.in_features, xq=xq, residual=residual,
+                         weight=weight, eps=eps, out_dtype=out_dtype, quantize=quantize)
+        return None if done is None else NormOut(done[1].h, done[1].out, done[1].xq)
 
     def _part(self, part: GGMLPart, x: torch.Tensor, triton: bool,
               xq: QuantX | None) -> torch.Tensor:
