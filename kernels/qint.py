@@ -611,27 +611,27 @@ if HAS_TRITON:
         return y.to(ptr.dtype.element_ty)
 
     @helper
-    def _norm_tail(y_ptr, N, nx_ptr, nw_ptr, nh_ptr, ny_ptr, nq_ptr, ndx_ptr, nbs_ptr,
-                   nticket_ptr, eps, programs, QUANT: tl.constexpr):
+    def _norm_tail(y_ptr, nx_ptr, nw_ptr, nh_ptr, ny_ptr, nq_ptr, ndx_ptr, nbs_ptr,
+                   nticket_ptr, eps, programs, N: tl.constexpr, QUANT: tl.constexpr):
         """The residual add and RMSNorm of the product's one row y (N columns, a multiple
         of 256; read from the L2: other programs wrote it), by the last of `programs` (the
         launch's programs, or its tiles where a tile's last program finishes it) to
-        arrive: h = x + y, out =
-        rmsnorm(h) * w (ny_ptr's type; QUANT: also quantized, quantize_store), as
-        kernels/fused_norm.py's kernel computes them (the sum of squares added 256
-        columns at a time). The counter is left zero for the next launch."""
+        arrive: h = x + y, out = rmsnorm(h) * w (ny_ptr's type; QUANT: also quantized,
+        quantize_store), as kernels/fused_norm.py's kernel computes them (the sum of
+        squares added 256 columns at a time). The loops are unrolled (N a constant), so
+        that their loads issue together. The counter is left zero for the next launch."""
         tl.debug_barrier()  # the program's outputs are written before it arrives
         arrived = tl.atomic_add(nticket_ptr, 1, sem="acq_rel", scope="gpu")
         if arrived == programs - 1:
             c256 = tl.arange(0, 256)
             ss = tl.sum(tl.zeros((256,), tl.float32), 0)
-            for c in range(0, N, 256):
+            for c in tl.static_range(0, N, 256):
                 h = tl.load(nx_ptr + c + c256) + tl.load(y_ptr + c + c256,
                                                          cache_modifier=".cg")
                 tl.store(nh_ptr + c + c256, h)
                 ss += tl.sum(h * h, 0)
             inv = tl.rsqrt(ss / N + eps)
-            for c in range(0, N, 256):
+            for c in tl.static_range(0, N, 256):
                 h = tl.load(nx_ptr + c + c256) + tl.load(y_ptr + c + c256,
                                                          cache_modifier=".cg")
                 out = cast_out(h * inv * tl.load(nw_ptr + c + c256), ny_ptr)
@@ -650,6 +650,7 @@ if HAS_TRITON:
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PTX: tl.constexpr = False, QTYPE2: tl.constexpr = 0, PDL: tl.constexpr = False,
         X_EARLY: tl.constexpr = True, IN_CTA: tl.constexpr = 0, NORM: tl.constexpr = 0,
+        NORM_N: tl.constexpr = 0,
     ):
         """y[m, n] = the product of x's row m (quantized: q, dx, 16-column sums bs) and W's
         row n; grid (N tiles, splits), a program's sum over its range of super-blocks
@@ -662,9 +663,10 @@ if HAS_TRITON:
         row v // IN_CTA: rows a multiple of IN_CTA apart share a split and x's words, and
         a thread's rows are such in the builds' layouts (with split-major rows the q|k + v
         pair's sm_90 build of 32 weight rows on 8 warps took 226 registers, 161 so).
-        NORM (one row; 2: the norm quantized too): the launch's last program to finish a tile adds
-        y to the residual nx and normalizes it (_norm_tail: nh, ny, nq/ndx/nbs), sparing
-        the norm kernel after the product (the n* pointers are unused otherwise)."""
+        NORM (one row; 2: the norm quantized too): the launch's last program to finish a
+        tile adds y (NORM_N = N columns) to the residual nx and normalizes it (_norm_tail:
+        nh, ny, nq/ndx/nbs), sparing the norm kernel after the product (the n* pointers
+        are unused otherwise)."""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -693,16 +695,17 @@ if HAS_TRITON:
         if IN_CTA > 0:
             _finish_in_cta(acc, y_ptr, part_ptr, pid_n, M, N, BLOCK_M, BLOCK_N, IN_CTA)
             if NORM > 0:
-                _norm_tail(y_ptr, N, nx_ptr, nw_ptr, nh_ptr, ny_ptr, nq_ptr, ndx_ptr, nbs_ptr,
-                           nticket_ptr, eps, tl.num_programs(0), NORM > 1)
+                _norm_tail(y_ptr, nx_ptr, nw_ptr, nh_ptr, ny_ptr, nq_ptr, ndx_ptr, nbs_ptr,
+                           nticket_ptr, eps, tl.num_programs(0), NORM_N, NORM > 1)
         else:
             offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
             done = finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M,
                                  N, offs, (rm < M)[None, :] & (rn < N)[:, None], ticket)
             if NORM > 0:
                 if done:  # the tile's final y: a tile arrives at the norm's counter
-                    _norm_tail(y_ptr, N, nx_ptr, nw_ptr, nh_ptr, ny_ptr, nq_ptr, ndx_ptr,
-                               nbs_ptr, nticket_ptr, eps, tl.num_programs(0), NORM > 1)
+                    _norm_tail(y_ptr, nx_ptr, nw_ptr, nh_ptr, ny_ptr, nq_ptr, ndx_ptr,
+                               nbs_ptr, nticket_ptr, eps, tl.num_programs(0), NORM_N,
+                               NORM > 1)
 
     def _q6_codes_asm(j: int, signed: bool) -> str:
         """PTX: 4 ql bytes ($1) and 4 qh bytes ($2) -> 4 Q6_K codes of a 32-column run j:
@@ -1193,7 +1196,7 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
         if norm is not None:
             assert m == 1 and (in_cta or cfg.split == 1 or -(-n // cfg.block_n) <= _TICKETS)
-            extra["NORM"] = 1 if norm.xq is None else 2
+            extra["NORM"], extra["NORM_N"] = 1 if norm.xq is None else 2, n
             own += (norm.x, norm.weight, norm.h, norm.out, *(norm.xq or (y, y, y)),
                     _norm_ticket(device), float(norm.eps))
         else:
@@ -1289,7 +1292,7 @@ def aot_specs(spec: type) -> list:
                               "BLOCK_N": Q6K_HEAD_BLOCK_N if head else cfg.block_n,
                               "PTX": backend == "cuda", "QTYPE2": qtype2,
                               "PDL": backend == "cuda", "X_EARLY": early, "IN_CTA": 0,
-                              "NORM": 0}
+                              "NORM": 0, "NORM_N": 0}
                     out.append(spec(f"qint_{name}_m{bm}{wide}{'' if early else '_late'}",
                                     _qint_gemv_kernel,
                                     {**gemv_sig, "bs_ptr": sums,
@@ -1301,7 +1304,7 @@ def aot_specs(spec: type) -> list:
             for backend in ("hip", "cuda"):
                 consts = {"QTYPE": qtype, "BLOCK_M": 1, "BLOCK_N": cfg.block_n,
                           "PTX": backend == "cuda", "QTYPE2": 0, "PDL": backend == "cuda",
-                          "X_EARLY": True, "IN_CTA": 0, "NORM": 2}
+                          "X_EARLY": True, "IN_CTA": 0, "NORM": 2, "NORM_N": 4096}
                 out.append(spec("qint_Q6_K_m1_norm", _qint_gemv_kernel,
                                 {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,
                                 cfg.num_warps, False, backend, cfg.num_stages,
@@ -1315,7 +1318,7 @@ def aot_specs(spec: type) -> list:
                 consts = {"QTYPE": qtype, "BLOCK_M": 1, "BLOCK_N": cfg.block_n * cfg.split,
                           "PTX": backend == "cuda", "QTYPE2": qtype2,
                           "PDL": backend == "cuda", "X_EARLY": True, "IN_CTA": cfg.split,
-                          "NORM": norm}
+                          "NORM": norm, "NORM_N": 4096 if norm else 0}
                 out.append(spec(f"qint_{name}_m1_in_cta{'_norm' if norm else ''}",
                                 _qint_gemv_kernel,
                                 {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,
