@@ -994,7 +994,7 @@ def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
     if n < WIDE_N:
         return QIntConfig(64, split)
     early = ggml_type != Q6_K_A or m > 1 or -(-n // 128) * split >= Q6K_EARLY_WAVES * 3 * num_sms
-    if ggml_type == Q6_K_A and m == 1 and early:  # the output head's shape
+    if ggml_type == Q6_K_A and m == 1 and early and num_sms:  # the output head's shape
         return QIntConfig(Q6K_HEAD_BLOCK_N, split)
     return QIntConfig(128, split, x_early=early)
 
@@ -1283,17 +1283,20 @@ def aot_specs(spec: type) -> list:
                 cfg = default_qint_config(qtype, n, 4096, backend=backend, m=bm, qtype2=qtype2)
                 wide = "_wide" if n == WIDE_N else ""
                 sums = "*i32" if sums_dtype(bm) == torch.int32 else "*fp16"
-                # Q6_K's wide one-row build both ways (x_early: Q6K_EARLY_WAVES; early:
-                # the output head's, Q6K_HEAD_BLOCK_N rows on CUDA)
+                # Q6_K's wide one-row build both ways (x_early: Q6K_EARLY_WAVES), and on
+                # CUDA the output head's (early, Q6K_HEAD_BLOCK_N rows)
                 x_early = (True, False) if qtype == Q6_K_A and bm == 1 and wide else (True,)
+                if len(x_early) == 2 and backend == "cuda":
+                    x_early += ("head",)
                 for early in x_early:
-                    head = len(x_early) == 2 and early and backend == "cuda"
+                    head = early == "head"
                     consts = {"QTYPE": qtype, "BLOCK_M": bm,
                               "BLOCK_N": Q6K_HEAD_BLOCK_N if head else cfg.block_n,
                               "PTX": backend == "cuda", "QTYPE2": qtype2,
-                              "PDL": backend == "cuda", "X_EARLY": early, "IN_CTA": 0,
-                              "NORM": 0, "NORM_N": 0}
-                    out.append(spec(f"qint_{name}_m{bm}{wide}{'' if early else '_late'}",
+                              "PDL": backend == "cuda", "X_EARLY": bool(early),
+                              "IN_CTA": 0, "NORM": 0, "NORM_N": 0}
+                    tag = "_head" if head else "" if early else "_late"
+                    out.append(spec(f"qint_{name}_m{bm}{wide}{tag}",
                                     _qint_gemv_kernel,
                                     {**gemv_sig, "bs_ptr": sums,
                                      **{k: "constexpr" for k in consts}},
