@@ -5,11 +5,7 @@ own, and the logits stay those of the step with the norm kernels."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
-
-T = __import__("gguf").GGMLQuantizationType
 
 
 def step_with_tails(path: str) -> dict:
@@ -17,7 +13,8 @@ def step_with_tails(path: str) -> dict:
     kernel launches with MBUFO_NORM_TAIL=1 and =0 (the same batch and KV)."""
     import os
 
-    from engine.build import EngineOptions, build_core, load_for
+    from tiny_q8 import tiny_core
+
     from engine.kernel_select import set_mode
     from engine.models import common
     from engine.sampler import SamplingParams
@@ -26,17 +23,8 @@ def step_with_tails(path: str) -> dict:
     set_mode("triton")
     before = os.environ.get("MBUFO_NORM_TAIL")
     try:
-        opts = EngineOptions(sessions=1, context=64, prefill_chunk=16, device="cpu",
-                             dtype="f32", weights="q8", cuda_graphs=False,
-                             max_pending_per_client=None)
-        core = build_core(load_for(Path(path), opts), opts)
-        model, out = core.runner.model, {}
-        from engine.layers import ggml_linear
-
-        part, vocab = model.head.parts[0], model.head.out_features
-        model.head = ggml_linear.GGMLLinear(  # 256 rows: the vocabulary takes minutes
-            [ggml_linear.GGMLPart(256, part.ggml_type, part.weight[:256].clone())],
-            model.head.in_features, act8=model.head.act8)
+        core, model, vocab = tiny_core(path)
+        out = {}
         plain, calls, step = common.add_rms_norm, [0], model.step_logits
 
         def counted(*args, **kwargs):
@@ -69,16 +57,10 @@ def step_with_tails(path: str) -> dict:
 
 
 def test_products_take_the_norms(interp, tmp_path, vocab_dir):
-    from engine.synthetic import SyntheticSpec, write_synthetic_gguf
+    from tiny_q8 import write_tiny_llama
 
-    q4 = {name: T.Q4_K for name in ("attn_q.weight", "attn_k.weight", "attn_output.weight",
-                                     "ffn_gate.weight", "ffn_up.weight", "token_embd.weight")}
-    spec = SyntheticSpec("llama", hidden_size=256, num_heads=8, num_kv_heads=2, head_dim=64,
-                         ffn_size=512, num_layers=2,
-                         types={**q4, "attn_v.weight": T.Q6_K, "ffn_down.weight": T.Q6_K,
-                                "output.weight": T.Q6_K})
     path = tmp_path / "tiny.gguf"
-    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-bpe.gguf", seed=5)
+    write_tiny_llama(path, vocab_dir / "ggml-vocab-llama-bpe.gguf", seed=5)
     got = interp.call("test_model_norm_tail:step_with_tails", str(path))
     assert got["0_norms"] == 2 * got["layers"] + 1
     assert got["1_norms"] == 1  # the first layer's, after the embedding

@@ -5,12 +5,8 @@ for itself."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-
-T = __import__("gguf").GGMLQuantizationType
 
 
 def step_both_ways(path: str, attn_quant: bool = False) -> dict:
@@ -31,27 +27,18 @@ def step_both_ways(path: str, attn_quant: bool = False) -> dict:
 
 
 def _step_both_ways(path: str) -> dict:
-    from engine.build import EngineOptions, build_core, load_for
+    from tiny_q8 import tiny_core
+
     from engine.kernel_select import set_mode
+    from engine.layers import ggml_linear
     from engine.sampler import SamplingParams
     from engine.scheduler.request import Request
     from kernels import qint
 
     set_mode("triton")
     try:
-        opts = EngineOptions(sessions=1, context=64, prefill_chunk=16, device="cpu",
-                             dtype="f32", weights="q8", cuda_graphs=False,
-                             max_pending_per_client=None)
-        core = build_core(load_for(Path(path), opts), opts)
-        model, out = core.runner.model, {}
-        from engine.layers import ggml_linear
-
-        # the head's first 256 rows only: the vocabulary's 128256 take minutes interpreted
-        part, vocab = model.head.parts[0], model.head.out_features
-        model.head = ggml_linear.GGMLLinear(
-            [ggml_linear.GGMLPart(256, part.ggml_type, part.weight[:256].clone())],
-            model.head.in_features, act8=model.head.act8)
-
+        core, model, vocab = tiny_core(path)
+        out = {}
         calls = [0]
         plain = qint.quantize_x
 
@@ -87,16 +74,10 @@ def _step_both_ways(path: str) -> dict:
 
 @pytest.mark.parametrize("attn_quant", [False, True])
 def test_output_norm_quantizes_for_the_head(interp, tmp_path, vocab_dir, attn_quant):
-    from engine.synthetic import SyntheticSpec, write_synthetic_gguf
+    from tiny_q8 import write_tiny_llama
 
-    q4 = {name: T.Q4_K for name in ("attn_q.weight", "attn_k.weight", "attn_output.weight",
-                                     "ffn_gate.weight", "ffn_up.weight", "token_embd.weight")}
-    spec = SyntheticSpec("llama", hidden_size=256, num_heads=8, num_kv_heads=2, head_dim=64,
-                         ffn_size=512, num_layers=2,
-                         types={**q4, "attn_v.weight": T.Q6_K, "ffn_down.weight": T.Q6_K,
-                                "output.weight": T.Q6_K})
     path = tmp_path / "tiny.gguf"
-    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-bpe.gguf", seed=3)
+    write_tiny_llama(path, vocab_dir / "ggml-vocab-llama-bpe.gguf", seed=3)
     got = interp.call("test_model_q8_head:step_both_ways", str(path), attn_quant)
     assert got["head_takes_xq"]
     # one a layer for the o projection, none with MBUFO_ATTN_QUANT (the attention quantizes
