@@ -72,7 +72,8 @@ from kernels.triton_util import (
 from kernels.triton_util import num_sms as device_sms
 
 __all__ = ["ACT8_STORED", "INT_SUMS_M", "MMA_GEMV_MAX_M_OF", "Q6_K_A", "QINT_TYPES",
-           "NormTail", "QIntConfig", "default_qint_config", "norm_tail_enabled", "qint_norm",
+           "NormTail", "QIntConfig", "default_qint_config", "norm_tail_enabled",
+           "norm_tail_setting", "qint_norm",
            "in_cta_config", "other_way",
            "TILE_BOUNDS", "TILE_CANDIDATES", "TUNED_TILES", "forced_tile", "tile_bound",
            "tile_options", "tiled_tile",
@@ -588,7 +589,7 @@ if HAS_TRITON:
         registers: no layout conversion, no barrier; the sums are warp shuffles), then each
         row's partials added in split order, as finish_splits adds them: partial s picked
         by a sum whose other terms are -0.0 (exact: x + -0.0 = x for every x). part_ptr
-        unused."""
+        unused. Returns the tile (TILE, BLOCK_M)."""
         TILE: tl.constexpr = BLOCK_N // S
         a = tl.reshape(acc, (TILE, S, BLOCK_M))
         pick = tl.arange(0, S)[None, :, None]
@@ -599,6 +600,7 @@ if HAS_TRITON:
         rt = pid_n * TILE + tl.arange(0, TILE)
         tl.store(y_ptr + rm.to(tl.int64)[None, :] * N + rt[:, None], total,
                  mask=(rm < M)[None, :] & (rt < N)[:, None])
+        return total
 
     @helper
     def cast_out(y, ptr):
@@ -612,28 +614,41 @@ if HAS_TRITON:
 
     @helper
     def _norm_tail(y_ptr, nx_ptr, nw_ptr, nh_ptr, ny_ptr, nq_ptr, ndx_ptr, nbs_ptr,
-                   nticket_ptr, eps, programs, N: tl.constexpr, QUANT: tl.constexpr):
+                   nticket_ptr, nslot_ptr, eps, programs, N: tl.constexpr,
+                   QUANT: tl.constexpr, SLOTS: tl.constexpr):
         """The residual add and RMSNorm of the product's one row y (N columns, a multiple
         of 256; read from the L2: other programs wrote it), by the last of `programs` (the
         launch's programs, or its tiles where a tile's last program finishes it) to
         arrive: h = x + y, out = rmsnorm(h) * w (ny_ptr's type; QUANT: also quantized,
         quantize_store), as kernels/fused_norm.py's kernel computes them (the sum of
-        squares added 256 columns at a time). The loops are unrolled (N a constant), so
-        that their loads issue together. The counter is left zero for the next launch."""
+        squares added 256 columns at a time). SLOTS: every program wrote its columns' h
+        and their sum of squares (nslot_ptr[program]) before it arrived (_tile_norm_sums),
+        so the last adds those in program order and makes one pass. The loops over the
+        columns are unrolled (N a constant), so that their loads issue together. The
+        counter is left zero for the next launch."""
         tl.debug_barrier()  # the program's outputs are written before it arrives
         arrived = tl.atomic_add(nticket_ptr, 1, sem="acq_rel", scope="gpu")
         if arrived == programs - 1:
             c256 = tl.arange(0, 256)
             ss = tl.sum(tl.zeros((256,), tl.float32), 0)
-            for c in tl.static_range(0, N, 256):
-                h = tl.load(nx_ptr + c + c256) + tl.load(y_ptr + c + c256,
-                                                         cache_modifier=".cg")
-                tl.store(nh_ptr + c + c256, h)
-                ss += tl.sum(h * h, 0)
+            if SLOTS:
+                for c in range(0, programs, 256):
+                    part = tl.load(nslot_ptr + c + c256, mask=c + c256 < programs, other=0.0,
+                                   cache_modifier=".cg")
+                    ss += tl.sum(part, 0)
+            else:
+                for c in tl.static_range(0, N, 256):
+                    h = tl.load(nx_ptr + c + c256) + tl.load(y_ptr + c + c256,
+                                                             cache_modifier=".cg")
+                    tl.store(nh_ptr + c + c256, h)
+                    ss += tl.sum(h * h, 0)
             inv = tl.rsqrt(ss / N + eps)
             for c in tl.static_range(0, N, 256):
-                h = tl.load(nx_ptr + c + c256) + tl.load(y_ptr + c + c256,
-                                                         cache_modifier=".cg")
+                if SLOTS:
+                    h = tl.load(nh_ptr + c + c256, cache_modifier=".cg")
+                else:
+                    h = tl.load(nx_ptr + c + c256) + tl.load(y_ptr + c + c256,
+                                                             cache_modifier=".cg")
                 out = cast_out(h * inv * tl.load(nw_ptr + c + c256), ny_ptr)
                 tl.store(ny_ptr + c + c256, out)
                 if QUANT:
@@ -642,15 +657,24 @@ if HAS_TRITON:
                                    nq_ptr, ndx_ptr, nbs_ptr, N)
             tl.atomic_xchg(nticket_ptr, 0, sem="relaxed", scope="gpu")
 
+    @helper
+    def _tile_norm_sums(tile, rt, N, nx_ptr, nh_ptr, nslot_ptr, pid):
+        """_norm_tail's SLOTS part of one program: h = x + y of its rows rt (tile (TILE, 1):
+        their y) stored, and the sum of their squares in slot `pid`."""
+        ok = rt < N
+        h = tl.load(nx_ptr + rt, mask=ok, other=0.0) + tl.sum(tile, axis=1)
+        tl.store(nh_ptr + rt, h, mask=ok)
+        tl.store(nslot_ptr + pid, tl.sum(h * h, 0))
+
     @triton.jit(do_not_specialize=["M", "N"])
     def _qint_gemv_kernel(
         q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
         sb_per_split, nsplit, ticket, w2_ptr, n1, row_bytes2,
-        nx_ptr, nw_ptr, nh_ptr, ny_ptr, nq_ptr, ndx_ptr, nbs_ptr, nticket_ptr, eps,
+        nx_ptr, nw_ptr, nh_ptr, ny_ptr, nq_ptr, ndx_ptr, nbs_ptr, nticket_ptr, nslot_ptr, eps,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PTX: tl.constexpr = False, QTYPE2: tl.constexpr = 0, PDL: tl.constexpr = False,
         X_EARLY: tl.constexpr = True, IN_CTA: tl.constexpr = 0, NORM: tl.constexpr = 0,
-        NORM_N: tl.constexpr = 0,
+        NORM_N: tl.constexpr = 0, NORM_SLOTS: tl.constexpr = False,
     ):
         """y[m, n] = the product of x's row m (quantized: q, dx, 16-column sums bs) and W's
         row n; grid (N tiles, splits), a program's sum over its range of super-blocks
@@ -666,7 +690,8 @@ if HAS_TRITON:
         NORM (one row; 2: the norm quantized too): the launch's last program to finish a
         tile adds y (NORM_N = N columns) to the residual nx and normalizes it (_norm_tail:
         nh, ny, nq/ndx/nbs), sparing the norm kernel after the product (the n* pointers
-        are unused otherwise)."""
+        are unused otherwise); NORM_SLOTS (IN_CTA): each program adds its own rows and
+        their squares first (_tile_norm_sums), the last makes one pass."""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -693,10 +718,15 @@ if HAS_TRITON:
             acc = _gemv_sbs(acc, w_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
                             M, QTYPE, BLOCK_M, PTX, PDL, X_EARLY, IN_CTA > 0)
         if IN_CTA > 0:
-            _finish_in_cta(acc, y_ptr, part_ptr, pid_n, M, N, BLOCK_M, BLOCK_N, IN_CTA)
+            tile = _finish_in_cta(acc, y_ptr, part_ptr, pid_n, M, N, BLOCK_M, BLOCK_N,
+                                  IN_CTA)
             if NORM > 0:
+                if NORM_SLOTS:
+                    _tile_norm_sums(tile, pid_n * TILE + tl.arange(0, TILE), N, nx_ptr,
+                                    nh_ptr, nslot_ptr, pid_n)
                 _norm_tail(y_ptr, nx_ptr, nw_ptr, nh_ptr, ny_ptr, nq_ptr, ndx_ptr, nbs_ptr,
-                           nticket_ptr, eps, tl.num_programs(0), NORM_N, NORM > 1)
+                           nticket_ptr, nslot_ptr, eps, tl.num_programs(0), NORM_N, NORM > 1,
+                           NORM_SLOTS)
         else:
             offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
             done = finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M,
@@ -704,8 +734,8 @@ if HAS_TRITON:
             if NORM > 0:
                 if done:  # the tile's final y: a tile arrives at the norm's counter
                     _norm_tail(y_ptr, nx_ptr, nw_ptr, nh_ptr, ny_ptr, nq_ptr, ndx_ptr,
-                               nbs_ptr, nticket_ptr, eps, tl.num_programs(0), NORM_N,
-                               NORM > 1)
+                               nbs_ptr, nticket_ptr, nslot_ptr, eps, tl.num_programs(0),
+                               NORM_N, NORM > 1, False)
 
     def _q6_codes_asm(j: int, signed: bool) -> str:
         """PTX: 4 ql bytes ($1) and 4 qh bytes ($2) -> 4 Q6_K codes of a 32-column run j:
@@ -1078,24 +1108,32 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
-def norm_tail_enabled() -> bool:
-    """MBUFO_NORM_TAIL=1: one-row products followed by the residual add and RMSNorm do
-    both in their last program (qint_norm) instead of the norm kernel after them; 0 or
-    unset: off (not yet measured on a GPU)."""
+def norm_tail_setting() -> int:
+    """MBUFO_NORM_TAIL: 1, one-row products followed by the residual add and RMSNorm do
+    both in their last program (qint_norm) instead of the norm kernel after them; 2, the
+    same with each program adding its own rows first (NormTail.slots: the last makes one
+    pass over the row instead of two); 0 or unset: off (not yet measured on a GPU)."""
     raw = os.environ.get("MBUFO_NORM_TAIL", "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"MBUFO_NORM_TAIL must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    if raw not in ("", "0", "1", "2"):
+        raise ValueError(f"MBUFO_NORM_TAIL must be 0, 1 or 2, got {raw!r}")
+    return int(raw or 0)
+
+
+def norm_tail_enabled() -> bool:
+    """Whether MBUFO_NORM_TAIL is on (norm_tail_setting)."""
+    return norm_tail_setting() > 0
 
 
 def qint_norm(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int, *,
               xq: QuantX | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
               out_dtype: torch.dtype = torch.float32, quantize: bool = False,
-              num_sms: int | None = None) -> tuple[torch.Tensor, NormTail] | None:
+              num_sms: int | None = None, slots: bool = False,
+              ) -> tuple[torch.Tensor, NormTail] | None:
     """qint_triton of one weight of N = residual's columns rows for one row x, with the
     launch's last program adding y to `residual` and normalizing it (kernels/fused_norm.py's
     add_rms_norm without a residual weight: h, out in `out_dtype`, and with `quantize`
-    out quantized): (y, NormTail). None where one launch cannot (more rows, the
+    out quantized; `slots`: NormTail.slots where the splits run in one program): (y,
+    NormTail). None where one launch cannot (more rows, the
     matrix-unit or a tiled path, a split without tickets, N not a multiple of 256): the
     caller runs the product and the norm kernel."""
     m, n = x.shape[0], residual.shape[-1]
@@ -1121,7 +1159,7 @@ def qint_norm(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int, *,
     xq = xq if xq is not None else quantize_x(x)
     tail = NormTail(residual, weight, float(eps), torch.empty(1, n, device=x.device),
                     torch.empty(1, n, dtype=out_dtype, device=x.device),
-                    empty_quant_x(1, n, x.device) if quantize else None)
+                    empty_quant_x(1, n, x.device) if quantize else None, slots)
     y = _launch(xq, [(blocks, int(ggml_type), n)], 1, k, cfg, sms, backend, True, tail)
     return y, tail
 
@@ -1165,6 +1203,7 @@ class NormTail(NamedTuple):
     h: torch.Tensor  # (1, N) float32
     out: torch.Tensor  # (1, N) float32, bf16 or f16
     xq: QuantX | None
+    slots: bool = False  # each program adds its own rows first (NORM_SLOTS; MBUFO_NORM_TAIL=2)
 
 
 @functools.lru_cache(maxsize=16)
@@ -1197,10 +1236,12 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
         if norm is not None:
             assert m == 1 and (in_cta or cfg.split == 1 or -(-n // cfg.block_n) <= _TICKETS)
             extra["NORM"], extra["NORM_N"] = 1 if norm.xq is None else 2, n
+            extra["NORM_SLOTS"] = slots = norm.slots and in_cta
             own += (norm.x, norm.weight, norm.h, norm.out, *(norm.xq or (y, y, y)),
-                    _norm_ticket(device), float(norm.eps))
+                    _norm_ticket(device),
+                    torch.empty(grid[0], device=device) if slots else y, float(norm.eps))
         else:
-            own += (y,) * 7 + (_tickets(device), 0.0)
+            own += (y,) * 7 + (_tickets(device), y, 0.0)
     elif mma_path(m, int(ggml_type), int(type2), backend, device) and (
             not type2 or n1 % (16 * _qint_mma().WARPS) == 0):
         return _qint_mma().qint_mma_launch(
@@ -1272,7 +1313,8 @@ def aot_specs(spec: type) -> list:
                 ("x_ptr", "q_ptr", "dx_ptr", "bs_ptr", "K", "stride_xm"))]
     gemv_sig = {**sig, "bs_ptr": "*i32", "w2_ptr": "*u8", "n1": "i32", "row_bytes2": "i32",
                 **{n: "*fp32" for n in ("nx_ptr", "nw_ptr", "nh_ptr", "ny_ptr", "ndx_ptr")},
-                "nq_ptr": "*i8", "nbs_ptr": "*i32", "nticket_ptr": "*i32", "eps": "fp32"}
+                "nq_ptr": "*i8", "nbs_ptr": "*i32", "nticket_ptr": "*i32", "nslot_ptr": "*fp32",
+                "eps": "fp32"}
     # each type alone, and q|k in Q4_K with v in Q6_K in one launch (Q4_K_M's attention)
     for qtype, qtype2, name in ((Q4_K, 0, "Q4_K"), (Q6_K_A, 0, "Q6_K"),
                                 (Q4_K, Q6_K_A, "Q4_K_Q6_K")):
@@ -1283,18 +1325,18 @@ def aot_specs(spec: type) -> list:
                 cfg = default_qint_config(qtype, n, 4096, backend=backend, m=bm, qtype2=qtype2)
                 wide = "_wide" if n == WIDE_N else ""
                 sums = "*i32" if sums_dtype(bm) == torch.int32 else "*fp16"
-                # Q6_K's wide one-row build both ways (x_early: Q6K_EARLY_WAVES), and on
-                # CUDA the output head's (early, Q6K_HEAD_BLOCK_N rows)
-                x_early = (True, False) if qtype == Q6_K_A and bm == 1 and wide else (True,)
-                if len(x_early) == 2 and backend == "cuda":
-                    x_early += ("head",)
+                # Q6_K's wide one-row build both ways (x_early: Q6K_EARLY_WAVES), and the
+                # output head's on CUDA (early, Q6K_HEAD_BLOCK_N rows; built for gfx1151 too
+                # so that it stays buildable there)
+                x_early = (True, False, "head") if qtype == Q6_K_A and bm == 1 and wide \
+                    else (True,)
                 for early in x_early:
                     head = early == "head"
                     consts = {"QTYPE": qtype, "BLOCK_M": bm,
                               "BLOCK_N": Q6K_HEAD_BLOCK_N if head else cfg.block_n,
                               "PTX": backend == "cuda", "QTYPE2": qtype2,
                               "PDL": backend == "cuda", "X_EARLY": bool(early),
-                              "IN_CTA": 0, "NORM": 0, "NORM_N": 0}
+                              "IN_CTA": 0, "NORM": 0, "NORM_N": 0, "NORM_SLOTS": False}
                     tag = "_head" if head else "" if early else "_late"
                     out.append(spec(f"qint_{name}_m{bm}{wide}{tag}",
                                     _qint_gemv_kernel,
@@ -1307,7 +1349,8 @@ def aot_specs(spec: type) -> list:
             for backend in ("hip", "cuda"):
                 consts = {"QTYPE": qtype, "BLOCK_M": 1, "BLOCK_N": cfg.block_n,
                           "PTX": backend == "cuda", "QTYPE2": 0, "PDL": backend == "cuda",
-                          "X_EARLY": True, "IN_CTA": 0, "NORM": 2, "NORM_N": 4096}
+                          "X_EARLY": True, "IN_CTA": 0, "NORM": 2, "NORM_N": 4096,
+                          "NORM_SLOTS": False}
                 out.append(spec("qint_Q6_K_m1_norm", _qint_gemv_kernel,
                                 {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,
                                 cfg.num_warps, False, backend, cfg.num_stages,
@@ -1315,14 +1358,18 @@ def aot_specs(spec: type) -> list:
         if qtype == Q4_K:  # one row: a tile's splits in one program (in_cta_config;
             # NVIDIA's default, built for gfx1151 too so that it stays buildable there)
             cfg = default_qint_config(qtype, 4096, 4096, 132, "cuda", 1, qtype2)
-            for backend, norm in (("hip", 0), ("cuda", 0), ("hip", 2), ("cuda", 2)):
+            # (and with the norm's tail, both ways: _norm_tail's SLOTS)
+            for backend, norm, slots in ((b, n, sl) for n, sl in ((0, False), (2, False),
+                                                                  (2, True))
+                                         for b in ("hip", "cuda")):
                 if norm and qtype2:
                     continue  # the norm's tail follows a one-weight product (o, down)
                 consts = {"QTYPE": qtype, "BLOCK_M": 1, "BLOCK_N": cfg.block_n * cfg.split,
                           "PTX": backend == "cuda", "QTYPE2": qtype2,
                           "PDL": backend == "cuda", "X_EARLY": True, "IN_CTA": cfg.split,
-                          "NORM": norm, "NORM_N": 4096 if norm else 0}
-                out.append(spec(f"qint_{name}_m1_in_cta{'_norm' if norm else ''}",
+                          "NORM": norm, "NORM_N": 4096 if norm else 0, "NORM_SLOTS": slots}
+                tag = ("_norm" if norm else "") + ("_slots" if slots else "")
+                out.append(spec(f"qint_{name}_m1_in_cta{tag}",
                                 _qint_gemv_kernel,
                                 {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,
                                 cfg.num_warps, False, backend, cfg.num_stages,

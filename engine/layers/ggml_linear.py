@@ -26,6 +26,7 @@ from kernels.qint import (
     ACT8_STORED,
     QINT_TYPES,
     QuantX,
+    norm_tail_setting,
     qint_norm,
     qint_parts,
     qint_reference,
@@ -154,7 +155,8 @@ class GGMLLinear:
         part = self.parts[0]
         done = qint_norm(x if x.stride(-1) == 1 else x.contiguous(), part.weight,
                          part.ggml_type, self.in_features, xq=xq, residual=residual,
-                         weight=weight, eps=eps, out_dtype=out_dtype, quantize=quantize)
+                         weight=weight, eps=eps, out_dtype=out_dtype, quantize=quantize,
+                         slots=norm_tail_setting() == 2)
         return None if done is None else NormOut(done[1].h, done[1].out, done[1].xq)
 
     def _part(self, part: GGMLPart, x: torch.Tensor, triton: bool,

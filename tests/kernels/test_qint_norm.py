@@ -17,6 +17,7 @@ from kernels.fused_norm import add_rms_norm_reference
 from kernels.qint import (
     default_qint_config,
     norm_tail_enabled,
+    norm_tail_setting,
     qint_norm,
     quant_x_reference,
 )
@@ -29,12 +30,14 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-@pytest.mark.parametrize("qtype,sms,path", [
-    (T.Q4_K, 132, "in_cta"), (T.Q6_K, 132, "ticket"), (T.Q4_K, 0, "one split")])
+@pytest.mark.parametrize("qtype,sms,path,slots", [
+    (T.Q4_K, 132, "in_cta", False), (T.Q4_K, 132, "in_cta", True),
+    (T.Q6_K, 132, "ticket", False), (T.Q6_K, 132, "ticket", True),  # slots: no effect
+    (T.Q4_K, 0, "one split", False)])
 @pytest.mark.parametrize("out_dtype,quantize", [(torch.float32, True),
                                                 (torch.bfloat16, False)])
-def test_norm_tail_matches_the_product_and_the_norm(interp, rng, qtype, sms, path, out_dtype,
-                                                    quantize):
+def test_norm_tail_matches_the_product_and_the_norm(interp, rng, qtype, sms, path, slots,
+                                                    out_dtype, quantize):
     n, k = 768, 512
     blocks, kind = stored(random_weight(qtype, n, k, rng), qtype, k)
     cfg = default_qint_config(kind, n, k, sms)
@@ -46,7 +49,8 @@ def test_norm_tail_matches_the_product_and_the_norm(interp, rng, qtype, sms, pat
     for _ in range(2):  # the counter is left zero: a second launch finishes too
         y, tail = interp.call("kernels.qint:qint_norm", x, blocks, kind, k, xq=None,
                               residual=residual, weight=weight, eps=1e-5,
-                              out_dtype=out_dtype, quantize=quantize, num_sms=sms)
+                              out_dtype=out_dtype, quantize=quantize, num_sms=sms,
+                              slots=slots)
         plain = interp.call("kernels.qint:qint_triton", x, blocks, kind, (n, k), num_sms=sms)
         assert torch.equal(y, plain)  # the product's bits are unchanged
         assert torch.equal(tail.h, residual + y)
@@ -80,25 +84,27 @@ def test_where_one_launch_cannot(rng):
                   eps=1e-5)
 
 
-@pytest.mark.parametrize("raw,want", [(None, False), ("", False), ("0", False), ("1", True)])
+@pytest.mark.parametrize("raw,want", [(None, 0), ("", 0), ("0", 0), ("1", 1), (" 2 ", 2)])
 def test_setting(monkeypatch, raw, want):
     if raw is None:
         monkeypatch.delenv("MBUFO_NORM_TAIL", raising=False)
     else:
         monkeypatch.setenv("MBUFO_NORM_TAIL", raw)
-    assert norm_tail_enabled() is want
+    assert norm_tail_setting() == want and norm_tail_enabled() is (want > 0)
 
 
-def test_bad_setting_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv("MBUFO_NORM_TAIL", "yes")
-    with pytest.raises(ValueError, match="MBUFO_NORM_TAIL must be 0 or 1"):
+@pytest.mark.parametrize("raw", ["yes", "3", "on"])
+def test_bad_setting_is_a_clear_error(monkeypatch, raw):
+    monkeypatch.setenv("MBUFO_NORM_TAIL", raw)
+    with pytest.raises(ValueError, match="MBUFO_NORM_TAIL must be 0, 1 or 2"):
         norm_tail_enabled()
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("slots", [False, True])
 @pytest.mark.parametrize("qtype,n,k", [(T.Q4_K, 4096, 4096), (T.Q4_K, 4096, 14336),
                                        (T.Q6_K, 4096, 14336)])
-def test_gpu_norm_tail_at_llama_shapes(rng, qtype, n, k):
+def test_gpu_norm_tail_at_llama_shapes(rng, qtype, n, k, slots):
     """The o and down products of Llama-3.1-8B at one row (Q4_K: splits in one program;
     Q6_K: tickets) with the norm's tail, against the product alone and the norm kernel
     (kernels/fused_norm.py) on its output; ten launches in a row (the counter re-arms)."""
@@ -115,7 +121,8 @@ def test_gpu_norm_tail_at_llama_shapes(rng, qtype, n, k):
     ref = add_rms_norm(residual, weight, 1e-5, plain, None, torch.bfloat16, True)
     for _ in range(10):
         y, tail = qint_norm(x, blocks, kind, k, xq=None, residual=residual, weight=weight,
-                            eps=1e-5, out_dtype=torch.bfloat16, quantize=True)
+                            eps=1e-5, out_dtype=torch.bfloat16, quantize=True,
+                            slots=slots)
         assert torch.equal(y, plain)
         assert torch.equal(tail.h, ref.h)
         assert torch.allclose(tail.out.float(), ref.y.float(), rtol=2**-8, atol=0)
