@@ -43,8 +43,7 @@ def gated_act_reference(gate_up: torch.Tensor, activation: str,
 
 
 if HAS_TRITON:
-    from kernels.fused_norm import cast_out
-    from kernels.qint import quantize_store
+    from kernels.qint import cast_out, gated, quantize_store
 
     @jit
     def _gated_act_kernel(gu_ptr, out_ptr, q_ptr, dx_ptr, bs_ptr, ffn, stride_gu, stride_out,
@@ -60,12 +59,7 @@ if HAS_TRITON:
         await_inputs(PDL, RELEASE_FIRST)
         g = tl.load(gu_ptr + row * stride_gu + col, mask=ok, other=0.0)
         u = tl.load(gu_ptr + row * stride_gu + ffn + col, mask=ok, other=0.0)
-        if ACT == 0:
-            a = g / (1.0 + tl.exp(-g))
-        else:  # tanh(z) = 1 - 2 / (e^2z + 1): exact limits +-1 where e^2z over/underflows
-            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-            a = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
-        y = cast_out(a * u, out_ptr)
+        y = cast_out(gated(g, u, ACT), out_ptr)
         tl.store(out_ptr + row * stride_out + col, y, mask=ok)
         if QUANT:
             NB: tl.constexpr = BLOCK // 256

@@ -72,8 +72,9 @@ from kernels.triton_util import (
 from kernels.triton_util import num_sms as device_sms
 
 __all__ = ["ACT8_STORED", "INT_SUMS_M", "MMA_GEMV_MAX_M_OF", "Q6_K_A", "QINT_TYPES",
-           "NormTail", "QIntConfig", "default_qint_config", "norm_tail_enabled",
-           "norm_tail_setting", "qint_norm",
+           "ActTail", "NormTail", "QIntConfig", "act_tail_enabled", "default_qint_config",
+           "norm_tail_enabled",
+           "norm_tail_setting", "qint_act", "qint_norm",
            "in_cta_config", "other_way",
            "TILE_BOUNDS", "TILE_CANDIDATES", "TUNED_TILES", "forced_tile", "tile_bound",
            "tile_options", "tiled_tile",
@@ -666,6 +667,40 @@ if HAS_TRITON:
         tl.store(nh_ptr + rt, h, mask=ok)
         tl.store(nslot_ptr + pid, tl.sum(h * h, 0))
 
+    @helper
+    def gated(g, u, ACT: tl.constexpr):
+        """act(g) * u, ACT 0: silu, 1: gelu_tanh (kernels/gated_act.py's definitions)."""
+        if ACT == 0:
+            a = g / (1.0 + tl.exp(-g))
+        else:  # tanh(z) = 1 - 2 / (e^2z + 1): exact limits +-1 where e^2z over/underflows
+            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            a = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+        return a * u
+
+    @helper
+    def _act_tail(y_ptr, N, first, ROWS: tl.constexpr, out_ptr, q_ptr, dx_ptr, bs_ptr,
+                  counter_ptr, ACT: tl.constexpr):
+        """The gated activation of a fused gate|up product's one row y (gate the first F =
+        N / 2 columns, up the rest; F a multiple of 256) a block of 256 columns at a time:
+        the program that holds rows first .. first + ROWS - 1 (ROWS dividing 256) arrives
+        at its block's counter, and the last of the block's 2 x 256 / ROWS programs writes
+        act(g) * u (out_ptr's type) and its quantization, as kernels/gated_act.py's kernel
+        does (the same bits), and leaves the counter zero."""
+        F = N // 2
+        j = (first % F) // 256
+        tl.debug_barrier()  # the program's outputs are written before it arrives
+        arrived = tl.atomic_add(counter_ptr + j, 1, sem="acq_rel", scope="gpu")
+        if arrived == 2 * (256 // ROWS) - 1:
+            col = j * 256 + tl.arange(0, 256)
+            g = tl.load(y_ptr + col, cache_modifier=".cg")
+            u = tl.load(y_ptr + F + col, cache_modifier=".cg")
+            out = cast_out(gated(g, u, ACT), out_ptr)
+            tl.store(out_ptr + col, out)
+            b = j + tl.zeros((1,), tl.int32)
+            quantize_store(tl.reshape(out.to(tl.float32), (1, 256)), b, b >= 0, 0, q_ptr,
+                           dx_ptr, bs_ptr, F)
+            tl.atomic_xchg(counter_ptr + j, 0, sem="relaxed", scope="gpu")
+
     @triton.jit(do_not_specialize=["M", "N"])
     def _qint_gemv_kernel(
         q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
@@ -674,7 +709,7 @@ if HAS_TRITON:
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PTX: tl.constexpr = False, QTYPE2: tl.constexpr = 0, PDL: tl.constexpr = False,
         X_EARLY: tl.constexpr = True, IN_CTA: tl.constexpr = 0, NORM: tl.constexpr = 0,
-        NORM_N: tl.constexpr = 0, NORM_SLOTS: tl.constexpr = False,
+        NORM_N: tl.constexpr = 0, NORM_SLOTS: tl.constexpr = False, ACT: tl.constexpr = 0,
     ):
         """y[m, n] = the product of x's row m (quantized: q, dx, 16-column sums bs) and W's
         row n; grid (N tiles, splits), a program's sum over its range of super-blocks
@@ -691,7 +726,10 @@ if HAS_TRITON:
         tile adds y (NORM_N = N columns) to the residual nx and normalizes it (_norm_tail:
         nh, ny, nq/ndx/nbs), sparing the norm kernel after the product (the n* pointers
         are unused otherwise); NORM_SLOTS (IN_CTA): each program adds its own rows and
-        their squares first (_tile_norm_sums), the last makes one pass."""
+        their squares first (_tile_norm_sums), the last makes one pass. ACT (one row of a
+        fused gate|up; 1 + the activation's id): the gated activation and its quantization
+        by the last program of each 256 columns (_act_tail: ny, nq/ndx/nbs, nticket the
+        blocks' counters), sparing the activation kernel."""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -727,6 +765,9 @@ if HAS_TRITON:
                 _norm_tail(y_ptr, nx_ptr, nw_ptr, nh_ptr, ny_ptr, nq_ptr, ndx_ptr, nbs_ptr,
                            nticket_ptr, nslot_ptr, eps, tl.num_programs(0), NORM_N, NORM > 1,
                            NORM_SLOTS)
+            if ACT > 0:
+                _act_tail(y_ptr, N, pid_n * TILE, TILE, ny_ptr, nq_ptr, ndx_ptr, nbs_ptr,
+                          nticket_ptr, ACT - 1)
         else:
             offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
             done = finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M,
@@ -736,6 +777,10 @@ if HAS_TRITON:
                     _norm_tail(y_ptr, nx_ptr, nw_ptr, nh_ptr, ny_ptr, nq_ptr, ndx_ptr,
                                nbs_ptr, nticket_ptr, nslot_ptr, eps, tl.num_programs(0),
                                NORM_N, NORM > 1, False)
+            if ACT > 0:
+                if done:
+                    _act_tail(y_ptr, N, pid_n * BLOCK_N, BLOCK_N, ny_ptr, nq_ptr, ndx_ptr,
+                              nbs_ptr, nticket_ptr, ACT - 1)
 
     def _q6_codes_asm(j: int, signed: bool) -> str:
         """PTX: 4 ql bytes ($1) and 4 qh bytes ($2) -> 4 Q6_K codes of a 32-column run j:
@@ -1164,6 +1209,45 @@ def qint_norm(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int, *,
     return y, tail
 
 
+def act_tail_enabled() -> bool:
+    """MBUFO_ACT_TAIL=1: a one-row fused gate|up product writes the gated activation and
+    its quantization itself (qint_act) instead of the activation kernel after it; 0 or
+    unset: off (not yet measured on a GPU)."""
+    raw = os.environ.get("MBUFO_ACT_TAIL", "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"MBUFO_ACT_TAIL must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def qint_act(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int, *,
+             xq: QuantX | None, act: int, out_dtype: torch.dtype = torch.float32,
+             num_sms: int | None = None) -> tuple[torch.Tensor, ActTail] | None:
+    """qint_triton of a fused gate|up weight (its rows: F gate, then F up) for one row x,
+    its programs also writing act(gate) * up and its quantization (kernels/gated_act.py's
+    gated_act_quant; `act` its ACTIVATION_IDS): (y, ActTail). None where one launch
+    cannot (more rows, F not a multiple of 256, splits as programs of their own): the
+    caller runs the product and the activation kernel."""
+    m, n = x.shape[0], blocks.shape[0]
+    if m != 1 or n % 512 or int(ggml_type) not in QINT_TYPES or n // 512 > _TICKETS:
+        return None
+    backend = "hip" if x.device.type == "cuda" and torch.version.hip else "cuda"
+    sms = device_sms(x.device) if num_sms is None else int(num_sms)
+    cfg = default_qint_config(int(ggml_type), n, k, sms, backend, m)
+    if not (cfg.in_cta or cfg.split == 1) or 256 % cfg.block_n:
+        return None
+    if x.dim() != 2 or x.shape[1] != k or k % QK or x.stride(1) != 1:
+        raise InvalidRequest(f"qint: x must be (M, {k}) with K a multiple of 256 and "
+                             f"contiguous rows, got {tuple(x.shape)}")
+    if tuple(blocks.shape) != (n, row_bytes(int(ggml_type), k)) or blocks.data_ptr() % 4:
+        raise InvalidRequest(f"qint: blocks must be ({n}, {row_bytes(int(ggml_type), k)}) "
+                             "uint8 at a 4-byte aligned address")
+    xq = xq if xq is not None else quantize_x(x)
+    tail = ActTail(int(act), torch.empty(1, n // 2, dtype=out_dtype, device=x.device),
+                   empty_quant_x(1, n // 2, x.device))
+    y = _launch(xq, [(blocks, int(ggml_type), n)], 1, k, cfg, sms, backend, True, tail)
+    return y, tail
+
+
 def _qint_mma():
     """kernels/qint_mma.py (imported late: it takes helpers from this module)."""
     from kernels import qint_mma
@@ -1206,6 +1290,20 @@ class NormTail(NamedTuple):
     slots: bool = False  # each program adds its own rows first (NORM_SLOTS; MBUFO_NORM_TAIL=2)
 
 
+class ActTail(NamedTuple):
+    """What qint_act's programs write besides y: the gated activation of the fused
+    gate|up row (kernels/gated_act.py's gated_act_quant)."""
+    act: int  # kernels/gated_act.py's ACTIVATION_IDS
+    out: torch.Tensor  # (1, F) float32, bf16 or f16
+    xq: QuantX
+
+
+@functools.lru_cache(maxsize=16)
+def _act_tickets(device: torch.device) -> torch.Tensor:
+    """qint_act's counters, one a block of 256 columns (each launch leaves them zero)."""
+    return torch.zeros(_TICKETS, dtype=torch.int32, device=device)
+
+
 @functools.lru_cache(maxsize=16)
 def _norm_ticket(device: torch.device) -> torch.Tensor:
     """The counter of qint_norm's launches (each leaves it zero; one stream or graph)."""
@@ -1214,9 +1312,9 @@ def _norm_ticket(device: torch.device) -> torch.Tensor:
 
 def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, k: int,
             cfg: QIntConfig, sms: int, backend: str, gemv: bool,
-            norm: NormTail | None = None) -> torch.Tensor:
+            norm: NormTail | ActTail | None = None) -> torch.Tensor:
     """One product kernel over checked inputs (two parts: the first fills whole programs);
-    `norm` (one row, CUDA-core launches): its tail too."""
+    `norm` (one row, CUDA-core launches): the norm's or the activation's tail too."""
     (blocks, ggml_type, n1), device = parts[0], xq.q.device
     n = sum(p[2] for p in parts)
     blocks2, type2, _ = parts[1] if len(parts) == 2 else (blocks, 0, 0)
@@ -1233,7 +1331,11 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
         if in_cta:
             extra["IN_CTA"] = cfg.split
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
-        if norm is not None:
+        if isinstance(norm, ActTail):
+            assert m == 1 and (in_cta or cfg.split == 1) and 256 % cfg.block_n == 0
+            extra["ACT"] = norm.act + 1
+            own += (y, y, y, norm.out, *norm.xq, _act_tickets(device), y, 0.0)
+        elif norm is not None:
             assert m == 1 and (in_cta or cfg.split == 1 or -(-n // cfg.block_n) <= _TICKETS)
             extra["NORM"], extra["NORM_N"] = 1 if norm.xq is None else 2, n
             extra["NORM_SLOTS"] = slots = norm.slots and in_cta
@@ -1336,7 +1438,8 @@ def aot_specs(spec: type) -> list:
                               "BLOCK_N": Q6K_HEAD_BLOCK_N if head else cfg.block_n,
                               "PTX": backend == "cuda", "QTYPE2": qtype2,
                               "PDL": backend == "cuda", "X_EARLY": bool(early),
-                              "IN_CTA": 0, "NORM": 0, "NORM_N": 0, "NORM_SLOTS": False}
+                              "IN_CTA": 0, "NORM": 0, "NORM_N": 0, "NORM_SLOTS": False,
+                              "ACT": 0}
                     tag = "_head" if head else "" if early else "_late"
                     out.append(spec(f"qint_{name}_m{bm}{wide}{tag}",
                                     _qint_gemv_kernel,
@@ -1350,7 +1453,7 @@ def aot_specs(spec: type) -> list:
                 consts = {"QTYPE": qtype, "BLOCK_M": 1, "BLOCK_N": cfg.block_n,
                           "PTX": backend == "cuda", "QTYPE2": 0, "PDL": backend == "cuda",
                           "X_EARLY": True, "IN_CTA": 0, "NORM": 2, "NORM_N": 4096,
-                          "NORM_SLOTS": False}
+                          "NORM_SLOTS": False, "ACT": 0}
                 out.append(spec("qint_Q6_K_m1_norm", _qint_gemv_kernel,
                                 {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,
                                 cfg.num_warps, False, backend, cfg.num_stages,
@@ -1358,17 +1461,20 @@ def aot_specs(spec: type) -> list:
         if qtype == Q4_K:  # one row: a tile's splits in one program (in_cta_config;
             # NVIDIA's default, built for gfx1151 too so that it stays buildable there)
             cfg = default_qint_config(qtype, 4096, 4096, 132, "cuda", 1, qtype2)
-            # (and with the norm's tail, both ways: _norm_tail's SLOTS)
-            for backend, norm, slots in ((b, n, sl) for n, sl in ((0, False), (2, False),
-                                                                  (2, True))
-                                         for b in ("hip", "cuda")):
-                if norm and qtype2:
-                    continue  # the norm's tail follows a one-weight product (o, down)
+            # (and with the norm's tail, both ways: _norm_tail's SLOTS; with the gated
+            # activation's: _act_tail)
+            for backend, norm, slots, act in ((b, *v) for v in ((0, False, 0), (2, False, 0),
+                                                                (2, True, 0), (0, False, 1))
+                                              for b in ("hip", "cuda")):
+                if (norm or act) and qtype2:
+                    continue  # the tails follow a one-weight product (o, gate|up, down)
                 consts = {"QTYPE": qtype, "BLOCK_M": 1, "BLOCK_N": cfg.block_n * cfg.split,
                           "PTX": backend == "cuda", "QTYPE2": qtype2,
                           "PDL": backend == "cuda", "X_EARLY": True, "IN_CTA": cfg.split,
-                          "NORM": norm, "NORM_N": 4096 if norm else 0, "NORM_SLOTS": slots}
-                tag = ("_norm" if norm else "") + ("_slots" if slots else "")
+                          "NORM": norm, "NORM_N": 4096 if norm else 0, "NORM_SLOTS": slots,
+                          "ACT": act}
+                tag = ("_norm" if norm else "") + ("_slots" if slots else "") + (
+                    "_act" if act else "")
                 out.append(spec(f"qint_{name}_m1_in_cta{tag}",
                                 _qint_gemv_kernel,
                                 {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,

@@ -27,6 +27,7 @@ from kernels.qint import (
     QINT_TYPES,
     QuantX,
     norm_tail_setting,
+    qint_act,
     qint_norm,
     qint_parts,
     qint_reference,
@@ -158,6 +159,20 @@ class GGMLLinear:
                          weight=weight, eps=eps, out_dtype=out_dtype, quantize=quantize,
                          slots=norm_tail_setting() == 2)
         return None if done is None else NormOut(done[1].h, done[1].out, done[1].xq)
+
+    def act_tail(self, x: torch.Tensor, xq: QuantX | None, act: int,
+                 out_dtype: torch.dtype) -> tuple[torch.Tensor, QuantX] | None:
+        """For a fused gate|up layer: gated_act_quant(self(x)) by the product's own launch
+        (kernels.qint's qint_act: one row of one q8 part without a bias, on the Triton
+        path; `act` kernels/gated_act.py's ACTIVATION_IDS): (act(gate) * up in
+        `out_dtype`, quantized); None where that launch cannot (the caller runs both)."""
+        if not (len(self.parts) == 1 and self._all_qint and self.bias is None
+                and use_triton(x.device)):
+            return None
+        part = self.parts[0]
+        done = qint_act(x if x.stride(-1) == 1 else x.contiguous(), part.weight,
+                        part.ggml_type, self.in_features, xq=xq, act=act, out_dtype=out_dtype)
+        return None if done is None else (done[1].out, done[1].xq)
 
     def _part(self, part: GGMLPart, x: torch.Tensor, triton: bool,
               xq: QuantX | None) -> torch.Tensor:

@@ -24,8 +24,8 @@ from engine.models.config import ModelConfig
 from engine.models.weights import WeightLoader
 from kernels.fused_norm import NormOut, add_rms_norm
 from kernels.fused_rope import rope_qk
-from kernels.gated_act import gated_act, gated_act_quant
-from kernels.qint import QuantX, norm_tail_enabled
+from kernels.gated_act import ACTIVATION_IDS, gated_act, gated_act_quant
+from kernels.qint import QuantX, act_tail_enabled, norm_tail_enabled
 
 # A block output on its way into the residual stream: (output, post-norm weight or None).
 _Residual = tuple[torch.Tensor, torch.Tensor | None]
@@ -151,6 +151,7 @@ class DecoderModel:
         pending: _Residual | None = None  # the previous block's MLP output, not yet added
         normed: NormOut | None = None  # ... or added and normed by its product (_Tail)
         tails = fused and x.shape[0] == 1 and norm_tail_enabled()
+        acts = fused and x.shape[0] == 1 and act_tail_enabled()
         for i, blk in enumerate(self.blocks):
             rope, cs = (self.rope_swa, cos_sin_swa) if cfg.is_sliding(i) else (self.rope, cos_sin)
             x, h, hq = normed or self._add_norm(x, pending, blk.attn_norm, fused,
@@ -166,7 +167,11 @@ class DecoderModel:
                     x, o = x[batch.logits_rows], o[batch.logits_rows]  # through the last MLP
                 x, h, hq = self._add_norm(x, (o, blk.post_attn_norm), blk.ffn_norm, fused,
                                           self._mm_dtype, _act8(blk.gate_up, fused))
-            gate_up = blk.gate_up(h) if hq is None else blk.gate_up(h, xq=hq)
+            act_made = blk.gate_up.act_tail(h, hq, ACTIVATION_IDS[self.cfg.activation],
+                                            self._mm_dtype) if (
+                acts and _act8(blk.down, fused) and hasattr(blk.gate_up, "act_tail")) else None
+            if act_made is None:
+                gate_up = blk.gate_up(h) if hq is None else blk.gate_up(h, xq=hq)
             tail = None
             if tails and blk.post_ffn_norm is None:  # the next norm: a block's or the output's
                 tail = _Tail(x, self.output_norm, torch.float32, head_xq and _act8(
@@ -174,7 +179,8 @@ class DecoderModel:
                     x, self.blocks[i + 1].attn_norm, self._mm_dtype,
                     _act8(self.blocks[i + 1].qkv, fused))
             if _act8(blk.down, fused):  # the activation kernel quantizes for the q8 down
-                act, aq = gated_act_quant(gate_up, self.cfg.activation, self._mm_dtype)
+                act, aq = act_made or gated_act_quant(gate_up, self.cfg.activation,
+                                                      self._mm_dtype)
                 down = self._project(blk.down, act, aq, tail)
             else:
                 down = blk.down(self._mlp_act(gate_up, fused))

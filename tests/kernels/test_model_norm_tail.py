@@ -1,7 +1,8 @@
-"""MBUFO_NORM_TAIL in a decoder step (the interpreter, a tiny synthetic Llama on the q8
-layout's Triton path, one row): the o and down products' launches add their output to the
-residual stream and normalize it, so only the first layer's norm runs as a kernel of its
-own, and the logits stay those of the step with the norm kernels."""
+"""MBUFO_NORM_TAIL and MBUFO_ACT_TAIL in a decoder step (the interpreter, a tiny synthetic
+Llama on the q8 layout's Triton path, one row): the o and down products' launches add
+their output to the residual stream and normalize it, so only the first layer's norm runs
+as a kernel of its own, and the logits stay those of the step with the norm kernels; the
+gate|up launches write the activation, and the logits keep their bits."""
 
 from __future__ import annotations
 
@@ -25,21 +26,29 @@ def step_with_tails(path: str) -> dict:
     try:
         core, model, vocab = tiny_core(path)
         out = {}
-        plain, calls, step = common.add_rms_norm, [0], model.step_logits
+        plain, calls, step = common.add_rms_norm, [0, 0], model.step_logits
+        plain_act = common.gated_act_quant
 
         def counted(*args, **kwargs):
             calls[0] += 1
             return plain(*args, **kwargs)
 
+        def counted_act(*args, **kwargs):
+            calls[1] += 1
+            return plain_act(*args, **kwargs)
+
         def both(batch, kv):
-            common.add_rms_norm = counted
+            common.add_rms_norm, common.gated_act_quant = counted, counted_act
             try:
-                for flag in ("1", "2", "0"):
-                    os.environ["MBUFO_NORM_TAIL"] = flag
-                    calls[0] = 0
-                    out[flag], out[flag + "_norms"] = step(batch, kv), calls[0]
+                for flag, act in (("1", "0"), ("2", "0"), ("0", "1"), ("0", "0")):
+                    os.environ["MBUFO_NORM_TAIL"], os.environ["MBUFO_ACT_TAIL"] = flag, act
+                    calls[:] = [0, 0]
+                    name = flag if act == "0" else "act"
+                    out[name] = step(batch, kv)
+                    out[name + "_norms"], out[name + "_acts"] = calls
             finally:
-                common.add_rms_norm = plain
+                common.add_rms_norm, common.gated_act_quant = plain, plain_act
+                os.environ.pop("MBUFO_ACT_TAIL")
             return torch.nn.functional.pad(out["0"], (0, vocab - 256), value=-1e30)
 
         model.step_logits = both
@@ -63,6 +72,10 @@ def test_products_take_the_norms(interp, tmp_path, vocab_dir):
     write_tiny_llama(path, vocab_dir / "ggml-vocab-llama-bpe.gguf", seed=5)
     got = interp.call("test_model_norm_tail:step_with_tails", str(path))
     assert got["0_norms"] == 2 * got["layers"] + 1
+    assert got["0_acts"] == got["layers"] and got["1_acts"] == got["layers"]
+    # MBUFO_ACT_TAIL: the gate|up launches write the activation, with the kernel's bits
+    assert got["act_acts"] == 0 and got["act_norms"] == got["0_norms"]
+    assert torch.equal(got["act"], got["0"])
     kernels = got["0"]
     scale = kernels.abs().max()
     for flag in ("1", "2"):  # the first layer's norm only, after the embedding
