@@ -1104,6 +1104,19 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
     return qint_parts(x, [(blocks, ggml_type, n)], k, config, num_sms=num_sms, xq=xq)
 
 
+def _check_x(x: torch.Tensor, k: int) -> None:
+    if x.dim() != 2 or x.shape[1] != k or k % QK or x.stride(1) != 1:
+        raise InvalidRequest(f"qint: x must be (M, {k}) with K a multiple of 256 and "
+                             f"contiguous rows, got {tuple(x.shape)}")
+
+
+def _check_blocks(blocks: torch.Tensor, ggml_type: int, n: int, k: int) -> None:
+    width = row_bytes(ggml_type, k)
+    if tuple(blocks.shape) != (n, width) or blocks.data_ptr() % 4:
+        raise InvalidRequest(f"qint: blocks must be ({n}, {width}) uint8 at a 4-byte "
+                             "aligned address")
+
+
 def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], k: int,
                config: QIntConfig | None = None, *, num_sms: int | None = None,
                xq: QuantX | None = None) -> torch.Tensor:
@@ -1115,17 +1128,12 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
     up to GEMV_MAX_M rows the CUDA cores', past both parts' gemv_max_m the matrix unit's;
     else one launch each and a concatenation."""
     m = x.shape[0]
-    if x.dim() != 2 or x.shape[1] != k or k % QK or x.stride(1) != 1:
-        raise InvalidRequest(f"qint: x must be (M, {k}) with K a multiple of 256 and "
-                             f"contiguous rows, got {tuple(x.shape)}")
+    _check_x(x, k)
     for blocks, ggml_type, n in parts:
         if int(ggml_type) not in QINT_TYPES:
             hint = " (repack Q6_K with repack_q6k: Q6_K_A)" if int(ggml_type) == Q6_K else ""
             raise InvalidRequest(f"qint: no kernel for GGML type {ggml_type}{hint}")
-        width = row_bytes(int(ggml_type), k)
-        if tuple(blocks.shape) != (n, width) or blocks.data_ptr() % 4:
-            raise InvalidRequest(f"qint: blocks must be ({n}, {width}) uint8 at a 4-byte "
-                                 "aligned address")
+        _check_blocks(blocks, int(ggml_type), n, k)
     n_all = sum(n for _, _, n in parts)
     sms = device_sms(x.device) if num_sms is None else int(num_sms)
     backend = "hip" if x.device.type == "cuda" and torch.version.hip else "cuda"
@@ -1195,12 +1203,8 @@ def qint_norm(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int, *,
                 or t.device != x.device:
             raise InvalidRequest(f"qint_norm: {name} must be contiguous float32 {shape} on "
                                  f"{x.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
-    if x.dim() != 2 or x.shape[1] != k or k % QK or x.stride(1) != 1:
-        raise InvalidRequest(f"qint: x must be (M, {k}) with K a multiple of 256 and "
-                             f"contiguous rows, got {tuple(x.shape)}")
-    if tuple(blocks.shape) != (n, row_bytes(int(ggml_type), k)) or blocks.data_ptr() % 4:
-        raise InvalidRequest(f"qint: blocks must be ({n}, {row_bytes(int(ggml_type), k)}) "
-                             "uint8 at a 4-byte aligned address")
+    _check_x(x, k)
+    _check_blocks(blocks, int(ggml_type), n, k)
     xq = xq if xq is not None else quantize_x(x)
     tail = NormTail(residual, weight, float(eps), torch.empty(1, n, device=x.device),
                     torch.empty(1, n, dtype=out_dtype, device=x.device),
@@ -1235,12 +1239,8 @@ def qint_act(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int, *,
     cfg = default_qint_config(int(ggml_type), n, k, sms, backend, m)
     if not (cfg.in_cta or cfg.split == 1) or 256 % cfg.block_n:
         return None
-    if x.dim() != 2 or x.shape[1] != k or k % QK or x.stride(1) != 1:
-        raise InvalidRequest(f"qint: x must be (M, {k}) with K a multiple of 256 and "
-                             f"contiguous rows, got {tuple(x.shape)}")
-    if tuple(blocks.shape) != (n, row_bytes(int(ggml_type), k)) or blocks.data_ptr() % 4:
-        raise InvalidRequest(f"qint: blocks must be ({n}, {row_bytes(int(ggml_type), k)}) "
-                             "uint8 at a 4-byte aligned address")
+    _check_x(x, k)
+    _check_blocks(blocks, int(ggml_type), n, k)
     xq = xq if xq is not None else quantize_x(x)
     tail = ActTail(int(act), torch.empty(1, n // 2, dtype=out_dtype, device=x.device),
                    empty_quant_x(1, n // 2, x.device))
