@@ -1229,15 +1229,16 @@ def qint_act(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int, *,
     """qint_triton of a fused gate|up weight (its rows: F gate, then F up) for one row x,
     its programs also writing act(gate) * up and its quantization (kernels/gated_act.py's
     gated_act_quant; `act` its ACTIVATION_IDS): (y, ActTail). None where one launch
-    cannot (more rows, F not a multiple of 256, splits as programs of their own): the
-    caller runs the product and the activation kernel."""
+    cannot (more rows, F not a multiple of 256, more tiles than tickets): the caller runs
+    the product and the activation kernel."""
     m, n = x.shape[0], blocks.shape[0]
     if m != 1 or n % 512 or int(ggml_type) not in QINT_TYPES or n // 512 > _TICKETS:
         return None
     backend = "hip" if x.device.type == "cuda" and torch.version.hip else "cuda"
     sms = device_sms(x.device) if num_sms is None else int(num_sms)
     cfg = default_qint_config(int(ggml_type), n, k, sms, backend, m)
-    if not (cfg.in_cta or cfg.split == 1) or 256 % cfg.block_n:
+    if not (cfg.in_cta or cfg.split == 1 or -(-n // cfg.block_n) <= _TICKETS) \
+            or 256 % cfg.block_n:
         return None
     _check_x(x, k)
     _check_blocks(blocks, int(ggml_type), n, k)
@@ -1332,7 +1333,8 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
             extra["IN_CTA"] = cfg.split
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
         if isinstance(norm, ActTail):
-            assert m == 1 and (in_cta or cfg.split == 1) and 256 % cfg.block_n == 0
+            assert m == 1 and 256 % cfg.block_n == 0 and (
+                in_cta or cfg.split == 1 or -(-n // cfg.block_n) <= _TICKETS)
             extra["ACT"] = norm.act + 1
             own += (y, y, y, norm.out, *norm.xq, _act_tickets(device), y, 0.0)
         elif norm is not None:
@@ -1447,6 +1449,17 @@ def aot_specs(spec: type) -> list:
                                      **{k: "constexpr" for k in consts}},
                                     consts, cfg.num_warps, False, backend, cfg.num_stages,
                                     divisible + ("w2_ptr", "row_bytes2"), cfg.max_regs))
+        if not qtype2:  # one row with the activation's tail, tiles finished by tickets
+            for backend in ("hip", "cuda"):
+                cfg = default_qint_config(qtype, 28672, 4096, 132, backend, 1)
+                consts = {"QTYPE": qtype, "BLOCK_M": 1, "BLOCK_N": cfg.block_n,
+                          "PTX": backend == "cuda", "QTYPE2": 0, "PDL": backend == "cuda",
+                          "X_EARLY": cfg.x_early, "IN_CTA": 0, "NORM": 0, "NORM_N": 0,
+                          "NORM_SLOTS": False, "ACT": 1}
+                out.append(spec(f"qint_{name}_m1_act", _qint_gemv_kernel,
+                                {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,
+                                cfg.num_warps, False, backend, cfg.num_stages,
+                                divisible + ("w2_ptr", "row_bytes2"), cfg.max_regs))
         if qtype == Q6_K_A:  # one row with the norm's tail (a tile's last program arrives)
             cfg = default_qint_config(qtype, 4096, 14336, 132, "cuda", 1)
             for backend in ("hip", "cuda"):

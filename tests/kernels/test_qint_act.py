@@ -2,7 +2,8 @@
 programs also write the gated activation and its quantization, a block of 256 columns by
 the last of the block's programs, against the product alone and kernels/gated_act.py's
 kernel on its output (the same bits: both compute the same float32 expressions), on the
-splits-in-one-program path (Q4_K) and the unsplit one."""
+three finishing paths: splits in one program (Q4_K), tiles finished by a ticket's last
+program (Q6_K), no split."""
 
 from __future__ import annotations
 
@@ -37,15 +38,17 @@ def act_both_ways(x, blocks, kind, k, activation, out_dtype, sms):
     return y, tail, plain, out, xq, int(_act_tickets(x.device).abs().sum())
 
 
-@pytest.mark.parametrize("sms,path", [(132, "in_cta"), (0, "one split")])
+@pytest.mark.parametrize("qtype,sms,path", [(T.Q4_K, 132, "in_cta"), (T.Q6_K, 132, "ticket"),
+                                             (T.Q4_K, 0, "one split")])
 @pytest.mark.parametrize("activation,out_dtype", [("silu", torch.float32),
                                                   ("gelu", torch.bfloat16)])
-def test_act_tail_gives_the_activation_kernels_bits(interp, rng, sms, path, activation,
+def test_act_tail_gives_the_activation_kernels_bits(interp, rng, qtype, sms, path, activation,
                                                     out_dtype):
     ffn, k = 512, 512
-    blocks, kind = stored(random_weight(T.Q4_K, 2 * ffn, k, rng), T.Q4_K, k)
+    blocks, kind = stored(random_weight(qtype, 2 * ffn, k, rng), qtype, k)
     cfg = default_qint_config(kind, 2 * ffn, k, sms)
-    assert (cfg.in_cta and cfg.split > 1) == (path == "in_cta"), cfg
+    assert {"in_cta": cfg.in_cta and cfg.split > 1, "ticket": not cfg.in_cta and cfg.split > 1,
+            "one split": cfg.split == 1}[path], cfg
     x = torch.from_numpy(rng.standard_normal((1, k), dtype=np.float32))
     for _ in range(2):  # the counters are left zero: a second launch finishes too
         y, tail, plain, out, xq, left = interp.call("test_qint_act:act_both_ways", x, blocks,
@@ -58,16 +61,13 @@ def test_act_tail_gives_the_activation_kernels_bits(interp, rng, sms, path, acti
 
 
 def test_where_one_launch_cannot(rng):
-    """More than one row, F not a multiple of 256, or Q6_K's splits as programs of their
-    own: None (the caller runs both kernels)."""
+    """More than one row, or F not a multiple of 256: None (the caller runs both
+    kernels)."""
     k = 256
     q4 = random_weight(T.Q4_K, 1024, k, rng)
     assert qint_act(torch.zeros(2, k), q4, int(T.Q4_K), k, xq=None, act=0) is None
     odd = random_weight(T.Q4_K, 768, k, rng)  # F = 384
     assert qint_act(torch.zeros(1, k), odd, int(T.Q4_K), k, xq=None, act=0) is None
-    q6, kind = stored(random_weight(T.Q6_K, 1024, 512, rng), T.Q6_K, 512)
-    assert default_qint_config(kind, 1024, 512, 132).split > 1
-    assert qint_act(torch.zeros(1, 512), q6, kind, 512, xq=None, act=0, num_sms=132) is None
 
 
 @pytest.mark.parametrize("raw,want", [(None, False), ("", False), ("0", False), ("1", True)])
