@@ -213,6 +213,20 @@ def last_step(kernels: list[tuple[str, float, float]], steps: int) -> list[list]
     return [[name[:40], round(start - t0, 2), round(end - t0, 2)] for name, start, end in last]
 
 
+def step_shares(last: list[list]) -> list[list]:
+    """A step's time by kernel name from its last_step rows: each kernel's time from the
+    previous kernel's end to its own end, summed per name, largest first, as [name, us,
+    launches] (with programmatic dependent launches a kernel starts early, so its own
+    duration overstates what it adds to the step; these add up to the step's span from the
+    first kernel's end)."""
+    shares: dict[str, list] = {}
+    for (_, _, prev_end), (name, _, end) in zip(last[:-1], last[1:], strict=True):
+        row = shares.setdefault(name, [name, 0.0, 0])
+        row[1] += end - prev_end
+        row[2] += 1
+    return sorted(([n, round(us, 2), k] for n, us, k in shares.values()), key=lambda r: -r[1])
+
+
 def profile_graph(runner, rows: int, context: int, steps: int = 5, top: int = 24) -> dict:
     """The kernels of decode steps replayed from their CUDA graph, on the device's timeline:
     per step the span from the first kernel's start to the last one's end, the time some
@@ -230,9 +244,9 @@ def profile_graph(runner, rows: int, context: int, steps: int = 5, top: int = 24
     for e in kernels:
         by_name.setdefault(e.name[:80], []).append(e.time_range.end - e.time_range.start)
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    last = last_step([(e.name, e.time_range.start, e.time_range.end) for e in kernels], steps)
     return {"rows": rows, "steps": steps, "kernels_per_step": len(kernels) / steps,
-            "last_step": last_step([(e.name, e.time_range.start, e.time_range.end)
-                                    for e in kernels], steps),
+            "last_step": last, "step_shares": step_shares(last),
             "span_ms_per_step": round(span / steps / 1e3, 4),
             "busy_ms_per_step": round(busy / steps / 1e3, 4),
             "sum_ms_per_step": round(sum(e.time_range.end - e.time_range.start
@@ -508,6 +522,10 @@ def print_table(results: dict, levels: list[int], lengths: list[int]) -> None:
                 for k in p["top"][:12]:
                     print(f"    {k['ms_per_step']:8.4f} ms  x{k['per_step']:<5g} "
                           f"{k['mean_us']:8.2f} us  {k['name']}")
+                print(f"{name} graph decode@{rows}, the last step's time by kernel (from the "
+                      "previous kernel's end):")
+                for kname, us, k in p.get("step_shares", [])[:12]:
+                    print(f"    {us / 1e3:8.4f} ms  x{k:<5d} {kname}")
 
 
 def main() -> int:

@@ -34,3 +34,14 @@ def test_last_step_is_the_final_steps_kernels_from_its_own_start():
 @pytest.mark.parametrize("kernels,steps", [([], 3), ([("a", 0.0, 1.0)], 2), ([("a", 0.0, 1.0)], 0)])
 def test_last_step_of_too_few_kernels_is_empty(kernels, steps):
     assert engine_bench.last_step(kernels, steps) == []
+
+
+def test_step_shares_add_up_to_the_span_after_the_first_kernel():
+    """Each kernel counts from the previous kernel's end to its own: an early-launched
+    kernel adds only what it runs past the one before it; per name, largest first."""
+    last = [["norm", 0.0, 4.0], ["gemv", 1.0, 9.0], ["act", 8.5, 10.5], ["gemv", 9.0, 20.0],
+            ["norm", 19.0, 24.0]]
+    shares = engine_bench.step_shares(last)
+    assert shares == [["gemv", 14.5, 2], ["norm", 4.0, 1], ["act", 1.5, 1]]
+    assert sum(us for _, us, _ in shares) == last[-1][2] - last[0][2]
+    assert engine_bench.step_shares([]) == [] and engine_bench.step_shares(last[:1]) == []
