@@ -1161,6 +1161,22 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
+def _one_row_launch(x: torch.Tensor, ggml_type: int, n: int, k: int,
+                    num_sms: int | None) -> tuple[QIntConfig, int, str] | None:
+    """(config, compute units, backend) of the one CUDA-core launch a tail rides on
+    (qint_norm, qint_act): one row of x (checked), splits in one program, unsplit, or
+    finished by a ticket's last program; None where the launch is not one of those."""
+    if x.shape[0] != 1 or int(ggml_type) not in QINT_TYPES:
+        return None
+    _check_x(x, k)
+    backend = "hip" if x.device.type == "cuda" and torch.version.hip else "cuda"
+    sms = device_sms(x.device) if num_sms is None else int(num_sms)
+    cfg = default_qint_config(int(ggml_type), n, k, sms, backend, 1)
+    if not (cfg.in_cta or cfg.split == 1 or -(-n // cfg.block_n) <= _TICKETS):
+        return None
+    return cfg, sms, backend
+
+
 def norm_tail_setting() -> int:
     """MBUFO_NORM_TAIL: 1, one-row products followed by the residual add and RMSNorm do
     both in their last program (qint_norm) instead of the norm kernel after them; 2, the
@@ -1189,21 +1205,17 @@ def qint_norm(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int, *,
     NormTail). None where one launch cannot (more rows, the
     matrix-unit or a tiled path, a split without tickets, N not a multiple of 256): the
     caller runs the product and the norm kernel."""
-    m, n = x.shape[0], residual.shape[-1]
-    if m != 1 or tuple(residual.shape) != (1, n) or n % QK or int(ggml_type) not in QINT_TYPES:
+    n = residual.shape[-1]
+    found = _one_row_launch(x, ggml_type, n, k, num_sms) if (
+        tuple(residual.shape) == (1, n) and n % QK == 0) else None
+    if found is None:
         return None
-    backend = "hip" if x.device.type == "cuda" and torch.version.hip else "cuda"
-    sms = device_sms(x.device) if num_sms is None else int(num_sms)
-    cfg = default_qint_config(int(ggml_type), n, k, sms, backend, m)
-    in_cta = cfg.in_cta and cfg.split > 1
-    if not (in_cta or cfg.split == 1 or -(-n // cfg.block_n) <= _TICKETS):
-        return None
+    cfg, sms, backend = found
     for name, t, shape in (("residual", residual, (1, n)), ("weight", weight, (n,))):
         if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() \
                 or t.device != x.device:
             raise InvalidRequest(f"qint_norm: {name} must be contiguous float32 {shape} on "
                                  f"{x.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
-    _check_x(x, k)
     _check_blocks(blocks, int(ggml_type), n, k)
     xq = xq if xq is not None else quantize_x(x)
     tail = NormTail(residual, weight, float(eps), torch.empty(1, n, device=x.device),
@@ -1231,16 +1243,12 @@ def qint_act(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int, *,
     gated_act_quant; `act` its ACTIVATION_IDS): (y, ActTail). None where one launch
     cannot (more rows, F not a multiple of 256, more tiles than tickets): the caller runs
     the product and the activation kernel."""
-    m, n = x.shape[0], blocks.shape[0]
-    if m != 1 or n % 512 or int(ggml_type) not in QINT_TYPES or n // 512 > _TICKETS:
+    n = blocks.shape[0]
+    found = _one_row_launch(x, ggml_type, n, k, num_sms) if (
+        n % 512 == 0 and n // 512 <= _TICKETS) else None
+    if found is None or 256 % found[0].block_n:
         return None
-    backend = "hip" if x.device.type == "cuda" and torch.version.hip else "cuda"
-    sms = device_sms(x.device) if num_sms is None else int(num_sms)
-    cfg = default_qint_config(int(ggml_type), n, k, sms, backend, m)
-    if not (cfg.in_cta or cfg.split == 1 or -(-n // cfg.block_n) <= _TICKETS) \
-            or 256 % cfg.block_n:
-        return None
-    _check_x(x, k)
+    cfg, sms, backend = found
     _check_blocks(blocks, int(ggml_type), n, k)
     xq = xq if xq is not None else quantize_x(x)
     tail = ActTail(int(act), torch.empty(1, n // 2, dtype=out_dtype, device=x.device),

@@ -26,7 +26,6 @@ from kernels.qint import (
     ACT8_STORED,
     QINT_TYPES,
     QuantX,
-    norm_tail_setting,
     qint_act,
     qint_norm,
     qint_parts,
@@ -145,34 +144,33 @@ class GGMLLinear:
 
     def norm_tail(self, x: torch.Tensor, xq: QuantX | None, residual: torch.Tensor,
                   weight: torch.Tensor, eps: float, out_dtype: torch.dtype,
-                  quantize: bool) -> NormOut | None:
+                  quantize: bool, slots: bool = False) -> NormOut | None:
         """add_rms_norm(residual + self(x)) by the product's own launch (kernels.qint's
-        qint_norm: one row of one q8 part without a bias, on the Triton path): NormOut(h,
-        the norm in `out_dtype`, quantized with `quantize`); None where that launch cannot
-        (the caller runs both)."""
-        if not (len(self.parts) == 1 and self._all_qint and self.bias is None
-                and use_triton(x.device)):
-            return None
-        part = self.parts[0]
-        done = qint_norm(x if x.stride(-1) == 1 else x.contiguous(), part.weight,
-                         part.ggml_type, self.in_features, xq=xq, residual=residual,
-                         weight=weight, eps=eps, out_dtype=out_dtype, quantize=quantize,
-                         slots=norm_tail_setting() == 2)
-        return None if done is None else NormOut(done[1].h, done[1].out, done[1].xq)
+        qint_norm, `slots` its NormTail.slots): NormOut(h, the norm in `out_dtype`,
+        quantized with `quantize`); None where that launch cannot (the caller runs both)."""
+        part = self._tail_part(x)
+        done = part and qint_norm(x.contiguous(), part.weight, part.ggml_type,
+                                  self.in_features, xq=xq, residual=residual, weight=weight,
+                                  eps=eps, out_dtype=out_dtype, quantize=quantize, slots=slots)
+        return NormOut(done[1].h, done[1].out, done[1].xq) if done else None
 
     def act_tail(self, x: torch.Tensor, xq: QuantX | None, act: int,
                  out_dtype: torch.dtype) -> tuple[torch.Tensor, QuantX] | None:
         """For a fused gate|up layer: gated_act_quant(self(x)) by the product's own launch
-        (kernels.qint's qint_act: one row of one q8 part without a bias, on the Triton
-        path; `act` kernels/gated_act.py's ACTIVATION_IDS): (act(gate) * up in
-        `out_dtype`, quantized); None where that launch cannot (the caller runs both)."""
-        if not (len(self.parts) == 1 and self._all_qint and self.bias is None
-                and use_triton(x.device)):
-            return None
-        part = self.parts[0]
-        done = qint_act(x if x.stride(-1) == 1 else x.contiguous(), part.weight,
-                        part.ggml_type, self.in_features, xq=xq, act=act, out_dtype=out_dtype)
-        return None if done is None else (done[1].out, done[1].xq)
+        (kernels.qint's qint_act; `act` kernels/gated_act.py's ACTIVATION_IDS): (act(gate)
+        * up in `out_dtype`, quantized); None where that launch cannot (the caller runs
+        both)."""
+        part = self._tail_part(x)
+        done = part and qint_act(x.contiguous(), part.weight, part.ggml_type,
+                                 self.in_features, xq=xq, act=act, out_dtype=out_dtype)
+        return (done[1].out, done[1].xq) if done else None
+
+    def _tail_part(self, x: torch.Tensor) -> GGMLPart | None:
+        """The one q8 part a tail's launch multiplies (no bias, the Triton path), or None."""
+        if len(self.parts) == 1 and self._all_qint and self.bias is None \
+                and use_triton(x.device):
+            return self.parts[0]
+        return None
 
     def _part(self, part: GGMLPart, x: torch.Tensor, triton: bool,
               xq: QuantX | None) -> torch.Tensor:

@@ -25,7 +25,7 @@ from engine.models.weights import WeightLoader
 from kernels.fused_norm import NormOut, add_rms_norm
 from kernels.fused_rope import rope_qk
 from kernels.gated_act import ACTIVATION_IDS, gated_act, gated_act_quant
-from kernels.qint import QuantX, act_tail_enabled, norm_tail_enabled
+from kernels.qint import QuantX, act_tail_enabled, norm_tail_setting
 
 # A block output on its way into the residual stream: (output, post-norm weight or None).
 _Residual = tuple[torch.Tensor, torch.Tensor | None]
@@ -37,6 +37,7 @@ class _Tail(NamedTuple):
     weight: torch.Tensor  # the norm's
     out_dtype: torch.dtype
     quantize: bool  # the norm's output quantized for a q8 product
+    slots: bool  # MBUFO_NORM_TAIL=2 (kernels.qint's NormTail.slots)
 
 
 def _act8(linear: object, fused: bool) -> bool:
@@ -150,13 +151,14 @@ class DecoderModel:
         last = len(self.blocks) - 1
         pending: _Residual | None = None  # the previous block's MLP output, not yet added
         normed: NormOut | None = None  # ... or added and normed by its product (_Tail)
-        tails = fused and x.shape[0] == 1 and norm_tail_enabled()
+        tails = fused and x.shape[0] == 1 and norm_tail_setting()
+        slots = tails == 2
         acts = fused and x.shape[0] == 1 and act_tail_enabled()
         for i, blk in enumerate(self.blocks):
             rope, cs = (self.rope_swa, cos_sin_swa) if cfg.is_sliding(i) else (self.rope, cos_sin)
             x, h, hq = normed or self._add_norm(x, pending, blk.attn_norm, fused,
                                                 self._mm_dtype, _act8(blk.qkv, fused))
-            tail = _Tail(x, blk.ffn_norm, self._mm_dtype, _act8(blk.gate_up, fused)) if (
+            tail = _Tail(x, blk.ffn_norm, self._mm_dtype, _act8(blk.gate_up, fused), slots) if (
                 tails and blk.post_attn_norm is None
                 and (i != last or batch.every_token())) else None
             o = self._attention(blk, h, hq, rope, cs, batch, kv, fused, tail)
@@ -175,9 +177,9 @@ class DecoderModel:
             tail = None
             if tails and blk.post_ffn_norm is None:  # the next norm: a block's or the output's
                 tail = _Tail(x, self.output_norm, torch.float32, head_xq and _act8(
-                    self.head, fused)) if i == last else _Tail(
+                    self.head, fused), slots) if i == last else _Tail(
                     x, self.blocks[i + 1].attn_norm, self._mm_dtype,
-                    _act8(self.blocks[i + 1].qkv, fused))
+                    _act8(self.blocks[i + 1].qkv, fused), slots)
             if _act8(blk.down, fused):  # the activation kernel quantizes for the q8 down
                 act, aq = act_made or gated_act_quant(gate_up, self.cfg.activation,
                                                       self._mm_dtype)
@@ -196,7 +198,7 @@ class DecoderModel:
         one row): then that NormOut."""
         if tail is not None and hasattr(linear, "norm_tail"):
             out = linear.norm_tail(inp, xq, tail.x, tail.weight, self.cfg.rms_eps,
-                                   tail.out_dtype, tail.quantize)
+                                   tail.out_dtype, tail.quantize, tail.slots)
             if out is not None:
                 return out
         return linear(inp) if xq is None else linear(inp, xq=xq)
