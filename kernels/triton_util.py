@@ -350,11 +350,6 @@ def _kernel_meta(metadata_group: dict) -> tuple[int, int]:
         return 1 << 30, 4
 
 
-def _kernel_shared(metadata_group: dict) -> int:
-    """A loaded kernel's shared memory in bytes, from its metadata file; unknown: the most."""
-    return _kernel_meta(metadata_group)[0]
-
-
 @functools.lru_cache(maxsize=1)
 def install_carveout() -> int | None:
     """Sets MBUFO_CARVEOUT on every Triton kernel loaded from now on (CUDA builds of torch

@@ -13,7 +13,6 @@ from kernels.triton_util import (
     SMALL_SHARED,
     SMLimits,
     _kernel_meta,
-    _kernel_shared,
     carveout_for,
     carveout_setting,
     resident_programs,
@@ -77,11 +76,11 @@ def test_the_carveout_keeps_every_resident_program():
 def test_shared_memory_from_the_metadata_file(tmp_path):
     meta = tmp_path / "k.json"
     meta.write_text(json.dumps({"shared": 16384, "num_warps": 4}))
-    assert _kernel_shared({"k.cubin": str(tmp_path / "k.cubin"), "k.json": str(meta)}) == 16384
+    assert _kernel_meta({"k.cubin": str(tmp_path / "k.cubin"), "k.json": str(meta)})[0] == 16384
     meta.write_text(json.dumps({"shared": 0, "num_warps": 8}))
     assert _kernel_meta({"k.json": str(meta)}) == (0, 8)
     # unknown: counted as the most, so the kernel keeps its own preference
-    assert carveout_for(_kernel_shared({}), 15) is None
-    assert carveout_for(_kernel_shared({"k.json": str(tmp_path / "missing.json")}), 15) is None
+    assert carveout_for(_kernel_meta({})[0], 15) is None
+    assert carveout_for(_kernel_meta({"k.json": str(tmp_path / "missing.json")})[0], 15) is None
     meta.write_text("{}")
-    assert carveout_for(_kernel_shared({"k.json": str(meta)}), 15) is None
+    assert carveout_for(_kernel_meta({"k.json": str(meta)})[0], 15) is None
