@@ -134,3 +134,56 @@ def test_cpu_without_interpreter_runs_the_reference(gen):
     x, w, r, rw = case(gen, 4, 64, True, True, False)
     got, ref = add_rms_norm(x, w, EPS, r, rw), add_rms_norm_reference(x, w, EPS, r, rw)
     assert torch.equal(got.h, ref.h) and torch.equal(got.y, ref.y)
+
+
+@pytest.mark.parametrize("rows,dim,cols,res_norm,quantize,out_dtype", [
+    (1, 4096, 256, False, True, torch.float32), (2, 768, 512, False, True, torch.bfloat16),
+    (1, 1000, 256, True, False, torch.float32), (3, 512, 256, True, True, torch.float32)])
+def test_columns_a_program_give_the_same_bits(interp, gen, rows, dim, cols, res_norm,
+                                              quantize, out_dtype):
+    """A row's columns spread over programs (cols) write the whole-row program's bits:
+    h, y and the quantization; 1000 columns: the last program's block is partly masked."""
+    x, w, r, rw = case(gen, rows, dim, True, res_norm, False)
+    whole = interp.call(KERNEL, x, w, EPS, residual=r, residual_weight=rw,
+                        out_dtype=out_dtype, quantize=quantize, cols=0)
+    split = interp.call(KERNEL, x, w, EPS, residual=r, residual_weight=rw,
+                        out_dtype=out_dtype, quantize=quantize, cols=cols)
+    assert torch.equal(split.h, whole.h) and torch.equal(split.y, whole.y)
+    if quantize:
+        assert all(torch.equal(a, b) for a, b in zip(split.xq, whole.xq, strict=True))
+    h64, y64 = expected(x, w, r, rw)
+    assert_close32(split.h, h64)
+    assert_close32(split.y.float(), y64, 2 ** -8 if out_dtype == torch.bfloat16 else 0.0)
+
+
+def test_split_columns_setting(monkeypatch):
+    from kernels.fused_norm import split_columns
+
+    monkeypatch.delenv("MBUFO_NORM_SPLIT", raising=False)
+    assert split_columns(1, 4096) == 0
+    monkeypatch.setenv("MBUFO_NORM_SPLIT", "512")
+    assert (split_columns(1, 4096), split_columns(2, 4096), split_columns(1, 1000)) == (512, 0, 0)
+    for bad in ("100", "x", "-256"):
+        monkeypatch.setenv("MBUFO_NORM_SPLIT", bad)
+        with pytest.raises(ValueError, match="MBUFO_NORM_SPLIT"):
+            split_columns(1, 4096)
+    with pytest.raises(InvalidRequest, match="cols"):
+        add_rms_norm(torch.ones(1, 512), torch.ones(512), EPS, cols=100)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cols", [256, 512, 1024])
+def test_gpu_columns_a_program_at_llama_width(gen, cols):
+    """On the device, one row of Llama-3.1-8B's width: the split launch writes the
+    whole-row launch's bits, and both match float64."""
+    x, w, r, _ = (t.cuda() if t is not None else None
+                  for t in case(gen, 1, 4096, True, False, False))
+    whole = add_rms_norm(x, w, EPS, r, quantize=True, cols=0)
+    split = add_rms_norm(x, w, EPS, r, quantize=True, cols=cols)
+    assert torch.equal(split.h, whole.h) and torch.equal(split.y, whole.y)
+    assert all(torch.equal(a, b) for a, b in zip(split.xq, whole.xq, strict=True))
+    h64, y64 = expected(x.cpu(), w.cpu(), r.cpu(), None)
+    assert_close32(split.h.cpu(), h64)
+    assert_close32(split.y.cpu(), y64)
+    q_ref, dx_ref = quantize_x_reference(split.y.cpu())
+    assert torch.equal(split.xq.q.cpu().int(), q_ref) and torch.equal(split.xq.dx.cpu(), dx_ref)
