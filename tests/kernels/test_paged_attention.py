@@ -276,3 +276,49 @@ def test_output_quantized_only_where_it_can(interp, rng):
     out, xq = interp.call("kernels.paged_attention:paged_attention_q8", q, kv.k[0], kv.v[0],
                           "f16", "f16", **kwargs(batch, 128))
     assert xq is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_quant", ["f16", "q8", "k8v4"])
+def test_gpu_early_keys_read_the_steps_own_key(rng, kv_quant):
+    """AttnConfig.early (the first key block loaded into the L2 before the PDL wait) in a
+    captured decode step whose K/V store runs right before the attention, over stale K/V
+    at the step's own slots: the output is the no-early output's bits and the float64
+    reference's, with the step's keys (a stale line read would show as the old key)."""
+    from kernels.kv_store import kv_store
+    from kernels.paged_attention import paged_attention
+    from kernels.paged_attention_plan import plan_attention
+
+    rows = [(1, 300), (1, 129), (1, 7), (1, 64)]
+    q, kv, batch = make_case(rng, kv_quant, rows, heads=8, kv_heads=2, dim=128)
+    dev = torch.device("cuda")
+    k_planes = {n: p.to(dev) for n, p in kv.k[0].items()}
+    v_planes = {n: p.to(dev) for n, p in kv.v[0].items()}
+    slots = batch.write_slots("full", PAGE).to(dev)
+    new_k, new_v = (torch.from_numpy(rng.standard_normal((len(rows), 2, 128),
+                                                         dtype=np.float32)).to(dev)
+                    for _ in range(2))
+    kw = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v)
+          for k, v in kwargs(batch, 128).items()}
+    fmt = (kv.k_format.name, kv.v_format.name)
+    outs = {}
+    for early in (False, True):
+        cfg = AttnConfig.decode(4, 128, 128, "cuda")._replace(early=early)
+        plan = plan_attention(batch.query_start, batch.seq_lens, group=4, window=None,
+                              config=cfg, device=dev)
+        qd = q.to(dev)
+        kv_store(new_k * 0 - 3, new_v * 0 + 5, slots, k_planes, v_planes, *fmt)  # stale
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            kv_store(new_k, new_v, slots, k_planes, v_planes, *fmt)
+            out = paged_attention(qd, k_planes, v_planes, *fmt, plan=plan, config=cfg, **kw)
+        kv_store(new_k * 0 - 3, new_v * 0 + 5, slots, k_planes, v_planes, *fmt)
+        graph.replay()
+        torch.cuda.synchronize()
+        outs[early] = out.clone()
+    assert torch.equal(outs[True], outs[False])
+    ref = paged_attention_reference(q, {n: p.cpu() for n, p in k_planes.items()},
+                                    {n: p.cpu() for n, p in v_planes.items()}, *fmt,
+                                    **kwargs(batch, 128))
+    assert_close(outs[True].cpu(), ref)
