@@ -15,7 +15,6 @@ The reference is torch's F.rms_norm in float32, as engine/layers/norm.py compute
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -33,8 +32,7 @@ from kernels.triton_util import (
     tl,
 )
 
-__all__ = ["OUT_DTYPES", "NormOut", "add_rms_norm", "add_rms_norm_reference", "cast_out",
-           "split_columns"]
+__all__ = ["OUT_DTYPES", "NormOut", "add_rms_norm", "add_rms_norm_reference", "cast_out"]
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -71,14 +69,9 @@ if HAS_TRITON:
         x_ptr, r_ptr, rw_ptr, w_ptr, h_ptr, y_ptr, q_ptr, dx_ptr, bs_ptr, stride_x, stride_r,
         stride_h, stride_y, dim, eps, HAS_RESIDUAL: tl.constexpr, HAS_RES_NORM: tl.constexpr,
         BLOCK_D: tl.constexpr, QUANT: tl.constexpr = False, PDL: tl.constexpr = False,
-        COLS: tl.constexpr = 0,
     ):
         """One row: h = x + rmsnorm(r) * rw (or x + r), y = rmsnorm(h) * w; with QUANT also
-        y (as stored) quantized per 256 columns (dim a multiple of 256). COLS (a multiple
-        of 256): program 1 picks COLS columns of the row, whose h, y (and quantization)
-        the program writes, after the row's sums of squares over all of it, as the whole
-        row's program takes them (the same bits: the sums in the same order, the rest
-        column by column)."""
+        y (as stored) quantized per 256 columns (dim a multiple of 256)."""
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         ok = d < dim
@@ -90,24 +83,13 @@ if HAS_TRITON:
                 r_inv = tl.rsqrt(tl.sum(r * r, 0) / dim + eps)
                 r = r * r_inv * tl.load(rw_ptr + d, mask=ok, other=0.0)
             h = h + r
-            if COLS == 0:
-                tl.store(h_ptr + row * stride_h + d, h, mask=ok)
+            tl.store(h_ptr + row * stride_h + d, h, mask=ok)
         inv = tl.rsqrt(tl.sum(h * h, 0) / dim + eps)
-        if COLS > 0:  # the program's columns again (from the L1), computed as above
-            d = tl.program_id(1) * COLS + tl.arange(0, COLS)
-            ok = d < dim
-            h = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(r_ptr + row * stride_r + d, mask=ok, other=0.0)
-                if HAS_RES_NORM:
-                    r = r * r_inv * tl.load(rw_ptr + d, mask=ok, other=0.0)
-                h = h + r
-                tl.store(h_ptr + row * stride_h + d, h, mask=ok)
         y = cast_out(h * inv * tl.load(w_ptr + d, mask=ok, other=0.0), y_ptr)
         tl.store(y_ptr + row * stride_y + d, y, mask=ok)
         if QUANT:
-            NB: tl.constexpr = (COLS if COLS > 0 else BLOCK_D) // 256
-            b = tl.program_id(1) * NB + tl.arange(0, NB)
+            NB: tl.constexpr = BLOCK_D // 256
+            b = tl.arange(0, NB)
             quantize_store(tl.reshape(y.to(tl.float32), (NB, 256)), b, b < dim // 256, row,
                            q_ptr, dx_ptr, bs_ptr, dim)
 
@@ -125,13 +107,10 @@ def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...], device) ->
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None,
                  residual_weight: torch.Tensor | None = None,
-                 out_dtype: torch.dtype = torch.float32, quantize: bool = False,
-                 cols: int | None = None) -> NormOut:
+                 out_dtype: torch.dtype = torch.float32, quantize: bool = False) -> NormOut:
     """x, residual (rows, dim) float32, weights (dim,) -> NormOut(h, y[, xq]), one launch;
     y in `out_dtype` (float32, bfloat16 or float16); `quantize` (dim a multiple of 256):
-    also y quantized for kernels/qint.py. `cols` (a multiple of 256): a row's columns a
-    program writes (the kernel's COLS; 0 or a row's width: the whole row; None:
-    split_columns). The same bits either way.
+    also y quantized for kernels/qint.py.
 
     The kernel runs on a GPU (or on the CPU when the interpreter is active), else the
     reference. A residual weight needs a residual.
@@ -139,8 +118,6 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if quantize and x.shape[-1] % QK:
         raise InvalidRequest(f"add_rms_norm: quantize needs a multiple of {QK} columns, "
                              f"got {x.shape[-1]}")
-    if cols is not None and (cols < 0 or cols % QK):
-        raise InvalidRequest(f"add_rms_norm: cols must be a multiple of {QK}, got {cols}")
     if not (HAS_TRITON and (x.device.type != "cpu" or interpreter_active())):
         return add_rms_norm_reference(x, weight, eps, residual, residual_weight, out_dtype,
                                       quantize)
@@ -159,29 +136,16 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     y = torch.empty(rows, dim, dtype=out_dtype, device=x.device)
     h = x if residual is None else torch.empty(rows, dim, dtype=torch.float32, device=x.device)
     xq = empty_quant_x(rows, dim, x.device) if quantize else None
-    cols = split_columns(rows, dim) if cols is None else cols
-    cols = 0 if cols >= dim else cols
     if rows:
         block = max(QK, next_pow2(dim))
         r = x if residual is None else residual
-        grid = (rows, -(-dim // cols)) if cols else (rows,)
-        launcher(_add_rms_norm_kernel, x.device)[grid](
+        launcher(_add_rms_norm_kernel, x.device)[(rows,)](
             x, r, weight if residual_weight is None else residual_weight, weight, h, y,
             *(xq or (y, y, y)), x.stride(0), r.stride(0), h.stride(0), y.stride(0), dim,
             float(eps), HAS_RESIDUAL=residual is not None,
             HAS_RES_NORM=residual_weight is not None, BLOCK_D=block, QUANT=quantize,
-            COLS=cols, num_warps=_warps(block))
+            num_warps=_warps(block))
     return NormOut(h, y, xq)
-
-
-def split_columns(rows: int, dim: int) -> int:
-    """The columns a program writes by default: MBUFO_NORM_SPLIT (a multiple of 256) for
-    one row (a decode step of one stream, where one program would do the whole row's work
-    after its product ends), else 0 (a row a program). Off (0) unless set."""
-    raw = os.environ.get("MBUFO_NORM_SPLIT", "").strip() or "0"
-    if not raw.isdigit() or int(raw) % QK:
-        raise ValueError(f"MBUFO_NORM_SPLIT must be a multiple of {QK} (0: off), got {raw!r}")
-    return int(raw) if rows == 1 and dim % QK == 0 else 0
 
 
 def _warps(block: int) -> int:
@@ -202,10 +166,9 @@ def aot_specs(spec: type) -> list:
     for name, res, res_norm, y_type, quant in (
             ("", False, False, "*fp32", False), ("_add", True, False, "*fp32", False),
             ("_add_norm", True, True, "*fp32", False), ("_add_bf16", True, False, "*bf16", False),
-            ("_add_q8", True, False, "*fp32", True), ("_add_q8_cols", True, False, "*fp32",
-                                                        True)):
+            ("_add_q8", True, False, "*fp32", True)):
         consts = {"HAS_RESIDUAL": res, "HAS_RES_NORM": res_norm, "BLOCK_D": 4096,
-                  "QUANT": quant, "COLS": 256 if name.endswith("_cols") else 0}
+                  "QUANT": quant}
         out.append(spec(f"add_rms_norm{name}", _add_rms_norm_kernel,
                         {**sig, "y_ptr": y_type, **{k: "constexpr" for k in consts}}, consts,
                         _warps(4096), False))
