@@ -11,7 +11,6 @@ plan only needs them to bound each item's key range).
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -38,9 +37,6 @@ class AttnConfig(NamedTuple):
     split_keys: int  # key positions per split of a single-block row
     num_warps: int = 4
     num_stages: int | None = None  # None: Triton's default
-    # the first block of keys and values loaded into the L2 before the kernel's PDL wait
-    # (kernels/paged_attention_triton.py's EARLY; decode steps on NVIDIA)
-    early: bool = False
 
     @classmethod
     def default(cls, group: int, dim: int, dim_v: int, backend: str = "cuda") -> AttnConfig:
@@ -64,8 +60,7 @@ class AttnConfig(NamedTuple):
         base = cls.default(group, dim, dim_v, backend)
         if backend == "hip" or max(dim, dim_v) > 128:
             return base
-        return base._replace(block_m=max(16, next_pow2(group)), block_n=128,
-                             early=early_keys_setting())
+        return base._replace(block_m=max(16, next_pow2(group)), block_n=128)
 
     def tokens_per_block(self, group: int) -> int:
         return self.block_m // group
@@ -77,16 +72,6 @@ class AttnPlan(NamedTuple):
     tok_splits: torch.Tensor  # (T,) int32 number of splits of each token
     num_slots: int
     num_tokens: int
-
-
-def early_keys_setting() -> bool:
-    """MBUFO_ATTN_EARLY=1: decode steps load each item's first block of keys and values
-    into the L2 before the kernel's wait for the one before it (AttnConfig.early); 0 or
-    unset: off (not yet measured on a GPU)."""
-    raw = os.environ.get("MBUFO_ATTN_EARLY", "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"MBUFO_ATTN_EARLY must be 0 or 1, got {raw!r}")
-    return raw == "1"
 
 
 def decode_split_keys(rows: int, keys: int, kv_heads: int, num_sms: int,

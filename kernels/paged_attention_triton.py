@@ -68,27 +68,6 @@ if HAS_TRITON:
             x = tl.reshape(c * sc[:, :, None], (BN, DP))
         return x.to(tl.float16)
 
-    @helper
-    def _touch_kv(p0, p1, slot, kvh, FMT: tl.constexpr, KVH: tl.constexpr, DIM: tl.constexpr,
-                  DP: tl.constexpr):
-        """Every 32-byte sector of what _load_kv reads for rows `slot`, loaded into the L2
-        only (".cg": no line of them stays in this multiprocessor's L1, which later writes
-        by others would leave stale), a word each: -> an int32 sum of their bits, for the
-        caller to keep the loads."""
-        if FMT == 0:  # 16 halves a sector
-            d = tl.arange(0, DP // 16) * 16
-            x = tl.load(p0 + (slot * (KVH * DIM) + kvh * DIM)[:, None] + d[None, :],
-                        mask=(d < DIM)[None, :], other=0.0, cache_modifier=".cg")
-            return tl.sum(tl.sum(x.to(tl.int16, bitcast=True).to(tl.int32), 1), 0)
-        nb = DIM // 32
-        sc = tl.load(p1 + slot * (KVH * nb) + kvh * nb, cache_modifier=".cg")
-        width: tl.constexpr = DIM if FMT == 1 else DIM // 2  # bytes of a row
-        d = tl.arange(0, DP // 32) * 32
-        c = tl.load(p0 + (slot * (KVH * width) + kvh * width)[:, None] + d[None, :],
-                    mask=(d < width)[None, :], other=0, cache_modifier=".cg")
-        return tl.sum(tl.sum(c.to(tl.int32), 1), 0) + \
-            tl.sum(sc.to(tl.int16, bitcast=True).to(tl.int32), 0)
-
     # the page table's width varies with the batch's longest row (engine_bench's build
     # log: a variant per class of it built while serving)
     @jit(do_not_specialize=["stride_pt"])
@@ -101,16 +80,11 @@ if HAS_TRITON:
         PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         DIRECT: tl.constexpr = False, PDL: tl.constexpr = False, QUANT: tl.constexpr = False,
-        EARLY: tl.constexpr = False,
     ):
         """Partials of one work item (program 0) and KV head (program 1); base-2 logits.
         DIRECT (every token in one split, no sinks): the output acc / l itself into acc_ptr,
         the merge's bits (its weights are exp2(0) = 1), and no merge launch; with QUANT
-        (G * DV a multiple of 256) also quantized for kernels/qint.py (_quantize_out).
-        EARLY (with PDL): the item's first block of keys and values is loaded into the L2
-        while the kernel before runs (_touch_kv; their values unused: the loads after the
-        wait read them, the step's own keys stored by then), so that a decode item's chain
-        of loads (page, keys, values) waits on the L2, not on memory."""
+        (G * DV a multiple of 256) also quantized for kernels/qint.py (_quantize_out)."""
         item = work_ptr + tl.program_id(0) * 6
         kvh = tl.program_id(1)
         # The work item and positions are the step's inputs, written before the kernels
@@ -125,15 +99,6 @@ if HAS_TRITON:
         d = tl.arange(0, DP)
         pos = tl.load(pos_ptr + t, mask=ok, other=-1)
         pages = pt_ptr + row * stride_pt
-        if EARLY and PDL:
-            kp = key_lo + tl.arange(0, BLOCK_N)
-            page = tl.load(pages + kp // PAGE, mask=kp < key_hi, other=0)
-            slot = page * PAGE + kp % PAGE
-            bits = _touch_kv(k0_ptr, k1_ptr, slot, kvh, K_FMT, KVH, D, DP) + \
-                _touch_kv(v0_ptr, v1_ptr, slot, kvh, V_FMT, KVH, DV, DVP)
-            # never true (|bits| < 2^31: a few thousand words of at most 16 bits);
-            # what keeps the loads
-            tl.store(acc_ptr, bits.to(tl.float32), mask=bits == -2147483648)
         await_inputs(PDL)
         q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
                     mask=ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float16)
@@ -276,7 +241,7 @@ def launch(q: torch.Tensor, planes: tuple[torch.Tensor, ...], formats: tuple[int
         DV=dim_v, DP=next_pow2(dim), DVP=next_pow2(dim_v), PAGE=page_size,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DIRECT=direct,
-        QUANT=direct and xq is not None, EARLY=cfg.early, num_warps=cfg.num_warps,
+        QUANT=direct and xq is not None, num_warps=cfg.num_warps,
         **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
     )
     if direct:
@@ -317,7 +282,7 @@ def merge(m_part: torch.Tensor, l_part: torch.Tensor, acc_part: torch.Tensor,
 def aot_specs(spec: type) -> list:
     """kernels/aot.py: every K/V format pair's loader at Llama-like shapes (GQA 4:1,
     head dim 128), one with window and softcap, decode steps' config (on "hip" the
-    default's), and on "cuda" with EARLY; the merge with and without sinks."""
+    default's); the merge with and without sinks."""
     if not HAS_TRITON:
         return []
     plane = {"f16": "*fp16", "q8": "*i8", "q4": "*u8"}
@@ -330,24 +295,19 @@ def aot_specs(spec: type) -> list:
     out = []
     for (k_fmt, v_fmt, extras, decode), backend in itertools.product(
             (("f16", "f16", False, False), ("q8", "q8", True, False), ("q4", "q4", False, False),
-             ("q8", "q4", False, False), ("f16", "f16", False, True), ("q8", "q8", False, True),
-             ("q8", "q4", False, True)),
+             ("q8", "q4", False, False), ("f16", "f16", False, True), ("q8", "q8", False, True)),
             ("hip", "cuda")):
         cfg = (AttnConfig.decode if decode else AttnConfig.default)(4, 128, 128, backend)
         consts = {"K_FMT": FORMAT_IDS[k_fmt], "V_FMT": FORMAT_IDS[v_fmt], "KVH": 8, "G": 4,
                   "D": 128, "DV": 128, "DP": 128, "DVP": 128, "PAGE": 16,
                   "HAS_WINDOW": extras, "HAS_SOFTCAP": extras, "BLOCK_M": cfg.block_m,
-                  "BLOCK_N": cfg.block_n, "PDL": backend == "cuda", "EARLY": cfg.early}
+                  "BLOCK_N": cfg.block_n, "PDL": backend == "cuda"}
         signature = {**sig, "k0_ptr": plane[k_fmt], "v0_ptr": plane[v_fmt],
                      **{k: "constexpr" for k in consts}}
         name = (f"paged_attention{'_decode' if decode else ''}_k{k_fmt}_v{v_fmt}"
                 + ("_window_softcap" if extras else ""))
         out.append(spec(name, _attn_partial_kernel, signature, consts, cfg.num_warps, True,
                         backend, cfg.num_stages))
-        if decode and backend == "cuda":  # EARLY takes PDL, which only NVIDIA has
-            out.append(spec(name + "_early", _attn_partial_kernel,
-                            {**signature, "EARLY": "constexpr"}, {**consts, "EARLY": True},
-                            cfg.num_warps, True, backend, cfg.num_stages))
         if decode and k_fmt == "f16":  # the q8 layout's decode step: out quantized for o
             q_consts = {**consts, "DIRECT": True, "QUANT": True}
             out.append(spec(name + "_direct_q8", _attn_partial_kernel,

@@ -67,10 +67,8 @@ def test_dots_lower_to_tensor_cores(report):
                     name, target, info)
             continue
         dtype = "bf16" if name.startswith("qmatmul") else "f16"
-        hip, cuda = targets.get("hip:gfx1151"), targets["cuda:90"]
-        assert hip is not None or name.endswith("_early"), name  # EARLY: NVIDIA's PDL only
-        assert hip is None or (hip["wmma"] > 0 and all(op.endswith(f"_{dtype}")
-                                                       for op in hip["ops"])), hip
+        hip, cuda = targets["hip:gfx1151"], targets["cuda:90"]
+        assert hip["wmma"] > 0 and all(op.endswith(f"_{dtype}") for op in hip["ops"]), hip
         assert cuda["mma"] > 0 and all(f".{dtype}." in op for op in cuda["ops"]), cuda
 
 
