@@ -163,9 +163,7 @@ if HAS_TRITON:
         """Stores a program's sums `acc` at `offs` of the (M, N) output: into y when K is
         not split; else into part[split], and with `ticket` the last of the tile's programs
         to arrive adds the partials in split order into y and re-arms the tile's counter
-        (without, qmatmul.sum_splits does it in a second launch). Returns whether this
-        program wrote the tile's final y (never without a ticket when K is split)."""
-        done = split_k == 1
+        (without, qmatmul.sum_splits does it in a second launch)."""
         if split_k == 1:
             tl.store(y_ptr + offs, acc, mask=mask)
         else:
@@ -177,8 +175,6 @@ if HAS_TRITON:
                 if arrived == split_k - 1:  # the last: sum in split order, re-arm the counter
                     sum_partials(y_ptr, part_ptr, plane, offs, mask, split_k)
                     tl.atomic_xchg(ticket_ptr + tile, 0, sem="relaxed", scope="gpu")
-                    done = split_k > 1
-        return done
 
     # M, N and the split count are plain arguments (not specialized on their values): one
     # build serves every batch of up to 16 rows and every split but 1.

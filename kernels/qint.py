@@ -72,10 +72,7 @@ from kernels.triton_util import (
 from kernels.triton_util import num_sms as device_sms
 
 __all__ = ["ACT8_STORED", "INT_SUMS_M", "MMA_GEMV_MAX_M_OF", "Q6_K_A", "QINT_TYPES",
-           "ActTail", "NormTail", "QIntConfig", "act_tail_enabled", "default_qint_config",
-           "norm_tail_enabled",
-           "norm_tail_setting", "qint_act", "qint_norm",
-           "in_cta_config", "other_way",
+           "QIntConfig", "default_qint_config", "in_cta_config", "other_way",
            "TILE_BOUNDS", "TILE_CANDIDATES", "TUNED_TILES", "forced_tile", "tile_bound",
            "tile_options", "tiled_tile",
            "QuantX", "dequantized_x_reference", "empty_quant_x", "qint_parts", "sums_dtype",
@@ -590,7 +587,7 @@ if HAS_TRITON:
         registers: no layout conversion, no barrier; the sums are warp shuffles), then each
         row's partials added in split order, as finish_splits adds them: partial s picked
         by a sum whose other terms are -0.0 (exact: x + -0.0 = x for every x). part_ptr
-        unused. Returns the tile (TILE, BLOCK_M)."""
+        unused."""
         TILE: tl.constexpr = BLOCK_N // S
         a = tl.reshape(acc, (TILE, S, BLOCK_M))
         pick = tl.arange(0, S)[None, :, None]
@@ -601,7 +598,6 @@ if HAS_TRITON:
         rt = pid_n * TILE + tl.arange(0, TILE)
         tl.store(y_ptr + rm.to(tl.int64)[None, :] * N + rt[:, None], total,
                  mask=(rm < M)[None, :] & (rt < N)[:, None])
-        return total
 
     @helper
     def cast_out(y, ptr):
@@ -614,60 +610,6 @@ if HAS_TRITON:
         return y.to(ptr.dtype.element_ty)
 
     @helper
-    def _norm_tail(y_ptr, nx_ptr, nw_ptr, nh_ptr, ny_ptr, nq_ptr, ndx_ptr, nbs_ptr,
-                   nticket_ptr, nslot_ptr, eps, programs, N: tl.constexpr,
-                   QUANT: tl.constexpr, SLOTS: tl.constexpr):
-        """The residual add and RMSNorm of the product's one row y (N columns, a multiple
-        of 256; read from the L2: other programs wrote it), by the last of `programs` (the
-        launch's programs, or its tiles where a tile's last program finishes it) to
-        arrive: h = x + y, out = rmsnorm(h) * w (ny_ptr's type; QUANT: also quantized,
-        quantize_store), as kernels/fused_norm.py's kernel computes them (the sum of
-        squares added 256 columns at a time). SLOTS: every program wrote its columns' h
-        and their sum of squares (nslot_ptr[program]) before it arrived (_tile_norm_sums),
-        so the last adds those in program order and makes one pass. The loops over the
-        columns are unrolled (N a constant), so that their loads issue together. The
-        counter is left zero for the next launch."""
-        tl.debug_barrier()  # the program's outputs are written before it arrives
-        arrived = tl.atomic_add(nticket_ptr, 1, sem="acq_rel", scope="gpu")
-        if arrived == programs - 1:
-            c256 = tl.arange(0, 256)
-            ss = tl.sum(tl.zeros((256,), tl.float32), 0)
-            if SLOTS:
-                for c in range(0, programs, 256):
-                    part = tl.load(nslot_ptr + c + c256, mask=c + c256 < programs, other=0.0,
-                                   cache_modifier=".cg")
-                    ss += tl.sum(part, 0)
-            else:
-                for c in tl.static_range(0, N, 256):
-                    h = tl.load(nx_ptr + c + c256) + tl.load(y_ptr + c + c256,
-                                                             cache_modifier=".cg")
-                    tl.store(nh_ptr + c + c256, h)
-                    ss += tl.sum(h * h, 0)
-            inv = tl.rsqrt(ss / N + eps)
-            for c in tl.static_range(0, N, 256):
-                if SLOTS:
-                    h = tl.load(nh_ptr + c + c256, cache_modifier=".cg")
-                else:
-                    h = tl.load(nx_ptr + c + c256) + tl.load(y_ptr + c + c256,
-                                                             cache_modifier=".cg")
-                out = cast_out(h * inv * tl.load(nw_ptr + c + c256), ny_ptr)
-                tl.store(ny_ptr + c + c256, out)
-                if QUANT:
-                    b = c // 256 + tl.zeros((1,), tl.int32)
-                    quantize_store(tl.reshape(out.to(tl.float32), (1, 256)), b, b >= 0, 0,
-                                   nq_ptr, ndx_ptr, nbs_ptr, N)
-            tl.atomic_xchg(nticket_ptr, 0, sem="relaxed", scope="gpu")
-
-    @helper
-    def _tile_norm_sums(tile, rt, N, nx_ptr, nh_ptr, nslot_ptr, pid):
-        """_norm_tail's SLOTS part of one program: h = x + y of its rows rt (tile (TILE, 1):
-        their y) stored, and the sum of their squares in slot `pid`."""
-        ok = rt < N
-        h = tl.load(nx_ptr + rt, mask=ok, other=0.0) + tl.sum(tile, axis=1)
-        tl.store(nh_ptr + rt, h, mask=ok)
-        tl.store(nslot_ptr + pid, tl.sum(h * h, 0))
-
-    @helper
     def gated(g, u, ACT: tl.constexpr):
         """act(g) * u, ACT 0: silu, 1: gelu_tanh (kernels/gated_act.py's definitions)."""
         if ACT == 0:
@@ -677,39 +619,13 @@ if HAS_TRITON:
             a = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
         return a * u
 
-    @helper
-    def _act_tail(y_ptr, N, first, ROWS: tl.constexpr, out_ptr, q_ptr, dx_ptr, bs_ptr,
-                  counter_ptr, ACT: tl.constexpr):
-        """The gated activation of a fused gate|up product's one row y (gate the first F =
-        N / 2 columns, up the rest; F a multiple of 256) a block of 256 columns at a time:
-        the program that holds rows first .. first + ROWS - 1 (ROWS dividing 256) arrives
-        at its block's counter, and the last of the block's 2 x 256 / ROWS programs writes
-        act(g) * u (out_ptr's type) and its quantization, as kernels/gated_act.py's kernel
-        does (the same bits), and leaves the counter zero."""
-        F = N // 2
-        j = (first % F) // 256
-        tl.debug_barrier()  # the program's outputs are written before it arrives
-        arrived = tl.atomic_add(counter_ptr + j, 1, sem="acq_rel", scope="gpu")
-        if arrived == 2 * (256 // ROWS) - 1:
-            col = j * 256 + tl.arange(0, 256)
-            g = tl.load(y_ptr + col, cache_modifier=".cg")
-            u = tl.load(y_ptr + F + col, cache_modifier=".cg")
-            out = cast_out(gated(g, u, ACT), out_ptr)
-            tl.store(out_ptr + col, out)
-            b = j + tl.zeros((1,), tl.int32)
-            quantize_store(tl.reshape(out.to(tl.float32), (1, 256)), b, b >= 0, 0, q_ptr,
-                           dx_ptr, bs_ptr, F)
-            tl.atomic_xchg(counter_ptr + j, 0, sem="relaxed", scope="gpu")
-
     @triton.jit(do_not_specialize=["M", "N"])
     def _qint_gemv_kernel(
         q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
         sb_per_split, nsplit, ticket, w2_ptr, n1, row_bytes2,
-        nx_ptr, nw_ptr, nh_ptr, ny_ptr, nq_ptr, ndx_ptr, nbs_ptr, nticket_ptr, nslot_ptr, eps,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PTX: tl.constexpr = False, QTYPE2: tl.constexpr = 0, PDL: tl.constexpr = False,
-        X_EARLY: tl.constexpr = True, IN_CTA: tl.constexpr = 0, NORM: tl.constexpr = 0,
-        NORM_N: tl.constexpr = 0, NORM_SLOTS: tl.constexpr = False, ACT: tl.constexpr = 0,
+        X_EARLY: tl.constexpr = True, IN_CTA: tl.constexpr = 0,
     ):
         """y[m, n] = the product of x's row m (quantized: q, dx, 16-column sums bs) and W's
         row n; grid (N tiles, splits), a program's sum over its range of super-blocks
@@ -721,15 +637,7 @@ if HAS_TRITON:
         the same partials, summed in the same order. Row v is split v % IN_CTA of weight
         row v // IN_CTA: rows a multiple of IN_CTA apart share a split and x's words, and
         a thread's rows are such in the builds' layouts (with split-major rows the q|k + v
-        pair's sm_90 build of 32 weight rows on 8 warps took 226 registers, 161 so).
-        NORM (one row; 2: the norm quantized too): the launch's last program to finish a
-        tile adds y (NORM_N = N columns) to the residual nx and normalizes it (_norm_tail:
-        nh, ny, nq/ndx/nbs), sparing the norm kernel after the product (the n* pointers
-        are unused otherwise); NORM_SLOTS (IN_CTA): each program adds its own rows and
-        their squares first (_tile_norm_sums), the last makes one pass. ACT (one row of a
-        fused gate|up; 1 + the activation's id): the gated activation and its quantization
-        by the last program of each 256 columns (_act_tail: ny, nq/ndx/nbs, nticket the
-        blocks' counters), sparing the activation kernel."""
+        pair's sm_90 build of 32 weight rows on 8 warps took 226 registers, 161 so)."""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -756,31 +664,11 @@ if HAS_TRITON:
             acc = _gemv_sbs(acc, w_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
                             M, QTYPE, BLOCK_M, PTX, PDL, X_EARLY, IN_CTA > 0)
         if IN_CTA > 0:
-            tile = _finish_in_cta(acc, y_ptr, part_ptr, pid_n, M, N, BLOCK_M, BLOCK_N,
-                                  IN_CTA)
-            if NORM > 0:
-                if NORM_SLOTS:
-                    _tile_norm_sums(tile, pid_n * TILE + tl.arange(0, TILE), N, nx_ptr,
-                                    nh_ptr, nslot_ptr, pid_n)
-                _norm_tail(y_ptr, nx_ptr, nw_ptr, nh_ptr, ny_ptr, nq_ptr, ndx_ptr, nbs_ptr,
-                           nticket_ptr, nslot_ptr, eps, tl.num_programs(0), NORM_N, NORM > 1,
-                           NORM_SLOTS)
-            if ACT > 0:
-                _act_tail(y_ptr, N, pid_n * TILE, TILE, ny_ptr, nq_ptr, ndx_ptr, nbs_ptr,
-                          nticket_ptr, ACT - 1)
+            _finish_in_cta(acc, y_ptr, part_ptr, pid_n, M, N, BLOCK_M, BLOCK_N, IN_CTA)
         else:
             offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
-            done = finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M,
-                                 N, offs, (rm < M)[None, :] & (rn < N)[:, None], ticket)
-            if NORM > 0:
-                if done:  # the tile's final y: a tile arrives at the norm's counter
-                    _norm_tail(y_ptr, nx_ptr, nw_ptr, nh_ptr, ny_ptr, nq_ptr, ndx_ptr,
-                               nbs_ptr, nticket_ptr, nslot_ptr, eps, tl.num_programs(0),
-                               NORM_N, NORM > 1, False)
-            if ACT > 0:
-                if done:
-                    _act_tail(y_ptr, N, pid_n * BLOCK_N, BLOCK_N, ny_ptr, nq_ptr, ndx_ptr,
-                              nbs_ptr, nticket_ptr, ACT - 1)
+            finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, offs,
+                          (rm < M)[None, :] & (rn < N)[:, None], ticket)
 
     def _q6_codes_asm(j: int, signed: bool) -> str:
         """PTX: 4 ql bytes ($1) and 4 qh bytes ($2) -> 4 Q6_K codes of a 32-column run j:
@@ -1161,102 +1049,6 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
-def _one_row_launch(x: torch.Tensor, ggml_type: int, n: int, k: int,
-                    num_sms: int | None) -> tuple[QIntConfig, int, str] | None:
-    """(config, compute units, backend) of the one CUDA-core launch a tail rides on
-    (qint_norm, qint_act): one row of x (checked), splits in one program, unsplit, or
-    finished by a ticket's last program; None where the launch is not one of those."""
-    if x.shape[0] != 1 or int(ggml_type) not in QINT_TYPES:
-        return None
-    _check_x(x, k)
-    backend = "hip" if x.device.type == "cuda" and torch.version.hip else "cuda"
-    sms = device_sms(x.device) if num_sms is None else int(num_sms)
-    cfg = default_qint_config(int(ggml_type), n, k, sms, backend, 1)
-    if not (cfg.in_cta or cfg.split == 1 or -(-n // cfg.block_n) <= _TICKETS):
-        return None
-    return cfg, sms, backend
-
-
-def norm_tail_setting() -> int:
-    """MBUFO_NORM_TAIL: 1, one-row products followed by the residual add and RMSNorm do
-    both in their last program (qint_norm) instead of the norm kernel after them; 2, the
-    same with each program adding its own rows first (NormTail.slots: the last makes one
-    pass over the row instead of two); 0 or unset: off (not yet measured on a GPU)."""
-    raw = os.environ.get("MBUFO_NORM_TAIL", "").strip()
-    if raw not in ("", "0", "1", "2"):
-        raise ValueError(f"MBUFO_NORM_TAIL must be 0, 1 or 2, got {raw!r}")
-    return int(raw or 0)
-
-
-def norm_tail_enabled() -> bool:
-    """Whether MBUFO_NORM_TAIL is on (norm_tail_setting)."""
-    return norm_tail_setting() > 0
-
-
-def qint_norm(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int, *,
-              xq: QuantX | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-              out_dtype: torch.dtype = torch.float32, quantize: bool = False,
-              num_sms: int | None = None, slots: bool = False,
-              ) -> tuple[torch.Tensor, NormTail] | None:
-    """qint_triton of one weight of N = residual's columns rows for one row x, with the
-    launch's last program adding y to `residual` and normalizing it (kernels/fused_norm.py's
-    add_rms_norm without a residual weight: h, out in `out_dtype`, and with `quantize`
-    out quantized; `slots`: NormTail.slots where the splits run in one program): (y,
-    NormTail). None where one launch cannot (more rows, the
-    matrix-unit or a tiled path, a split without tickets, N not a multiple of 256): the
-    caller runs the product and the norm kernel."""
-    n = residual.shape[-1]
-    found = _one_row_launch(x, ggml_type, n, k, num_sms) if (
-        tuple(residual.shape) == (1, n) and n % QK == 0) else None
-    if found is None:
-        return None
-    cfg, sms, backend = found
-    for name, t, shape in (("residual", residual, (1, n)), ("weight", weight, (n,))):
-        if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() \
-                or t.device != x.device:
-            raise InvalidRequest(f"qint_norm: {name} must be contiguous float32 {shape} on "
-                                 f"{x.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
-    _check_blocks(blocks, int(ggml_type), n, k)
-    xq = xq if xq is not None else quantize_x(x)
-    tail = NormTail(residual, weight, float(eps), torch.empty(1, n, device=x.device),
-                    torch.empty(1, n, dtype=out_dtype, device=x.device),
-                    empty_quant_x(1, n, x.device) if quantize else None, slots)
-    y = _launch(xq, [(blocks, int(ggml_type), n)], 1, k, cfg, sms, backend, True, tail)
-    return y, tail
-
-
-def act_tail_enabled() -> bool:
-    """MBUFO_ACT_TAIL=1: a one-row fused gate|up product writes the gated activation and
-    its quantization itself (qint_act) instead of the activation kernel after it; 0 or
-    unset: off (not yet measured on a GPU)."""
-    raw = os.environ.get("MBUFO_ACT_TAIL", "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"MBUFO_ACT_TAIL must be 0 or 1, got {raw!r}")
-    return raw == "1"
-
-
-def qint_act(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, k: int, *,
-             xq: QuantX | None, act: int, out_dtype: torch.dtype = torch.float32,
-             num_sms: int | None = None) -> tuple[torch.Tensor, ActTail] | None:
-    """qint_triton of a fused gate|up weight (its rows: F gate, then F up) for one row x,
-    its programs also writing act(gate) * up and its quantization (kernels/gated_act.py's
-    gated_act_quant; `act` its ACTIVATION_IDS): (y, ActTail). None where one launch
-    cannot (more rows, F not a multiple of 256, more tiles than tickets): the caller runs
-    the product and the activation kernel."""
-    n = blocks.shape[0]
-    found = _one_row_launch(x, ggml_type, n, k, num_sms) if (
-        n % 512 == 0 and n // 512 <= _TICKETS) else None
-    if found is None or 256 % found[0].block_n:
-        return None
-    cfg, sms, backend = found
-    _check_blocks(blocks, int(ggml_type), n, k)
-    xq = xq if xq is not None else quantize_x(x)
-    tail = ActTail(int(act), torch.empty(1, n // 2, dtype=out_dtype, device=x.device),
-                   empty_quant_x(1, n // 2, x.device))
-    y = _launch(xq, [(blocks, int(ggml_type), n)], 1, k, cfg, sms, backend, True, tail)
-    return y, tail
-
-
 def _qint_mma():
     """kernels/qint_mma.py (imported late: it takes helpers from this module)."""
     from kernels import qint_mma
@@ -1287,43 +1079,9 @@ def gemv_max_m(qtype: int, backend: str = "", device: torch.device | None = None
     return GEMV_MAX_M_OF.get(int(qtype), GEMV_MAX_M)
 
 
-class NormTail(NamedTuple):
-    """What qint_norm's last program writes besides y (kernels/fused_norm.py's NormOut):
-    h = x + y, out = rmsnorm(h) * weight, and out quantized where xq is given."""
-    x: torch.Tensor  # (1, N) float32 residual stream
-    weight: torch.Tensor  # (N,) float32
-    eps: float
-    h: torch.Tensor  # (1, N) float32
-    out: torch.Tensor  # (1, N) float32, bf16 or f16
-    xq: QuantX | None
-    slots: bool = False  # each program adds its own rows first (NORM_SLOTS; MBUFO_NORM_TAIL=2)
-
-
-class ActTail(NamedTuple):
-    """What qint_act's programs write besides y: the gated activation of the fused
-    gate|up row (kernels/gated_act.py's gated_act_quant)."""
-    act: int  # kernels/gated_act.py's ACTIVATION_IDS
-    out: torch.Tensor  # (1, F) float32, bf16 or f16
-    xq: QuantX
-
-
-@functools.lru_cache(maxsize=16)
-def _act_tickets(device: torch.device) -> torch.Tensor:
-    """qint_act's counters, one a block of 256 columns (each launch leaves them zero)."""
-    return torch.zeros(_TICKETS, dtype=torch.int32, device=device)
-
-
-@functools.lru_cache(maxsize=16)
-def _norm_ticket(device: torch.device) -> torch.Tensor:
-    """The counter of qint_norm's launches (each leaves it zero; one stream or graph)."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
-
-
 def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, k: int,
-            cfg: QIntConfig, sms: int, backend: str, gemv: bool,
-            norm: NormTail | ActTail | None = None) -> torch.Tensor:
-    """One product kernel over checked inputs (two parts: the first fills whole programs);
-    `norm` (one row, CUDA-core launches): the norm's or the activation's tail too."""
+            cfg: QIntConfig, sms: int, backend: str, gemv: bool) -> torch.Tensor:
+    """One product kernel over checked inputs (two parts: the first fills whole programs)."""
     (blocks, ggml_type, n1), device = parts[0], xq.q.device
     n = sum(p[2] for p in parts)
     blocks2, type2, _ = parts[1] if len(parts) == 2 else (blocks, 0, 0)
@@ -1340,20 +1098,6 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
         if in_cta:
             extra["IN_CTA"] = cfg.split
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
-        if isinstance(norm, ActTail):
-            assert m == 1 and 256 % cfg.block_n == 0 and (
-                in_cta or cfg.split == 1 or -(-n // cfg.block_n) <= _TICKETS)
-            extra["ACT"] = norm.act + 1
-            own += (y, y, y, norm.out, *norm.xq, _act_tickets(device), y, 0.0)
-        elif norm is not None:
-            assert m == 1 and (in_cta or cfg.split == 1 or -(-n // cfg.block_n) <= _TICKETS)
-            extra["NORM"], extra["NORM_N"] = 1 if norm.xq is None else 2, n
-            extra["NORM_SLOTS"] = slots = norm.slots and in_cta
-            own += (norm.x, norm.weight, norm.h, norm.out, *(norm.xq or (y, y, y)),
-                    _norm_ticket(device),
-                    torch.empty(grid[0], device=device) if slots else y, float(norm.eps))
-        else:
-            own += (y,) * 7 + (_tickets(device), y, 0.0)
     elif mma_path(m, int(ggml_type), int(type2), backend, device) and (
             not type2 or n1 % (16 * _qint_mma().WARPS) == 0):
         return _qint_mma().qint_mma_launch(
@@ -1423,10 +1167,7 @@ def aot_specs(spec: type) -> list:
                 {"x_ptr": "*bf16", "q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*fp16",
                  "K": "i32", "stride_xm": "i32"}, {}, 2, False, None, None,
                 ("x_ptr", "q_ptr", "dx_ptr", "bs_ptr", "K", "stride_xm"))]
-    gemv_sig = {**sig, "bs_ptr": "*i32", "w2_ptr": "*u8", "n1": "i32", "row_bytes2": "i32",
-                **{n: "*fp32" for n in ("nx_ptr", "nw_ptr", "nh_ptr", "ny_ptr", "ndx_ptr")},
-                "nq_ptr": "*i8", "nbs_ptr": "*i32", "nticket_ptr": "*i32", "nslot_ptr": "*fp32",
-                "eps": "fp32"}
+    gemv_sig = {**sig, "bs_ptr": "*i32", "w2_ptr": "*u8", "n1": "i32", "row_bytes2": "i32"}
     # each type alone, and q|k in Q4_K with v in Q6_K in one launch (Q4_K_M's attention)
     for qtype, qtype2, name in ((Q4_K, 0, "Q4_K"), (Q6_K_A, 0, "Q6_K"),
                                 (Q4_K, Q6_K_A, "Q4_K_Q6_K")):
@@ -1447,9 +1188,7 @@ def aot_specs(spec: type) -> list:
                     consts = {"QTYPE": qtype, "BLOCK_M": bm,
                               "BLOCK_N": Q6K_HEAD_BLOCK_N if head else cfg.block_n,
                               "PTX": backend == "cuda", "QTYPE2": qtype2,
-                              "PDL": backend == "cuda", "X_EARLY": bool(early),
-                              "IN_CTA": 0, "NORM": 0, "NORM_N": 0, "NORM_SLOTS": False,
-                              "ACT": 0}
+                              "PDL": backend == "cuda", "X_EARLY": bool(early), "IN_CTA": 0}
                     tag = "_head" if head else "" if early else "_late"
                     out.append(spec(f"qint_{name}_m{bm}{wide}{tag}",
                                     _qint_gemv_kernel,
@@ -1457,48 +1196,14 @@ def aot_specs(spec: type) -> list:
                                      **{k: "constexpr" for k in consts}},
                                     consts, cfg.num_warps, False, backend, cfg.num_stages,
                                     divisible + ("w2_ptr", "row_bytes2"), cfg.max_regs))
-        if not qtype2:  # one row with the activation's tail, tiles finished by tickets
-            for backend in ("hip", "cuda"):
-                cfg = default_qint_config(qtype, 28672, 4096, 132, backend, 1)
-                consts = {"QTYPE": qtype, "BLOCK_M": 1, "BLOCK_N": cfg.block_n,
-                          "PTX": backend == "cuda", "QTYPE2": 0, "PDL": backend == "cuda",
-                          "X_EARLY": cfg.x_early, "IN_CTA": 0, "NORM": 0, "NORM_N": 0,
-                          "NORM_SLOTS": False, "ACT": 1}
-                out.append(spec(f"qint_{name}_m1_act", _qint_gemv_kernel,
-                                {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,
-                                cfg.num_warps, False, backend, cfg.num_stages,
-                                divisible + ("w2_ptr", "row_bytes2"), cfg.max_regs))
-        if qtype == Q6_K_A:  # one row with the norm's tail (a tile's last program arrives)
-            cfg = default_qint_config(qtype, 4096, 14336, 132, "cuda", 1)
-            for backend in ("hip", "cuda"):
-                consts = {"QTYPE": qtype, "BLOCK_M": 1, "BLOCK_N": cfg.block_n,
-                          "PTX": backend == "cuda", "QTYPE2": 0, "PDL": backend == "cuda",
-                          "X_EARLY": True, "IN_CTA": 0, "NORM": 2, "NORM_N": 4096,
-                          "NORM_SLOTS": False, "ACT": 0}
-                out.append(spec("qint_Q6_K_m1_norm", _qint_gemv_kernel,
-                                {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,
-                                cfg.num_warps, False, backend, cfg.num_stages,
-                                divisible + ("w2_ptr", "row_bytes2"), cfg.max_regs))
         if qtype == Q4_K:  # one row: a tile's splits in one program (in_cta_config;
             # NVIDIA's default, built for gfx1151 too so that it stays buildable there)
             cfg = default_qint_config(qtype, 4096, 4096, 132, "cuda", 1, qtype2)
-            # (and with the norm's tail, both ways: _norm_tail's SLOTS; with the gated
-            # activation's: _act_tail)
-            for backend, norm, slots, act in ((b, *v) for v in ((0, False, 0), (2, False, 0),
-                                                                (2, True, 0), (0, False, 1))
-                                              for b in ("hip", "cuda")):
-                if (norm or act) and qtype2 or act and backend == "hip":
-                    continue  # the tails follow a one-weight product (o, gate|up, down);
-                    # gfx1151 never takes this path, and with the activation's tail its
-                    # build spills (95 registers): its launches take qint_Q4_K_m1_act's
+            for backend in ("hip", "cuda"):
                 consts = {"QTYPE": qtype, "BLOCK_M": 1, "BLOCK_N": cfg.block_n * cfg.split,
                           "PTX": backend == "cuda", "QTYPE2": qtype2,
-                          "PDL": backend == "cuda", "X_EARLY": True, "IN_CTA": cfg.split,
-                          "NORM": norm, "NORM_N": 4096 if norm else 0, "NORM_SLOTS": slots,
-                          "ACT": act}
-                tag = ("_norm" if norm else "") + ("_slots" if slots else "") + (
-                    "_act" if act else "")
-                out.append(spec(f"qint_{name}_m1_in_cta{tag}",
+                          "PDL": backend == "cuda", "X_EARLY": True, "IN_CTA": cfg.split}
+                out.append(spec(f"qint_{name}_m1_in_cta",
                                 _qint_gemv_kernel,
                                 {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,
                                 cfg.num_warps, False, backend, cfg.num_stages,

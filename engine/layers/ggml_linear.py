@@ -21,13 +21,10 @@ import torch
 from engine.errors import GGUFFormatError
 from engine.kernel_select import use_triton
 from kernels.dequant import block_geometry, dequantize
-from kernels.fused_norm import NormOut
 from kernels.qint import (
     ACT8_STORED,
     QINT_TYPES,
     QuantX,
-    qint_act,
-    qint_norm,
     qint_parts,
     qint_reference,
     qint_triton,
@@ -141,36 +138,6 @@ class GGMLLinear:
         outs = [self._part(part, x, triton, xq) for part in self.parts]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         return y if self.bias is None else y + self.bias
-
-    def norm_tail(self, x: torch.Tensor, xq: QuantX | None, residual: torch.Tensor,
-                  weight: torch.Tensor, eps: float, out_dtype: torch.dtype,
-                  quantize: bool, slots: bool = False) -> NormOut | None:
-        """add_rms_norm(residual + self(x)) by the product's own launch (kernels.qint's
-        qint_norm, `slots` its NormTail.slots): NormOut(h, the norm in `out_dtype`,
-        quantized with `quantize`); None where that launch cannot (the caller runs both)."""
-        part = self._tail_part(x)
-        done = part and qint_norm(x.contiguous(), part.weight, part.ggml_type,
-                                  self.in_features, xq=xq, residual=residual, weight=weight,
-                                  eps=eps, out_dtype=out_dtype, quantize=quantize, slots=slots)
-        return NormOut(done[1].h, done[1].out, done[1].xq) if done else None
-
-    def act_tail(self, x: torch.Tensor, xq: QuantX | None, act: int,
-                 out_dtype: torch.dtype) -> tuple[torch.Tensor, QuantX] | None:
-        """For a fused gate|up layer: gated_act_quant(self(x)) by the product's own launch
-        (kernels.qint's qint_act; `act` kernels/gated_act.py's ACTIVATION_IDS): (act(gate)
-        * up in `out_dtype`, quantized); None where that launch cannot (the caller runs
-        both)."""
-        part = self._tail_part(x)
-        done = part and qint_act(x.contiguous(), part.weight, part.ggml_type,
-                                 self.in_features, xq=xq, act=act, out_dtype=out_dtype)
-        return (done[1].out, done[1].xq) if done else None
-
-    def _tail_part(self, x: torch.Tensor) -> GGMLPart | None:
-        """The one q8 part a tail's launch multiplies (no bias, the Triton path), or None."""
-        if len(self.parts) == 1 and self._all_qint and self.bias is None \
-                and use_triton(x.device):
-            return self.parts[0]
-        return None
 
     def _part(self, part: GGMLPart, x: torch.Tensor, triton: bool,
               xq: QuantX | None) -> torch.Tensor:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -24,20 +23,11 @@ from engine.models.config import ModelConfig
 from engine.models.weights import WeightLoader
 from kernels.fused_norm import NormOut, add_rms_norm
 from kernels.fused_rope import rope_qk
-from kernels.gated_act import ACTIVATION_IDS, gated_act, gated_act_quant
-from kernels.qint import QuantX, act_tail_enabled, norm_tail_setting
+from kernels.gated_act import gated_act, gated_act_quant
+from kernels.qint import QuantX
 
 # A block output on its way into the residual stream: (output, post-norm weight or None).
 _Residual = tuple[torch.Tensor, torch.Tensor | None]
-
-
-class _Tail(NamedTuple):
-    """The residual add and norm after a product, for its launch to do (_project)."""
-    x: torch.Tensor  # the residual stream
-    weight: torch.Tensor  # the norm's
-    out_dtype: torch.dtype
-    quantize: bool  # the norm's output quantized for a q8 product
-    slots: bool  # MBUFO_NORM_TAIL=2 (kernels.qint's NormTail.slots)
 
 
 def _act8(linear: object, fused: bool) -> bool:
@@ -150,58 +140,24 @@ class DecoderModel:
             batch.positions)
         last = len(self.blocks) - 1
         pending: _Residual | None = None  # the previous block's MLP output, not yet added
-        normed: NormOut | None = None  # ... or added and normed by its product (_Tail)
-        tails = fused and x.shape[0] == 1 and norm_tail_setting()
-        slots = tails == 2
-        acts = fused and x.shape[0] == 1 and act_tail_enabled()
         for i, blk in enumerate(self.blocks):
             rope, cs = (self.rope_swa, cos_sin_swa) if cfg.is_sliding(i) else (self.rope, cos_sin)
-            x, h, hq = normed or self._add_norm(x, pending, blk.attn_norm, fused,
-                                                self._mm_dtype, _act8(blk.qkv, fused))
-            tail = _Tail(x, blk.ffn_norm, self._mm_dtype, _act8(blk.gate_up, fused), slots) if (
-                tails and blk.post_attn_norm is None
-                and (i != last or batch.every_token())) else None
-            o = self._attention(blk, h, hq, rope, cs, batch, kv, fused, tail)
-            if isinstance(o, NormOut):
-                x, h, hq = o
-            else:
-                if i == last and not batch.every_token():  # only the requested rows go
-                    x, o = x[batch.logits_rows], o[batch.logits_rows]  # through the last MLP
-                x, h, hq = self._add_norm(x, (o, blk.post_attn_norm), blk.ffn_norm, fused,
-                                          self._mm_dtype, _act8(blk.gate_up, fused))
-            act_made = blk.gate_up.act_tail(h, hq, ACTIVATION_IDS[self.cfg.activation],
-                                            self._mm_dtype) if (
-                acts and _act8(blk.down, fused) and hasattr(blk.gate_up, "act_tail")) else None
-            if act_made is None:
-                gate_up = blk.gate_up(h) if hq is None else blk.gate_up(h, xq=hq)
-            tail = None
-            if tails and blk.post_ffn_norm is None:  # the next norm: a block's or the output's
-                tail = _Tail(x, self.output_norm, torch.float32, head_xq and _act8(
-                    self.head, fused), slots) if i == last else _Tail(
-                    x, self.blocks[i + 1].attn_norm, self._mm_dtype,
-                    _act8(self.blocks[i + 1].qkv, fused), slots)
+            x, h, hq = self._add_norm(x, pending, blk.attn_norm, fused, self._mm_dtype,
+                                      _act8(blk.qkv, fused))
+            o = self._attention(blk, h, hq, rope, cs, batch, kv, fused)
+            if i == last and not batch.every_token():  # only the requested rows go
+                x, o = x[batch.logits_rows], o[batch.logits_rows]  # through the last MLP
+            x, h, hq = self._add_norm(x, (o, blk.post_attn_norm), blk.ffn_norm, fused,
+                                      self._mm_dtype, _act8(blk.gate_up, fused))
+            gate_up = blk.gate_up(h) if hq is None else blk.gate_up(h, xq=hq)
             if _act8(blk.down, fused):  # the activation kernel quantizes for the q8 down
-                act, aq = act_made or gated_act_quant(gate_up, self.cfg.activation,
-                                                      self._mm_dtype)
-                down = self._project(blk.down, act, aq, tail)
+                act, aq = gated_act_quant(gate_up, self.cfg.activation, self._mm_dtype)
+                down = blk.down(act, xq=aq)
             else:
                 down = blk.down(self._mlp_act(gate_up, fused))
-            normed, pending = (down, None) if isinstance(down, NormOut) else (
-                None, (down, blk.post_ffn_norm))
-        return normed or self._add_norm(x, pending, self.output_norm, fused,
-                                        quantize=head_xq and _act8(self.head, fused))
-
-    def _project(self, linear: object, inp: torch.Tensor, xq: QuantX | None,
-                 tail: _Tail | None) -> torch.Tensor | NormOut:
-        """linear(inp) (xq: inp quantized for it), or with `tail` the residual add and norm
-        after it as well where its launch can do both (MBUFO_NORM_TAIL: GGMLLinear.norm_tail,
-        one row): then that NormOut."""
-        if tail is not None and hasattr(linear, "norm_tail"):
-            out = linear.norm_tail(inp, xq, tail.x, tail.weight, self.cfg.rms_eps,
-                                   tail.out_dtype, tail.quantize, tail.slots)
-            if out is not None:
-                return out
-        return linear(inp) if xq is None else linear(inp, xq=xq)
+            pending = (down, blk.post_ffn_norm)
+        return self._add_norm(x, pending, self.output_norm, fused,
+                              quantize=head_xq and _act8(self.head, fused))
 
     def _mlp_act(self, gate_up: torch.Tensor, fused: bool) -> torch.Tensor:
         """(T, 2 ffn) gate and up rows -> act(gate) * up (T, ffn)."""
@@ -226,11 +182,9 @@ class DecoderModel:
 
     def _attention(self, blk: Block, h: torch.Tensor, hq: QuantX | None, rope: Rope,
                    cs: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
-                   kv: KVCache, fused: bool, tail: _Tail | None = None,
-                   ) -> torch.Tensor | NormOut:
+                   kv: KVCache, fused: bool) -> torch.Tensor:
         """-> the output projection, before the post-attention norm (see _add_norm); hq: h
-        quantized by the norm kernel for a q8 projection. With `tail`: the norm after it
-        instead (a NormOut) where the projection's launch does both (_project)."""
+        quantized by the norm kernel for a q8 projection."""
         cfg, n = self.cfg, h.shape[0]
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         qkv = blk.qkv(h) if hq is None else blk.qkv(h, xq=hq)
@@ -243,9 +197,8 @@ class DecoderModel:
                            kv_target(blk.attn, v, batch, kv))
             if _act8(blk.out, fused) and attn_quant_enabled(n):  # the attention quantizes
                 o, oq = attend_q8(blk.attn, q, batch, kv)
-                return self._project(blk.out, o, oq, tail)
-            return self._project(blk.out, attend(blk.attn, q, k, v, batch, kv, stored=True),
-                                 None, tail)
+                return blk.out(o) if oq is None else blk.out(o, xq=oq)
+            return blk.out(attend(blk.attn, q, k, v, batch, kv, stored=True))
         if blk.q_norm is not None:
             q = rms_norm(q, blk.q_norm, cfg.rms_eps)
             k = rms_norm(k, blk.k_norm, cfg.rms_eps)
