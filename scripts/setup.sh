@@ -15,5 +15,13 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || pip install "${MBUFO_TORCH:-torch==2.13.0}"
 extras=""
-if [ "${1:-}" = "--test" ]; then extras="[test,parity]"; fi
+if [ "${1:-}" = "--test" ]; then
+  extras="[test,parity]"
+  # llama-cpp-python builds for the building CPU (-march=native) by default; on a Xeon with
+  # AMX and AVX-512 under a VM that build crashed in llama_decode (SIGSEGV), so on x86-64 the
+  # reference is built for AVX2, unless CMAKE_ARGS says otherwise.
+  if [ "$(uname -m)" = "x86_64" ] && [ -z "${CMAKE_ARGS:-}" ]; then
+    export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+  fi
+fi
 pip install -e ".${extras}"
