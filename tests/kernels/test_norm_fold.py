@@ -128,3 +128,26 @@ def test_activation_with_fold_is_the_activation_of_the_scaled_rows(interp, gen, 
     with pytest.raises(InvalidRequest, match="fold"):
         interp.call("kernels.gated_act:gated_act_quant", gu, activation, torch.float32,
                     (sumsq[:1], EPS))
+
+
+@pytest.mark.gpu
+def test_gpu_folded_norm_and_its_consumers_at_llama_width(gen):
+    """On the device, Llama-3.1-8B's widths: the folded norm against float64, and the
+    activation with its scale against the activation of the norm's product."""
+    from kernels.fused_norm import add_norm_folded
+    from kernels.gated_act import gated_act_quant
+
+    dev = torch.device("cuda")
+    x, r = (torch.randn(1, 4096, generator=gen).to(dev) * 3 for _ in range(2))
+    w = (torch.rand(4096, generator=gen) + 0.5).to(dev)
+    out, sumsq = add_norm_folded(x, w, r)
+    h64 = (x + r).double().cpu()
+    assert torch.equal(out.h, x + r) and torch.equal(out.y, out.h * w)
+    q, dx = quant_x_reference(out.y.cpu())[:2]
+    assert torch.equal(out.xq.q.cpu().int(), q.int()) and torch.equal(out.xq.dx.cpu(), dx)
+    scale = fold_scale_reference(sumsq, EPS)
+    assert torch.allclose(scale.double().cpu(), scale64(h64), rtol=1e-5)
+    gu = torch.randn(1, 2 * 14336, generator=gen).to(dev)
+    got, gq = gated_act_quant(gu, "silu", torch.float32, (sumsq, EPS))
+    want, _ = gated_act_quant(gu * scale[:, None], "silu")
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
