@@ -174,7 +174,7 @@ def fold_scale_reference(sumsq: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fold_setting() -> bool:
-    """MBUFO_NORM_FOLD=1: one-row q8 decode steps take add_norm_folded for the norms before
+    """MBUFO_NORM_FOLD=1: the q8 layout's steps take add_norm_folded for the norms before
     the q|k|v and gate|up products (the scale applied by the rope and activation kernels
     after them); 0 or unset: off (not yet measured on a GPU)."""
     raw = os.environ.get("MBUFO_NORM_FOLD", "").strip()

@@ -140,9 +140,9 @@ class DecoderModel:
             batch.positions)
         last = len(self.blocks) - 1
         pending: _Residual | None = None  # the previous block's MLP output, not yet added
-        # MBUFO_NORM_FOLD: one row's norms before q|k|v and gate|up leave their scale to the
-        # rope and activation kernels after those products (_fold_norm)
-        fold = fused and x.shape[0] == 1 and fold_setting()
+        # MBUFO_NORM_FOLD: the norms before q|k|v and gate|up leave their scale to the rope
+        # and activation kernels after those products (_fold_norm)
+        fold = fused and fold_setting()
         for i, blk in enumerate(self.blocks):
             rope, cs = (self.rope_swa, cos_sin_swa) if cfg.is_sliding(i) else (self.rope, cos_sin)
             (x, h, hq), sums = self._fold_norm(x, pending, blk.attn_norm, fused,

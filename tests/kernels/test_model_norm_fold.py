@@ -1,16 +1,17 @@
-"""A one-row decoder step on the q8 layout's Triton path with MBUFO_NORM_FOLD (the
+"""A decoder step on the q8 layout's Triton path with MBUFO_NORM_FOLD (the
 interpreter, on the tiny synthetic Llama of tiny_q8): the norms before q|k|v and gate|up
 are folded (their scale applied by the rope and activation kernels), the output norm is
 not, and the logits are the unfolded step's up to rounding."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
-def step_with_and_without_fold(path: str) -> dict:
-    """In the interpreter's worker: the logits of one one-token step, folded and not, and
-    the norm launches each took."""
+def step_with_and_without_fold(path: str, prompt: tuple[int, ...]) -> dict:
+    """In the interpreter's worker: the logits of the step that prefills `prompt`, folded
+    and not, and the norm launches each took."""
     import os
 
     from tiny_q8 import tiny_core
@@ -53,7 +54,7 @@ def step_with_and_without_fold(path: str) -> dict:
             return torch.nn.functional.pad(out["1"], (0, vocab - 256), value=-1e30)
 
         model.step_logits = both
-        core.add(Request("r", (7,), SamplingParams(temperature=0.0, max_tokens=1,
+        core.add(Request("r", prompt, SamplingParams(temperature=0.0, max_tokens=1,
                                                    ignore_eos=True)))
         core.step()
         out["layers"] = len(model.blocks)
@@ -66,12 +67,13 @@ def step_with_and_without_fold(path: str) -> dict:
             os.environ["MBUFO_NORM_FOLD"] = before
 
 
-def test_folded_step_matches_the_plain_step(interp, tmp_path, vocab_dir):
+@pytest.mark.parametrize("prompt", [(7,), (5, 6, 7)])  # one row (decode-like), three
+def test_folded_step_matches_the_plain_step(interp, tmp_path, vocab_dir, prompt):
     from tiny_q8 import write_tiny_llama
 
     path = tmp_path / "tiny.gguf"
     write_tiny_llama(path, vocab_dir / "ggml-vocab-llama-bpe.gguf", seed=5)
-    out = interp.call("test_model_norm_fold:step_with_and_without_fold", str(path))
+    out = interp.call("test_model_norm_fold:step_with_and_without_fold", str(path), prompt)
     layers = out["layers"]
     assert out["calls_0"] == {"folded": 0, "plain": 2 * layers + 1}
     assert out["calls_1"] == {"folded": 2 * layers, "plain": 1}  # the output norm's
