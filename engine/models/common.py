@@ -36,6 +36,13 @@ def _act8(linear: object, fused: bool) -> bool:
     return fused and getattr(linear, "takes_xq", False)
 
 
+def _foldable(linear: object, fused: bool) -> bool:
+    """Whether a folded norm (MBUFO_NORM_FOLD, _fold_norm) may feed `linear`: a q8 product
+    (_act8) without a bias (the kernel after it scales the whole output: a bias would be
+    scaled with it)."""
+    return _act8(linear, fused) and getattr(linear, "bias", None) is None
+
+
 @dataclass(slots=True)
 class Block:
     attn: AttnLayer
@@ -146,14 +153,14 @@ class DecoderModel:
         for i, blk in enumerate(self.blocks):
             rope, cs = (self.rope_swa, cos_sin_swa) if cfg.is_sliding(i) else (self.rope, cos_sin)
             (x, h, hq), sums = self._fold_norm(x, pending, blk.attn_norm, fused,
-                                               fold and _act8(blk.qkv, fused),
+                                               fold and _foldable(blk.qkv, fused),
                                                _act8(blk.qkv, fused))
             o = self._attention(blk, h, hq, rope, cs, batch, kv, fused, sums)
             if i == last and not batch.every_token():  # only the requested rows go
                 x, o = x[batch.logits_rows], o[batch.logits_rows]  # through the last MLP
             (x, h, hq), sums = self._fold_norm(
                 x, (o, blk.post_attn_norm), blk.ffn_norm, fused,
-                fold and _act8(blk.gate_up, fused) and _act8(blk.down, fused),
+                fold and _foldable(blk.gate_up, fused) and _act8(blk.down, fused),
                 _act8(blk.gate_up, fused))
             gate_up = blk.gate_up(h) if hq is None else blk.gate_up(h, xq=hq)
             if _act8(blk.down, fused):  # the activation kernel quantizes for the q8 down

@@ -151,3 +151,17 @@ def test_gpu_folded_norm_and_its_consumers_at_llama_width(gen):
     got, gq = gated_act_quant(gu, "silu", torch.float32, (sumsq, EPS))
     want, _ = gated_act_quant(gu * scale[:, None], "silu")
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_folded_norm_feeds_q8_products_without_a_bias():
+    """Qwen2's q|k|v carry biases: the kernel after the product scales all of its output,
+    so a folded norm feeds only q8 products without one."""
+    from types import SimpleNamespace
+
+    from engine.models.common import _foldable
+
+    q8 = SimpleNamespace(takes_xq=True, bias=None)
+    assert _foldable(q8, True)
+    assert not _foldable(SimpleNamespace(takes_xq=True, bias=torch.ones(4)), True)
+    assert not _foldable(SimpleNamespace(takes_xq=False, bias=None), True)  # bf16 layout
+    assert not _foldable(q8, False)  # the torch path
