@@ -35,7 +35,7 @@ from kernels.triton_util import (
 )
 
 __all__ = ["OUT_DTYPES", "NormOut", "add_norm_folded", "add_rms_norm", "add_rms_norm_reference",
-           "cast_out", "fold_scale_reference", "fold_setting"]
+           "cast_out", "check_fold", "fold_scale_reference", "fold_setting"]
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -65,7 +65,17 @@ def add_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 if HAS_TRITON:
 
-    from kernels.qint import cast_out, quantize_store
+    @helper
+    def cast_out(y, ptr):
+        """float32 y -> the element type of `ptr`, rounded to nearest even. bf16 is rounded
+        on the bits: the interpreter's float32 -> bf16 conversion truncates."""
+        if ptr.dtype.element_ty == tl.bfloat16:
+            bits = y.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return y.to(ptr.dtype.element_ty)
+
+    from kernels.qint import quantize_store
 
     @jit
     def _add_rms_norm_kernel(
@@ -166,6 +176,13 @@ def add_norm_folded(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
             x, r, weight, h, y, *xq, sumsq, x.stride(0), r.stride(0), h.stride(0), y.stride(0),
             dim, HAS_RESIDUAL=residual is not None, num_warps=2)
     return NormOut(h, y, xq), sumsq
+
+
+def check_fold(fold: tuple[torch.Tensor, float] | None, rows: int, what: str) -> None:
+    """A consumer's `fold` (add_norm_folded's sums, eps): contiguous float32 (rows, NB)."""
+    if fold is not None and (fold[0].dim() != 2 or fold[0].shape[0] != rows
+                             or fold[0].dtype != torch.float32 or not fold[0].is_contiguous()):
+        raise InvalidRequest(f"{what}: fold sums must be contiguous float32 ({rows}, NB)")
 
 
 def fold_scale_reference(sumsq: torch.Tensor, eps: float) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import InvalidRequest
-from kernels.fused_norm import fold_scale_reference
+from kernels.fused_norm import check_fold, fold_scale_reference
 from kernels.kv_store import kv_store, store_args
 from kernels.triton_util import (
     HAS_TRITON,
@@ -218,9 +218,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
     One launch on a GPU (or on the CPU when the interpreter is active), else the references.
     """
-    if fold is not None and (fold[0].dim() != 2 or fold[0].shape[0] != q.shape[0]
-                             or fold[0].dtype != torch.float32 or not fold[0].is_contiguous()):
-        raise InvalidRequest(f"rope_qk: fold sums must be contiguous float32 ({q.shape[0]}, NB)")
+    check_fold(fold, q.shape[0], "rope_qk")
     if not (HAS_TRITON and (q.device.type != "cpu" or interpreter_active())):
         if fold is not None:
             scale = fold_scale_reference(*fold)[:, None, None]

@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import InvalidRequest
-from kernels.fused_norm import OUT_DTYPES, fold_scale_reference
+from kernels.fused_norm import OUT_DTYPES, check_fold, fold_scale_reference
 from kernels.qint import QK, QuantX, empty_quant_x, quant_x_reference
 from kernels.triton_util import (
     HAS_TRITON,
     await_inputs,
+    helper,
     interpreter_active,
     jit,
     launcher,
@@ -44,8 +45,18 @@ def gated_act_reference(gate_up: torch.Tensor, activation: str,
 
 
 if HAS_TRITON:
-    from kernels.fused_norm import fold_scale
-    from kernels.qint import cast_out, gated, quantize_store
+    from kernels.fused_norm import cast_out, fold_scale
+    from kernels.qint import quantize_store
+
+    @helper
+    def gated(g, u, ACT: tl.constexpr):
+        """act(g) * u, ACT 0: silu, 1: gelu_tanh (gated_act_reference's definitions)."""
+        if ACT == 0:
+            a = g / (1.0 + tl.exp(-g))
+        else:  # tanh(z) = 1 - 2 / (e^2z + 1): exact limits +-1 where e^2z over/underflows
+            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            a = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+        return a * u
 
     @jit
     def _gated_act_kernel(gu_ptr, out_ptr, q_ptr, dx_ptr, bs_ptr, ffn, stride_gu, stride_out,
@@ -103,10 +114,7 @@ def _gated_act(gate_up: torch.Tensor, activation: str, out_dtype: torch.dtype,
     if quantize and gate_up.shape[-1] % (2 * QK):
         raise InvalidRequest(f"gated_act: quantize needs F a multiple of {QK}, got "
                              f"{gate_up.shape[-1] // 2}")
-    if fold is not None and (fold[0].dim() != 2 or fold[0].shape[0] != gate_up.shape[0]
-                             or fold[0].dtype != torch.float32 or not fold[0].is_contiguous()):
-        raise InvalidRequest(f"gated_act: fold sums must be contiguous float32 "
-                             f"({gate_up.shape[0]}, NB)")
+    check_fold(fold, gate_up.shape[0], "gated_act")
     if not (HAS_TRITON and (gate_up.device.type != "cpu" or interpreter_active())):
         if fold is not None:
             gate_up = gate_up * fold_scale_reference(*fold)[:, None]

@@ -599,26 +599,6 @@ if HAS_TRITON:
         tl.store(y_ptr + rm.to(tl.int64)[None, :] * N + rt[:, None], total,
                  mask=(rm < M)[None, :] & (rt < N)[:, None])
 
-    @helper
-    def cast_out(y, ptr):
-        """float32 y -> the element type of `ptr`, rounded to nearest even. bf16 is rounded
-        on the bits: the interpreter's float32 -> bf16 conversion truncates."""
-        if ptr.dtype.element_ty == tl.bfloat16:
-            bits = y.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        return y.to(ptr.dtype.element_ty)
-
-    @helper
-    def gated(g, u, ACT: tl.constexpr):
-        """act(g) * u, ACT 0: silu, 1: gelu_tanh (kernels/gated_act.py's definitions)."""
-        if ACT == 0:
-            a = g / (1.0 + tl.exp(-g))
-        else:  # tanh(z) = 1 - 2 / (e^2z + 1): exact limits +-1 where e^2z over/underflows
-            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-            a = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
-        return a * u
-
     @triton.jit(do_not_specialize=["M", "N"])
     def _qint_gemv_kernel(
         q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
@@ -992,19 +972,6 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
     return qint_parts(x, [(blocks, ggml_type, n)], k, config, num_sms=num_sms, xq=xq)
 
 
-def _check_x(x: torch.Tensor, k: int) -> None:
-    if x.dim() != 2 or x.shape[1] != k or k % QK or x.stride(1) != 1:
-        raise InvalidRequest(f"qint: x must be (M, {k}) with K a multiple of 256 and "
-                             f"contiguous rows, got {tuple(x.shape)}")
-
-
-def _check_blocks(blocks: torch.Tensor, ggml_type: int, n: int, k: int) -> None:
-    width = row_bytes(ggml_type, k)
-    if tuple(blocks.shape) != (n, width) or blocks.data_ptr() % 4:
-        raise InvalidRequest(f"qint: blocks must be ({n}, {width}) uint8 at a 4-byte "
-                             "aligned address")
-
-
 def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], k: int,
                config: QIntConfig | None = None, *, num_sms: int | None = None,
                xq: QuantX | None = None) -> torch.Tensor:
@@ -1016,12 +983,17 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
     up to GEMV_MAX_M rows the CUDA cores', past both parts' gemv_max_m the matrix unit's;
     else one launch each and a concatenation."""
     m = x.shape[0]
-    _check_x(x, k)
+    if x.dim() != 2 or x.shape[1] != k or k % QK or x.stride(1) != 1:
+        raise InvalidRequest(f"qint: x must be (M, {k}) with K a multiple of 256 and "
+                             f"contiguous rows, got {tuple(x.shape)}")
     for blocks, ggml_type, n in parts:
         if int(ggml_type) not in QINT_TYPES:
             hint = " (repack Q6_K with repack_q6k: Q6_K_A)" if int(ggml_type) == Q6_K else ""
             raise InvalidRequest(f"qint: no kernel for GGML type {ggml_type}{hint}")
-        _check_blocks(blocks, int(ggml_type), n, k)
+        width = row_bytes(int(ggml_type), k)
+        if tuple(blocks.shape) != (n, width) or blocks.data_ptr() % 4:
+            raise InvalidRequest(f"qint: blocks must be ({n}, {width}) uint8 at a 4-byte "
+                                 "aligned address")
     n_all = sum(n for _, _, n in parts)
     sms = device_sms(x.device) if num_sms is None else int(num_sms)
     backend = "hip" if x.device.type == "cuda" and torch.version.hip else "cuda"
