@@ -953,10 +953,29 @@ def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
     slower for Q6_K (4096 x 14336 20.1 against 18.5) and mixed at two rows
     (bench/RESULTS.md, 2026-12-01)."""
     cfg = _default_config(ggml_type, n, k, num_sms, backend, m, qtype2)
-    pipe = os.environ.get("MBUFO_QINT_PIPE", "")
-    if m == 1 and backend == "cuda" and (pipe == "all" or (pipe == "down" and k >= 8192)):
-        return cfg._replace(pipe=True, max_regs=None)
+    shape = one_row_override(ggml_type, k) if m == 1 and backend == "cuda" and not qtype2 \
+        and cfg.split > 1 else None
+    if shape is not None:  # MBUFO_QINT_ONE_ROW: (tensor rows, warps) of an in_cta program
+        rows, warps = shape
+        return QIntConfig(rows // cfg.split, cfg.split, warps, None,
+                          128 if warps <= 2 else None, cfg.x_early, in_cta=True)
     return cfg
+
+
+def one_row_override(ggml_type: int, k: int) -> tuple[int, int] | None:
+    """MBUFO_QINT_ONE_ROW='Q4_K/ROWSxWARPS+Q6_K/ROWSxWARPS[+down]' (timing only): one-row
+    launches of that type in one program of ROWS (split, weight row) rows on WARPS warps;
+    with 'down' only where K > 8192."""
+    text = os.environ.get("MBUFO_QINT_ONE_ROW", "")
+    if not text or ("down" in text.split("+") and k <= 8192):
+        return None
+    name = "Q4_K" if ggml_type == Q4_K else "Q6_K"
+    for item in text.split("+"):
+        key, _, value = item.partition("/")
+        if key == name:
+            rows, warps = (int(v) for v in value.split("x"))
+            return rows, warps
+    return None
 
 
 def _default_config(ggml_type: int, n: int, k: int, num_sms: int, backend: str, m: int,

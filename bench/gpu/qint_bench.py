@@ -69,6 +69,21 @@ def sweep(base: QIntConfig, regs: tuple[int | None, ...] = (None,)) -> list[QInt
     return [c for c in out if c != base]
 
 
+def in_cta_sweep(base: QIntConfig) -> list[QIntConfig]:
+    """One-row programs that take every split of their rows (QIntConfig.in_cta) around
+    `base`'s split: 32-128 (split, weight row) rows on 1-8 warps, capped at 128 registers
+    on up to 2 warps."""
+    s = base.split
+    out = []
+    for rows in (32, 64, 128):
+        for warps in (1, 2, 4, 8):
+            if s == 1 or rows % s or (rows == 128 and warps == 1) or (rows == 32 and warps == 8):
+                continue
+            out.append(QIntConfig(rows // s, s, warps, None, 128 if warps <= 2 else None,
+                                  base.x_early, in_cta=True))
+    return out
+
+
 class Case:
     def __init__(self, run: Run, name: str, n: int, k: int) -> None:
         self.name, self.qtype, self.n, self.k = name, GGML_TYPES[name], n, k
@@ -139,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="time these matrix-unit tiles instead of TILE_SWEEP, at 16 and 32 "
                          "rows: 'bm,bn,warps[,stages[,max_regs]];...' (an empty field: "
                          "unset), e.g. '16,64,4,,120;16,128,8'")
+    ap.add_argument("--in-cta-sweep", action="store_true",
+                    help="time one-row programs that take every split of their rows "
+                         "(32-128 rows, 1-8 warps) on the swept shapes")
     ap.add_argument("--splits", default="",
                     help="also time qint at 1, 16 and 32 rows with these K splits (e.g. "
                          "1,2,4,7,8,14) on the swept shapes: the split's own cost")
@@ -201,6 +219,13 @@ def main(argv: list[str] | None = None) -> int:
                     for m in (3, 4):
                         out["rows"].append(measure(run, case, "qint", m,
                                                    base._replace(max_regs=regs), ceil))
+            if args.in_cta_sweep and (n, k) in swept:
+                base = default_qint_config(case.qtype, n, k, run.sms)
+                for cfg in in_cta_sweep(base):
+                    if run.left() > 30:
+                        row = measure(run, case, "qint", 1, cfg, ceil)
+                        row.update(mode="qint-cta")
+                        out["rows"].append(row)
             for split in (int(v) for v in args.splits.split(",") if v):
                 if (n, k) in swept and (k // 256) % split == 0:
                     for m in (1, 16, 32):
