@@ -199,9 +199,6 @@ class QIntConfig(NamedTuple):
     # warps), summing the partials itself after a barrier instead of a ticket's last
     # program (_finish_in_cta: the same bits)
     in_cta: bool = False
-    # The CUDA-core kernel: each next super-block's words loaded before the current one's
-    # product (more bytes in flight a program, more registers)
-    pipe: bool = False
 
 
 class QuantX(NamedTuple):
@@ -556,8 +553,7 @@ if HAS_TRITON:
     @helper
     def _gemv_sbs(acc, w_ptr, row_off, sb0, count, q_ptr, dx_ptr, bs_ptr, K, M,
                   QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, PTX: tl.constexpr,
-                  PDL: tl.constexpr, X_EARLY: tl.constexpr = True, VROWS: tl.constexpr = False,
-                  PIPE: tl.constexpr = False):
+                  PDL: tl.constexpr, X_EARLY: tl.constexpr = True, VROWS: tl.constexpr = False):
         """acc + super-blocks sb0 .. sb0 + count - 1 (count >= 1) of the rows at row_off
         (VROWS: sb0 (BN,), each row's own).
         The first super-block's words are loaded before the wait for x (await_inputs;
@@ -565,46 +561,22 @@ if HAS_TRITON:
         current one's product measured slower, and so did asking the L2 cache for the next
         super-blocks before the wait, alone and in the step: bench/RESULTS.md 2026-12-01
         and 2026-12-02.)"""
-        if PIPE:  # each next super-block's words loaded before the current one's product
-            if QTYPE == 12:
-                w, head = _ld_q4k(w_ptr, row_off, sb0)
+        for i in range(0, count):
+            sb = sb0 + i
+            if VROWS:
+                sbx = sb[:, None]
             else:
-                ql, qh, sw, d = _ld_q6k(w_ptr, row_off, sb0, K)
-            await_inputs(PDL)
-            for i in range(0, count):
-                sb = sb0 + i
-                nxt = sb0 + tl.minimum(i + 1, count - 1)  # the last loads its own again
-                if VROWS:
-                    sbx = sb[:, None]
-                else:
-                    sbx = sb
-                if QTYPE == 12:
-                    w_n, head_n = _ld_q4k(w_ptr, row_off, nxt)
-                    acc = _sb_q4k(acc, w, head, sbx, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M,
-                                  PTX, VROWS)
-                    w, head = w_n, head_n
-                else:
-                    ql_n, qh_n, sw_n, d_n = _ld_q6k(w_ptr, row_off, nxt, K)
-                    acc = _sb_q6k(acc, ql, qh, sw, d, sbx, q_ptr, dx_ptr, bs_ptr, K, M,
-                                  BLOCK_M, PTX, X_EARLY, VROWS)
-                    ql, qh, sw, d = ql_n, qh_n, sw_n, d_n
-        else:
-            for i in range(0, count):
-                sb = sb0 + i
-                if VROWS:
-                    sbx = sb[:, None]
-                else:
-                    sbx = sb
-                if QTYPE == 12:  # Q4_K
-                    w, head = _ld_q4k(w_ptr, row_off, sb)
-                    await_inputs(PDL)
-                    acc = _sb_q4k(acc, w, head, sbx, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M,
-                                  PTX, VROWS)
-                else:
-                    ql, qh, sw, d = _ld_q6k(w_ptr, row_off, sb, K)
-                    await_inputs(PDL)
-                    acc = _sb_q6k(acc, ql, qh, sw, d, sbx, q_ptr, dx_ptr, bs_ptr, K, M,
-                                  BLOCK_M, PTX, X_EARLY, VROWS)
+                sbx = sb
+            if QTYPE == 12:  # Q4_K
+                w, head = _ld_q4k(w_ptr, row_off, sb)
+                await_inputs(PDL)
+                acc = _sb_q4k(acc, w, head, sbx, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M,
+                              PTX, VROWS)
+            else:
+                ql, qh, sw, d = _ld_q6k(w_ptr, row_off, sb, K)
+                await_inputs(PDL)
+                acc = _sb_q6k(acc, ql, qh, sw, d, sbx, q_ptr, dx_ptr, bs_ptr, K, M,
+                              BLOCK_M, PTX, X_EARLY, VROWS)
         return acc
 
     @helper
@@ -633,7 +605,7 @@ if HAS_TRITON:
         sb_per_split, nsplit, ticket, w2_ptr, n1, row_bytes2,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PTX: tl.constexpr = False, QTYPE2: tl.constexpr = 0, PDL: tl.constexpr = False,
-        X_EARLY: tl.constexpr = True, IN_CTA: tl.constexpr = 0, PIPE: tl.constexpr = False,
+        X_EARLY: tl.constexpr = True, IN_CTA: tl.constexpr = 0,
     ):
         """y[m, n] = the product of x's row m (quantized: q, dx, 16-column sums bs) and W's
         row n; grid (N tiles, splits), a program's sum over its range of super-blocks
@@ -666,11 +638,11 @@ if HAS_TRITON:
         if second:
             row_off = tl.where(rn < N, rn - n1, 0).to(tl.int64) * row_bytes2  # past N: row 0
             acc = _gemv_sbs(acc, w2_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
-                            M, QTYPE2, BLOCK_M, PTX, PDL, X_EARLY, IN_CTA > 0, PIPE)
+                            M, QTYPE2, BLOCK_M, PTX, PDL, X_EARLY, IN_CTA > 0)
         else:
             row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
             acc = _gemv_sbs(acc, w_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
-                            M, QTYPE, BLOCK_M, PTX, PDL, X_EARLY, IN_CTA > 0, PIPE)
+                            M, QTYPE, BLOCK_M, PTX, PDL, X_EARLY, IN_CTA > 0)
         if IN_CTA > 0:
             _finish_in_cta(acc, y_ptr, part_ptr, pid_n, M, N, BLOCK_M, BLOCK_N, IN_CTA)
         else:
@@ -952,34 +924,6 @@ def default_qint_config(ggml_type: int, n: int, k: int, num_sms: int = 0,
     against 25.3 us, 4096 x 14336 14.5 against 15.9; one stream 430 -> 450 tok/s) but
     slower for Q6_K (4096 x 14336 20.1 against 18.5) and mixed at two rows
     (bench/RESULTS.md, 2026-12-01)."""
-    cfg = _default_config(ggml_type, n, k, num_sms, backend, m, qtype2)
-    shape = one_row_override(ggml_type, k) if m == 1 and backend == "cuda" and not qtype2 \
-        and cfg.split > 1 else None
-    if shape is not None:  # MBUFO_QINT_ONE_ROW: (tensor rows, warps) of an in_cta program
-        rows, warps = shape
-        return QIntConfig(rows // cfg.split, cfg.split, warps, None,
-                          128 if warps <= 2 else None, cfg.x_early, in_cta=True)
-    return cfg
-
-
-def one_row_override(ggml_type: int, k: int) -> tuple[int, int] | None:
-    """MBUFO_QINT_ONE_ROW='Q4_K/ROWSxWARPS+Q6_K/ROWSxWARPS[+down]' (timing only): one-row
-    launches of that type in one program of ROWS (split, weight row) rows on WARPS warps;
-    with 'down' only where K > 8192."""
-    text = os.environ.get("MBUFO_QINT_ONE_ROW", "")
-    if not text or ("down" in text.split("+") and k <= 8192):
-        return None
-    name = "Q4_K" if ggml_type == Q4_K else "Q6_K"
-    for item in text.split("+"):
-        key, _, value = item.partition("/")
-        if key == name:
-            rows, warps = (int(v) for v in value.split("x"))
-            return rows, warps
-    return None
-
-
-def _default_config(ggml_type: int, n: int, k: int, num_sms: int, backend: str, m: int,
-                    qtype2: int) -> QIntConfig:
     sbs = k // QK
     split = 1
     tiles = -(-n // 64)
@@ -1125,8 +1069,6 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
                                             "X_EARLY": cfg.x_early, **stages}
         if in_cta:
             extra["IN_CTA"] = cfg.split
-        if cfg.pipe:
-            extra["PIPE"] = True
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
     elif mma_path(m, int(ggml_type), int(type2), backend, device) and (
             not type2 or n1 % (16 * _qint_mma().WARPS) == 0):

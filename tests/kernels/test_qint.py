@@ -254,26 +254,6 @@ def test_splits_in_one_program_give_the_same_bits(interp, rng, qtype):
     check(got[:, 64:], x[:1], g2, T.Q6_K)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
-def test_pipelined_loads_give_the_same_bits(interp, rng, qtype):
-    """QIntConfig.pipe (each next super-block's words loaded before the current one's
-    product) gives the plain loop's bits: splits as programs and in one program, 1-3 rows
-    of x, one super-block a split (nothing ahead to load) and several."""
-    from kernels.qint import in_cta_config
-
-    n, k = 75, 2048
-    blocks = random_weight(qtype, n, k, rng)
-    held = stored(blocks, qtype, k)
-    x = torch.from_numpy(rng.standard_normal((3, k), dtype=np.float32))
-    for cfg, m in ((QIntConfig(16, 1, 2), 1), (QIntConfig(16, 2, 2), 3),
-                   (in_cta_config(QIntConfig(16, 4, 2)), 1),
-                   (in_cta_config(QIntConfig(16, 8, 2)), 2)):
-        want = interp.call(KERNEL, x[:m], *held, (n, k), cfg)
-        got = interp.call(KERNEL, x[:m], *held, (n, k), cfg._replace(pipe=True))
-        assert torch.equal(got, want), (cfg, m)
-        check(got, x[:m], blocks, qtype)
-
-
 def parts_with_tile(tile: tuple, *args, **kwargs) -> torch.Tensor:
     """qint_parts with every matrix-unit launch at `tile` (called in the interpreter's worker)."""
     from kernels.qint import forced_tile, qint_parts, tiled_tile
