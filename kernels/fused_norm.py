@@ -15,7 +15,6 @@ The reference is torch's F.rms_norm in float32, as engine/layers/norm.py compute
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -34,15 +33,14 @@ from kernels.triton_util import (
     tl,
 )
 
-__all__ = ["OUT_DTYPES", "NormOut", "add_norm_folded", "add_rms_norm", "add_rms_norm_reference",
-           "cast_out", "check_fold", "fold_scale_reference", "fold_setting"]
+__all__ = ["OUT_DTYPES", "NormOut", "add_rms_norm", "add_rms_norm_reference", "cast_out"]
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class NormOut(NamedTuple):
     h: torch.Tensor  # (rows, dim) float32: the residual stream after the add
-    y: torch.Tensor  # (rows, dim) out_dtype: rmsnorm(h) * weight (folded: h * weight)
+    y: torch.Tensor  # (rows, dim) out_dtype: rmsnorm(h) * weight
     xq: QuantX | None = None  # y quantized (kernels/qint.py), when asked for
 
 
@@ -105,99 +103,6 @@ if HAS_TRITON:
             b = tl.arange(0, NB)
             quantize_store(tl.reshape(y.to(tl.float32), (NB, 256)), b, b < dim // 256, row,
                            q_ptr, dx_ptr, bs_ptr, dim)
-
-
-    @helper
-    def fold_scale(ss_ptr, row, eps, NB: tl.constexpr, NBP: tl.constexpr):
-        """add_norm_folded's scale of row `row`: rsqrt(the sum of its NB super-blocks' sums
-        of squares / (256 NB) + eps), the sums loaded from the L2 (".cg": the folded norm
-        ran two launches before on other multiprocessors; see the callers). NBP: NB's
-        next power of two."""
-        b = tl.arange(0, NBP)
-        ss = tl.load(ss_ptr + row * NB + b, mask=b < NB, other=0.0, cache_modifier=".cg")
-        return tl.rsqrt(tl.sum(ss, 0) / (256 * NB) + eps)
-
-    @jit
-    def _norm_fold_kernel(x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, q_ptr, dx_ptr, bs_ptr, ss_ptr,
-                          stride_x, stride_r, stride_h, stride_y, dim,
-                          HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):
-        """Row `row`, super-block b (programs 0, 1): h = x + r, its sum of squares into
-        ss[row, b], y = h * w and y quantized (quantize_store): add_norm_folded."""
-        row = tl.program_id(0).to(tl.int64)
-        b = tl.program_id(1)
-        d = b * 256 + tl.arange(0, 256)
-        await_inputs(PDL)
-        h = tl.load(x_ptr + row * stride_x + d)
-        if HAS_RESIDUAL:
-            h = h + tl.load(r_ptr + row * stride_r + d)
-            tl.store(h_ptr + row * stride_h + d, h)
-        tl.store(ss_ptr + row * (dim // 256) + b, tl.sum(h * h, 0))
-        y = cast_out(h * tl.load(w_ptr + d), y_ptr)
-        tl.store(y_ptr + row * stride_y + d, y)
-        sb = b + tl.zeros((1,), tl.int32)
-        quantize_store(tl.reshape(y.to(tl.float32), (1, 256)), sb, sb >= 0, row, q_ptr,
-                       dx_ptr, bs_ptr, dim)
-
-
-def add_norm_folded(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
-                    out_dtype: torch.dtype = torch.float32) -> tuple[NormOut, torch.Tensor]:
-    """add_rms_norm(x, weight, eps, residual, quantize=True) with the norm's scale left out
-    (MBUFO_NORM_FOLD): (NormOut(h, y = h * weight, y quantized), sumsq) with sumsq (rows,
-    dim / 256) the sums of h^2 over each 256 columns. A product of y times fold_scale(sumsq,
-    eps) is the product of the norm, up to rounding (quantizing h * w instead of h * w *
-    s gives the same codes where no rounding tie moves; its scale dx is 1/s times the
-    norm's). One program a super-block (no reduction over the row before the output:
-    the norm's scale is summed by whatever reads the product, kernels/fused_rope.py and
-    kernels/gated_act.py). dim a multiple of 256; no residual weight."""
-    if x.dim() != 2 or x.shape[-1] % QK:
-        raise InvalidRequest(f"add_norm_folded: x must be (rows, dim) with dim a multiple of "
-                             f"{QK}, got {tuple(x.shape)}")
-    rows, dim = x.shape
-    if not (HAS_TRITON and (x.device.type != "cpu" or interpreter_active())):
-        h = x if residual is None else x + residual
-        y = (h * weight).to(out_dtype)
-        sumsq = (h * h).reshape(rows, dim // QK, QK).sum(-1)
-        return NormOut(h, y, quant_x_reference(y)), sumsq
-    if out_dtype not in OUT_DTYPES:
-        raise InvalidRequest(f"add_norm_folded: out_dtype {out_dtype} is not one of "
-                             f"{OUT_DTYPES}")
-    _check("x", x, (rows, dim), x.device)
-    _check("residual", residual, (rows, dim), x.device)
-    _check("weight", weight, (dim,), x.device)
-    if not weight.is_contiguous():
-        raise InvalidRequest("add_norm_folded: weight must be contiguous")
-    y = torch.empty(rows, dim, dtype=out_dtype, device=x.device)
-    h = x if residual is None else torch.empty(rows, dim, dtype=torch.float32, device=x.device)
-    xq = empty_quant_x(rows, dim, x.device)
-    sumsq = torch.empty(rows, dim // QK, dtype=torch.float32, device=x.device)
-    if rows:
-        r = x if residual is None else residual
-        launcher(_norm_fold_kernel, x.device)[(rows, dim // QK)](
-            x, r, weight, h, y, *xq, sumsq, x.stride(0), r.stride(0), h.stride(0), y.stride(0),
-            dim, HAS_RESIDUAL=residual is not None, num_warps=2)
-    return NormOut(h, y, xq), sumsq
-
-
-def check_fold(fold: tuple[torch.Tensor, float] | None, rows: int, what: str) -> None:
-    """A consumer's `fold` (add_norm_folded's sums, eps): contiguous float32 (rows, NB)."""
-    if fold is not None and (fold[0].dim() != 2 or fold[0].shape[0] != rows
-                             or fold[0].dtype != torch.float32 or not fold[0].is_contiguous()):
-        raise InvalidRequest(f"{what}: fold sums must be contiguous float32 ({rows}, NB)")
-
-
-def fold_scale_reference(sumsq: torch.Tensor, eps: float) -> torch.Tensor:
-    """(rows, NB) sums of squares of add_norm_folded -> (rows,) rsqrt(mean + eps)."""
-    return torch.rsqrt(sumsq.sum(-1) / (QK * sumsq.shape[-1]) + eps)
-
-
-def fold_setting() -> bool:
-    """MBUFO_NORM_FOLD=1: the q8 layout's steps take add_norm_folded for the norms before
-    the q|k|v and gate|up products (the scale applied by the rope and activation kernels
-    after them); 0 or unset: off (not yet measured on a GPU)."""
-    raw = os.environ.get("MBUFO_NORM_FOLD", "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"MBUFO_NORM_FOLD must be 0 or 1, got {raw!r}")
-    return raw == "1"
 
 
 def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...], device) -> None:
@@ -278,10 +183,4 @@ def aot_specs(spec: type) -> list:
         out.append(spec(f"add_rms_norm{name}", _add_rms_norm_kernel,
                         {**sig, "y_ptr": y_type, **{k: "constexpr" for k in consts}}, consts,
                         _warps(4096), False))
-    fold_sig = {**{n: "*fp32" for n in ("x_ptr", "r_ptr", "w_ptr", "h_ptr", "y_ptr", "dx_ptr",
-                                        "ss_ptr")}, "q_ptr": "*i8", "bs_ptr": "*i32",
-                **{n: "i32" for n in ("stride_x", "stride_r", "stride_h", "stride_y", "dim")},
-                "HAS_RESIDUAL": "constexpr"}
-    out.append(spec("norm_fold_add", _norm_fold_kernel, fold_sig, {"HAS_RESIDUAL": True}, 2,
-                    False))
     return out

@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import InvalidRequest
-from kernels.fused_norm import check_fold, fold_scale_reference
 from kernels.kv_store import kv_store, store_args
 from kernels.triton_util import (
     HAS_TRITON,
@@ -92,22 +91,20 @@ if HAS_TRITON:
         tl.store(at, tl.cos(angle), mask=ok)
         tl.store(at + HALF, tl.sin(angle), mask=ok)
 
-    from kernels.fused_norm import fold_scale
     from kernels.kv_store import _encode
 
     @helper
     def _rope_head(src, dst, cos, sin, w_ptr, eps, HALF: tl.constexpr, HALFP: tl.constexpr,
-                   NEOX: tl.constexpr, HAS_NORM: tl.constexpr, scale):
-        """One head of one token: src (2 HALF values) times `scale` (1.0: as they are) ->
-        dst, with cos/sin (1, HALFP)."""
+                   NEOX: tl.constexpr, HAS_NORM: tl.constexpr):
+        """One head of one token: src (2 HALF values) -> dst, with cos/sin (1, HALFP)."""
         i = tl.arange(0, HALFP)[None, :]
         ok = i < HALF
         if NEOX:
             i0, i1 = i, i + HALF
         else:
             i0, i1 = 2 * i, 2 * i + 1
-        x0 = tl.load(src + i0, mask=ok, other=0.0) * scale
-        x1 = tl.load(src + i1, mask=ok, other=0.0) * scale
+        x0 = tl.load(src + i0, mask=ok, other=0.0)
+        x1 = tl.load(src + i1, mask=ok, other=0.0)
         if HAS_NORM:  # over the head's 2 HALF elements
             inv = tl.rsqrt((tl.sum(x0 * x0, 1) + tl.sum(x1 * x1, 1)) / (2 * HALF) + eps)
             x0 = x0 * inv[:, None] * tl.load(w_ptr + i0, mask=ok, other=0.0)
@@ -120,54 +117,45 @@ if HAS_TRITON:
     def _rope_qk_kernel(
         q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st, eps,
-        v_ptr, slot_ptr, k0_ptr, k1_ptr, v0_ptr, v1_ptr, stride_vt, stride_vh, ss_ptr,
-        fold_eps, H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, HALFP: tl.constexpr,
+        v_ptr, slot_ptr, k0_ptr, k1_ptr, v0_ptr, v1_ptr, stride_vt, stride_vh,
+        H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, HALFP: tl.constexpr,
         NEOX: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr = False,
         DV: tl.constexpr = 0, K_FMT: tl.constexpr = 0, K_ROT: tl.constexpr = False,
         V_FMT: tl.constexpr = 0, V_ROT: tl.constexpr = False, HP: tl.constexpr = 1,
         DKP: tl.constexpr = 1, DVP: tl.constexpr = 1, RKP: tl.constexpr = 1,
-        RVP: tl.constexpr = 1, PDL: tl.constexpr = False, FOLD_NB: tl.constexpr = 0,
-        FOLD_NBP: tl.constexpr = 1,
+        RVP: tl.constexpr = 1, PDL: tl.constexpr = False,
     ):
         """Token t (program 0), head h (program 1: the q heads, then the k heads), with
         the token's cos/sin row: a decode step's few tokens still spread over the device.
         With STORE, program H rotates every k head of the token, then stores them into the
         KV planes at the token's slot (kernels/kv_store.py's _encode), and program H + 1
-        stores its v: the step's K/V store without a launch of its own. FOLD_NB (the
-        folded norm's super-blocks, kernels/fused_norm.py's add_norm_folded): q, k and v
-        are the product of the norm's input left unscaled, each times the token's
-        fold_scale first (its sums read before the wait: the folded norm ran before the
-        product this kernel waits for, which waited for it)."""
+        stores its v: the step's K/V store without a launch of its own."""
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         i = tl.arange(0, HALFP)[None, :]
-        if FOLD_NB > 0:
-            s = fold_scale(ss_ptr, t, fold_eps, FOLD_NB, FOLD_NBP)
-        else:
-            s = 1.0
         await_inputs(PDL)
         cos = tl.load(cos_ptr + t * stride_ct + i, mask=i < HALF, other=0.0)  # (1, HALFP)
         sin = tl.load(sin_ptr + t * stride_st + i, mask=i < HALF, other=0.0)
         if h < H:
             _rope_head(q_ptr + t * stride_qt + h * stride_qh, qo_ptr + (t * H + h) * (2 * HALF),
-                       cos, sin, qw_ptr, eps, HALF, HALFP, NEOX, HAS_NORM, s)
+                       cos, sin, qw_ptr, eps, HALF, HALFP, NEOX, HAS_NORM)
         elif not STORE:
             _rope_head(k_ptr + t * stride_kt + (h - H) * stride_kh,
                        ko_ptr + (t * KVH + h - H) * (2 * HALF), cos, sin, kw_ptr, eps, HALF,
-                       HALFP, NEOX, HAS_NORM, s)
+                       HALFP, NEOX, HAS_NORM)
         elif h == H:
             k_row = ko_ptr + t * KVH * (2 * HALF)
             for j in tl.static_range(KVH):
                 _rope_head(k_ptr + t * stride_kt + j * stride_kh, k_row + j * (2 * HALF), cos,
-                           sin, kw_ptr, eps, HALF, HALFP, NEOX, HAS_NORM, s)
+                           sin, kw_ptr, eps, HALF, HALFP, NEOX, HAS_NORM)
             tl.debug_barrier()  # the program's own writes of k_row, visible to all its threads
             slot = tl.load(slot_ptr + t).to(tl.int64)
             _encode(k_row, 2 * HALF, slot, k0_ptr, k1_ptr, K_FMT, K_ROT, KVH, 2 * HALF, HP, DKP,
-                    RKP, 1.0)
+                    RKP)
         else:
             slot = tl.load(slot_ptr + t).to(tl.int64)
             _encode(v_ptr + t * stride_vt, stride_vh, slot, v0_ptr, v1_ptr, V_FMT, V_ROT, KVH,
-                    DV, HP, DVP, RVP, s)
+                    DV, HP, DVP, RVP)
 
 
 def _check(q, k, cos, sin, q_weight, k_weight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,23 +195,15 @@ class KVStore(NamedTuple):
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             neox: bool, q_weight: torch.Tensor | None = None,
             k_weight: torch.Tensor | None = None, eps: float = 1e-6,
-            store: KVStore | None = None,
-            fold: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            store: KVStore | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q (T, H, d), k (T, KVH, d) float32 (any row/head strides), cos/sin (T, d/2) or
     (T, 1, d/2) -> contiguous rotated (q, k), after their RMSNorm when weights are given;
     with `store`, the rotated k and store.v also stored at store.slots of the KV planes
-    (kv_store's bits) by the same launch. `fold` (sumsq (T, NB), eps): q, k and v are a
-    product of kernels/fused_norm.py's add_norm_folded output, each token's scaled by its
-    fold_scale first.
+    (kv_store's bits) by the same launch.
 
     One launch on a GPU (or on the CPU when the interpreter is active), else the references.
     """
-    check_fold(fold, q.shape[0], "rope_qk")
     if not (HAS_TRITON and (q.device.type != "cpu" or interpreter_active())):
-        if fold is not None:
-            scale = fold_scale_reference(*fold)[:, None, None]
-            q, k = q * scale, k * scale
-            store = store._replace(v=store.v * scale) if store is not None else None
         q_out, k_out = rope_qk_reference(q, k, cos, sin, neox, q_weight, k_weight, eps)
         if store is not None:
             kv_store(k_out, *store)
@@ -240,17 +220,13 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         args = (v, slots.to(q.device), *planes, v.stride(0), v.stride(1))
         # f16 planes take a copy a thread; the quantized ones kv_store's warps
         warps = 1 if consts["K_FMT"] == consts["V_FMT"] == 0 else 4
-    if fold is not None:
-        nb = fold[0].shape[1]
-        consts.update(FOLD_NB=nb, FOLD_NBP=next_pow2(nb))
     if tokens:
         norm = q_weight is not None
         launcher(_rope_qk_kernel, q.device)[(tokens, heads + (2 if store else kv_heads))](
             q, k, cos, sin, q_weight if norm else cos, k_weight if norm else cos, q_out, k_out,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-            float(eps), *args, fold[0] if fold is not None else cos,
-            float(fold[1]) if fold is not None else 0.0, H=heads, KVH=kv_heads,
-            HALF=dim // 2, HALFP=next_pow2(dim // 2), NEOX=bool(neox), HAS_NORM=norm,
+            float(eps), *args, H=heads, KVH=kv_heads, HALF=dim // 2,
+            HALFP=next_pow2(dim // 2), NEOX=bool(neox), HAS_NORM=norm,
             STORE=store is not None, **consts, num_warps=warps)
     return q_out, k_out
 
@@ -296,7 +272,7 @@ def aot_specs(spec: type) -> list:
                                    "v0_ptr", "v1_ptr")},
            **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh",
                                  "stride_ct", "stride_st", "stride_vt", "stride_vh")},
-           "eps": "fp32", "ss_ptr": "*fp32", "fold_eps": "fp32"}
+           "eps": "fp32"}
     out = [spec(f"rope_cos_sin_{half}", _cos_sin_kernel,
                 {"pos_ptr": "*i64", "inv_ptr": "*fp32", "out_ptr": "*fp32", "tokens": "i32",
                  "stride_pos": "i32", "HALF": "constexpr", "HALFP": "constexpr",
@@ -306,7 +282,7 @@ def aot_specs(spec: type) -> list:
            for half in (64, 128)]  # head dims 128 (Llama) and 256 (Gemma 3 27B)
     for name, heads, neox, norm in (("llama", 32, False, False), ("qk_norm", 16, True, True)):
         consts = {"H": heads, "KVH": 8, "HALF": 64, "HALFP": 64, "NEOX": neox,
-                  "HAS_NORM": norm, "FOLD_NB": 0, "FOLD_NBP": 1}
+                  "HAS_NORM": norm}
         out.append(spec(f"rope_qk_{name}", _rope_qk_kernel,
                         {**sig, **{k: "constexpr" for k in consts}}, consts, 1, False))
     plane = {0: "*fp16", 1: "*i8", 2: "*u8"}
@@ -315,15 +291,10 @@ def aot_specs(spec: type) -> list:
         consts = {"H": 32, "KVH": 8, "HALF": 64, "HALFP": 64, "NEOX": False,
                   "HAS_NORM": False, "STORE": True, "DV": 128, "K_FMT": kf, "K_ROT": kr,
                   "V_FMT": vf, "V_ROT": vr, "HP": 8, "DKP": 128, "DVP": 128, "RKP": 32,
-                  "RVP": 32, "FOLD_NB": 0, "FOLD_NBP": 1}
+                  "RVP": 32}
         store_sig = {**sig, "slot_ptr": "*i64", "k0_ptr": plane[kf], "k1_ptr": "*fp16",
                      "v0_ptr": plane[vf], "v1_ptr": "*fp16"}
         out.append(spec(f"rope_qk_llama_store_{name}", _rope_qk_kernel,
                         {**store_sig, **{k: "constexpr" for k in consts}}, consts, warps,
                         False))
-        if name == "f16":  # after a folded norm (add_norm_folded)
-            fold = {**consts, "FOLD_NB": 16, "FOLD_NBP": 16}
-            out.append(spec("rope_qk_llama_store_f16_fold", _rope_qk_kernel,
-                            {**store_sig, **{k: "constexpr" for k in fold}}, fold, warps,
-                            False))
     return out

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import InvalidRequest
-from kernels.fused_norm import OUT_DTYPES, check_fold, fold_scale_reference
+from kernels.fused_norm import OUT_DTYPES
 from kernels.qint import QK, QuantX, empty_quant_x, quant_x_reference
 from kernels.triton_util import (
     HAS_TRITON,
@@ -23,7 +23,6 @@ from kernels.triton_util import (
     interpreter_active,
     jit,
     launcher,
-    next_pow2,
     release_first,
     tl,
 )
@@ -45,7 +44,7 @@ def gated_act_reference(gate_up: torch.Tensor, activation: str,
 
 
 if HAS_TRITON:
-    from kernels.fused_norm import cast_out, fold_scale
+    from kernels.fused_norm import cast_out
     from kernels.qint import quantize_store
 
     @helper
@@ -60,26 +59,18 @@ if HAS_TRITON:
 
     @jit
     def _gated_act_kernel(gu_ptr, out_ptr, q_ptr, dx_ptr, bs_ptr, ffn, stride_gu, stride_out,
-                          ss_ptr, fold_eps, ACT: tl.constexpr, BLOCK: tl.constexpr,
-                          QUANT: tl.constexpr = False, PDL: tl.constexpr = False,
-                          RELEASE_FIRST: tl.constexpr = False, FOLD_NB: tl.constexpr = 0,
-                          FOLD_NBP: tl.constexpr = 1):
+                          ACT: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr = False,
+                          PDL: tl.constexpr = False, RELEASE_FIRST: tl.constexpr = False):
         """Columns [BLOCK * j, BLOCK * (j + 1)) of one row (BLOCK a multiple of 256); with
         QUANT also their super-blocks quantized (ffn a multiple of 256). RELEASE_FIRST
         (with QUANT: the down product after it reads only weights before its wait):
-        triton_util.release_first. FOLD_NB: gate and up are the product of a folded norm's
-        output (kernels/fused_norm.py's add_norm_folded), scaled by the row's fold_scale
-        first (its sums read before the wait: see kernels/fused_rope.py)."""
+        triton_util.release_first."""
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = col < ffn
-        if FOLD_NB > 0:
-            s = fold_scale(ss_ptr, row, fold_eps, FOLD_NB, FOLD_NBP)
-        else:
-            s = 1.0
         await_inputs(PDL, RELEASE_FIRST)
-        g = tl.load(gu_ptr + row * stride_gu + col, mask=ok, other=0.0) * s
-        u = tl.load(gu_ptr + row * stride_gu + ffn + col, mask=ok, other=0.0) * s
+        g = tl.load(gu_ptr + row * stride_gu + col, mask=ok, other=0.0)
+        u = tl.load(gu_ptr + row * stride_gu + ffn + col, mask=ok, other=0.0)
         y = cast_out(gated(g, u, ACT), out_ptr)
         tl.store(out_ptr + row * stride_out + col, y, mask=ok)
         if QUANT:
@@ -98,26 +89,18 @@ def gated_act(gate_up: torch.Tensor, activation: str,
 
 
 def gated_act_quant(gate_up: torch.Tensor, activation: str,
-                    out_dtype: torch.dtype = torch.float32,
-                    fold: tuple[torch.Tensor, float] | None = None,
-                    ) -> tuple[torch.Tensor, QuantX]:
+                    out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, QuantX]:
     """gated_act, and its output quantized as kernels/qint.py's quantize_x would (F a
-    multiple of 256), in the same launch. `fold` (sumsq (rows, NB), eps): gate_up is the
-    product of kernels/fused_norm.py's add_norm_folded output, each row's scaled by its
-    fold_scale first."""
-    return _gated_act(gate_up, activation, out_dtype, True, fold)
+    multiple of 256), in the same launch."""
+    return _gated_act(gate_up, activation, out_dtype, True)
 
 
 def _gated_act(gate_up: torch.Tensor, activation: str, out_dtype: torch.dtype,
-               quantize: bool, fold: tuple[torch.Tensor, float] | None = None,
-               ) -> tuple[torch.Tensor, QuantX | None]:
+               quantize: bool) -> tuple[torch.Tensor, QuantX | None]:
     if quantize and gate_up.shape[-1] % (2 * QK):
         raise InvalidRequest(f"gated_act: quantize needs F a multiple of {QK}, got "
                              f"{gate_up.shape[-1] // 2}")
-    check_fold(fold, gate_up.shape[0], "gated_act")
     if not (HAS_TRITON and (gate_up.device.type != "cpu" or interpreter_active())):
-        if fold is not None:
-            gate_up = gate_up * fold_scale_reference(*fold)[:, None]
         out = gated_act_reference(gate_up, activation, out_dtype)
         return out, quant_x_reference(out) if quantize else None
     if activation not in ACTIVATION_IDS or out_dtype not in OUT_DTYPES:
@@ -133,10 +116,7 @@ def _gated_act(gate_up: torch.Tensor, activation: str, out_dtype: torch.dtype,
     if rows and ffn:
         launcher(_gated_act_kernel, gate_up.device)[(rows, -(-ffn // _BLOCK))](
             gate_up, out, *(xq or (out, out, out)), ffn, gate_up.stride(0), out.stride(0),
-            fold[0] if fold is not None else out, float(fold[1]) if fold is not None else 0.0,
             ACT=ACTIVATION_IDS[activation], BLOCK=_BLOCK, QUANT=quantize, num_warps=4,
-            **({"FOLD_NB": fold[0].shape[1], "FOLD_NBP": next_pow2(fold[0].shape[1])}
-               if fold is not None else {}),
             **({"RELEASE_FIRST": True} if quantize and release_first("gated_act") else {}))
     return out, xq
 
@@ -147,16 +127,9 @@ def aot_specs(spec: type) -> list:
         return []
     sig = {"gu_ptr": "*fp32", "out_ptr": "*fp32", "q_ptr": "*i8", "dx_ptr": "*fp32",
            "bs_ptr": "*fp16", "ffn": "i32", "stride_gu": "i32", "stride_out": "i32",
-           "ss_ptr": "*fp32", "fold_eps": "fp32", "ACT": "constexpr", "BLOCK": "constexpr",
-           "QUANT": "constexpr"}
-    specs = [spec(f"gated_act_{name}{suffix}", _gated_act_kernel,
-                  {**sig, "out_ptr": out, "FOLD_NB": "constexpr", "FOLD_NBP": "constexpr"},
-                  {"ACT": act, "BLOCK": _BLOCK, "QUANT": quant, "FOLD_NB": 0, "FOLD_NBP": 1},
-                  4, False)
-             for name, act in ACTIVATION_IDS.items()
-             for suffix, out, quant in (("", "*fp32", False), ("_bf16", "*bf16", False),
-                                        ("_q8", "*fp32", True))]
-    fold = {"ACT": 0, "BLOCK": _BLOCK, "QUANT": True, "FOLD_NB": 16, "FOLD_NBP": 16}
-    specs.append(spec("gated_act_silu_q8_fold", _gated_act_kernel,
-                      {**sig, "FOLD_NB": "constexpr", "FOLD_NBP": "constexpr"}, fold, 4, False))
-    return specs
+           "ACT": "constexpr", "BLOCK": "constexpr", "QUANT": "constexpr"}
+    return [spec(f"gated_act_{name}{suffix}", _gated_act_kernel, {**sig, "out_ptr": out},
+                 {"ACT": act, "BLOCK": _BLOCK, "QUANT": quant}, 4, False)
+            for name, act in ACTIVATION_IDS.items()
+            for suffix, out, quant in (("", "*fp32", False), ("_bf16", "*bf16", False),
+                                       ("_q8", "*fp32", True))]

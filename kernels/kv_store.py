@@ -95,22 +95,20 @@ if HAS_TRITON:
     @helper
     def _encode(x_ptr, stride_h, slot, p0, p1, FMT: tl.constexpr, ROTATE: tl.constexpr,
                 H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-                RP: tl.constexpr, scale):
-        """One token's (H, D) vectors (heads at stride_h) times `scale` (1.0: as they are)
-        -> the planes at `slot` (int64)."""
+                RP: tl.constexpr):
+        """One token's (H, D) vectors (heads at stride_h) -> the planes at `slot` (int64)."""
         if FMT == 0:
             h = tl.arange(0, HP)[:, None]
             d = tl.arange(0, DP)[None, :]
             ok = (h < H) & (d < D)
-            x = tl.load(x_ptr + h * stride_h + d, mask=ok) * scale
+            x = tl.load(x_ptr + h * stride_h + d, mask=ok)
             tl.store(p0 + slot * (H * D) + h * D + d, x.to(tl.float16), mask=ok)
         else:
             NB = D // 32
             r = tl.arange(0, RP)[:, None]  # block r = head * NB + block within the head
             j = tl.arange(0, 32)[None, :]
             ok = r < H * NB
-            b = tl.load(x_ptr + (r // NB) * stride_h + (r % NB) * 32 + j, mask=ok,
-                        other=0.0) * scale
+            b = tl.load(x_ptr + (r // NB) * stride_h + (r % NB) * 32 + j, mask=ok, other=0.0)
             if ROTATE:
                 b = _hadamard(b, RP)
             if FMT == 1:  # scale = amax / 127
@@ -147,10 +145,10 @@ if HAS_TRITON:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if tl.program_id(1) == 0:
             _encode(k_ptr + t * stride_kt, stride_kh, slot, k0_ptr, k1_ptr, K_FMT, K_ROT, KVH,
-                    DK, HP, DKP, RKP, 1.0)
+                    DK, HP, DKP, RKP)
         else:
             _encode(v_ptr + t * stride_vt, stride_vh, slot, v0_ptr, v1_ptr, V_FMT, V_ROT, KVH,
-                    DV, HP, DVP, RVP, 1.0)
+                    DV, HP, DVP, RVP)
 
 
 def _planes(planes: dict[str, torch.Tensor], fmt: str, x: torch.Tensor,

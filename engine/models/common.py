@@ -21,7 +21,7 @@ from engine.layers.norm import rms_norm
 from engine.layers.rope import Rope
 from engine.models.config import ModelConfig
 from engine.models.weights import WeightLoader
-from kernels.fused_norm import NormOut, add_norm_folded, add_rms_norm, fold_setting
+from kernels.fused_norm import NormOut, add_rms_norm
 from kernels.fused_rope import rope_qk
 from kernels.gated_act import gated_act, gated_act_quant
 from kernels.qint import QuantX
@@ -34,13 +34,6 @@ def _act8(linear: object, fused: bool) -> bool:
     """Whether the norm kernel before `linear` also quantizes its output for it (a linear
     of the q8 layout, which would otherwise launch that quantization itself)."""
     return fused and getattr(linear, "takes_xq", False)
-
-
-def _foldable(linear: object, fused: bool) -> bool:
-    """Whether a folded norm (MBUFO_NORM_FOLD, _fold_norm) may feed `linear`: a q8 product
-    (_act8) without a bias (the kernel after it scales the whole output: a bias would be
-    scaled with it)."""
-    return _act8(linear, fused) and getattr(linear, "bias", None) is None
 
 
 @dataclass(slots=True)
@@ -147,25 +140,18 @@ class DecoderModel:
             batch.positions)
         last = len(self.blocks) - 1
         pending: _Residual | None = None  # the previous block's MLP output, not yet added
-        # MBUFO_NORM_FOLD: the norms before q|k|v and gate|up leave their scale to the rope
-        # and activation kernels after those products (_fold_norm)
-        fold = fused and fold_setting()
         for i, blk in enumerate(self.blocks):
             rope, cs = (self.rope_swa, cos_sin_swa) if cfg.is_sliding(i) else (self.rope, cos_sin)
-            (x, h, hq), sums = self._fold_norm(x, pending, blk.attn_norm, fused,
-                                               fold and _foldable(blk.qkv, fused),
-                                               _act8(blk.qkv, fused))
-            o = self._attention(blk, h, hq, rope, cs, batch, kv, fused, sums)
+            x, h, hq = self._add_norm(x, pending, blk.attn_norm, fused, self._mm_dtype,
+                                      _act8(blk.qkv, fused))
+            o = self._attention(blk, h, hq, rope, cs, batch, kv, fused)
             if i == last and not batch.every_token():  # only the requested rows go
                 x, o = x[batch.logits_rows], o[batch.logits_rows]  # through the last MLP
-            (x, h, hq), sums = self._fold_norm(
-                x, (o, blk.post_attn_norm), blk.ffn_norm, fused,
-                fold and _foldable(blk.gate_up, fused) and _act8(blk.down, fused),
-                _act8(blk.gate_up, fused))
+            x, h, hq = self._add_norm(x, (o, blk.post_attn_norm), blk.ffn_norm, fused,
+                                      self._mm_dtype, _act8(blk.gate_up, fused))
             gate_up = blk.gate_up(h) if hq is None else blk.gate_up(h, xq=hq)
             if _act8(blk.down, fused):  # the activation kernel quantizes for the q8 down
-                act, aq = gated_act_quant(gate_up, self.cfg.activation, self._mm_dtype,
-                                          None if sums is None else (sums, self.cfg.rms_eps))
+                act, aq = gated_act_quant(gate_up, self.cfg.activation, self._mm_dtype)
                 down = blk.down(act, xq=aq)
             else:
                 down = blk.down(self._mlp_act(gate_up, fused))
@@ -179,17 +165,6 @@ class DecoderModel:
             return gated_act(gate_up, self.cfg.activation, self._mm_dtype)
         gate, up = gate_up.split(self.cfg.ffn_size, dim=-1)
         return self._act(gate, up)
-
-    def _fold_norm(self, x: torch.Tensor, residual: _Residual | None, weight: torch.Tensor,
-                   fused: bool, fold: bool, quantize: bool,
-                   ) -> tuple[NormOut, torch.Tensor | None]:
-        """_add_norm(...)'s NormOut and None; with `fold` (a q8 product reads the norm, and
-        the kernel after that product takes the scale; no post-norm weight) the folded
-        norm's (kernels/fused_norm.py's add_norm_folded) and its sums of squares."""
-        r, r_weight = residual if residual is not None else (None, None)
-        if fold and r_weight is None:
-            return add_norm_folded(x, weight, r, self._mm_dtype)
-        return self._add_norm(x, residual, weight, fused, self._mm_dtype, quantize), None
 
     def _add_norm(self, x: torch.Tensor, residual: _Residual | None, weight: torch.Tensor,
                   fused: bool, out_dtype: torch.dtype = torch.float32, quantize: bool = False,
@@ -207,11 +182,9 @@ class DecoderModel:
 
     def _attention(self, blk: Block, h: torch.Tensor, hq: QuantX | None, rope: Rope,
                    cs: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
-                   kv: KVCache, fused: bool, sums: torch.Tensor | None = None,
-                   ) -> torch.Tensor:
+                   kv: KVCache, fused: bool) -> torch.Tensor:
         """-> the output projection, before the post-attention norm (see _add_norm); hq: h
-        quantized by the norm kernel for a q8 projection; `sums`: the norm was folded
-        (_fold_norm), its scale for the rope kernel to apply."""
+        quantized by the norm kernel for a q8 projection."""
         cfg, n = self.cfg, h.shape[0]
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         qkv = blk.qkv(h) if hq is None else blk.qkv(h, xq=hq)
@@ -221,8 +194,7 @@ class DecoderModel:
         v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim_v)
         if fused:  # q/k norm and RoPE of both, and the K/V store, in one kernel
             q, k = rope_qk(q, k, *cs, rope.neox, blk.q_norm, blk.k_norm, cfg.rms_eps,
-                           kv_target(blk.attn, v, batch, kv),
-                           None if sums is None else (sums, cfg.rms_eps))
+                           kv_target(blk.attn, v, batch, kv))
             if _act8(blk.out, fused) and attn_quant_enabled(n):  # the attention quantizes
                 o, oq = attend_q8(blk.attn, q, batch, kv)
                 return blk.out(o) if oq is None else blk.out(o, xq=oq)

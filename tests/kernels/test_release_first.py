@@ -73,9 +73,8 @@ def test_builds_release_before_or_after_their_wait(which):
     else:
         kernel = gated_act._gated_act_kernel
         sig = {"gu_ptr": "*fp32", "out_ptr": "*fp32", "q_ptr": "*i8", "dx_ptr": "*fp32",
-               "bs_ptr": "*fp16", "ffn": "i32", "stride_gu": "i32", "stride_out": "i32",
-               "ss_ptr": "*fp32", "fold_eps": "fp32"}
-        base = {"ACT": 0, "BLOCK": 1024, "QUANT": True, "FOLD_NB": 0, "FOLD_NBP": 1}
+               "bs_ptr": "*fp16", "ffn": "i32", "stride_gu": "i32", "stride_out": "i32"}
+        base = {"ACT": 0, "BLOCK": 1024, "QUANT": True}
     for first in (False, True):
         ptx = _ptx(kernel, sig, {**base, "PDL": True, "RELEASE_FIRST": first})
         wait = ptx.index("griddepcontrol.wait")

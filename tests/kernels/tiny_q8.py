@@ -1,5 +1,5 @@
 """A tiny synthetic Llama on the q8 layout, for decoder steps in the interpreter's worker
-(test_model_q8_head.py, test_model_norm_fold.py)."""
+(test_model_q8_head.py)."""
 
 from __future__ import annotations
 
