@@ -14,7 +14,14 @@ three, but only FFN / F programs (56-224 at Llama-3.1-8B's 14336) and a sum of t
 partials after it. If these reads come near the flat read's time, the fused kernel is worth
 building; if not, its program count is what bounds it.
 
-    python3 bench/gpu/mlp_read_bench.py [--out DIR] [--f 64,128,256] [--warps 4,8,16]
+The fused kernel this prices can keep q8's bits (and so batch invariance): with F = 256 a
+program holds a whole super-block of the activation (its quantization needs no other
+program) and writes, for each down row, that super-block's exact integer sums (Q4_K: isum
+and msum; Q6_K: isum); a reduce launch then replays each split's fma chain over its
+super-blocks in K order and adds the splits in split order, as kernels/qint.py's one-row
+product does. Its gate|up rows keep their own split's chains the same way.
+
+    python3 bench/gpu/mlp_read_bench.py [--out DIR] [--f 64,128,256] [--warps 4,8,16,32]
 
 Timed as bench/gpu/qmatmul_bench.py times (CUDA-graph replays over weight copies that miss
 the L2). Every variant's xor of what it read is checked against numpy's xor of the words it
@@ -198,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--f", default="64,128,256", help="FFN columns a program")
-    ap.add_argument("--warps", default="4,8,16")
+    ap.add_argument("--warps", default="4,8,16,32")
     ap.add_argument("--types", default="Q4_K,Q6_K", help="the down matrix's type")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
