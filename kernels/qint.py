@@ -351,7 +351,50 @@ if HAS_TRITON:
     def _quad_dots(w, x, PTX: tl.constexpr):
         """(BN, 32) code words and x's words -> (BN, 8) int32: each quad of 4 words' dp4a
         sums (a quad lies in one thread: no exchange)."""
+        if PTX:  # each quad one chain of dp4a's through their accumulator: no adds
+            w0, w1, w2, w3 = _quad_words(w)
+            x0, x1, x2, x3 = _quad_words(x)
+            acc = _dp4a(w0, x0, PTX)
+            acc = _dp4a_add(w1, x1, acc)
+            acc = _dp4a_add(w2, x2, acc)
+            return _dp4a_add(w3, x3, acc)
         return tl.sum(tl.reshape(_dp4a(w, x, PTX), (w.shape[0], 8, 4)), axis=2)
+
+    @helper
+    def _high_quad_dots(w, x, PTX: tl.constexpr):
+        """_quad_dots of the high nibbles of w: on NVIDIA the bytes' high nibbles in place
+        (16 times their value, unsigned) through dp4a.u32.s32, each quad's sum then divided
+        by 16 (exact): no shift a word."""
+        if PTX:
+            h = w & -0x0F0F0F10  # 0xF0F0F0F0 as an int32
+            w0, w1, w2, w3 = _quad_words(h)
+            x0, x1, x2, x3 = _quad_words(x)
+            acc = _dp4a_u(w0, x0, 0 * w0)
+            acc = _dp4a_u(w1, x1, acc)
+            acc = _dp4a_u(w2, x2, acc)
+            return _dp4a_u(w3, x3, acc) >> 4
+        return _quad_dots((w >> 4) & 0x0F0F0F0F, x, PTX)
+
+    @helper
+    def _dp4a_u(a, b, c):
+        """c + the sum of the 4 products of a's unsigned and b's signed bytes (NVIDIA)."""
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+
+    @helper
+    def _dp4a_add(a, b, c):
+        """c + _dp4a(a, b) in one dp4a (NVIDIA)."""
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+
+    @helper
+    def _quad_words(t):
+        """(BN, 32) words -> four (BN, 8): word i of each quad of 4 (a quad lies in one
+        thread: the splits move no data)."""
+        a, b = tl.split(tl.reshape(t, (t.shape[0], 8, 2, 2)))
+        a0, a1 = tl.split(a)
+        b0, b1 = tl.split(b)
+        return a0, b0, a1, b1
 
     @helper
     def _k4_head_words(head):
@@ -461,7 +504,6 @@ if HAS_TRITON:
             xa0, xb0, t00, t01, t02, t03, dx0 = _x_q4k(q32, bs_ptr, dx_ptr, xw, j, 0, sb, K,
                                                        VROWS)
         lo = w & 0x0F0F0F0F
-        hi = (w >> 4) & 0x0F0F0F0F
         w0, w1, w2, w3 = _k4_head_words(head)
         q = tl.arange(0, 8)[None, :]  # quad of words q: words 4 q .. 4 q + 3, group q // 2
         s_lo = (2 * (q // 2)).to(tl.uint32)  # sub-block of the quad's low nibbles
@@ -481,7 +523,7 @@ if HAS_TRITON:
                     xa, xb, t0, t1, t2, t3, dx = _x_q4k(q32, bs_ptr, dx_ptr, xw, j, m, sb, K,
                                                         VROWS)
                 p_lo = _quad_dots(lo, xa, PTX)
-                p_hi = _quad_dots(hi, xb, PTX)
+                p_hi = _high_quad_dots(w, xb, PTX)
                 dot = sc_lo * p_lo + sc_hi * p_hi  # (BN, 8)
                 msum = mn0 * (t0 + t1) + mn1 * (t2 + t3)  # (BN, 4)
                 acc = _put(acc, col, m, tl.sum(dot, axis=1), d * dx)

@@ -254,6 +254,27 @@ def test_splits_in_one_program_give_the_same_bits(interp, rng, qtype):
     check(got[:, 64:], x[:1], g2, T.Q6_K)
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_nvidia_branch_gives_the_same_bits(interp, rng, qtype):
+    """The one-row product's PTX branch (dp4a chains through their accumulators, Q4_K's high
+    nibbles multiplied in place and the sum divided by 16), its dp4a's evaluated with numpy
+    (tests/kernels/ptx_emulation.py), gives the portable branch's bits: splits as programs
+    and in one program, 1-3 rows of x."""
+    from kernels.qint import in_cta_config
+
+    n, k = 75, 1024
+    blocks = random_weight(qtype, n, k, rng)
+    held = stored(blocks, qtype, k)
+    x = torch.from_numpy(rng.standard_normal((3, k), dtype=np.float32))
+    for cfg, m in ((QIntConfig(16, 2, 2), 1), (QIntConfig(32, 1, 4), 3),
+                   (in_cta_config(QIntConfig(16, 4, 2)), 1)):
+        want = interp.call(KERNEL, x[:m], *held, (n, k), cfg)
+        got = interp.call("tests.kernels.ptx_emulation:qint_with_ptx", x[:m], *held, (n, k),
+                          cfg)
+        assert torch.equal(got, want), (cfg, m)
+        check(got, x[:m], blocks, qtype)
+
+
 def parts_with_tile(tile: tuple, *args, **kwargs) -> torch.Tensor:
     """qint_parts with every matrix-unit launch at `tile` (called in the interpreter's worker)."""
     from kernels.qint import forced_tile, qint_parts, tiled_tile
