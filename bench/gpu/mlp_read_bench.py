@@ -47,6 +47,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from provenance import commit_id  # noqa: E402
 from qmatmul_bench import L2_MISS_BYTES, Run, ceilings  # noqa: E402
+from read_pattern_bench import _read_flat  # noqa: E402  (the read ceiling's kernel)
 
 from kernels.triton_util import jit, tl  # noqa: E402
 
@@ -95,18 +96,6 @@ def _read_mlp(gu_ptr, dn_ptr, gu_out, dn_out, ffn, hidden, dn_row_words,
             s = tl.load(d32 + base + h)  # head
             x = tl.xor_sum(a, axis=1) ^ tl.xor_sum(s, axis=1)
         tl.store(dn_out + p * hidden + rows, x)
-
-
-@jit
-def _read_flat(w_ptr, out_ptr, n_words, BLOCK: tl.constexpr, STEPS: tl.constexpr):
-    """Xors STEPS contiguous blocks of BLOCK int32 words a program (the read ceiling)."""
-    pid = tl.program_id(0)
-    w32 = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    acc = tl.zeros((BLOCK,), tl.int32)
-    for i in range(0, STEPS):
-        offs = (pid * STEPS + i).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        acc ^= tl.load(w32 + offs, mask=offs < n_words, other=0)
-    tl.store(out_ptr + pid, tl.xor_sum(acc, axis=0))
 
 
 def _xor(a: np.ndarray) -> int:
