@@ -19,7 +19,11 @@ program holds a whole super-block of the activation (its quantization needs no o
 program) and writes, for each down row, that super-block's exact integer sums (Q4_K: isum
 and msum; Q6_K: isum); a reduce launch then replays each split's fma chain over its
 super-blocks in K order and adds the splits in split order, as kernels/qint.py's one-row
-product does. Its gate|up rows keep their own split's chains the same way.
+product does. Its gate|up rows keep their own split's chains the same way. But F = 256 puts
+the gate|up product's arithmetic on 56 programs: its one-row kernel issues ~7M warp
+instructions on the H200 (~7 us of all 132 multiprocessors' issue at best), ~17 us on 56.
+So reads near the flat time here are necessary for that kernel, not sufficient; at F = 64
+(224 programs) the activation's super-block quantization would need other programs' values.
 
     python3 bench/gpu/mlp_read_bench.py [--out DIR] [--f 64,128,256] [--warps 4,8,16,32]
 
