@@ -321,16 +321,11 @@ if HAS_TRITON:
         quantize_store(x, b, b >= 0, m, q_ptr, dx_ptr, bs_ptr, K)
 
     @helper
-    def _dp4a(a, b, PTX: tl.constexpr):
+    def _dp4a(a, b):
         """The sum of the 4 byte products of int32 words a (unsigned bytes < 128) and b
-        (signed bytes): one dp4a on NVIDIA, byte by byte elsewhere (the same integer)."""
-        if PTX:
-            out = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b],
-                                            dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            out = ((a & 255) * ((b << 24) >> 24) + ((a >> 8) & 255) * ((b << 16) >> 24)
-                   + ((a >> 16) & 255) * ((b << 8) >> 24) + ((a >> 24) & 255) * (b >> 24))
-        return out
+        (signed bytes), byte by byte (NVIDIA's dp4a gives the same integer: _dp4a_chain)."""
+        return ((a & 255) * ((b << 24) >> 24) + ((a >> 8) & 255) * ((b << 16) >> 24)
+                + ((a >> 16) & 255) * ((b << 8) >> 24) + ((a >> 24) & 255) * (b >> 24))
 
     @helper
     def _stream(p):
@@ -351,41 +346,40 @@ if HAS_TRITON:
     def _quad_dots(w, x, PTX: tl.constexpr):
         """(BN, 32) code words and x's words -> (BN, 8) int32: each quad of 4 words' dp4a
         sums (a quad lies in one thread: no exchange)."""
-        if PTX:  # each quad one chain of dp4a's through their accumulator: no adds
-            w0, w1, w2, w3 = _quad_words(w)
-            x0, x1, x2, x3 = _quad_words(x)
-            acc = _dp4a(w0, x0, PTX)
-            acc = _dp4a_add(w1, x1, acc)
-            acc = _dp4a_add(w2, x2, acc)
-            return _dp4a_add(w3, x3, acc)
-        return tl.sum(tl.reshape(_dp4a(w, x, PTX), (w.shape[0], 8, 4)), axis=2)
+        if PTX:
+            return _dp4a_chain(w, x, True)
+        return tl.sum(tl.reshape(_dp4a(w, x), (w.shape[0], 8, 4)), axis=2)
 
     @helper
     def _high_quad_dots(w, x, PTX: tl.constexpr):
         """_quad_dots of the high nibbles of w: on NVIDIA the bytes' high nibbles in place
-        (16 times their value, unsigned) through dp4a.u32.s32, each quad's sum then divided
-        by 16 (exact): no shift a word."""
+        (16 times their value, unsigned), each quad's sum then divided by 16 (exact): no
+        shift a word."""
         if PTX:
-            h = w & -0x0F0F0F10  # 0xF0F0F0F0 as an int32
-            w0, w1, w2, w3 = _quad_words(h)
-            x0, x1, x2, x3 = _quad_words(x)
-            acc = _dp4a_u(w0, x0, 0 * w0)
-            acc = _dp4a_u(w1, x1, acc)
-            acc = _dp4a_u(w2, x2, acc)
-            return _dp4a_u(w3, x3, acc) >> 4
+            return _dp4a_chain(w & -0x0F0F0F10, x, False) >> 4  # 0xF0F0F0F0 as an int32
         return _quad_dots((w >> 4) & 0x0F0F0F0F, x, PTX)
 
     @helper
-    def _dp4a_u(a, b, c):
-        """c + the sum of the 4 products of a's unsigned and b's signed bytes (NVIDIA)."""
-        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                         dtype=tl.int32, is_pure=True, pack=1)
+    def _dp4a_chain(w, x, SIGNED: tl.constexpr):
+        """NVIDIA: (BN, 32) words -> (BN, 8) int32, each quad's 4 dp4a's one chain through
+        the accumulator (no adds); w's bytes signed (dp4a.s32.s32) or not (dp4a.u32.s32),
+        x's signed."""
+        w0, w1, w2, w3 = _quad_words(w)
+        x0, x1, x2, x3 = _quad_words(x)
+        acc = _dp4a_acc(w0, x0, 0 * w0, SIGNED)
+        acc = _dp4a_acc(w1, x1, acc, SIGNED)
+        acc = _dp4a_acc(w2, x2, acc, SIGNED)
+        return _dp4a_acc(w3, x3, acc, SIGNED)
 
     @helper
-    def _dp4a_add(a, b, c):
-        """c + _dp4a(a, b) in one dp4a (NVIDIA)."""
-        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                         dtype=tl.int32, is_pure=True, pack=1)
+    def _dp4a_acc(a, b, c, SIGNED: tl.constexpr):
+        """c + the sum of the 4 products of a's bytes (signed or not) and b's signed bytes."""
+        if SIGNED:
+            asm: tl.constexpr = "dp4a.s32.s32 $0, $1, $2, $3;"
+        else:
+            asm: tl.constexpr = "dp4a.u32.s32 $0, $1, $2, $3;"
+        return tl.inline_asm_elementwise(asm, "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
 
     @helper
     def _quad_words(t):

@@ -10,8 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 # the instructions the one-row product's PTX branch emits, and the signedness of a's bytes
-DP4A = {"dp4a.s32.s32 $0, $1, $2, 0;": True, "dp4a.s32.s32 $0, $1, $2, $3;": True,
-        "dp4a.u32.s32 $0, $1, $2, $3;": False}
+DP4A = {"dp4a.s32.s32 $0, $1, $2, $3;": True, "dp4a.u32.s32 $0, $1, $2, $3;": False}
 
 
 def _bytes(v: np.ndarray, signed: bool) -> list[np.ndarray]:
@@ -20,13 +19,12 @@ def _bytes(v: np.ndarray, signed: bool) -> list[np.ndarray]:
     return [(b ^ 0x80) - 0x80 for b in out] if signed else out
 
 
-def dp4a(asm: str, a: np.ndarray, b: np.ndarray, c: np.ndarray | None) -> np.ndarray:
-    """The int32 result of `asm` (one of DP4A) on int32 arrays: c (or 0) plus the sum of
-    the products of a's bytes (signed or not, as the instruction says) and b's signed
-    bytes, wrapped to 32 bits."""
+def dp4a(asm: str, a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """The int32 result of `asm` (one of DP4A) on int32 arrays: c plus the sum of the
+    products of a's bytes (signed or not, as the instruction says) and b's signed bytes,
+    wrapped to 32 bits."""
     total = sum(x * y for x, y in zip(_bytes(a, DP4A[asm]), _bytes(b, True), strict=True))
-    if c is not None:
-        total = total + c.astype(np.int64)
+    total = total + c.astype(np.int64)
     return ((total + 2**31) % 2**32 - 2**31).astype(np.int32)
 
 
@@ -37,7 +35,7 @@ def _inline_asm(self, inlineAsm, constraints, values, type, isPure, pack):  # no
     if asm not in DP4A:
         raise NotImplementedError(f"no emulation of inline asm {asm!r}")
     data = [v.data for v in values]
-    out = dp4a(asm, data[0], data[1], data[2] if len(data) == 3 else None)
+    out = dp4a(asm, *data)
     ty = type[0]  # one result
     return _Call(TensorHandle(np.broadcast_to(out, data[0].shape).copy(),
                               getattr(ty, "scalar", ty)))
