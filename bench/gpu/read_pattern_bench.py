@@ -8,6 +8,14 @@ summed instead of multiplied, in two layouts of the same bytes:
 - `tiles`: the 64 rows of a program's tile super-block by super-block (a step reads 9216
   contiguous bytes; what a load-time repack would give).
 
+And as the engine runs them at one row on NVIDIA (`QIntConfig.in_cta`: a program's 64
+rows are the S splits of 64 / S weight rows, each split its own range of super-blocks):
+
+- `cta_rows`: in GGUF's layout (a step reads super-block s * (K / 256 / S) + i of each
+  (weight row, split s), 144 bytes each);
+- `cta_steps`: the same super-blocks laid out so that each step of each program reads
+  9216 contiguous bytes (a repack for that config alone).
+
     python3 bench/gpu/read_pattern_bench.py [--out DIR]
 
 Also a plain contiguous read (the read ceiling) and the copy ceiling of qmatmul_bench,
@@ -44,8 +52,10 @@ SHAPES = [(4096, 4096), (6144, 4096), (28672, 4096), (14336, 4096), (4096, 14336
 
 @jit
 def _read_sbs(w_ptr, out_ptr, N, K, row_bytes, sb_per_split, nsplit,
-              BLOCK_N: tl.constexpr, TILES: tl.constexpr):
-    """Xors the words qint's Q4_K program (pid_n, split) reads, super-block by super-block."""
+              BLOCK_N: tl.constexpr, TILES: tl.constexpr, IN_CTA: tl.constexpr = 0):
+    """Xors the words qint's Q4_K program (pid_n, split) reads, super-block by super-block.
+    IN_CTA (S > 0): grid (N / (BLOCK_N / S), 1), row v of the program split v % S of weight
+    row v // S (the `cta_` patterns)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     r = tl.arange(0, BLOCK_N)[:, None]
@@ -56,11 +66,19 @@ def _read_sbs(w_ptr, out_ptr, N, K, row_bytes, sb_per_split, nsplit,
     hacc = tl.zeros((BLOCK_N, 4), tl.int32)
     nsb = K // 256
     for i in range(0, sb_per_split):
-        sb = split * sb_per_split + i
-        if TILES:
-            base = ((pid_n * nsb + sb) * BLOCK_N + r).to(tl.int64) * 36
+        if IN_CTA > 0:
+            if TILES:  # step i of program pid_n: its BLOCK_N super-blocks one after another
+                base = ((pid_n * sb_per_split + i) * BLOCK_N + r).to(tl.int64) * 36
+            else:
+                wrow = pid_n * (BLOCK_N // IN_CTA) + r // IN_CTA
+                sb = (r % IN_CTA) * sb_per_split + i
+                base = wrow.to(tl.int64) * (row_bytes // 4) + sb * 36
         else:
-            base = (pid_n * BLOCK_N + r).to(tl.int64) * (row_bytes // 4) + sb * 36
+            sb = split * sb_per_split + i
+            if TILES:
+                base = ((pid_n * nsb + sb) * BLOCK_N + r).to(tl.int64) * 36
+            else:
+                base = (pid_n * BLOCK_N + r).to(tl.int64) * (row_bytes // 4) + sb * 36
         hacc ^= tl.load(w32 + base + h)
         acc ^= tl.load(w32 + base + 4 + c)
     total = tl.xor_sum(tl.xor_sum(acc, axis=1), axis=0) ^ tl.xor_sum(tl.xor_sum(hacc, axis=1),
@@ -102,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ceilings": ceilings(run)})
     copy = out["ceilings"]["copy_gb_s"]
     print(f"copy ceiling {copy:.0f} GB/s", flush=True)
-    for n, k in [(128, 512)] if args.smoke else SHAPES:
+    for n, k in [(128, 1024)] if args.smoke else SHAPES:
         if run.left() < 10:
             out["skipped"].append(f"{n}x{k}")
             continue
@@ -110,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         copies = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=run.dev,
                                 generator=run.gen)
                   for _ in range(max(2, math.ceil(L2_MISS_BYTES / nbytes)))]
-        split = qint.default_qint_config(qint.Q4_K, n, k, run.sms, m=1).split
+        # the smoke run as on one multiprocessor: its shape splits in two
+        split = qint.default_qint_config(qint.Q4_K, n, k, run.sms or 1, m=1).split
         sums = torch.empty(n // 64 * split, dtype=torch.int32, device=run.dev)
         row = {"n": n, "k": k, "split": split, "mb": nbytes / 1e6}
         # every pattern reads each word once: their xors agree with numpy's
@@ -125,6 +144,20 @@ def main(argv: list[str] | None = None) -> int:
                 totals[f"{tiles}_{warps}"] = _xor(sums)
                 us = run.time_us([partial(call, b) for b in copies])
                 row[f"{'tiles' if tiles else 'rows'}_w{warps}"] = {
+                    "us": round(us, 2), "gb_s": round(nbytes / us / 1e3),
+                    "pct_copy": round(100 * nbytes / us / 1e3 / copy, 1)}
+                if split == 1:
+                    continue
+                tile = 64 // split  # weight rows a program (qint.in_cta_config)
+                cta = torch.empty(n // tile, dtype=torch.int32, device=run.dev)
+                call = partial(_read_sbs[(n // tile, 1)], out_ptr=cta, N=n, K=k,
+                               row_bytes=k // 256 * 144, sb_per_split=k // 256 // split,
+                               nsplit=1, BLOCK_N=64, TILES=tiles, IN_CTA=split,
+                               num_warps=warps)
+                call(copies[0])
+                totals[f"cta_{tiles}_{warps}"] = _xor(cta)
+                us = run.time_us([partial(call, b) for b in copies])
+                row[f"{'cta_steps' if tiles else 'cta_rows'}_w{warps}"] = {
                     "us": round(us, 2), "gb_s": round(nbytes / us / 1e3),
                     "pct_copy": round(100 * nbytes / us / 1e3 / copy, 1)}
         words = nbytes // 4
