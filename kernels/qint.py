@@ -150,10 +150,12 @@ Q6K_EARLY_WAVES = 2
 # 465 tok/s (H200, bench/RESULTS.md 2026-12-02).
 Q6K_HEAD_BLOCK_N = 32
 # Q4_K at one row of x on NVIDIA: the 2-warp build capped at this many registers a thread
-# (165 uncapped, since x's loads are issued beside the weights': _sb_q4k; no spills at
-# 128): 8 programs a multiprocessor instead of 6. (Before those loads moved, 126 uncapped
-# and a cap of 112: 23.5 against 24.5 us at 28672 x 4096, 6.5 against 6.7 at 4096 x 4096
-# on the H200, bits unchanged, bench/RESULTS.md, 2026-12-01.)
+# (165 uncapped once x's loads were issued beside the weights': _sb_q4k; no spills at 128):
+# 8 programs a multiprocessor instead of 6. Since the dp4a chains (_dp4a_chain) the builds
+# stay under it uncapped (the splits-in-one-program one 112: 9 programs; as programs 128),
+# and lifting it measured as noise (one stream 481.5 against 478.5 / 480.0 tok/s): kept as
+# a guard. (Before those loads moved, 126 uncapped and a cap of 112: 23.5 against 24.5 us
+# at 28672 x 4096 on the H200, bits unchanged; bench/RESULTS.md, 2026-12-01 and -02.)
 Q4K_ONE_ROW_REGS = 128
 # More splits than this cost more in partial sums than they gain in programs (H200, 4096 x
 # 4096 at one row: 8.5 us at 8 splits, 9.6 at 16).
