@@ -102,6 +102,18 @@ def _xor(t: torch.Tensor) -> int:
     return int(np.bitwise_xor.reduce(t.cpu().numpy()))
 
 
+def _measure(run: Run, copies: list[torch.Tensor], copy_gb_s: float, row: dict,
+             totals: dict[str, int], name: str, call, out: torch.Tensor) -> None:
+    """row[name]: a read pattern's time over the weight copies (`call(copy)` writes its
+    xors into `out`), against the copy ceiling; its xor of the first copy into totals."""
+    call(copies[0])
+    totals[name] = _xor(out)
+    us = run.time_us([partial(call, b) for b in copies])
+    nbytes = copies[0].numel()
+    row[name] = {"us": round(us, 2), "gb_s": round(nbytes / us / 1e3),
+                 "pct_copy": round(100 * nbytes / us / 1e3 / copy_gb_s, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -134,43 +146,31 @@ def main(argv: list[str] | None = None) -> int:
         row = {"n": n, "k": k, "split": split, "mb": nbytes / 1e6}
         # every pattern reads each word once: their xors agree with numpy's
         want = _xor(copies[0].view(torch.int32))
-        totals = {}
+        totals: dict[str, int] = {}
+        measure = partial(_measure, run, copies, copy, row, totals)
+
         for warps in (int(w) for w in args.warps.split(",")):
             for tiles in (False, True):
-                call = partial(_read_sbs[(n // 64, split)], out_ptr=sums, N=n, K=k,
-                               row_bytes=k // 256 * 144, sb_per_split=k // 256 // split,
-                               nsplit=split, BLOCK_N=64, TILES=tiles, num_warps=warps)
-                call(copies[0])
-                totals[f"{tiles}_{warps}"] = _xor(sums)
-                us = run.time_us([partial(call, b) for b in copies])
-                row[f"{'tiles' if tiles else 'rows'}_w{warps}"] = {
-                    "us": round(us, 2), "gb_s": round(nbytes / us / 1e3),
-                    "pct_copy": round(100 * nbytes / us / 1e3 / copy, 1)}
+                measure(f"{'tiles' if tiles else 'rows'}_w{warps}",
+                        partial(_read_sbs[(n // 64, split)], out_ptr=sums, N=n, K=k,
+                                row_bytes=k // 256 * 144, sb_per_split=k // 256 // split,
+                                nsplit=split, BLOCK_N=64, TILES=tiles, num_warps=warps), sums)
                 if split == 1:
                     continue
                 tile = 64 // split  # weight rows a program (qint.in_cta_config)
                 cta = torch.empty(n // tile, dtype=torch.int32, device=run.dev)
-                call = partial(_read_sbs[(n // tile, 1)], out_ptr=cta, N=n, K=k,
-                               row_bytes=k // 256 * 144, sb_per_split=k // 256 // split,
-                               nsplit=1, BLOCK_N=64, TILES=tiles, IN_CTA=split,
-                               num_warps=warps)
-                call(copies[0])
-                totals[f"cta_{tiles}_{warps}"] = _xor(cta)
-                us = run.time_us([partial(call, b) for b in copies])
-                row[f"{'cta_steps' if tiles else 'cta_rows'}_w{warps}"] = {
-                    "us": round(us, 2), "gb_s": round(nbytes / us / 1e3),
-                    "pct_copy": round(100 * nbytes / us / 1e3 / copy, 1)}
+                measure(f"{'cta_steps' if tiles else 'cta_rows'}_w{warps}",
+                        partial(_read_sbs[(n // tile, 1)], out_ptr=cta, N=n, K=k,
+                                row_bytes=k // 256 * 144, sb_per_split=k // 256 // split,
+                                nsplit=1, BLOCK_N=64, TILES=tiles, IN_CTA=split,
+                                num_warps=warps), cta)
         words = nbytes // 4
         for block, steps in ((2048, 8), (1024, 4)):
             grid = -(-words // (block * steps))
             part = torch.empty(grid, dtype=torch.int32, device=run.dev)
-            call = partial(_read_flat[(grid,)], out_ptr=part, n_words=words, BLOCK=block,
-                           STEPS=steps, num_warps=4)
-            call(copies[0])
-            totals[f"flat_{block}"] = _xor(part)
-            us = run.time_us([partial(call, b) for b in copies])
-            row[f"flat_{block}x{steps}"] = {"us": round(us, 2), "gb_s": round(nbytes / us / 1e3),
-                                            "pct_copy": round(100 * nbytes / us / 1e3 / copy, 1)}
+            measure(f"flat_{block}x{steps}",
+                    partial(_read_flat[(grid,)], out_ptr=part, n_words=words, BLOCK=block,
+                            STEPS=steps, num_warps=4), part)
         row["sums_agree"] = all(t == want for t in totals.values())
         out["rows"].append(row)
         print(json.dumps(row), flush=True)

@@ -27,6 +27,7 @@ def test_smoke_every_pattern_reads_every_word_once(tmp_path):
     rows = json.loads((tmp_path / "read_pattern_bench.json").read_text())["rows"]
     assert len(rows) == 1 and rows[0]["split"] == 2, rows  # 2 super-blocks a split
     row = rows[0]
-    for pattern in ("rows_w2", "tiles_w2", "cta_rows_w2", "cta_steps_w2"):
+    for pattern in ("rows_w2", "tiles_w2", "cta_rows_w2", "cta_steps_w2", "flat_2048x8",
+                    "flat_1024x4"):
         assert row[pattern]["us"] > 0, (pattern, row)
     assert row["sums_agree"] is True, row
