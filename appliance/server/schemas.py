@@ -40,6 +40,11 @@ class Message(Struct):
     tool_calls: Annotated[list[dict[str, Any]], Meta(max_length=256)] | None = None
     tool_call_id: Name | None = None
 
+    def __post_init__(self) -> None:
+        # OpenAI's API: only an assistant message may leave its content out (a tool call)
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role[:64]!r} message needs `content`")
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": self.role, "content": self.content}
         for key in ("name", "tool_calls", "tool_call_id"):

@@ -46,6 +46,8 @@ CHAT_BODIES: list[bytes] = [
     _chat(model=["tiny"]), _chat(messages=[{"role": "user", "content": [{"type": "image_url",
                                                                           "image_url": "x"}]}]),
     _chat(messages=[{"role": "user", "content": 12}]),
+    _chat(messages=[{"role": "user"}]), _chat(messages=[{"role": "system", "content": None}]),
+    _chat(messages=[{"role": "assistant", "content": "a"}, {"role": "tool"}]),
     _chat(chat_template_kwargs={"messages": "override"}),
     _chat(chat_template_kwargs={"x": object.__name__, "deep": json.loads(_nested(40, "{}"))}),
     _chat(messages=[{"role": "user", "content": "word " * 2000}], max_tokens=10),
