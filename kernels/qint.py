@@ -434,6 +434,8 @@ if HAS_TRITON:
         s = c // 4
         r = c % 4
         zero = 0 * base[:, None].to(tl.int32)
+        # words by a shift, not _words_at: from byte offsets the sm_90 builds hold more
+        # registers (the late wide build 128 -> 168, a program fewer a multiprocessor)
         p = _p32(w_ptr) + (base >> 2)[:, None]
         ql = _stream(p + (c + zero)).to(tl.int32, bitcast=True)
         qh = _stream(p + (32 + 8 * (s // 4) + 4 * (s % 2) + r + zero)).to(tl.int32,
