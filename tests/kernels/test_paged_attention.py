@@ -276,3 +276,98 @@ def test_output_quantized_only_where_it_can(interp, rng):
     out, xq = interp.call("kernels.paged_attention:paged_attention_q8", q, kv.k[0], kv.v[0],
                           "f16", "f16", **kwargs(batch, 128))
     assert xq is None
+
+
+def rope_case(rng, rows, config, neox, norm):
+    """Decode rows whose new keys' slots hold garbage, the projection's raw q, k, v for the
+    new tokens, cos/sin of their positions and the expected (out, k plane, v plane) by the
+    definitions (fused_rope's reference, kv_store's, the float64 attention)."""
+    from kernels.fused_rope import rope_cos_sin_reference, rope_qk_reference
+    from kernels.kv_store import kv_store_reference
+
+    heads, kv_heads, dim = 8, 2, 128
+    q, kv, batch = make_case(rng, "f16", rows, heads=heads, kv_heads=kv_heads, dim=dim)
+    slots = batch.write_slots("full", PAGE)
+    for name in ("data",):  # the new tokens' slots: written by nothing yet
+        kv.k[0][name][slots] = 1e4
+        kv.v[0][name][slots] = -1e4
+
+    def randn(*shape):
+        return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))
+
+    qkv = randn(len(rows), (heads + 2 * kv_heads) * dim)  # one projection output
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = (x.reshape(len(rows), -1, dim) for x in (q, k, v))
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    cos, sin = rope_cos_sin_reference(batch.positions, inv_freq)
+    weights = (1 + 0.1 * randn(dim), 1 + 0.1 * randn(dim)) if norm else (None, None)
+    kw = kwargs(batch, dim)
+    qr, kr = rope_qk_reference(q, k, cos, sin, neox, *weights, eps=1e-6)
+    k_want, v_want = ({n: p.clone() for n, p in planes.items()} for planes in (kv.k[0],
+                                                                                 kv.v[0]))
+    kv_store_reference(kr, v, slots, k_want, v_want, "f16", "f16")
+    ref = paged_attention_reference(qr, k_want, v_want, "f16", "f16", **kw)
+    args = (q, k, v, cos, sin, neox, slots, kv.k[0], kv.v[0], weights, config, kw)
+    return args, (ref, k_want, v_want)
+
+
+@pytest.mark.parametrize("neox,norm,config", [
+    (False, False, AttnConfig.decode(4, 128, 128, "cuda")),  # Llama; one split a row: direct
+    (True, True, AttnConfig(block_m=16, block_n=16, split_keys=64)),  # Qwen3; several splits
+])
+def test_rope_folded_into_decode_attention(interp, rng, neox, norm, config):
+    """paged_attention's `rope`: q before RoPE, rotated in the partial kernel, and the new
+    tokens' K (rotated) and V stored by the item that sees their position (only by it: a
+    row of 300 keys in 64-key splits has five). The planes afterwards equal kv_store's
+    definition bit for bit, the output the float64 reference's and, bit for bit, rope_qk
+    with its store followed by the attention (the launches it replaces)."""
+    rows = [(1, 40), (1, 7), (1, 300), (1, 1)]
+    args, (ref, k_want, v_want) = rope_case(rng, rows, config, neox, norm)
+    out, xq, k_got, v_got = interp.call("rope_attention_case:folded", *args)
+    assert xq is None
+    assert torch.equal(k_got["data"], k_want["data"]), "K plane"
+    assert torch.equal(v_got["data"], v_want["data"]), "V plane"
+    assert_close(out, ref)
+    sep, k_sep, _ = interp.call("rope_attention_case:separate", *args)
+    assert torch.equal(k_sep["data"], k_got["data"])
+    assert torch.equal(out, sep)
+
+
+def test_rope_folded_quantizes_for_q8(interp, rng):
+    """The folded launch also writes its output quantized for the o projection
+    (paged_attention_q8), with quantize_x's bits of that output."""
+    rows = [(1, 40), (1, 130)]
+    args, (ref, _, _) = rope_case(rng, rows, AttnConfig.decode(4, 128, 128, "cuda"), False,
+                                  False)
+    out, xq, _, _ = interp.call("rope_attention_case:folded", *args, quantize=True)
+    assert xq is not None
+    codes, scales = quantize_x_reference(out)
+    assert torch.equal(xq.q.to(torch.int32), codes) and torch.equal(xq.dx, scales)
+    assert_close(out, ref)
+
+
+def test_rope_folded_refuses_what_it_cannot_do(rng):
+    """A rotated K format (q needs the rotation after RoPE), more tokens than rows (a
+    prefill chunk's keys serve other items), mismatched cos/sin: clear errors."""
+    from kernels.paged_attention import RopeStore, paged_attention
+
+    q, kv, batch = make_case(rng, "q8", [(1, 40)], heads=8, kv_heads=2, dim=128)
+    k = v = torch.zeros(1, 2, 128)
+    cos = sin = torch.zeros(1, 64)
+    slots = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(InvalidRequest, match="unrotated"):
+        paged_attention(q, kv.k[0], kv.v[0], "q8", "q8", rope=RopeStore(k, v, cos, sin, False,
+                                                                        slots),
+                        **kwargs(batch, 128))
+    q, kv, batch = make_case(rng, "f16", [(3, 40)], heads=8, kv_heads=2, dim=128)
+    with pytest.raises(InvalidRequest, match="one token a row"):
+        paged_attention(q, kv.k[0], kv.v[0], "f16", "f16",
+                        rope=RopeStore(torch.zeros(3, 2, 128), torch.zeros(3, 2, 128),
+                                       torch.zeros(3, 64), torch.zeros(3, 64), False,
+                                       torch.zeros(3, dtype=torch.int64)),
+                        **kwargs(batch, 128))
+    q, kv, batch = make_case(rng, "f16", [(1, 40)], heads=8, kv_heads=2, dim=128)
+    with pytest.raises(InvalidRequest, match="cos/sin"):
+        paged_attention(q, kv.k[0], kv.v[0], "f16", "f16",
+                        rope=RopeStore(k, v, torch.zeros(1, 32), torch.zeros(1, 32), False,
+                                       slots), **kwargs(batch, 128))
