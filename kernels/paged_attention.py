@@ -188,8 +188,8 @@ def paged_attention(
     reference. `plan` (plan_attention, built from the host copies of query_start and
     seq_lens) may be shared by every layer of a step with the same window and config.
     `rope` (decode rows only: one token a row, at position seq_len - 1, in a plan of
-    one-token items such as engine/layers/attention.py's plan_decode; K stored unrotated,
-    f16 or *_plain): q before RoPE, rotated and the step's K/V stored in this launch.
+    one-token items such as engine/layers/attention.py's plan_decode; f16 K and V): q
+    before RoPE, rotated and the step's K/V stored in this launch.
     """
     return _attention(q, k_planes, v_planes, k_format, v_format, False, query_start=query_start,
                       seq_lens=seq_lens, positions=positions, page_table=page_table,
@@ -224,7 +224,7 @@ def _attention(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
     query_start, seq_lens, positions, page_table, page_size, scale, window, softcap, sinks = (
         kwargs[k] for k in names)
     if rope is not None:
-        rope = _check_rope(rope, q, k_format, num_rows=seq_lens.shape[0])
+        rope = _check_rope(rope, q, (k_format, v_format), num_rows=seq_lens.shape[0])
     if not (HAS_TRITON and (q.device.type != "cpu" or interpreter_active())):
         if rope is not None:  # fused_rope's definition, then the attention's
             q, k = rope_qk_reference(q, rope.k, rope.cos, rope.sin, rope.neox, rope.q_weight,
@@ -251,7 +251,7 @@ def _attention(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
                               device=q.device)
     if plan.num_tokens != num_tokens:
         raise InvalidRequest(f"paged_attention: plan has {plan.num_tokens} tokens, q {num_tokens}")
-    if k_format in ("q8", "q4"):  # (not with `rope`: _check_rope)
+    if k_format in ("q8", "q4"):  # (never with `rope`: _check_rope)
         q = _rotate(q)
     out = torch.empty(num_tokens, num_heads, dim_v, dtype=torch.float32, device=q.device)
     xq = None
@@ -263,24 +263,24 @@ def _attention(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
     if num_tokens:
         launch(q, (k0, k1, v0, v1), (FORMAT_IDS[k_format], FORMAT_IDS[v_format]), positions,
                page_table, page_size, (scale, window, softcap), sinks, plan, cfg, out, xq,
-               None if rope is None else (*rope[:6], rope.q_weight, rope.k_weight, rope.eps,
-                                          v_format in ("q8", "q4")))
+               rope)
     if v_format in ("q8", "q4"):
         out = _rotate(out)
     return out.reshape(num_tokens, num_heads * dim_v), xq
 
 
-def _check_rope(rope: RopeStore, q: torch.Tensor, k_format: str, num_rows: int) -> RopeStore:
+def _check_rope(rope: RopeStore, q: torch.Tensor, formats: tuple[str, str],
+                num_rows: int) -> RopeStore:
     """`rope` with (T, D / 2) views of cos and sin, after checking it against q (T, H, D):
-    one token a row, K stored unrotated, a whole head rotated (D a power of two)."""
+    one token a row, f16 K and V, a whole head rotated (D a power of two)."""
     tokens, _, dim = q.shape
     k, v = rope.k, rope.v
     cos, sin = (c.reshape(c.shape[0], -1) if c.dim() == 3 else c for c in (rope.cos, rope.sin))
     if tokens != num_rows:
         raise InvalidRequest(f"paged_attention: rope takes one token a row, got {tokens} "
                              f"tokens in {num_rows} rows")
-    if k_format in ("q8", "q4"):
-        raise InvalidRequest(f"paged_attention: rope needs K stored unrotated, not {k_format!r}")
+    if formats != ("f16", "f16"):
+        raise InvalidRequest(f"paged_attention: rope needs f16 K and V planes, not {formats}")
     if dim & (dim - 1) or dim < 32:
         raise InvalidRequest(f"paged_attention: rope needs a power-of-two head dim, got {dim}")
     tensors = (q, k, v, cos, sin, rope.q_weight, rope.k_weight)

@@ -23,7 +23,6 @@ from kernels.paged_attention_plan import FORMAT_IDS, AttnConfig, AttnPlan
 from kernels.triton_util import HAS_TRITON, await_inputs, helper, jit, launcher, next_pow2, tl
 
 if HAS_TRITON:
-    from kernels.kv_store import _encode
     from kernels.qint import QuantX, quantize_store
 else:
     from kernels.qint import QuantX
@@ -77,25 +76,26 @@ if HAS_TRITON:
         m_ptr, l_ptr, acc_ptr, stride_qt, stride_qh, stride_pt, qk_scale, softcap, window,
         xq_ptr, xdx_ptr, xbs_ptr,
         cos_ptr, sin_ptr, stride_ct, stride_st, qw_ptr, kw_ptr, eps, k_src_ptr, v_src_ptr,
-        stride_kt, stride_kh, stride_vt, stride_vh, slot_ptr, ko_ptr,
+        stride_kt, stride_kh, stride_vt, stride_vh, slot_ptr,
         K_FMT: tl.constexpr, V_FMT: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
         D: tl.constexpr, DV: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
         PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         DIRECT: tl.constexpr = False, PDL: tl.constexpr = False, QUANT: tl.constexpr = False,
         ROPE: tl.constexpr = False, NEOX: tl.constexpr = False,
-        HAS_NORM: tl.constexpr = False, V_ROT: tl.constexpr = False, RVP: tl.constexpr = 1,
+        HAS_NORM: tl.constexpr = False,
     ):
         """Partials of one work item (program 0) and KV head (program 1); base-2 logits.
         DIRECT (every token in one split, no sinks): the output acc / l itself into acc_ptr,
         the merge's bits (its weights are exp2(0) = 1), and no merge launch; with QUANT
         (G * DV a multiple of 256) also quantized for kernels/qint.py (_quantize_out).
-        ROPE (decode items: one token each; K stored unrotated, D a power of two): q_ptr
-        is the projection's q before RoPE (and its q/k norm with HAS_NORM), rotated here
-        (kernels/fused_rope.py's arithmetic), and the item whose keys hold the token's
-        position first stores the token's K (rotated, through ko_ptr) and V of this KV
-        head at its slot (kernels/kv_store.py's _encode): fused_rope's launch folded into
-        this one (cos/sin .. ko_ptr: rope_qk's arguments)."""
+        ROPE (decode items: one token each; f16 K and V, D a power of two): q_ptr is the
+        projection's q before RoPE (and before its q/k norm with HAS_NORM), rotated here
+        (kernels/fused_rope.py's arithmetic); the item whose keys hold the token's position
+        stores the token's K (rotated) and V of this KV head at its slot and takes them
+        from registers as its first key, its key loop stopping before that position:
+        fused_rope's launch folded into this one (cos_ptr .. slot_ptr: rope_qk's
+        arguments)."""
         item = work_ptr + tl.program_id(0) * 6
         kvh = tl.program_id(1)
         # The work item and positions are the step's inputs, written before the kernels
@@ -110,28 +110,47 @@ if HAS_TRITON:
         d = tl.arange(0, DP)
         pos = tl.load(pos_ptr + t, mask=ok, other=-1)
         pages = pt_ptr + row * stride_pt
+        dv = tl.arange(0, DVP)
+        if ROPE:
+            tl.static_assert(K_FMT == 0 and V_FMT == 0 and D == DP, "ROPE: f16 K and V")
+            p_new = tl.load(pos_ptr + q_begin)
+            new_slot = tl.load(slot_ptr + q_begin).to(tl.int64) * KVH + kvh
         await_inputs(PDL)
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.full((BLOCK_M,), 0.0, tl.float32)
+        acc = tl.full((BLOCK_M, DVP), 0.0, tl.float32)
+        key_end = key_hi
         if ROPE:
             q = _rope_rows(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh,
                            cos_ptr + t[:, None].to(tl.int64) * stride_ct,
                            sin_ptr + t[:, None].to(tl.int64) * stride_st, ok[:, None], qw_ptr,
                            eps, D, NEOX, HAS_NORM).to(tl.float16)
-            p_new = tl.load(pos_ptr + q_begin)
+            tok = q_begin.to(tl.int64)
+            at = tl.zeros((1, 1), tl.int64)
+            k_new = _rope_rows(k_src_ptr + tok * stride_kt + kvh * stride_kh + at,
+                               cos_ptr + tok * stride_ct + at, sin_ptr + tok * stride_st + at,
+                               at == 0, kw_ptr, eps, D, NEOX, HAS_NORM).to(tl.float16)
+            v_new = tl.load(v_src_ptr + tok * stride_vt + kvh * stride_vh + dv[None, :],
+                            mask=(dv < DV)[None, :], other=0.0).to(tl.float16)  # (1, DVP)
             if (key_lo <= p_new) & (p_new < key_hi):  # the item that sees the new key
-                _store_new_kv(q_begin.to(tl.int64), kvh, cos_ptr, sin_ptr, stride_ct,
-                              stride_st, kw_ptr, eps, k_src_ptr, v_src_ptr, stride_kt,
-                              stride_kh, stride_vt, stride_vh, slot_ptr, ko_ptr, k0_ptr,
-                              k1_ptr, v0_ptr, v1_ptr, K_FMT, V_FMT, V_ROT, KVH, D, DV, DVP,
-                              RVP, NEOX, HAS_NORM)
+                # stored for later steps, and taken from registers by this one: the key
+                # loop stops before it (no wait for the stores, no barrier)
+                tl.store(k0_ptr + new_slot * D + d[None, :], k_new)
+                tl.store(v0_ptr + new_slot * DV + dv[None, :], v_new, mask=(dv < DV)[None, :])
+                s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * qk_scale
+                if HAS_SOFTCAP:
+                    c = softcap * 1.4426950408889634
+                    s_new = c * (1.0 - 2.0 / (tl.exp(2.0 * s_new / c) + 1.0))
+                m_i = tl.where(ok, s_new, float("-inf"))
+                l_i = tl.where(ok, 1.0, 0.0)
+                acc = tl.where(ok[:, None], v_new.to(tl.float32), 0.0)
+                key_end = p_new
         else:
             q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
                         mask=ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float16)
-        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_i = tl.full((BLOCK_M,), 0.0, tl.float32)
-        acc = tl.full((BLOCK_M, DVP), 0.0, tl.float32)
-        for start in range(key_lo, key_hi, BLOCK_N):
+        for start in range(key_lo, key_end, BLOCK_N):
             kp = start + tl.arange(0, BLOCK_N)
-            k_ok = kp < key_hi
+            k_ok = kp < key_end
             page = tl.load(pages + kp // PAGE, mask=k_ok, other=0)
             slot = page * PAGE + kp % PAGE  # int32, see _load_kv
             k = _load_kv(k0_ptr, k1_ptr, slot, kvh, K_FMT, KVH, D, DP, BLOCK_N)
@@ -152,7 +171,6 @@ if HAS_TRITON:
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
             m_i = m_new
         out = (tl.load(tok_base_ptr + t, mask=ok, other=0) + split).to(tl.int64) * (KVH * G) + h
-        dv = tl.arange(0, DVP)
         if DIRECT:  # slot t: the token's row of out (T, H, Dv)
             acc = acc / tl.where(ok, l_i, 1.0)[:, None]
         else:
@@ -191,30 +209,6 @@ if HAS_TRITON:
         if NEOX:  # out0 then out1
             return tl.reshape(tl.permute(both, (0, 2, 1)), (out0.shape[0], D))
         return tl.reshape(both, (out0.shape[0], D))  # pairs interleaved
-
-    @helper
-    def _store_new_kv(tok, kvh, cos_ptr, sin_ptr, stride_ct, stride_st, kw_ptr, eps,
-                      k_src_ptr, v_src_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                      slot_ptr, ko_ptr, k0_ptr, k1_ptr, v0_ptr, v1_ptr, K_FMT: tl.constexpr,
-                      V_FMT: tl.constexpr, V_ROT: tl.constexpr, KVH: tl.constexpr,
-                      D: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, RVP: tl.constexpr,
-                      NEOX: tl.constexpr, HAS_NORM: tl.constexpr):
-        """Token tok's K of KV head kvh rotated into ko_ptr's row, then it and the token's V
-        stored at the token's slot (one head: kv_store's _encode of H = 1 at slot
-        slot * KVH + kvh, the same addresses), visible to the program's loads after."""
-        one = tl.full((1, 1), 1, tl.int1)
-        k = _rope_rows(k_src_ptr + tok * stride_kt + kvh * stride_kh + tl.zeros((1, 1), tl.int64),
-                       cos_ptr + tok * stride_ct + tl.zeros((1, 1), tl.int64),
-                       sin_ptr + tok * stride_st + tl.zeros((1, 1), tl.int64), one, kw_ptr,
-                       eps, D, NEOX, HAS_NORM)
-        k_row = ko_ptr + (tok * KVH + kvh) * D
-        tl.store(k_row + tl.arange(0, D)[None, :], k)
-        tl.debug_barrier()  # the row, visible to every thread of the program
-        at = tl.load(slot_ptr + tok).to(tl.int64) * KVH + kvh
-        _encode(k_row, D, at, k0_ptr, k1_ptr, K_FMT, False, 1, D, 1, D, D // 32)
-        _encode(v_src_ptr + tok * stride_vt + kvh * stride_vh, DV, at, v0_ptr, v1_ptr, V_FMT,
-                V_ROT, 1, DV, 1, DVP, RVP)
-        tl.debug_barrier()  # the stores, seen by the key loop's loads
 
     @helper
     def _quantize_out(out_ptr, tok, b0, NB: tl.constexpr, q_ptr, dx_ptr, bs_ptr,
@@ -310,7 +304,7 @@ def launch(q: torch.Tensor, planes: tuple[torch.Tensor, ...], formats: tuple[int
                                device=dev)
     table = page_table.to(device=dev, dtype=torch.int32).contiguous()
     quant = (xq.q, xq.dx, xq.bs) if xq is not None else (out, out, out)
-    rope_args, rope_consts = _rope_args(rope, q, kv_heads, dim_v)
+    rope_args, rope_consts = _rope_args(rope, q)
     launcher(_attn_partial_kernel, dev)[(plan.work.shape[0], kv_heads)](
         q, *planes, table, positions.to(device=dev, dtype=torch.int32), plan.work,
         plan.tok_base, m_part, l_part, acc_part, q.stride(0), q.stride(1), table.stride(0),
@@ -328,20 +322,17 @@ def launch(q: torch.Tensor, planes: tuple[torch.Tensor, ...], formats: tuple[int
           None if sinks is None else (sinks.float() * _LOG2E).contiguous(), out, xq=xq)
 
 
-def _rope_args(rope: tuple | None, q: torch.Tensor, kv_heads: int,
-               dim_v: int) -> tuple[tuple, dict]:
+def _rope_args(rope: tuple | None, q: torch.Tensor) -> tuple[tuple, dict]:
     """The partial kernel's cos_ptr .. ko_ptr arguments and ROPE constexprs for `rope`
     (RopeStore or None: placeholders)."""
     if rope is None:
-        return (q, q, 0, 0, q, q, 0.0, q, q, 0, 0, 0, 0, q, q), {}
-    k, v, cos, sin, neox, slots, q_weight, k_weight, eps, v_rot = rope
+        return (q, q, 0, 0, q, q, 0.0, q, q, 0, 0, 0, 0, q), {}
+    k, v, cos, sin, neox, slots, q_weight, k_weight, eps = rope
     norm = q_weight is not None
-    ko = torch.empty(k.shape[0], kv_heads, q.shape[2], dtype=torch.float32, device=q.device)
     return ((cos, sin, cos.stride(0), sin.stride(0), q_weight if norm else cos,
              k_weight if norm else cos, float(eps), k, v, k.stride(0), k.stride(1),
-             v.stride(0), v.stride(1), slots, ko),
-            {"ROPE": True, "NEOX": bool(neox), "HAS_NORM": norm, "V_ROT": bool(v_rot),
-             "RVP": next_pow2(dim_v // 32)})
+             v.stride(0), v.stride(1), slots),
+            {"ROPE": True, "NEOX": bool(neox), "HAS_NORM": norm})
 
 
 def merge(m_part: torch.Tensor, l_part: torch.Tensor, acc_part: torch.Tensor,
@@ -386,7 +377,7 @@ def aot_specs(spec: type) -> list:
            "stride_qt": "i32", "stride_qh": "i32", "stride_pt": "i32", "qk_scale": "fp32",
            "softcap": "fp32", "window": "i32", "xq_ptr": "*i8", "xdx_ptr": "*fp32",
            "xbs_ptr": "*i32", **{n: "*fp32" for n in ("cos_ptr", "sin_ptr", "qw_ptr", "kw_ptr",
-                                                     "k_src_ptr", "v_src_ptr", "ko_ptr")},
+                                                     "k_src_ptr", "v_src_ptr")},
            **{n: "i32" for n in ("stride_ct", "stride_st", "stride_kt", "stride_kh",
                                  "stride_vt", "stride_vh")},
            "eps": "fp32", "slot_ptr": "*i64"}
@@ -417,7 +408,7 @@ def aot_specs(spec: type) -> list:
                                  ("_rope_neox_norm", {"NEOX": True, "HAS_NORM": True}),
                                  ("_rope_direct_q8", {"NEOX": False, "HAS_NORM": False,
                                                       "DIRECT": True, "QUANT": True})):
-                r_consts = {**consts, "ROPE": True, "RVP": 4, **more}
+                r_consts = {**consts, "ROPE": True, **more}
                 out.append(spec(name + suffix, _attn_partial_kernel,
                                 {**signature, **{k: "constexpr" for k in r_consts}},
                                 r_consts, cfg.num_warps, True, backend, cfg.num_stages))

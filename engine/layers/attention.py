@@ -141,13 +141,14 @@ def attend_rope(layer: AttnLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     """A decode step's RoPE (after the q/k norms `norms`), K/V store and attention in one
     launch (kernels/paged_attention.py's `rope`), from q (T, H, D), k, v before RoPE:
     (out, out quantized for a q8 projection or None) as attend_q8 / attend give it; None
-    where it does not apply (not a decode plan on the Triton path, K stored rotated, a head
+    where it does not apply (not a decode plan on the Triton path, K or V not f16, a head
     dim not a power of two, MBUFO_ATTN_ROPE=0): then rope_qk and attend as before."""
     group = kv.group_of(layer.index)
     inputs = batch.attn.get(group) if isinstance(batch, PlannedBatch) else None
     dim = layer.head_dim
     if inputs is None or not inputs.decode or not use_triton(q.device) \
-            or kv.k_format.name != "f16" or dim & (dim - 1) or dim < 32 \
+            or (kv.k_format.name, kv.v_format.name) != ("f16", "f16") \
+            or dim & (dim - 1) or dim < 32 \
             or not rope_folded_enabled():
         return None
     rope = RopeStore(k, v, *cos_sin, neox, batch.write_slots(group, kv.page_size), *norms,

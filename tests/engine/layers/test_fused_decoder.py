@@ -85,11 +85,11 @@ def test_fused_forward_matches_torch_path(triton_worker, tmp_path, vocab_dir, fa
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_decode_steps_fold_rope_into_the_attention(triton_worker, tmp_path, vocab_dir, family):
-    """Decode-only steps with an f16 K (stored unrotated) run no rope_qk launch: the
-    attention rotates q and stores the new K/V itself (engine/layers/attention.py's
-    attend_rope), with the same logits as with MBUFO_ATTN_ROPE=0 (rope_qk, then the
-    attention). Steps with a prefill chunk keep rope_qk (other items read its keys);
-    Gemma 3 covers neox pairs after the q/k norms and a sliding window."""
+    """Decode-only steps with f16 K and V run no rope_qk launch: the attention rotates q
+    and stores the new K/V itself (engine/layers/attention.py's attend_rope), with the
+    logits of MBUFO_ATTN_ROPE=0 (rope_qk, then the attention) up to float rounding. Steps
+    with a prefill chunk keep rope_qk (other items read its keys); Gemma 3 covers neox
+    pairs after the q/k norms and a sliding window."""
     model = load_model(family, tmp_path, vocab_dir, torch.float32)
     runner = ModelRunner(model, 24, 16, "f16", max_context=96)
     seqs = [SeqPages(runner.pool) for _ in range(2)]
@@ -108,7 +108,10 @@ def test_decode_steps_fold_rope_into_the_attention(triton_worker, tmp_path, voca
                                              batch, False)
         assert calls_off == layers and calls == (0 if folds else layers), (calls, calls_off)
         assert torch.isfinite(got).all()
-        assert torch.equal(got, want)
+        if folds:  # the new key summed first: f32 rounding apart, a wrong pair or slot O(1)
+            assert (got - want).norm() / want.norm() < 1e-4
+        else:
+            assert torch.equal(got, want)
 
 
 Q8_TYPES = {"attn_q.weight": T.Q4_K, "attn_k.weight": T.Q4_K, "attn_v.weight": T.Q6_K,
