@@ -232,7 +232,7 @@ class DecodeGraphs:
                 bucket * n, WORK_FIELDS), view(f"base:{g}", torch.int32, bucket),
                 view(f"splits:{g}", torch.int32, bucket), bucket * n, bucket)
             table = view(f"table:{g}", torch.int32, bucket * self.width).view(bucket, self.width)
-            attn[g] = GroupInputs(plan, table, pos32, self.plans.configs[g], decode=True)
+            attn[g] = GroupInputs(plan, table, pos32, self.plans.configs[g])
             slots[g] = view(f"slots:{g}", torch.int64, bucket)
         return PlannedBatch(batch.input_ids, batch.positions, batch.query_start,
                             batch.seq_lens, batch.page_tables, batch.logits_rows,

@@ -25,38 +25,20 @@ operands, accumulate in f32.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from engine.errors import InvalidRequest
-from kernels.fused_rope import rope_qk_reference
-from kernels.kv_store import kv_store_reference
 from kernels.paged_attention_plan import FORMAT_IDS, AttnConfig, AttnPlan, plan_attention
 from kernels.paged_attention_triton import MERGE_HEADS, aot_specs, launch
 from kernels.qint import QK, QuantX, empty_quant_x
 from kernels.triton_util import HAS_TRITON, interpreter_active
 
 # aot_specs: kernels/aot.py collects every module's specs from here.
-__all__ = ["AttnConfig", "AttnPlan", "RopeStore", "aot_specs", "paged_attention",
-           "paged_attention_q8", "paged_attention_reference", "plan_attention"]
-
-
-class RopeStore(NamedTuple):
-    """A decode step's RoPE and K/V store folded into the attention's launch
-    (paged_attention's `rope`): q is then the projection's q before RoPE, and the step's
-    keys and values are stored by the partial kernel before it reads them
-    (kernels/fused_rope.py's rope_qk with a KVStore, in the same launch)."""
-
-    k: torch.Tensor  # (T, KVH, D) float32 before RoPE, any row and head strides
-    v: torch.Tensor  # (T, KVH, Dv) float32, any row and head strides
-    cos: torch.Tensor  # (T, D / 2) or (T, 1, D / 2) float32 (rope_cos_sin)
-    sin: torch.Tensor
-    neox: bool
-    slots: torch.Tensor  # (T,) int: the tokens' write slots
-    q_weight: torch.Tensor | None = None  # (D,) q/k RMSNorm weights (Qwen3, Gemma 3)
-    k_weight: torch.Tensor | None = None
-    eps: float = 1e-6
+__all__ = ["AttnConfig", "AttnPlan", "aot_specs", "paged_attention", "paged_attention_q8",
+           "paged_attention_reference",
+           "plan_attention"]
 
 _PLANES = {"f16": {"data": (torch.float16, 1)},
            "q8": {"codes": (torch.int8, 1), "scales": (torch.float16, 32)},
@@ -180,21 +162,17 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
     plan: AttnPlan | None = None,
     config: AttnConfig | None = None,
-    rope: RopeStore | None = None,
 ) -> torch.Tensor:
     """q (T, H, D) -> (T, H * Dv) float32.
 
     Runs the kernels on a GPU (or on the CPU when the interpreter is active), else the
     reference. `plan` (plan_attention, built from the host copies of query_start and
     seq_lens) may be shared by every layer of a step with the same window and config.
-    `rope` (decode rows only: one token a row, at position seq_len - 1, in a plan of
-    one-token items such as engine/layers/attention.py's plan_decode; f16 K and V): q
-    before RoPE, rotated and the step's K/V stored in this launch.
     """
     return _attention(q, k_planes, v_planes, k_format, v_format, False, query_start=query_start,
                       seq_lens=seq_lens, positions=positions, page_table=page_table,
                       page_size=page_size, scale=scale, window=window, softcap=softcap,
-                      sinks=sinks, plan=plan, config=config, rope=rope)[0]
+                      sinks=sinks, plan=plan, config=config)[0]
 
 
 def paged_attention_q8(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
@@ -211,7 +189,6 @@ def paged_attention_q8(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
 def _attention(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
                v_planes: dict[str, torch.Tensor], k_format: str, v_format: str,
                quantize: bool, plan: AttnPlan | None = None, config: AttnConfig | None = None,
-               rope: RopeStore | None = None,
                **kwargs: Any) -> tuple[torch.Tensor, QuantX | None]:
     """paged_attention (kwargs: its query_start .. sinks), and with `quantize` the output
     quantized where it can be (paged_attention_q8)."""
@@ -223,13 +200,7 @@ def _attention(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
                         "missing or unknown")
     query_start, seq_lens, positions, page_table, page_size, scale, window, softcap, sinks = (
         kwargs[k] for k in names)
-    if rope is not None:
-        rope = _check_rope(rope, q, (k_format, v_format), num_rows=seq_lens.shape[0])
     if not (HAS_TRITON and (q.device.type != "cpu" or interpreter_active())):
-        if rope is not None:  # fused_rope's definition, then the attention's
-            q, k = rope_qk_reference(q, rope.k, rope.cos, rope.sin, rope.neox, rope.q_weight,
-                                     rope.k_weight, rope.eps)
-            kv_store_reference(k, rope.v, rope.slots, k_planes, v_planes, k_format, v_format)
         return paged_attention_reference(q, k_planes, v_planes, k_format, v_format,
                                          **kwargs).float(), None
     if q.dim() != 3 or q.stride(-1) != 1 or not q.dtype.is_floating_point:
@@ -251,7 +222,7 @@ def _attention(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
                               device=q.device)
     if plan.num_tokens != num_tokens:
         raise InvalidRequest(f"paged_attention: plan has {plan.num_tokens} tokens, q {num_tokens}")
-    if k_format in ("q8", "q4"):  # (never with `rope`: _check_rope)
+    if k_format in ("q8", "q4"):
         q = _rotate(q)
     out = torch.empty(num_tokens, num_heads, dim_v, dtype=torch.float32, device=q.device)
     xq = None
@@ -262,40 +233,7 @@ def _attention(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
         xq = empty_quant_x(num_tokens, num_heads * dim_v, q.device)
     if num_tokens:
         launch(q, (k0, k1, v0, v1), (FORMAT_IDS[k_format], FORMAT_IDS[v_format]), positions,
-               page_table, page_size, (scale, window, softcap), sinks, plan, cfg, out, xq,
-               rope)
+               page_table, page_size, (scale, window, softcap), sinks, plan, cfg, out, xq)
     if v_format in ("q8", "q4"):
         out = _rotate(out)
     return out.reshape(num_tokens, num_heads * dim_v), xq
-
-
-def _check_rope(rope: RopeStore, q: torch.Tensor, formats: tuple[str, str],
-                num_rows: int) -> RopeStore:
-    """`rope` with (T, D / 2) views of cos and sin, after checking it against q (T, H, D):
-    one token a row, f16 K and V, a whole head rotated (D a power of two)."""
-    tokens, _, dim = q.shape
-    k, v = rope.k, rope.v
-    cos, sin = (c.reshape(c.shape[0], -1) if c.dim() == 3 else c for c in (rope.cos, rope.sin))
-    if tokens != num_rows:
-        raise InvalidRequest(f"paged_attention: rope takes one token a row, got {tokens} "
-                             f"tokens in {num_rows} rows")
-    if formats != ("f16", "f16"):
-        raise InvalidRequest(f"paged_attention: rope needs f16 K and V planes, not {formats}")
-    if dim & (dim - 1) or dim < 32:
-        raise InvalidRequest(f"paged_attention: rope needs a power-of-two head dim, got {dim}")
-    tensors = (q, k, v, cos, sin, rope.q_weight, rope.k_weight)
-    if k.dim() != 3 or v.dim() != 3 or k.shape[0] != tokens or v.shape[:2] != k.shape[:2] \
-            or k.shape[2] != dim or cos.shape != (tokens, dim // 2) or sin.shape != cos.shape \
-            or (rope.q_weight is None) != (rope.k_weight is None) \
-            or any(w is not None and tuple(w.shape) != (dim,)
-                   for w in (rope.q_weight, rope.k_weight)) \
-            or any(t is not None and (t.dtype != torch.float32 or t.stride(-1) != 1
-                                      or t.device != q.device) for t in tensors) \
-            or tuple(rope.slots.shape) != (tokens,) or rope.slots.dtype not in (torch.int32,
-                                                                                torch.int64):
-        raise InvalidRequest(
-            f"paged_attention: rope wants k (T, KVH, {dim}), v (T, KVH, Dv) and cos/sin "
-            f"(T, {dim // 2}) float32 with contiguous last dims on {q.device}, weights ({dim},) "
-            f"or none, slots (T,) int; got k {tuple(k.shape)}, v {tuple(v.shape)}, cos "
-            f"{tuple(cos.shape)}, slots {tuple(rope.slots.shape)} {rope.slots.dtype}")
-    return rope._replace(cos=cos, sin=sin, slots=rope.slots.to(q.device))

@@ -75,27 +75,16 @@ if HAS_TRITON:
         q_ptr, k0_ptr, k1_ptr, v0_ptr, v1_ptr, pt_ptr, pos_ptr, work_ptr, tok_base_ptr,
         m_ptr, l_ptr, acc_ptr, stride_qt, stride_qh, stride_pt, qk_scale, softcap, window,
         xq_ptr, xdx_ptr, xbs_ptr,
-        cos_ptr, sin_ptr, stride_ct, stride_st, qw_ptr, kw_ptr, eps, k_src_ptr, v_src_ptr,
-        stride_kt, stride_kh, stride_vt, stride_vh, slot_ptr,
         K_FMT: tl.constexpr, V_FMT: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
         D: tl.constexpr, DV: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
         PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         DIRECT: tl.constexpr = False, PDL: tl.constexpr = False, QUANT: tl.constexpr = False,
-        ROPE: tl.constexpr = False, NEOX: tl.constexpr = False,
-        HAS_NORM: tl.constexpr = False,
     ):
         """Partials of one work item (program 0) and KV head (program 1); base-2 logits.
         DIRECT (every token in one split, no sinks): the output acc / l itself into acc_ptr,
         the merge's bits (its weights are exp2(0) = 1), and no merge launch; with QUANT
-        (G * DV a multiple of 256) also quantized for kernels/qint.py (_quantize_out).
-        ROPE (decode items: one token each; f16 K and V, D a power of two): q_ptr is the
-        projection's q before RoPE (and before its q/k norm with HAS_NORM), rotated here
-        (kernels/fused_rope.py's arithmetic); the item whose keys hold the token's position
-        stores the token's K (rotated) and V of this KV head at its slot and takes them
-        from registers as its first key, its key loop stopping before that position:
-        fused_rope's launch folded into this one (cos_ptr .. slot_ptr: rope_qk's
-        arguments)."""
+        (G * DV a multiple of 256) also quantized for kernels/qint.py (_quantize_out)."""
         item = work_ptr + tl.program_id(0) * 6
         kvh = tl.program_id(1)
         # The work item and positions are the step's inputs, written before the kernels
@@ -110,47 +99,15 @@ if HAS_TRITON:
         d = tl.arange(0, DP)
         pos = tl.load(pos_ptr + t, mask=ok, other=-1)
         pages = pt_ptr + row * stride_pt
-        dv = tl.arange(0, DVP)
-        if ROPE:
-            tl.static_assert(K_FMT == 0 and V_FMT == 0 and D == DP, "ROPE: f16 K and V")
-            p_new = tl.load(pos_ptr + q_begin)
-            new_slot = tl.load(slot_ptr + q_begin).to(tl.int64) * KVH + kvh
         await_inputs(PDL)
+        q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+                    mask=ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float16)
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.full((BLOCK_M,), 0.0, tl.float32)
         acc = tl.full((BLOCK_M, DVP), 0.0, tl.float32)
-        key_end = key_hi
-        if ROPE:
-            q = _rope_rows(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh,
-                           cos_ptr + t[:, None].to(tl.int64) * stride_ct,
-                           sin_ptr + t[:, None].to(tl.int64) * stride_st, ok[:, None], qw_ptr,
-                           eps, D, NEOX, HAS_NORM).to(tl.float16)
-            tok = q_begin.to(tl.int64)
-            at = tl.zeros((1, 1), tl.int64)
-            k_new = _rope_rows(k_src_ptr + tok * stride_kt + kvh * stride_kh + at,
-                               cos_ptr + tok * stride_ct + at, sin_ptr + tok * stride_st + at,
-                               at == 0, kw_ptr, eps, D, NEOX, HAS_NORM).to(tl.float16)
-            v_new = tl.load(v_src_ptr + tok * stride_vt + kvh * stride_vh + dv[None, :],
-                            mask=(dv < DV)[None, :], other=0.0).to(tl.float16)  # (1, DVP)
-            if (key_lo <= p_new) & (p_new < key_hi):  # the item that sees the new key
-                # stored for later steps, and taken from registers by this one: the key
-                # loop stops before it (no wait for the stores, no barrier)
-                tl.store(k0_ptr + new_slot * D + d[None, :], k_new)
-                tl.store(v0_ptr + new_slot * DV + dv[None, :], v_new, mask=(dv < DV)[None, :])
-                s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * qk_scale
-                if HAS_SOFTCAP:
-                    c = softcap * 1.4426950408889634
-                    s_new = c * (1.0 - 2.0 / (tl.exp(2.0 * s_new / c) + 1.0))
-                m_i = tl.where(ok, s_new, float("-inf"))
-                l_i = tl.where(ok, 1.0, 0.0)
-                acc = tl.where(ok[:, None], v_new.to(tl.float32), 0.0)
-                key_end = p_new
-        else:
-            q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
-                        mask=ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float16)
-        for start in range(key_lo, key_end, BLOCK_N):
+        for start in range(key_lo, key_hi, BLOCK_N):
             kp = start + tl.arange(0, BLOCK_N)
-            k_ok = kp < key_end
+            k_ok = kp < key_hi
             page = tl.load(pages + kp // PAGE, mask=k_ok, other=0)
             slot = page * PAGE + kp % PAGE  # int32, see _load_kv
             k = _load_kv(k0_ptr, k1_ptr, slot, kvh, K_FMT, KVH, D, DP, BLOCK_N)
@@ -171,6 +128,7 @@ if HAS_TRITON:
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
             m_i = m_new
         out = (tl.load(tok_base_ptr + t, mask=ok, other=0) + split).to(tl.int64) * (KVH * G) + h
+        dv = tl.arange(0, DVP)
         if DIRECT:  # slot t: the token's row of out (T, H, Dv)
             acc = acc / tl.where(ok, l_i, 1.0)[:, None]
         else:
@@ -182,33 +140,6 @@ if HAS_TRITON:
             for i in range(0, q_count):
                 _quantize_out(acc_ptr, q_begin + i, kvh * (G * DV // 256), G * DV // 256,
                               xq_ptr, xdx_ptr, xbs_ptr, KVH * G * DV)
-
-    @helper
-    def _rope_rows(src, cos_row, sin_row, ok, w_ptr, eps, D: tl.constexpr, NEOX: tl.constexpr,
-                   HAS_NORM: tl.constexpr):
-        """Rows (R, 1) of heads at `src` (pointers (R, 1)) rotated: (R, D) float32 in the
-        head's order, fused_rope._rope_head's arithmetic (its q/k norm first with
-        HAS_NORM); cos_row/sin_row (R, 1) pointers to each row's token's cos/sin."""
-        HALF: tl.constexpr = D // 2
-        i = tl.arange(0, HALF)[None, :]
-        if NEOX:
-            i0, i1 = i, i + HALF
-        else:
-            i0, i1 = 2 * i, 2 * i + 1
-        cos = tl.load(cos_row + i, mask=ok, other=0.0)
-        sin = tl.load(sin_row + i, mask=ok, other=0.0)
-        x0 = tl.load(src + i0, mask=ok, other=0.0)
-        x1 = tl.load(src + i1, mask=ok, other=0.0)
-        if HAS_NORM:  # over the head's D elements
-            inv = tl.rsqrt((tl.sum(x0 * x0, 1) + tl.sum(x1 * x1, 1)) / D + eps)
-            x0 = x0 * inv[:, None] * tl.load(w_ptr + i0)
-            x1 = x1 * inv[:, None] * tl.load(w_ptr + i1)
-        out0 = x0 * cos - x1 * sin
-        out1 = x0 * sin + x1 * cos
-        both = tl.join(out0, out1)  # (R, HALF, 2)
-        if NEOX:  # out0 then out1
-            return tl.reshape(tl.permute(both, (0, 2, 1)), (out0.shape[0], D))
-        return tl.reshape(both, (out0.shape[0], D))  # pairs interleaved
 
     @helper
     def _quantize_out(out_ptr, tok, b0, NB: tl.constexpr, q_ptr, dx_ptr, bs_ptr,
@@ -282,14 +213,12 @@ def launch(q: torch.Tensor, planes: tuple[torch.Tensor, ...], formats: tuple[int
            positions: torch.Tensor, page_table: torch.Tensor, page_size: int,
            params: tuple[float, int | None, float | None], sinks: torch.Tensor | None,
            plan: AttnPlan, cfg: AttnConfig, out: torch.Tensor,
-           xq: QuantX | None = None, rope: tuple | None = None) -> None:
+           xq: QuantX | None = None) -> None:
     """Both kernels (the partial one alone when every token has one split and there are no
     sinks), writing out (T, H, Dv) float32; planes are (k0, k1, v0, v1), formats the
     FORMAT_IDS of K and V, params (scale, window, softcap). Partial buffers are (slots, H)
     and (slots, H, Dv) float32. `xq` (G Dv a multiple of 256): also out quantized into it
-    by the kernel that writes out. `rope` (kernels/paged_attention.py's RopeStore, checked;
-    decode plans only): q before RoPE, rotated and the new K/V stored by the partial
-    kernel (its ROPE)."""
+    by the kernel that writes out."""
     (num_tokens, num_heads, dim), dim_v, dev = q.shape, out.shape[2], q.device
     kv_heads = planes[0].shape[1]
     scale, window, softcap = params
@@ -304,35 +233,21 @@ def launch(q: torch.Tensor, planes: tuple[torch.Tensor, ...], formats: tuple[int
                                device=dev)
     table = page_table.to(device=dev, dtype=torch.int32).contiguous()
     quant = (xq.q, xq.dx, xq.bs) if xq is not None else (out, out, out)
-    rope_args, rope_consts = _rope_args(rope, q)
     launcher(_attn_partial_kernel, dev)[(plan.work.shape[0], kv_heads)](
         q, *planes, table, positions.to(device=dev, dtype=torch.int32), plan.work,
         plan.tok_base, m_part, l_part, acc_part, q.stride(0), q.stride(1), table.stride(0),
-        scale * _LOG2E, float(softcap or 1.0), int(window or 0), *quant, *rope_args,
+        scale * _LOG2E, float(softcap or 1.0), int(window or 0), *quant,
         K_FMT=formats[0], V_FMT=formats[1], KVH=kv_heads, G=num_heads // kv_heads, D=dim,
         DV=dim_v, DP=next_pow2(dim), DVP=next_pow2(dim_v), PAGE=page_size,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DIRECT=direct,
-        QUANT=direct and xq is not None, num_warps=cfg.num_warps, **rope_consts,
+        QUANT=direct and xq is not None, num_warps=cfg.num_warps,
         **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
     )
     if direct:
         return
     merge(m_part, l_part, acc_part, plan.tok_base, plan.tok_splits,
           None if sinks is None else (sinks.float() * _LOG2E).contiguous(), out, xq=xq)
-
-
-def _rope_args(rope: tuple | None, q: torch.Tensor) -> tuple[tuple, dict]:
-    """The partial kernel's cos_ptr .. ko_ptr arguments and ROPE constexprs for `rope`
-    (RopeStore or None: placeholders)."""
-    if rope is None:
-        return (q, q, 0, 0, q, q, 0.0, q, q, 0, 0, 0, 0, q), {}
-    k, v, cos, sin, neox, slots, q_weight, k_weight, eps = rope
-    norm = q_weight is not None
-    return ((cos, sin, cos.stride(0), sin.stride(0), q_weight if norm else cos,
-             k_weight if norm else cos, float(eps), k, v, k.stride(0), k.stride(1),
-             v.stride(0), v.stride(1), slots),
-            {"ROPE": True, "NEOX": bool(neox), "HAS_NORM": norm})
 
 
 def merge(m_part: torch.Tensor, l_part: torch.Tensor, acc_part: torch.Tensor,
@@ -376,11 +291,7 @@ def aot_specs(spec: type) -> list:
            **{n: "*fp32" for n in ("m_ptr", "l_ptr", "acc_ptr")},
            "stride_qt": "i32", "stride_qh": "i32", "stride_pt": "i32", "qk_scale": "fp32",
            "softcap": "fp32", "window": "i32", "xq_ptr": "*i8", "xdx_ptr": "*fp32",
-           "xbs_ptr": "*i32", **{n: "*fp32" for n in ("cos_ptr", "sin_ptr", "qw_ptr", "kw_ptr",
-                                                     "k_src_ptr", "v_src_ptr")},
-           **{n: "i32" for n in ("stride_ct", "stride_st", "stride_kt", "stride_kh",
-                                 "stride_vt", "stride_vh")},
-           "eps": "fp32", "slot_ptr": "*i64"}
+           "xbs_ptr": "*i32"}
     out = []
     for (k_fmt, v_fmt, extras, decode), backend in itertools.product(
             (("f16", "f16", False, False), ("q8", "q8", True, False), ("q4", "q4", False, False),
@@ -402,16 +313,6 @@ def aot_specs(spec: type) -> list:
             out.append(spec(name + "_direct_q8", _attn_partial_kernel,
                             {**signature, "DIRECT": "constexpr", "QUANT": "constexpr"},
                             q_consts, cfg.num_warps, True, backend, cfg.num_stages))
-            # RoPE and the K/V store folded in (Llama: original pairs; Qwen3: neox pairs
-            # after the q/k norm), out quantized for o where the q8 layout asks
-            for suffix, more in (("_rope", {"NEOX": False, "HAS_NORM": False}),
-                                 ("_rope_neox_norm", {"NEOX": True, "HAS_NORM": True}),
-                                 ("_rope_direct_q8", {"NEOX": False, "HAS_NORM": False,
-                                                      "DIRECT": True, "QUANT": True})):
-                r_consts = {**consts, "ROPE": True, **more}
-                out.append(spec(name + suffix, _attn_partial_kernel,
-                                {**signature, **{k: "constexpr" for k in r_consts}},
-                                r_consts, cfg.num_warps, True, backend, cfg.num_stages))
     for sinks in (False, True):
         consts = {"H": 32, "HB": MERGE_HEADS, "DV": 128, "DVP": 128, "HAS_SINKS": sinks,
                   "BLOCK_T": 1, "BLOCK_S": MERGE_SPLITS}

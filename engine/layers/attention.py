@@ -31,7 +31,6 @@ from kernels.fused_rope import KVStore
 from kernels.paged_attention import (
     AttnConfig,
     AttnPlan,
-    RopeStore,
     paged_attention,
     paged_attention_q8,
     plan_attention,
@@ -60,7 +59,6 @@ class GroupInputs(NamedTuple):
     page_table: torch.Tensor  # (rows, max_pages) int32
     positions: torch.Tensor  # (tokens,) int32
     config: AttnConfig  # what the plan was made for
-    decode: bool = False  # plan_decode's: one token a row (attend_rope may fold RoPE in)
 
 
 @dataclass(slots=True)
@@ -123,47 +121,6 @@ def attend_q8(layer: AttnLayer, q: torch.Tensor, batch: ForwardBatch,
     output projection by the attention's own launch where it can (paged_attention_q8;
     None: the projection quantizes for itself)."""
     return attend_triton(layer, q, batch, kv, kv.group_of(layer.index), quantize=True)
-
-
-def rope_folded_enabled() -> bool:
-    """Whether decode steps fold RoPE and the K/V store into the attention's launch
-    (attend_rope): MBUFO_ATTN_ROPE=1 (default) or 0."""
-    raw = os.environ.get("MBUFO_ATTN_ROPE", "1").strip()
-    if raw not in ("0", "1"):
-        raise ValueError(f"MBUFO_ATTN_ROPE must be 0 or 1, got {raw!r}")
-    return raw == "1"
-
-
-def attend_rope(layer: AttnLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                cos_sin: tuple[torch.Tensor, torch.Tensor], neox: bool,
-                norms: tuple[torch.Tensor | None, torch.Tensor | None], eps: float,
-                batch: ForwardBatch, kv: KVCache, quantize: bool = False) -> Any:
-    """A decode step's RoPE (after the q/k norms `norms`), K/V store and attention in one
-    launch (kernels/paged_attention.py's `rope`), from q (T, H, D), k, v before RoPE:
-    (out, out quantized for a q8 projection or None) as attend_q8 / attend give it; None
-    where it does not apply (not a decode plan on the Triton path, K or V not f16, a head
-    dim not a power of two, MBUFO_ATTN_ROPE=0): then rope_qk and attend as before."""
-    group = kv.group_of(layer.index)
-    inputs = batch.attn.get(group) if isinstance(batch, PlannedBatch) else None
-    dim = layer.head_dim
-    if inputs is None or not inputs.decode or not use_triton(q.device) \
-            or (kv.k_format.name, kv.v_format.name) != ("f16", "f16") \
-            or dim & (dim - 1) or dim < 32 \
-            or not rope_folded_enabled():
-        return None
-    rope = RopeStore(k, v, *cos_sin, neox, batch.write_slots(group, kv.page_size), *norms,
-                     eps=eps)
-    k_planes, v_planes = kv.k[layer.index], kv.v[layer.index]
-    assert k_planes is not None and v_planes is not None
-    kwargs = dict(query_start=batch.query_start, seq_lens=batch.seq_lens,
-                  positions=inputs.positions, page_table=inputs.page_table,
-                  page_size=kv.page_size, scale=layer.scale, window=layer.window,
-                  softcap=layer.softcap, plan=inputs.plan, config=inputs.config, rope=rope)
-    if quantize:
-        return paged_attention_q8(q, k_planes, v_planes, kv.k_format.name, kv.v_format.name,
-                                  **kwargs)
-    return paged_attention(q, k_planes, v_planes, kv.k_format.name, kv.v_format.name,
-                           **kwargs), None
 
 
 def attend_triton(
@@ -256,7 +213,7 @@ def plan_decode(batch: ForwardBatch, layers: dict[str, AttnLayer], page_size: in
         config = attn_config(layer, dev, decode=True)
         plan = _decode_plan(batch.seq_lens, layer.window,
                             keys[group] if keys else config.split_keys, splits[group], row_ids)
-        attn[group] = GroupInputs(plan, table.to(torch.int32), positions, config, decode=True)
+        attn[group] = GroupInputs(plan, table.to(torch.int32), positions, config)
     return _planned(batch, attn, slots)
 
 

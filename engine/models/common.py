@@ -15,14 +15,7 @@ from engine.batch import ForwardBatch
 from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache, LayerKVSpec
 from engine.layers.activation import ACTIVATIONS
-from engine.layers.attention import (
-    AttnLayer,
-    attend,
-    attend_q8,
-    attend_rope,
-    attn_quant_enabled,
-    kv_target,
-)
+from engine.layers.attention import AttnLayer, attend, attend_q8, attn_quant_enabled, kv_target
 from engine.layers.linear import Int8Linear, Linear
 from engine.layers.norm import rms_norm
 from engine.layers.rope import Rope
@@ -200,15 +193,9 @@ class DecoderModel:
         k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim_v)
         if fused:  # q/k norm and RoPE of both, and the K/V store, in one kernel
-            quant = _act8(blk.out, fused) and attn_quant_enabled(n)
-            folded = attend_rope(blk.attn, q, k, v, cs, rope.neox, (blk.q_norm, blk.k_norm),
-                                 cfg.rms_eps, batch, kv, quant)
-            if folded is not None:  # ... or that kernel folded into the attention's
-                o, oq = folded
-                return blk.out(o) if oq is None else blk.out(o, xq=oq)
             q, k = rope_qk(q, k, *cs, rope.neox, blk.q_norm, blk.k_norm, cfg.rms_eps,
                            kv_target(blk.attn, v, batch, kv))
-            if quant:  # the attention quantizes
+            if _act8(blk.out, fused) and attn_quant_enabled(n):  # the attention quantizes
                 o, oq = attend_q8(blk.attn, q, batch, kv)
                 return blk.out(o) if oq is None else blk.out(o, xq=oq)
             return blk.out(attend(blk.attn, q, k, v, batch, kv, stored=True))
