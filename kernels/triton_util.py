@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -60,7 +61,9 @@ __all__ = [
     "await_inputs",
     "SMLimits",
     "carveout_for",
+    "carveout_kernels",
     "carveout_setting",
+    "takes_carveout",
     "compiled",
     "helper",
     "install_carveout",
@@ -292,6 +295,27 @@ SMALL_SHARED = 48 * 1024
 SHARED_RESERVED = 1024  # the shared memory a program takes besides its own (sm_80 on)
 
 
+def carveout_kernels(raw: str | None) -> frozenset[str] | None:
+    """MBUFO_CARVEOUT_KERNELS: the Triton kernels (comma-separated function names, such as
+    `_qint_gemv_kernel,_attn_partial_kernel`) that take MBUFO_CARVEOUT; unset or empty:
+    None, every kernel of at most SMALL_SHARED bytes of shared memory. With the carveout on
+    every small kernel, 16 streams lose it in the norm and the activation kernels between
+    the matrix-unit products (bench/RESULTS.md, 2026-12-03); this names the kernels that
+    keep it, for measuring."""
+    names = frozenset(n.strip() for n in (raw or "").split(",") if n.strip())
+    bad = sorted(n for n in names if not re.fullmatch(r"_[A-Za-z0-9_]+_kernel", n))
+    if bad:
+        raise ValueError(f"MBUFO_CARVEOUT_KERNELS: {bad} are not Triton kernel names "
+                         "(_name_kernel, comma-separated)")
+    return names or None
+
+
+def takes_carveout(name: str, only: frozenset[str] | None) -> bool:
+    """Whether the loaded kernel `name` is one install_carveout sets (carveout_kernels'
+    names; None: every one, carveout_for then deciding by its shared memory)."""
+    return only is None or name in only
+
+
 def carveout_setting(raw: str | None) -> int | None:
     """MBUFO_CARVEOUT's value: None when unset, empty or "off" (the driver chooses), else a
     whole percentage 0..100; a clear error for anything else."""
@@ -355,6 +379,7 @@ def install_carveout() -> int | None:
     """Sets MBUFO_CARVEOUT on every Triton kernel loaded from now on (CUDA builds of torch
     with a GPU; once a process). Returns the percentage, or None where nothing is set."""
     percent = carveout_setting(os.environ.get("MBUFO_CARVEOUT"))
+    only = carveout_kernels(os.environ.get("MBUFO_CARVEOUT_KERNELS"))
     if percent is None or not HAS_TRITON or torch.version.hip is not None \
             or not torch.cuda.is_available():
         return None
@@ -371,7 +396,7 @@ def install_carveout() -> int | None:
 
     def on_load(module: Any, function: Any, name: str, metadata_group: dict,
                 hash: str, **_: Any) -> None:
-        if function is None:
+        if function is None or not takes_carveout(name, only):
             return
         shared, warps = _kernel_meta(metadata_group)
         regs = ctypes.c_int(0)

@@ -14,8 +14,10 @@ from kernels.triton_util import (
     SMLimits,
     _kernel_meta,
     carveout_for,
+    carveout_kernels,
     carveout_setting,
     resident_programs,
+    takes_carveout,
 )
 
 
@@ -84,3 +86,21 @@ def test_shared_memory_from_the_metadata_file(tmp_path):
     assert carveout_for(_kernel_meta({"k.json": str(tmp_path / "missing.json")})[0], 15) is None
     meta.write_text("{}")
     assert carveout_for(_kernel_meta({"k.json": str(meta)})[0], 15) is None
+
+
+@pytest.mark.parametrize("raw,want", [
+    (None, None), ("", None), (" , ", None),
+    ("_qint_gemv_kernel", {"_qint_gemv_kernel"}),
+    (" _qint_gemv_kernel, _attn_partial_kernel ,", {"_qint_gemv_kernel", "_attn_partial_kernel"}),
+])
+def test_kernels_that_take_the_carveout(raw, want):
+    got = carveout_kernels(raw)
+    assert got == (None if want is None else frozenset(want))
+    for name in ("_qint_gemv_kernel", "_attn_partial_kernel", "_add_rms_norm_kernel"):
+        assert takes_carveout(name, got) == (want is None or name in want)
+
+
+@pytest.mark.parametrize("raw", ["qint_gemv", "_qint_gemv_kernel;_x_kernel", "_a kernel"])
+def test_a_bad_kernel_name_is_a_clear_error(raw):
+    with pytest.raises(ValueError, match="MBUFO_CARVEOUT_KERNELS"):
+        carveout_kernels(raw)
