@@ -10,7 +10,8 @@ A run is NAME:CONCURRENCY[:VAR=VALUE,VAR=VALUE...]; a NAME ending in `+profile` 
 `--graph-profile CONCURRENCY` (the last step's time by kernel, `step_shares`). Arguments
 after `--` go to every engine_bench.py run. `sweep.json` under --out is rewritten after
 every run (a sweep cut short keeps what it measured): per run its environment, the
-variants' decode_tps and prefill_tps, the profiled step's shares, the log's last lines
+variants' decode_tps, steady_tok_s (the rate once every stream decodes, where there are
+several) and prefill_tps, the profiled step's shares, the log's last lines
 where the run failed, and engine_bench's whole JSON; the runs' logs go to `sweep.log`.
 Two files in all (the device tool brings back only a few). One line per run is printed
 as it ends.
@@ -62,6 +63,10 @@ def summarize(name: str, env: dict[str, str], result: dict | None, log: str,
         return record
     for variant, figures in result.get("variants", {}).items():
         row = {k: figures[k] for k in ("decode_tps", "prefill_tps", "error") if k in figures}
+        steady = {c: d["steady_tok_s"] for c, d in (figures.get("decode") or {}).items()
+                  if isinstance(d, dict) and d.get("steady_tok_s") is not None}
+        if steady:  # the rate once every stream decodes (engine_bench's run_batch)
+            row["steady_tok_s"] = steady
         profile = next(iter(figures.get("graph_profile", {}).values()), None)
         if profile:
             row["step_shares"] = profile.get("step_shares")
@@ -82,7 +87,9 @@ def line(record: dict) -> str:
                            if v is not None)
         prefill = ", ".join(f"{n}: {v:.0f}" for n, v in (row.get("prefill_tps") or {}).items()
                             if v is not None)
-        cells.append(f"{variant} decode {{{decode}}} prefill {{{prefill}}}"
+        steady = ", ".join(f"{c}: {v:.1f}" for c, v in (row.get("steady_tok_s") or {}).items())
+        cells.append(f"{variant} decode {{{decode}}}"
+                     + (f" steady {{{steady}}}" if steady else "") + f" prefill {{{prefill}}}"
                      + (f" FAILED {row['error']}" if "error" in row else ""))
     env = ",".join(f"{k}={v}" for k, v in record["env"].items()) or "-"
     return f"{record['run']} [{env}] {'; '.join(cells)} ({record['seconds']} s)"

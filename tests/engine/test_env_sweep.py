@@ -24,7 +24,8 @@ out = Path(args[args.index("--out") + 1])
 out.mkdir(parents=True)
 c = args[args.index("--concurrency") + 1]
 tps = float(os.environ.get("FAKE_TPS", "1"))
-fig = {"decode_tps": {c: tps}, "prefill_tps": {"512": tps * 20}}
+fig = {"decode_tps": {c: tps}, "prefill_tps": {"512": tps * 20},
+       "decode": {c: {"total_tok_s": tps, "steady_tok_s": tps * 1.25 if c != "1" else None}}}
 if "--graph-profile" in args:
     fig["graph_profile"] = {c: {"step_shares": [["_k", 5.0, 2]], "kernels_per_step": 2}}
 (out / "engine_bench.json").write_text(json.dumps(
@@ -53,14 +54,17 @@ def test_each_run_in_its_own_environment(tmp_path, fake, capsys):
     row = fast["variants"]["q8+graphs"]
     assert row["decode_tps"] == {"16": 470.5} and row["prefill_tps"] == {"512": 9410.0}
     assert row["step_shares"] == [["_k", 5.0, 2]]
+    assert row["steady_tok_s"] == {"16": 588.125}  # every stream decoding
     assert "step_shares" not in base["variants"]["q8+graphs"]
+    assert "steady_tok_s" not in base["variants"]["q8+graphs"]  # one stream: none
     assert broken["error"] == "no engine_bench.json"
     assert any("boom" in text for text in broken["log_tail"])
     assert (out / "sweep.log").read_text().count("boom") == 1
     assert fast["engine_bench"]["argv"][-2:] == ["--graph-profile", "16"]
     assert sorted(p.name for p in out.iterdir()) == ["sweep.json", "sweep.log"]
     printed = capsys.readouterr().out.splitlines()
-    assert printed[1].startswith("fast+profile [FAKE_TPS=470.5] q8+graphs decode {16: 470.5}")
+    assert printed[1].startswith("fast+profile [FAKE_TPS=470.5] q8+graphs decode {16: 470.5} "
+                                 "steady {16: 588.1}")
     assert printed[2].startswith("broken: FAILED")
 
 
