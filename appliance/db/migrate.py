@@ -64,9 +64,14 @@ def current_revision(db: Database) -> str | None:
 
 @contextmanager
 def migration_connection(db: Database) -> Iterator[Connection]:
-    """A connection with foreign keys off, holding the migration lock; discarded after."""
+    """A connection with foreign keys off, holding the migration lock; discarded after.
+    Its transactions begin IMMEDIATE: a migration reads (is the version table there?)
+    before it writes, and a deferred transaction that another connection's commit or lock
+    overtakes between the two fails at once with "database is locked" instead of waiting
+    (seen with four threads opening one fresh database under load)."""
     with _file_lock(db.path), db.engine.connect() as conn:
         conn.connection.dbapi_connection.execute("PRAGMA foreign_keys=OFF")  # outside a txn
+        conn.execution_options(sqlite_begin="IMMEDIATE")
         try:
             yield conn
             bad = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()

@@ -92,6 +92,21 @@ def test_write_session_takes_the_write_lock_first(db: Database) -> None:
         other.close()
 
 
+def test_migration_takes_the_write_lock_first(db: Database) -> None:
+    """A migration's transaction holds the write lock from its first statement (a read),
+    so no other connection can commit between its reads and its writes."""
+    other = sqlite3.connect(db.path, timeout=0, isolation_level=None)
+    try:
+        with migrate.migration_connection(db) as conn:
+            conn.exec_driver_sql("SELECT count(*) FROM sqlite_master").scalar()
+            with pytest.raises(sqlite3.OperationalError, match="locked"):
+                other.execute("BEGIN IMMEDIATE")
+        other.execute("BEGIN IMMEDIATE")  # free again once it is over
+        other.execute("ROLLBACK")
+    finally:
+        other.close()
+
+
 def test_concurrent_first_opens_migrate_once(tmp_path: Path) -> None:
     # The WAL switch race hit about one round in sixteen before _switch_to_wal retried.
     for round_ in range(40):
