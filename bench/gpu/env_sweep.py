@@ -6,7 +6,8 @@ Run on the device machine:
     python bench/gpu/env_sweep.py --vocab VOCAB.gguf --out $OUT \\
         --run base:1 --run 'carve:1:MBUFO_CARVEOUT=15' --run 'nopdl:16:MBUFO_PDL=0' \\
         -- --variants q8+graphs --tokens 64 --no-profile --prefill 512
-A run is NAME:CONCURRENCY[:VAR=VALUE,VAR=VALUE...]; a NAME ending in `+profile` adds
+A run is NAME:CONCURRENCY[:VAR=VALUE,VAR=VALUE...] (an item without `=` continues the
+value before it: `MBUFO_CARVEOUT_KERNELS=_a_kernel,_b_kernel`); a NAME ending in `+profile` adds
 `--graph-profile CONCURRENCY` (the last step's time by kernel, `step_shares`). Arguments
 after `--` go to every engine_bench.py run. `sweep.json` under --out is rewritten after
 every run (a sweep cut short keeps what it measured): per run its environment, the
@@ -44,12 +45,16 @@ def parse_run(text: str) -> tuple[str, int, dict[str, str]]:
     if not _NAME.fullmatch(name) or not level.isdigit() or int(level) < 1:
         raise ValueError(f"--run {text!r}: want NAME:CONCURRENCY[:VAR=VALUE,...] "
                          "(NAME of letters, digits, '.', '_', '-'; CONCURRENCY >= 1)")
-    env = {}
+    env: dict[str, str] = {}
+    var = None
     for item in filter(None, env_text.split(",")):
-        var, eq, value = item.partition("=")
-        if not eq or not _VAR.fullmatch(var):
+        name_, eq, value = item.partition("=")
+        if eq and _VAR.fullmatch(name_):
+            var, env[name_] = name_, value
+        elif var is not None and not eq:  # a list value: VAR=a,b
+            env[var] += "," + item
+        else:
             raise ValueError(f"--run {text!r}: {item!r} is not VAR=VALUE")
-        env[var] = value
     return name, int(level), env
 
 

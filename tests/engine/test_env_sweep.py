@@ -68,8 +68,13 @@ def test_each_run_in_its_own_environment(tmp_path, fake, capsys):
     assert printed[2].startswith("broken: FAILED")
 
 
+def test_a_value_may_be_a_list():
+    assert env_sweep.parse_run("k:1:A=1,MBUFO_CARVEOUT_KERNELS=_a_kernel,_b_kernel,B=2") == (
+        "k", 1, {"A": "1", "MBUFO_CARVEOUT_KERNELS": "_a_kernel,_b_kernel", "B": "2"})
+
+
 @pytest.mark.parametrize("text", ["base", "base:0", "base:x", "a b:1", "base:1:lower=1",
-                                  "base:1:NOEQUALS"])
+                                  "base:1:NOEQUALS", "base:1:A=1,lower=2"])
 def test_bad_runs_are_refused(text):
     with pytest.raises(ValueError, match="--run"):
         env_sweep.parse_run(text)
