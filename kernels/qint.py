@@ -1074,16 +1074,28 @@ def _qint_mma():
     return qint_mma
 
 
+def mma_rows() -> int:
+    """The most rows of x kernels/qint_mma.py's Gluon kernel takes: its MMA_ROWS, or fewer
+    with MBUFO_QINT_MMA_ROWS (16: the rows past it on _qint_mm_kernel, as before its wider
+    builds); a clear error for anything but a whole number."""
+    raw = os.environ.get("MBUFO_QINT_MMA_ROWS", "").strip()
+    if not raw:
+        return _qint_mma().MMA_ROWS
+    if not raw.isdigit():
+        raise ValueError(f"MBUFO_QINT_MMA_ROWS must be a whole number of rows, got {raw!r}")
+    return min(int(raw), _qint_mma().MMA_ROWS)
+
+
 def mma_path(m: int, qtype: int, qtype2: int, backend: str, device: torch.device) -> bool:
     """Whether a matrix-unit launch runs kernels/qint_mma.py's Gluon kernel instead of
     _qint_mm_kernel (the same bits, 15-27% faster at the model's shapes at 16 rows on the
-    H200): Q4_K or Q6_K_A alone or Q4_K's q|k with Q6_K_A's v, up to 16 rows of x, on
-    NVIDIA, with Gluon, unless MBUFO_QINT_MMA=0 or a tile is forced (the tuner and benches
-    time _qint_mm_kernel's tiles)."""
+    H200): Q4_K or Q6_K_A alone or Q4_K's q|k with Q6_K_A's v, up to mma_rows() rows of x,
+    on NVIDIA, with Gluon, unless MBUFO_QINT_MMA=0 or a tile is forced (the tuner and
+    benches time _qint_mm_kernel's tiles)."""
     qint_mma = _qint_mma()
     return (device.type == "cuda" and backend == "cuda"
             and (qtype in QINT_TYPES and not qtype2 or (qtype, qtype2) == (Q4_K, Q6_K_A))
-            and m <= qint_mma.MMA_ROWS and qint_mma.HAS_GLUON
+            and m <= mma_rows() and qint_mma.HAS_GLUON
             and not getattr(_FORCED, "stack", None)
             and os.environ.get("MBUFO_QINT_MMA", "1") != "0")
 

@@ -45,14 +45,16 @@ from typing import Any
 
 from kernels.triton_util import HAS_TRITON
 
-__all__ = ["FUSED_MAX_REGS", "HAS_GLUON", "MMA_ROWS", "STAGES", "WARPS", "aot_specs",
-           "qint_mma_launch"]
+__all__ = ["FUSED_MAX_REGS", "HAS_GLUON", "MMA_ROWS", "STAGES", "TILE_ROWS", "WARPS",
+           "aot_specs", "qint_mma_launch", "tile_rows"]
 
-MMA_ROWS = 16  # rows of x a program multiplies: the mma.sync's n (two n8 halves)
+MMA_ROWS = 64  # the most rows of x a launch multiplies (a program takes them all)
+TILE_ROWS = (16, 32, 64)  # the builds' rows of x (the mma.sync's n, in n8 pieces)
 WARPS = 4  # a program's warps, 16 weight rows each
 STAGES = 2  # super-blocks in shared memory: the one multiplied and the one in flight
-# the two-type kernel's register cap: 126 uncapped (4 programs a multiprocessor), at 96
-# (5, as Q6_K's) 8 bytes spilled outside the loops (the row offsets kept for the finish)
+# the two-type kernel's register cap at 16 rows: 126 uncapped (4 programs a
+# multiprocessor), at 96 (5, as Q6_K's) 8 bytes spilled outside the loops (the row offsets
+# kept for the finish); the wider builds are not capped (at 96: 112 and 416 bytes spilled)
 FUSED_MAX_REGS = 96
 
 HAS_GLUON = False
@@ -136,34 +138,33 @@ if HAS_GLUON:
         return gl.DotOperandLayout(operand_index=operand, parent=mma, k_width=k_width)
 
     @gluon.jit
-    def _x_sources(q_ptr, dx_ptr, bs_ptr, M, K, WARPS: gl.constexpr):
+    def _x_sources(q_ptr, dx_ptr, bs_ptr, M, K, WARPS: gl.constexpr, BM: gl.constexpr):
         """The copies' sources in x (a super-block's offsets added by the issue): its codes
-        (16, 256), 16 bytes a thread; 16-column sums (16, 16), 4 bytes; scales (16,); rows
+        (BM, 256), 16 bytes a thread; 16-column sums (BM, 16), 4 bytes; scales (BM,); rows
         past M repeat the last. Returned with the column (row) indices the masks use."""
         XL: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [WARPS, 1], [1, 0])
         SL: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [WARPS, 1], [1, 0])
         HL: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-        xr = gl.minimum(gl.arange(0, 16, layout=gl.SliceLayout(1, XL)), M - 1)
+        xr = gl.minimum(gl.arange(0, BM, layout=gl.SliceLayout(1, XL)), M - 1)
         xcols = gl.arange(0, 256, layout=gl.SliceLayout(0, XL))
         x_src = q_ptr + (xr.to(gl.int64) * K)[:, None] + xcols[None, :]
-        sr = gl.minimum(gl.arange(0, 16, layout=gl.SliceLayout(1, SL)), M - 1)
+        sr = gl.minimum(gl.arange(0, BM, layout=gl.SliceLayout(1, SL)), M - 1)
         scols = gl.arange(0, 16, layout=gl.SliceLayout(0, SL))
         s_src = bs_ptr + (sr.to(gl.int64) * gl.multiple_of(K // 16, 16))[:, None] \
             + scols[None, :]
-        drows = gl.arange(0, 16, layout=HL)
+        drows = gl.arange(0, BM, layout=HL)
         d_src = dx_ptr + gl.minimum(drows, M - 1) * (K // 256)
         return x_src, xcols, s_src, scols, d_src, drows
 
     @gluon.jit
     def _q4k_sum(q_ptr, dx_ptr, bs_ptr, w_ptr, row0, n_rows, M, K, row_bytes, sb0,
                  sb_per_split, codes, heads, xs, bss, dxs, WARPS: gl.constexpr,
-                 STAGES: gl.constexpr, PDL: gl.constexpr):
-        """The (16 WARPS, 16) sums of Q4_K rows row0 .. of n_rows (rows past it read row
+                 STAGES: gl.constexpr, PDL: gl.constexpr, BM: gl.constexpr):
+        """The (16 WARPS, BM) sums of Q4_K rows row0 .. of n_rows (rows past it read row
         0) over super-blocks sb0 .. sb0 + sb_per_split - 1, the operands staged in the
         given shared memory (STAGES deep): codes (BN, 128) u8, heads (4 STAGES, BN) int32,
         xs (BM, 256) int8, bss (BM, 16) f16, dxs (BM,) f32, each with a leading STAGES."""
         BN: gl.constexpr = 16 * WARPS
-        BM: gl.constexpr = 16
         MMA: gl.constexpr = _mma_layout(WARPS)
         A8: gl.constexpr = _mma_layout(WARPS, 0, 8)  # s8 fragments (k relabelled, 8 bytes)
         B8: gl.constexpr = _mma_layout(WARPS, 1, 8)
@@ -184,7 +185,7 @@ if HAS_GLUON:
         w32 = w_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         h_src = w32 + gl.where(rh < n_rows, rh, 0).to(gl.int64) * (row_bytes // 4)
         x_src, xcols, s_src, scols, d_src, drows = _x_sources(q_ptr, dx_ptr, bs_ptr, M, K,
-                                                              WARPS)
+                                                              WARPS, BM)
         jf = gl.arange(0, 16, layout=gl.SliceLayout(0, A16))
         sub = (jf // 2)[None, :]
         acc = gl.zeros((BN, BM), gl.float32, MMA)
@@ -209,7 +210,7 @@ if HAS_GLUON:
         return acc
 
     @gluon.jit
-    def _q4k_smem(WARPS: gl.constexpr, STAGES: gl.constexpr):
+    def _q4k_smem(WARPS: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr):
         """_q4k_sum's shared memory: codes and x's codes swizzled (the fragments' 8-byte
         reads of a half warp in distinct banks), head words one row of BN a word."""
         BN: gl.constexpr = 16 * WARPS
@@ -217,21 +218,21 @@ if HAS_GLUON:
                                           gl.SwizzledSharedLayout(16, 1, 8, order=[1, 0]))
         heads = gl.allocate_shared_memory(gl.int32, [STAGES * 4, BN],
                                           gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        xs = gl.allocate_shared_memory(gl.int8, [STAGES, 16, 256],
+        xs = gl.allocate_shared_memory(gl.int8, [STAGES, BM, 256],
                                        gl.SwizzledSharedLayout(32, 1, 8, order=[1, 0]))
-        bss = gl.allocate_shared_memory(gl.float16, [STAGES, 16, 16],
+        bss = gl.allocate_shared_memory(gl.float16, [STAGES, BM, 16],
                                         gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        dxs = gl.allocate_shared_memory(gl.float32, [STAGES, 16],
+        dxs = gl.allocate_shared_memory(gl.float32, [STAGES, BM],
                                         gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         return codes, heads, xs, bss, dxs
 
     @gluon.jit
     def _finish(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, ticket,
-                WARPS: gl.constexpr):
+                WARPS: gl.constexpr, BM: gl.constexpr):
         """Stores a program's sums (its tile pid_n of y's N columns) as
         qgemv.finish_splits."""
         MMA: gl.constexpr = _mma_layout(WARPS)
-        cc = gl.arange(0, 16, layout=gl.SliceLayout(0, MMA))
+        cc = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
         rr = pid_n * (16 * WARPS) + gl.arange(0, 16 * WARPS, layout=gl.SliceLayout(1, MMA))
         offs = cc.to(gl.int64)[None, :] * N + rr[:, None]
         finish_splits(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, offs,
@@ -243,7 +244,7 @@ if HAS_GLUON:
     def _qint_mma_q4k_kernel(
         q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
         sb_per_split, nsplit, ticket, WARPS: gl.constexpr = 4, STAGES: gl.constexpr = 2,
-        PDL: gl.constexpr = False,
+        PDL: gl.constexpr = False, BM: gl.constexpr = 16,
     ):
         """y[m, n] for x's rows m < M (<= 16) and W's rows n; grid (N / (16 WARPS), nsplit),
         the splits' partials added in split order by the last program of a tile (as
@@ -251,11 +252,12 @@ if HAS_GLUON:
         shared memory, STAGES - 1 super-blocks ahead of the products."""
         pid_n = gl.program_id(0)
         split = gl.program_id(1)
-        codes, heads, xs, bss, dxs = _q4k_smem(WARPS, STAGES)
+        codes, heads, xs, bss, dxs = _q4k_smem(WARPS, STAGES, BM)
         acc = _q4k_sum(q_ptr, dx_ptr, bs_ptr, w_ptr, pid_n * 16 * WARPS, N, M, K, row_bytes,
                        split * sb_per_split, sb_per_split, codes, heads, xs, bss, dxs, WARPS,
-                       STAGES, PDL)
-        _finish(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, ticket, WARPS)
+                       STAGES, PDL, BM)
+        _finish(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, ticket, WARPS,
+                BM)
 
     @gluon.jit
     def _issue6(ql, qh, scb, xa, xb, bss, dxs, buf, l_src, h_src, b_src, x_src, s_src, d_src,
@@ -318,14 +320,13 @@ if HAS_GLUON:
     @gluon.jit
     def _q6k_sum(q_ptr, dx_ptr, bs_ptr, w_ptr, row0, n_rows, M, K, row_bytes, sb0,
                  sb_per_split, ql, qh, scb, xa, xb, bss, dxs, WARPS: gl.constexpr,
-                 STAGES: gl.constexpr, PDL: gl.constexpr):
+                 STAGES: gl.constexpr, PDL: gl.constexpr, BM: gl.constexpr):
         """_q4k_sum for Q6_K_A rows (kernels/qint.py's storage): ql, qh and the scales of
         a super-block copied asynchronously with x's codes (twice, each half of a run
         beside zeros), 16-column sums and scales into ql (BN, 128) u8, qh (BN, 64) u8, scb
         (BN, 16) int8, xa and xb (BM, 256) int8, bss, dxs; d (in the row's tail) loaded one
         super-block ahead into registers."""
         BN: gl.constexpr = 16 * WARPS
-        BM: gl.constexpr = 16
         MMA: gl.constexpr = _mma_layout(WARPS)
         A8: gl.constexpr = _mma_layout(WARPS, 0, 8)  # s8 fragments (k relabelled, 8 bytes)
         B8: gl.constexpr = _mma_layout(WARPS, 1, 8)
@@ -352,7 +353,7 @@ if HAS_GLUON:
             (gl.where(rb < n_rows, rb, 0).to(gl.int64) * row_bytes)[:, None] + 192 \
             + bcols[None, :]
         x_src, xcols, s_src, scols, d_src, drows = _x_sources(q_ptr, dx_ptr, bs_ptr, M, K,
-                                                              WARPS)
+                                                              WARPS, BM)
         rr = row0 + gl.arange(0, BN, layout=ROW)
         w16 = w_ptr.to(gl.pointer_type(gl.uint16), bitcast=True)
         dw = w16 + (gl.where(rr < n_rows, rr, 0).to(gl.int64) * row_bytes + nsb * 208) // 2
@@ -384,7 +385,7 @@ if HAS_GLUON:
         return acc
 
     @gluon.jit
-    def _q6k_smem(WARPS: gl.constexpr, STAGES: gl.constexpr):
+    def _q6k_smem(WARPS: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr):
         """_q6k_sum's shared memory (ql, qh, scb, xa, xb, bss, dxs)."""
         BN: gl.constexpr = 16 * WARPS
         ql = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 128],
@@ -393,13 +394,13 @@ if HAS_GLUON:
                                        gl.SwizzledSharedLayout(16, 1, 4, order=[1, 0]))
         scb = gl.allocate_shared_memory(gl.int8, [STAGES, BN, 16],
                                         gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        xa = gl.allocate_shared_memory(gl.int8, [STAGES, 16, 256],
+        xa = gl.allocate_shared_memory(gl.int8, [STAGES, BM, 256],
                                        gl.SwizzledSharedLayout(32, 1, 8, order=[1, 0]))
-        xb = gl.allocate_shared_memory(gl.int8, [STAGES, 16, 256],
+        xb = gl.allocate_shared_memory(gl.int8, [STAGES, BM, 256],
                                        gl.SwizzledSharedLayout(32, 1, 8, order=[1, 0]))
-        bss = gl.allocate_shared_memory(gl.float16, [STAGES, 16, 16],
+        bss = gl.allocate_shared_memory(gl.float16, [STAGES, BM, 16],
                                         gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        dxs = gl.allocate_shared_memory(gl.float32, [STAGES, 16],
+        dxs = gl.allocate_shared_memory(gl.float32, [STAGES, BM],
                                         gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         return ql, qh, scb, xa, xb, bss, dxs
 
@@ -407,47 +408,58 @@ if HAS_GLUON:
     def _qint_mma_q6k_kernel(
         q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
         sb_per_split, nsplit, ticket, WARPS: gl.constexpr = 4, STAGES: gl.constexpr = 2,
-        PDL: gl.constexpr = False,
+        PDL: gl.constexpr = False, BM: gl.constexpr = 16,
     ):
         """_qint_mma_q4k_kernel for Q6_K_A rows."""
         pid_n = gl.program_id(0)
         split = gl.program_id(1)
-        ql, qh, scb, xa, xb, bss, dxs = _q6k_smem(WARPS, STAGES)
+        ql, qh, scb, xa, xb, bss, dxs = _q6k_smem(WARPS, STAGES, BM)
         acc = _q6k_sum(q_ptr, dx_ptr, bs_ptr, w_ptr, pid_n * 16 * WARPS, N, M, K, row_bytes,
                        split * sb_per_split, sb_per_split, ql, qh, scb, xa, xb, bss, dxs, WARPS,
-                       STAGES, PDL)
-        _finish(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, ticket, WARPS)
+                       STAGES, PDL, BM)
+        _finish(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, ticket, WARPS,
+                BM)
 
     @gluon.jit(do_not_specialize=["M", "N", "sb_per_split", "nsplit", "n1"])
     def _qint_mma_q4k_q6k_kernel(
         q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
         sb_per_split, nsplit, ticket, w2_ptr, n1, row_bytes2, WARPS: gl.constexpr = 4,
-        STAGES: gl.constexpr = 2, PDL: gl.constexpr = False,
+        STAGES: gl.constexpr = 2, PDL: gl.constexpr = False, BM: gl.constexpr = 16,
     ):
         """Q4_K rows (w_ptr, the first n1 of y's N columns, n1 a multiple of 16 WARPS) and
         Q6_K_A rows (w2_ptr, the rest) in one launch (a layer's q|k and v), each tile
         as its type's kernel. Q4_K's buffers are Q6_K's (its head words in qh's)."""
         pid_n = gl.program_id(0)
         split = gl.program_id(1)
-        ql, qh, scb, xa, xb, bss, dxs = _q6k_smem(WARPS, STAGES)
+        ql, qh, scb, xa, xb, bss, dxs = _q6k_smem(WARPS, STAGES, BM)
         row0 = pid_n * 16 * WARPS
         if row0 >= n1:
             acc = _q6k_sum(q_ptr, dx_ptr, bs_ptr, w2_ptr, row0 - n1, N - n1, M, K, row_bytes2,
                            split * sb_per_split, sb_per_split, ql, qh, scb, xa, xb, bss, dxs,
-                           WARPS, STAGES, PDL)
+                           WARPS, STAGES, PDL, BM)
         else:
             heads = qh._reinterpret(gl.int32, [STAGES * 4, 16 * WARPS],
                                     gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
             acc = _q4k_sum(q_ptr, dx_ptr, bs_ptr, w_ptr, row0, n1, M, K, row_bytes,
                            split * sb_per_split, sb_per_split, ql, heads, xa, bss, dxs, WARPS,
-                           STAGES, PDL)
-        _finish(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, ticket, WARPS)
+                           STAGES, PDL, BM)
+        _finish(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, ticket, WARPS,
+                BM)
+
+
+def tile_rows(m: int) -> int:
+    """The build (TILE_ROWS) whose rows of x hold `m` (<= MMA_ROWS): a program multiplies
+    all of them, past m repeating the last."""
+    for rows in TILE_ROWS:
+        if m <= rows:
+            return rows
+    raise ValueError(f"qint_mma: at most {MMA_ROWS} rows of x, got {m}")
 
 
 def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: Any = None, *,
                     q6: bool = False, second: tuple[Any, int] | None = None, launch: Any = None,
                     warps: int = WARPS, stages: int = STAGES) -> Any:
-    """y (M, n) float32 = xq's rows (M <= 16, a QuantX) times the Q4_K rows `blocks`
+    """y (M, n) float32 = xq's rows (M <= MMA_ROWS, a QuantX) times the Q4_K rows `blocks`
     (n, k / 256 * 144; `q6`: Q6_K_A rows, kernels/qint.py's row_bytes; `second`: (Q6_K_A
     rows, n1): `blocks` holds the first n1 of the n rows in Q4_K, a multiple of 16 warps,
     and these the rest): `split` ranges of super-blocks, their partials added by the last
@@ -457,6 +469,7 @@ def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: A
     import torch
 
     m = xq.q.shape[0]
+    rows = tile_rows(m)
     y = torch.empty(m, n, dtype=torch.float32, device=xq.q.device)
     tiles = -(-n // (16 * warps))
     part = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=y.device)
@@ -468,14 +481,15 @@ def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: A
             raise ValueError(f"qint_mma: the Q4_K part's {n1} rows must be a multiple of "
                              f"{16 * warps} below {n}")
         kernel = _qint_mma_q4k_q6k_kernel
-        extra = {"w2_ptr": blocks2, "n1": n1, "row_bytes2": blocks2.shape[1],
-                 "maxnreg": FUSED_MAX_REGS}
+        extra = {"w2_ptr": blocks2, "n1": n1, "row_bytes2": blocks2.shape[1]}
+        if rows == 16:
+            extra["maxnreg"] = FUSED_MAX_REGS
     else:
         kernel = _qint_mma_q6k_kernel if q6 else _qint_mma_q4k_kernel
     kernel = launch(kernel) if launch else kernel
     kernel[(tiles, split)](*xq, blocks, y, part, tickets if use_ticket else y, m, n, k,
                            blocks.shape[1], k // 256 // split, split, int(use_ticket),
-                           WARPS=warps, STAGES=stages, num_warps=warps, **extra)
+                           WARPS=warps, STAGES=stages, BM=rows, num_warps=warps, **extra)
     if split > 1 and not use_ticket:
         from kernels.qmatmul import sum_splits
 
@@ -496,12 +510,15 @@ def aot_specs(spec: type) -> list:
     fused = {**sig, "w2_ptr": "*u8", "n1": "i32", "row_bytes2": "i32"}
     fused = {**{k: v for k, v in fused.items() if v != "constexpr"},
              **{k: v for k, v in fused.items() if v == "constexpr"}}  # the kernel's order
-    return [spec(f"qint_mma_{name}{'_pdl' if pdl else ''}_tiled", kernel, s,
-                 {"WARPS": WARPS, "STAGES": STAGES, "PDL": pdl}, WARPS, True, "cuda", None,
-                 divisible + extra, regs)
+    sig["BM"] = fused["BM"] = "constexpr"
+    # the 16-row builds plain and as programmatic dependent launches; the wider ones as
+    # the engine launches them (PDL)
+    return [spec(f"qint_mma_{name}{'' if rows == 16 else f'_m{rows}'}{'_pdl' if pdl else ''}"
+                 "_tiled", kernel, s, {"WARPS": WARPS, "STAGES": STAGES, "PDL": pdl, "BM": rows},
+                 WARPS, True, "cuda", None, divisible + extra, regs if rows == 16 else None)
             for name, kernel, s, extra, regs in (
                 ("Q4_K", _qint_mma_q4k_kernel, sig, (), None),
                 ("Q6_K", _qint_mma_q6k_kernel, sig, (), None),
                 ("Q4_K_Q6_K", _qint_mma_q4k_q6k_kernel, fused, ("w2_ptr", "row_bytes2"),
                  FUSED_MAX_REGS))
-            for pdl in (False, True)]
+            for rows in TILE_ROWS for pdl in ((False, True) if rows == 16 else (True,))]

@@ -1,5 +1,5 @@
 """kernels/qint_mma.py (Gluon, asynchronous copies into mma.sync fragments) against qint's
-matrix-unit kernel on the GPU, Q4_K and Q6_K at Llama-3.1-8B's shapes and 9-16 rows of x.
+matrix-unit kernel on the GPU, Q4_K and Q6_K at Llama-3.1-8B's shapes and 9-64 rows of x.
 
     python3 bench/gpu/qint_mma_bench.py [--types Q4_K,Q6_K,fused] [--variants 4,2;4,3;8,2]
         [--out DIR]
@@ -7,8 +7,8 @@ matrix-unit kernel on the GPU, Q4_K and Q6_K at Llama-3.1-8B's shapes and 9-16 r
 `fused` times q|k (Q4_K) and v (Q6_K) in one launch through qint_parts, as the engine
 multiplies a layer's attention input on llama.cpp's Q6_K layers.
 
-Each variant (warps, stages) is checked bit for bit against qint's launch with its
-default 16-row tile forced (qint_triton itself takes the Gluon kernel; forced, up to
+Each variant (warps, stages) is checked bit for bit against qint's launch with the default
+tile of the rows' bound forced (qint_triton itself takes the Gluon kernel; forced, up to
 gemv_max_m rows of the type run on the CUDA cores, more on _qint_mm_kernel) and against the
 float64 reference of kernels.qint (within 2^-16 |W| |x_q|); both are timed at every row
 count (--rows), as CUDA-graph replays over weight copies that miss the L2, as qint_bench.
@@ -46,6 +46,12 @@ SHAPES = {"Q4_K": [(4096, 4096), (6144, 4096), (28672, 4096), (14336, 4096), (40
           "Q6_K": [(4096, 14336), (128256, 4096), (1024, 4096)]}
 
 
+def forced(m: int) -> tuple:
+    """qint's default matrix-unit tile at m rows (the first candidate of m's bound)."""
+    bound = next(b for b in qint.TILE_BOUNDS if m <= b)
+    return qint.TILE_CANDIDATES["cuda"][bound][0]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -78,15 +84,17 @@ def main(argv: list[str] | None = None) -> int:
         w = dequantize_reference(gguf_blocks.view(-1), qint.Q6_K if q6 else qint.Q4_K, (n, k),
                                  torch.float64)
         del gguf_blocks
-        x = torch.randn(16, k, device=run.dev, generator=run.gen).bfloat16()
+        x = torch.randn(max(rows), k, device=run.dev, generator=run.gen).bfloat16()
         xq_ref = qint.dequantized_x_reference(x)
         ref, bound = xq_ref @ w.T, xq_ref.abs() @ w.abs().T
         del w
         for m in rows:
             xq = qint.quantize_x(x[:m])
             cfg = qint.default_qint_config(qtype, n, k, run.sms, m=m)
-            def old_call(b, xm=x[:m], xqm=xq, nk=(n, k), qt=qtype):
-                with qint.forced_tile(qint.TILE_CANDIDATES["cuda"][16][0]):
+            tile = forced(m)
+
+            def old_call(b, xm=x[:m], xqm=xq, nk=(n, k), qt=qtype, tile=tile):
+                with qint.forced_tile(tile):
                     return qint.qint_triton(xm, b, qt, nk, xq=xqm)
 
             old = old_call(blocks)
@@ -126,7 +134,7 @@ def fused_rows(run: Run, rows: list[int], ceil: dict, n1: int = 5120, n2: int = 
                k: int = 4096) -> list[dict]:
     """q|k (Q4_K, n1 rows) and v (Q6_K, n2) in one launch, as the engine's qint_parts:
     the two-type Gluon kernel against qint's two-type tile (forced), bit for bit and
-    within 2^-16 of the float64 definition of each part; timed at 16 rows."""
+    within 2^-16 of the float64 definition of each part; timed at each of `rows`."""
     g1, g2 = random_blocks(run, "Q4_K", n1, k), random_blocks(run, "Q6_K", n2, k)
     w = torch.cat([dequantize_reference(g1.view(-1), qint.Q4_K, (n1, k), torch.float64),
                    dequantize_reference(g2.view(-1), qint.Q6_K, (n2, k), torch.float64)])
@@ -134,15 +142,15 @@ def fused_rows(run: Run, rows: list[int], ceil: dict, n1: int = 5120, n2: int = 
     size = g1.numel() + sets[0][1][0].numel()
     sets += [[(b.clone(), t, n) for b, t, n in sets[0]]
              for _ in range(max(1, min(64, math.ceil(L2_MISS_BYTES / size))) - 1)]
-    x = torch.randn(16, k, device=run.dev, generator=run.gen).bfloat16()
+    x = torch.randn(max(rows), k, device=run.dev, generator=run.gen).bfloat16()
     xq_ref = qint.dequantized_x_reference(x)
     ref, bound = xq_ref @ w.T, xq_ref.abs() @ w.abs().T
     out = []
     for m in rows:
-        xq = qint.quantize_x(x[:m])
+        xq, tile = qint.quantize_x(x[:m]), forced(m)
 
-        def old(parts, xm=x[:m], xqm=xq):
-            with qint.forced_tile(qint.TILE_CANDIDATES["cuda"][16][0]):
+        def old(parts, xm=x[:m], xqm=xq, tile=tile):
+            with qint.forced_tile(tile):
                 return qint.qint_parts(xm, parts, k, xq=xqm)
 
         def new(parts, xm=x[:m], xqm=xq):

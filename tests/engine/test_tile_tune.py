@@ -172,12 +172,16 @@ def test_a_choice_is_kept_and_a_later_load_takes_it_without_timing(tmp_path):
 
 def test_bounds_the_gluon_kernel_takes_are_not_timed_and_keep_their_default(tmp_path,
                                                                             monkeypatch):
-    """On NVIDIA with Gluon the 16-row bound of both types runs kernels/qint_mma.py, so no
-    tile of it is timed or applied; the record says so, the cache keeps it, and the key
-    tells such a choice from one that timed every bound (MBUFO_QINT_MMA=0, HIP)."""
+    """On NVIDIA with Gluon the 16-, 32- and 64-row bounds of both types run
+    kernels/qint_mma.py (16 alone with MBUFO_QINT_MMA_ROWS=16), so no tile of them is
+    timed or applied; the record says so, the cache keeps it, and the key tells such a
+    choice from one that timed every bound (MBUFO_QINT_MMA=0, HIP)."""
     import torch
 
     cuda = torch.device("cuda")
+    assert gluon_bounds({int(T.Q4_K), Q6_K_A}, "cuda", cuda) == {
+        (t, b) for t in (int(T.Q4_K), Q6_K_A) for b in (16, 32, 64)}
+    monkeypatch.setenv("MBUFO_QINT_MMA_ROWS", "16")
     skip = gluon_bounds({int(T.Q4_K), Q6_K_A}, "cuda", cuda)
     assert skip == {(int(T.Q4_K), 16), (Q6_K_A, 16)}
     assert gluon_bounds({int(T.Q4_K)}, "hip", cuda) == frozenset()

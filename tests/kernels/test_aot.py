@@ -89,7 +89,8 @@ def test_qint_builds_spill_nothing(report):
         # the Gluon two-type kernel keeps 8 bytes outside its loops (qint_mma.FUSED_MAX_REGS)
         assert cuda["stack_bytes"] <= (8 if name.startswith("qint_mma_Q4_K_Q6_K") else 0), (
             name, cuda)
-        if name.endswith("_tiled"):
+        if name.endswith("_tiled") and not re.search(r"^qint_mma_.*_m\d+_pdl_tiled$", name):
+            # (the Gluon kernel's 32- and 64-row builds: test_qint_mma's own bounds)
             assert cuda["regs"] <= qint.TILED_MAX_REGS, (name, cuda)
         if name.startswith("qint_Q4_K_m1"):  # alone at one row: 9 programs of 2 warps
             assert cuda["regs"] <= qint.Q4K_ONE_ROW_REGS, (name, cuda)

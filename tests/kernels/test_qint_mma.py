@@ -73,18 +73,58 @@ def test_builds_for_sm90_on_the_matrix_unit(qtype, consts):
             res, kernel.metadata.shared)
 
 
-def test_engine_takes_it_for_q4k_and_q6k_up_to_16_rows_on_nvidia(monkeypatch):
-    """qint's matrix-unit launches of Q4_K or Q6_K_A alone at up to 16 rows on NVIDIA take
-    it, and so do Q4_K's q|k with Q6_K_A's v in one launch; more rows, another type or
-    pair, HIP, the CPU, a forced tile (the tuner) or MBUFO_QINT_MMA=0 keep
-    _qint_mm_kernel."""
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q4_K_Q6_K"])
+@pytest.mark.parametrize("rows", [32, 64])
+def test_wider_builds_multiply_every_row_without_spilling(qtype, rows):
+    """The 32- and 64-row builds (as the engine launches them: PDL) take rows / 16 times
+    the 16-row build's products a super-block, copy x's rows in full, spill nothing (the
+    two-type kernel uncapped) and leave at least two programs a multiprocessor (registers
+    and shared memory)."""
+    from kernels import aot
+
+    spec = next(s for s in qint_mma.aot_specs(aot.KernelSpec)
+                if s.name == f"qint_mma_{qtype}_m{rows}_pdl_tiled")
+    assert spec.constexprs["BM"] == rows and spec.max_regs is None
+    kernel = aot.build(spec, "cuda:90")
+    res = aot._cubin_resources(kernel.asm["cubin"])
+    ptx = kernel.asm["ptx"]
+    s8, f16 = SHAPE[qtype][:2]
+    assert ptx.count("mma.sync.aligned.m16n8k32.row.col.satfinite.s32.s8.s8.s32") == \
+        s8 * rows // 16
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == f16 * rows // 16
+    assert "griddepcontrol.wait" in ptx
+    if res:
+        assert res["stack_bytes"] == 0, res
+        assert 2 * 128 * res["regs"] <= 65536, res
+    assert 2 * kernel.metadata.shared <= 228 * 1024
+
+
+def test_tile_rows_holds_m():
+    assert [qint_mma.tile_rows(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        qint_mma.tile_rows(65)
+
+
+def test_engine_takes_it_for_q4k_and_q6k_up_to_64_rows_on_nvidia(monkeypatch):
+    """qint's matrix-unit launches of Q4_K or Q6_K_A alone at up to 64 rows on NVIDIA take
+    it, and so do Q4_K's q|k with Q6_K_A's v in one launch; more rows (or more than
+    MBUFO_QINT_MMA_ROWS), another type or pair, HIP, the CPU, a forced tile (the tuner) or
+    MBUFO_QINT_MMA=0 keep _qint_mm_kernel."""
     from kernels.qint import Q6_K_A, forced_tile, mma_path
 
     cuda, q4 = torch.device("cuda"), int(T.Q4_K)
     assert mma_path(16, q4, 0, "cuda", cuda) and mma_path(5, q4, 0, "cuda", cuda)
     assert mma_path(16, Q6_K_A, 0, "cuda", cuda) and mma_path(9, Q6_K_A, 0, "cuda", cuda)
-    assert not mma_path(17, q4, 0, "cuda", cuda)
-    assert not mma_path(17, Q6_K_A, 0, "cuda", cuda)
+    assert mma_path(64, q4, 0, "cuda", cuda) and mma_path(33, Q6_K_A, 0, "cuda", cuda)
+    assert mma_path(64, q4, Q6_K_A, "cuda", cuda)
+    assert not mma_path(65, q4, 0, "cuda", cuda)
+    assert not mma_path(65, Q6_K_A, 0, "cuda", cuda)
+    monkeypatch.setenv("MBUFO_QINT_MMA_ROWS", "16")
+    assert mma_path(16, q4, 0, "cuda", cuda) and not mma_path(17, q4, 0, "cuda", cuda)
+    monkeypatch.setenv("MBUFO_QINT_MMA_ROWS", "many")
+    with pytest.raises(ValueError, match="MBUFO_QINT_MMA_ROWS"):
+        mma_path(16, q4, 0, "cuda", cuda)
+    monkeypatch.delenv("MBUFO_QINT_MMA_ROWS")
     assert not mma_path(16, int(T.Q6_K), 0, "cuda", cuda)  # GGUF's rows: held as Q6_K_A
     assert mma_path(16, q4, Q6_K_A, "cuda", cuda)  # q|k and v in one launch
     assert not mma_path(16, Q6_K_A, q4, "cuda", cuda)
@@ -202,6 +242,13 @@ def test_two_type_launch_refuses_a_q4k_part_that_does_not_fill_its_tiles(rng):  
             qint_mma.qint_mma_launch(xq, qk, n, k, 1, second=(v, n1))
 
 
+def default_tile(m: int) -> tuple:
+    """qint's default matrix-unit tile at m rows (its bound's first candidate)."""
+    from kernels import qint
+
+    return qint.TILE_CANDIDATES["cuda"][next(b for b in qint.TILE_BOUNDS if m <= b)][0]
+
+
 @pytest.mark.gpu
 def test_gpu_same_bits_as_qint(rng):  # noqa: F811 - the fixture
     """On the GPU, at rows that leave x's tile partly filled and N that leaves the last
@@ -214,23 +261,25 @@ def test_gpu_same_bits_as_qint(rng):  # noqa: F811 - the fixture
     from kernels import qint
     from kernels.qgemv import _tickets
 
-    cases = [(T.Q4_K, 1000, 2048, (3, 5, 9, 13, 16)), (T.Q4_K, 320, 14336, (3, 5, 9, 16)),
-             (T.Q6_K, 1000, 2048, (5, 8, 9, 13, 16)), (T.Q6_K, 320, 14336, (5, 9, 16))]
+    cases = [(T.Q4_K, 1000, 2048, (3, 5, 9, 13, 16, 17, 32, 45, 64)),
+             (T.Q4_K, 320, 14336, (3, 5, 9, 16, 30, 64)),
+             (T.Q6_K, 1000, 2048, (5, 8, 9, 13, 16, 20, 33, 64)),
+             (T.Q6_K, 320, 14336, (5, 9, 16, 32, 50))]
     for qtype, n, k, rows in cases:
         blocks = random_weight(qtype, n, k, rng)
         q6 = qtype == T.Q6_K
         held_type = qint.Q6_K_A if q6 else qint.Q4_K
         held = (qint.repack_q6k(blocks, k) if q6 else blocks).cuda()
-        x = torch.from_numpy(rng.standard_normal((16, k), dtype=np.float32))
+        x = torch.from_numpy(rng.standard_normal((64, k), dtype=np.float32))
         for m in rows:
             xq = qint.quantize_x(x[:m].cuda())
             split = qint.default_qint_config(held_type, n, k, num_sms(held.device),
                                              m=m).split
-            with qint.forced_tile(qint.TILE_CANDIDATES["cuda"][16][0]):
+            with qint.forced_tile(default_tile(m)):
                 want = qint.qint_triton(x[:m].cuda(), held, held_type, (n, k), xq=xq).cpu()
             got = qint.qint_triton(x[:m].cuda(), held, held_type, (n, k), xq=xq).cpu()
             assert torch.equal(got, want), (qtype, n, k, m)
-            for warps, stages in ((4, 2), (4, 3), (8, 2)):
+            for warps, stages in ((4, 2), (4, 3), (8, 2)) if m <= 16 else ((4, 2),):
                 for s in sorted({1, 2, split, k // 256}):
                     if (k // 256) % s:
                         continue
@@ -245,10 +294,10 @@ def test_gpu_same_bits_as_qint(rng):  # noqa: F811 - the fixture
     for n1, n2, k in ((320, 64, 2048), (640, 200, 4096)):
         g1, g2 = random_weight(T.Q4_K, n1, k, rng), random_weight(T.Q6_K, n2, k, rng)
         parts = [(g1.cuda(), qint.Q4_K, n1), (qint.repack_q6k(g2, k).cuda(), qint.Q6_K_A, n2)]
-        x = torch.from_numpy(rng.standard_normal((16, k), dtype=np.float32))
-        for m in (3, 6, 9, 16):
+        x = torch.from_numpy(rng.standard_normal((64, k), dtype=np.float32))
+        for m in (3, 6, 9, 16, 24, 64):
             xq = qint.quantize_x(x[:m].cuda())
-            with qint.forced_tile(qint.TILE_CANDIDATES["cuda"][16][0]):
+            with qint.forced_tile(default_tile(m)):
                 want = qint.qint_parts(x[:m].cuda(), parts, k, xq=xq).cpu()
             got = qint.qint_parts(x[:m].cuda(), parts, k, xq=xq).cpu()
             assert torch.equal(got, want), (n1, n2, k, m)
