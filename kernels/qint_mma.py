@@ -1,4 +1,4 @@
-"""Q4_K and Q6_K times 8-bit x on NVIDIA's mma.sync for 5-16 rows of x (Gluon): every
+"""Q4_K and Q6_K times 8-bit x on NVIDIA's mma.sync for 5-64 rows of x (Gluon): every
 operand copied asynchronously into shared memory one super-block ahead of the products.
 
 The same sums, bits and storage as kernels/qint.py's matrix-unit kernel (its docstring is
@@ -6,7 +6,8 @@ the definition; kernels/qint.py launches these in its place on NVIDIA). That ker
 plain Triton: at 16 rows it waits on memory with few warps resident (ncu: 3.6 active and
 0.4 eligible warps a scheduler, long-scoreboard stalls first), its loads issued where
 their super-block's products begin. Here the layouts are explicit:
-- a program (4 warps) owns 64 weight rows and all 16 rows of x; while it multiplies
+- a program (4 warps) owns 64 weight rows and all BM rows of x (16, 32 or 64: TILE_ROWS,
+  the launch's rows rounded up; the text below counts 16); while it multiplies
   super-block i, the copies of super-block i + 1 are in flight (cp.async): the codes
   (64 x 128 bytes, 16 a thread), the 4 head words of each row, x's codes (16 x 256), its
   16-column sums and scales. Two stages in 28 KB of shared memory and 80 registers a thread
@@ -35,6 +36,11 @@ H200, 16 rows, against qint's kernel (bench/RESULTS.md, 2026-12-01): Q4_K 35.2 a
 44.5 us at 28672 x 4096, 22.4 / 26.7 at 14336 x 4096, 20.2 / 25.1 at 4096 x 14336, 12.7 /
 16.1 at 6144 x 4096, 10.0 / 11.8 at 4096 x 4096, 6.3 / 6.2 at 1024 x 4096; Q6_K 29.0 /
 35.7 at 4096 x 14336, 184.6 / 253.2 at 128256 x 4096, 7.5 / 7.7 at 1024 x 4096.
+
+At 64 rows (183 registers and 55 KB a program on 4 warps, two programs a multiprocessor):
+Q4_K 79.1 against 96.4 us at 28672 x 4096, 44.9 / 51.2 at 4096 x 14336, 23.9 / 26.9 at
+4096 x 4096; Q6_K 65.0 / 98.8 at 4096 x 14336, 452 / 745 at 128256 x 4096; the q|k + v
+pair 34.3 / 59.8 (bench/RESULTS.md, 2026-12-03).
 
 NVIDIA only (Gluon's NVMMA layouts, cp.async); gfx1151 keeps qint's kernel.
 """

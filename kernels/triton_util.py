@@ -283,14 +283,21 @@ def launcher(kernel: Any, device: torch.device) -> Any:
 # programmatic dependent launches multiprocessors seldom idle, so a split taken for one
 # kernel (the attention's shared memory) can stay for the kernels after it (bench/RESULTS.md,
 # 2026-12-02: one stream 377 against 466 tok/s when the o product directly followed the
-# attention, 474 with a carveout of 15% for every kernel). MBUFO_CARVEOUT=P (unset or off:
-# the driver's) gives every kernel of at most SMALL_SHARED bytes of shared memory the
-# preferred carveout P (percent of the most shared memory), raised to what its resident
-# programs need: a carveout below that cuts the programs a multiprocessor holds (15% for
-# every kernel cost 16 streams 17%; raised, 3%: 3425 against 3538 tok/s, and one stream
-# gained 1.3%, 478 against 472, with the attention quantizing for the o product, which
-# the setting turns on at one row: engine/layers/attention.py). Off by default for that
-# 3%; the larger kernels keep what Triton sets (shared memory preferred).
+# attention, 474 with a carveout of 15% for every kernel). MBUFO_CARVEOUT=P (off: the
+# driver's; unset: DEFAULT_CARVEOUT) gives the kernels of MBUFO_CARVEOUT_KERNELS (unset:
+# DEFAULT_CARVEOUT_KERNELS; `all`: every one) of at most SMALL_SHARED bytes of shared
+# memory the preferred carveout P (percent of the most shared memory), raised to what
+# their resident programs need: a carveout below that cuts the programs a multiprocessor
+# holds. 15% for every small kernel cost 16 streams 3% (3425 against 3538 tok/s), in the
+# norm and activation kernels between the matrix-unit products; for the one-row products
+# and the attention alone, with the attention quantizing for the o product (which the
+# setting turns on at one row: engine/layers/attention.py), one stream gains 1.6% (486.0
+# against 477.3 and 479.0) and 16 and 64 streams lose nothing (3551.5 against 3545.1,
+# 7988 steady against 7998 and 7939; bench/RESULTS.md, 2026-12-03). The larger kernels
+# keep what Triton sets (shared memory preferred).
+DEFAULT_CARVEOUT = 15
+DEFAULT_CARVEOUT_KERNELS = frozenset({"_qint_gemv_kernel", "_attn_partial_kernel",
+                                      "_attn_merge_kernel"})
 SMALL_SHARED = 48 * 1024
 SHARED_RESERVED = 1024  # the shared memory a program takes besides its own (sm_80 on)
 
@@ -298,16 +305,18 @@ SHARED_RESERVED = 1024  # the shared memory a program takes besides its own (sm_
 def carveout_kernels(raw: str | None) -> frozenset[str] | None:
     """MBUFO_CARVEOUT_KERNELS: the Triton kernels (comma-separated function names, such as
     `_qint_gemv_kernel,_attn_partial_kernel`) that take MBUFO_CARVEOUT; unset or empty:
+    DEFAULT_CARVEOUT_KERNELS (the one-row products and the decode attention); `all`:
     None, every kernel of at most SMALL_SHARED bytes of shared memory. With the carveout on
     every small kernel, 16 streams lose it in the norm and the activation kernels between
-    the matrix-unit products (bench/RESULTS.md, 2026-12-03); this names the kernels that
-    keep it, for measuring."""
+    the matrix-unit products (bench/RESULTS.md, 2026-12-03)."""
+    if raw is not None and raw.strip().lower() == "all":
+        return None
     names = frozenset(n.strip() for n in (raw or "").split(",") if n.strip())
     bad = sorted(n for n in names if not re.fullmatch(r"_[A-Za-z0-9_]+_kernel", n))
     if bad:
         raise ValueError(f"MBUFO_CARVEOUT_KERNELS: {bad} are not Triton kernel names "
                          "(_name_kernel, comma-separated)")
-    return names or None
+    return names or DEFAULT_CARVEOUT_KERNELS
 
 
 def takes_carveout(name: str, only: frozenset[str] | None) -> bool:
@@ -317,9 +326,11 @@ def takes_carveout(name: str, only: frozenset[str] | None) -> bool:
 
 
 def carveout_setting(raw: str | None) -> int | None:
-    """MBUFO_CARVEOUT's value: None when unset, empty or "off" (the driver chooses), else a
-    whole percentage 0..100; a clear error for anything else."""
-    if raw is None or not raw.strip() or raw.strip().lower() == "off":
+    """MBUFO_CARVEOUT's value: None for "off" (the driver chooses), DEFAULT_CARVEOUT when
+    unset or empty, else a whole percentage 0..100; a clear error for anything else."""
+    if raw is None or not raw.strip():
+        return DEFAULT_CARVEOUT
+    if raw.strip().lower() == "off":
         return None
     raw = raw.strip()
     if not raw.isdigit() or int(raw) > 100:

@@ -102,16 +102,18 @@ def attn_quant_enabled(tokens: int = 1) -> bool:
     """Whether the attention of a step of `tokens` query rows writes its output quantized
     for a q8 output projection (attend_q8): one quantize_x launch a layer fewer, the o
     product launched right after the attention. MBUFO_ATTN_QUANT=1: always, 0: never;
-    unset: at one row on a GPU where MBUFO_CARVEOUT is set. Without the carveout the o
-    product right after the attention ran 18% slower (H200: 377 against 466 tok/s); with
-    it one stream gained (474 against 466), 16 streams lost (3440 against 3567 with the
-    attention quantizing at every row count; bench/RESULTS.md, 2026-12-02)."""
+    unset: at one row on NVIDIA where the carveout is on (MBUFO_CARVEOUT: on by default).
+    Without the carveout the o product right after the attention ran 18% slower (H200:
+    377 against 466 tok/s); with it one stream gained (474 against 466), 16 streams lost
+    (3440 against 3567 with the attention quantizing at every row count; bench/RESULTS.md,
+    2026-12-02). ROCm (no carveout, no programmatic dependent launch) keeps quantize_x:
+    unmeasured there."""
     raw = os.environ.get("MBUFO_ATTN_QUANT", "").strip()
     if raw not in ("", "0", "1"):
         raise ValueError(f"MBUFO_ATTN_QUANT must be 0 or 1, got {raw!r}")
     if raw:
         return raw == "1"
-    return tokens == 1 and torch.cuda.is_available() and \
+    return tokens == 1 and torch.cuda.is_available() and torch.version.hip is None and \
         carveout_setting(os.environ.get("MBUFO_CARVEOUT")) is not None
 
 

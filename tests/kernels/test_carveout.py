@@ -21,7 +21,7 @@ from kernels.triton_util import (
 )
 
 
-@pytest.mark.parametrize("raw,want", [(None, None), ("", None), ("  ", None), ("off", None),
+@pytest.mark.parametrize("raw,want", [(None, 15), ("", 15), ("  ", 15), ("off", None),
                                       (" OFF ", None),
                                       ("0", 0), ("15", 15), (" 29 ", 29), ("100", 100)])
 def test_setting(raw, want):
@@ -88,8 +88,11 @@ def test_shared_memory_from_the_metadata_file(tmp_path):
     assert carveout_for(_kernel_meta({"k.json": str(meta)})[0], 15) is None
 
 
+DEFAULT = {"_qint_gemv_kernel", "_attn_partial_kernel", "_attn_merge_kernel"}
+
+
 @pytest.mark.parametrize("raw,want", [
-    (None, None), ("", None), (" , ", None),
+    (None, DEFAULT), ("", DEFAULT), (" , ", DEFAULT), ("all", None), (" ALL ", None),
     ("_qint_gemv_kernel", {"_qint_gemv_kernel"}),
     (" _qint_gemv_kernel, _attn_partial_kernel ,", {"_qint_gemv_kernel", "_attn_partial_kernel"}),
 ])
