@@ -140,11 +140,10 @@ if HAS_GLUON:
         return gl.fma(-msum, _f16lo(w0 >> 16)[:, None] * dx, acc)
 
     @gluon.constexpr_function
-    def _mma_layout(warps, wn, operand=None, k_width=None):
-        """The mma.sync accumulator's layout (warps / wn stacked along the weight rows, wn
-        along x's rows, each 16 x 8 a instruction) or, with `operand`, that operand's
-        fragments'."""
-        mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps // wn, wn],
+    def _mma_layout(warps, operand=None, k_width=None):
+        """The mma.sync accumulator's layout (warps stacked along the weight rows, each
+        16 x 8 a instruction) or, with `operand`, that operand's fragments'."""
+        mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1],
                                         instr_shape=[16, 8])
         if operand is None:
             return mma
@@ -172,18 +171,17 @@ if HAS_GLUON:
     @gluon.jit
     def _q4k_sum(q_ptr, dx_ptr, bs_ptr, w_ptr, row0, n_rows, M, K, row_bytes, sb0,
                  sb_per_split, codes, heads, xs, bss, dxs, WARPS: gl.constexpr,
-                 STAGES: gl.constexpr, PDL: gl.constexpr, BM: gl.constexpr,
-                 WN: gl.constexpr = 1):
+                 STAGES: gl.constexpr, PDL: gl.constexpr, BM: gl.constexpr):
         """The (16 WARPS, BM) sums of Q4_K rows row0 .. of n_rows (rows past it read row
         0) over super-blocks sb0 .. sb0 + sb_per_split - 1, the operands staged in the
         given shared memory (STAGES deep): codes (BN, 128) u8, heads (4 STAGES, BN) int32,
         xs (BM, 256) int8, bss (BM, 16) f16, dxs (BM,) f32, each with a leading STAGES."""
         BN: gl.constexpr = 16 * WARPS
-        MMA: gl.constexpr = _mma_layout(WARPS, WN)
-        A8: gl.constexpr = _mma_layout(WARPS, WN, 0, 8)  # s8 fragments (k relabelled, 8 bytes)
-        B8: gl.constexpr = _mma_layout(WARPS, WN, 1, 8)
-        A16: gl.constexpr = _mma_layout(WARPS, WN, 0, 2)  # f16 fragments
-        B16: gl.constexpr = _mma_layout(WARPS, WN, 1, 2)
+        MMA: gl.constexpr = _mma_layout(WARPS)
+        A8: gl.constexpr = _mma_layout(WARPS, 0, 8)  # s8 fragments (k relabelled, 8 bytes)
+        B8: gl.constexpr = _mma_layout(WARPS, 1, 8)
+        A16: gl.constexpr = _mma_layout(WARPS, 0, 2)  # f16 fragments
+        B16: gl.constexpr = _mma_layout(WARPS, 1, 2)
         ROW: gl.constexpr = gl.SliceLayout(1, MMA)
         COL: gl.constexpr = gl.SliceLayout(0, MMA)
         FROW: gl.constexpr = gl.SliceLayout(1, A16)
@@ -242,10 +240,10 @@ if HAS_GLUON:
 
     @gluon.jit
     def _finish(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, ticket,
-                WARPS: gl.constexpr, BM: gl.constexpr, WN: gl.constexpr = 1):
+                WARPS: gl.constexpr, BM: gl.constexpr):
         """Stores a program's sums (its tile pid_n of y's N columns) as
         qgemv.finish_splits."""
-        MMA: gl.constexpr = _mma_layout(WARPS, WN)
+        MMA: gl.constexpr = _mma_layout(WARPS)
         cc = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
         rr = pid_n * (16 * WARPS) + gl.arange(0, 16 * WARPS, layout=gl.SliceLayout(1, MMA))
         offs = cc.to(gl.int64)[None, :] * N + rr[:, None]
@@ -258,7 +256,7 @@ if HAS_GLUON:
     def _qint_mma_q4k_kernel(
         q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
         sb_per_split, nsplit, ticket, WARPS: gl.constexpr = 4, STAGES: gl.constexpr = 2,
-        PDL: gl.constexpr = False, BM: gl.constexpr = 16, WN: gl.constexpr = 1,
+        PDL: gl.constexpr = False, BM: gl.constexpr = 16,
     ):
         """y[m, n] for x's rows m < M (<= 16) and W's rows n; grid (N / (16 WARPS), nsplit),
         the splits' partials added in split order by the last program of a tile (as
@@ -269,9 +267,9 @@ if HAS_GLUON:
         codes, heads, xs, bss, dxs = _q4k_smem(WARPS, STAGES, BM)
         acc = _q4k_sum(q_ptr, dx_ptr, bs_ptr, w_ptr, pid_n * 16 * WARPS, N, M, K, row_bytes,
                        split * sb_per_split, sb_per_split, codes, heads, xs, bss, dxs, WARPS,
-                       STAGES, PDL, BM, WN)
+                       STAGES, PDL, BM)
         _finish(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, ticket, WARPS,
-                BM, WN)
+                BM)
 
     @gluon.jit
     def _issue6(ql, qh, scb, xa, xb, bss, dxs, buf, l_src, h_src, b_src, x_src, s_src, d_src,
@@ -334,19 +332,18 @@ if HAS_GLUON:
     @gluon.jit
     def _q6k_sum(q_ptr, dx_ptr, bs_ptr, w_ptr, row0, n_rows, M, K, row_bytes, sb0,
                  sb_per_split, ql, qh, scb, xa, xb, bss, dxs, WARPS: gl.constexpr,
-                 STAGES: gl.constexpr, PDL: gl.constexpr, BM: gl.constexpr,
-                 WN: gl.constexpr = 1):
+                 STAGES: gl.constexpr, PDL: gl.constexpr, BM: gl.constexpr):
         """_q4k_sum for Q6_K_A rows (kernels/qint.py's storage): ql, qh and the scales of
         a super-block copied asynchronously with x's codes (twice, each half of a run
         beside zeros), 16-column sums and scales into ql (BN, 128) u8, qh (BN, 64) u8, scb
         (BN, 16) int8, xa and xb (BM, 256) int8, bss, dxs; d (in the row's tail) loaded one
         super-block ahead into registers."""
         BN: gl.constexpr = 16 * WARPS
-        MMA: gl.constexpr = _mma_layout(WARPS, WN)
-        A8: gl.constexpr = _mma_layout(WARPS, WN, 0, 8)  # s8 fragments (k relabelled, 8 bytes)
-        B8: gl.constexpr = _mma_layout(WARPS, WN, 1, 8)
-        A16: gl.constexpr = _mma_layout(WARPS, WN, 0, 2)  # f16 fragments
-        B16: gl.constexpr = _mma_layout(WARPS, WN, 1, 2)
+        MMA: gl.constexpr = _mma_layout(WARPS)
+        A8: gl.constexpr = _mma_layout(WARPS, 0, 8)  # s8 fragments (k relabelled, 8 bytes)
+        B8: gl.constexpr = _mma_layout(WARPS, 1, 8)
+        A16: gl.constexpr = _mma_layout(WARPS, 0, 2)  # f16 fragments
+        B16: gl.constexpr = _mma_layout(WARPS, 1, 2)
         ROW: gl.constexpr = gl.SliceLayout(1, MMA)
         COL: gl.constexpr = gl.SliceLayout(0, MMA)
         LL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0])
@@ -423,7 +420,7 @@ if HAS_GLUON:
     def _qint_mma_q6k_kernel(
         q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
         sb_per_split, nsplit, ticket, WARPS: gl.constexpr = 4, STAGES: gl.constexpr = 2,
-        PDL: gl.constexpr = False, BM: gl.constexpr = 16, WN: gl.constexpr = 1,
+        PDL: gl.constexpr = False, BM: gl.constexpr = 16,
     ):
         """_qint_mma_q4k_kernel for Q6_K_A rows."""
         pid_n = gl.program_id(0)
@@ -431,16 +428,15 @@ if HAS_GLUON:
         ql, qh, scb, xa, xb, bss, dxs = _q6k_smem(WARPS, STAGES, BM)
         acc = _q6k_sum(q_ptr, dx_ptr, bs_ptr, w_ptr, pid_n * 16 * WARPS, N, M, K, row_bytes,
                        split * sb_per_split, sb_per_split, ql, qh, scb, xa, xb, bss, dxs, WARPS,
-                       STAGES, PDL, BM, WN)
+                       STAGES, PDL, BM)
         _finish(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, ticket, WARPS,
-                BM, WN)
+                BM)
 
     @gluon.jit(do_not_specialize=["M", "N", "sb_per_split", "nsplit", "n1"])
     def _qint_mma_q4k_q6k_kernel(
         q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
         sb_per_split, nsplit, ticket, w2_ptr, n1, row_bytes2, WARPS: gl.constexpr = 4,
         STAGES: gl.constexpr = 2, PDL: gl.constexpr = False, BM: gl.constexpr = 16,
-        WN: gl.constexpr = 1,
     ):
         """Q4_K rows (w_ptr, the first n1 of y's N columns, n1 a multiple of 16 WARPS) and
         Q6_K_A rows (w2_ptr, the rest) in one launch (a layer's q|k and v), each tile
@@ -452,15 +448,15 @@ if HAS_GLUON:
         if row0 >= n1:
             acc = _q6k_sum(q_ptr, dx_ptr, bs_ptr, w2_ptr, row0 - n1, N - n1, M, K, row_bytes2,
                            split * sb_per_split, sb_per_split, ql, qh, scb, xa, xb, bss, dxs,
-                           WARPS, STAGES, PDL, BM, WN)
+                           WARPS, STAGES, PDL, BM)
         else:
             heads = qh._reinterpret(gl.int32, [STAGES * 4, 16 * WARPS],
                                     gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
             acc = _q4k_sum(q_ptr, dx_ptr, bs_ptr, w_ptr, row0, n1, M, K, row_bytes,
                            split * sb_per_split, sb_per_split, ql, heads, xa, bss, dxs, WARPS,
-                           STAGES, PDL, BM, WN)
+                           STAGES, PDL, BM)
         _finish(acc, y_ptr, part_ptr, ticket_ptr, pid_n, split, nsplit, M, N, ticket, WARPS,
-                BM, WN)
+                BM)
 
 
 def tile_rows(m: int) -> int:
@@ -481,19 +477,9 @@ def max_regs_of(rows: int, q6: bool, fused: bool) -> int | None:
     return None
 
 
-def warps_along_x(rows: int) -> int:
-    """Warps side by side along x's rows in the build at `rows` (the rest along the weight
-    rows): 1, or MBUFO_QINT_MMA_WN (1 or 2) from 32 rows on, for measuring."""
-    raw = os.environ.get("MBUFO_QINT_MMA_WN", "").strip() or "1"
-    if raw not in ("1", "2"):
-        raise ValueError(f"MBUFO_QINT_MMA_WN must be 1 or 2, got {raw!r}")
-    return int(raw) if rows >= 32 else 1
-
-
 def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: Any = None, *,
                     q6: bool = False, second: tuple[Any, int] | None = None, launch: Any = None,
-                    warps: int = WARPS, stages: int = STAGES, max_regs: int = 0,
-                    wn: int = 0) -> Any:
+                    warps: int = WARPS, stages: int = STAGES, max_regs: int = 0) -> Any:
     """y (M, n) float32 = xq's rows (M <= MMA_ROWS, a QuantX) times the Q4_K rows `blocks`
     (n, k / 256 * 144; `q6`: Q6_K_A rows, kernels/qint.py's row_bytes; `second`: (Q6_K_A
     rows, n1): `blocks` holds the first n1 of the n rows in Q4_K, a multiple of 16 warps,
@@ -501,8 +487,7 @@ def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: A
     program of each tile where `tickets` (qgemv's counters) are given and count enough
     tiles (n / (16 warps)), else by qmatmul.sum_splits. `launch` maps the kernel to what to
     launch (kernels/triton_util.launcher: the PDL launch in captures). `max_regs`: a
-    register cap a thread (0: max_regs_of's); `wn`: warps side by side along x's rows (the
-    rest along the weight rows; 0: warps_along_x's)."""
+    register cap a thread (0: max_regs_of's)."""
     import torch
 
     m = xq.q.shape[0]
@@ -527,15 +512,12 @@ def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: A
     kernel = launch(kernel) if launch else kernel
     kernel[(tiles, split)](*xq, blocks, y, part, tickets if use_ticket else y, m, n, k,
                            blocks.shape[1], k // 256 // split, split, int(use_ticket),
-                           WARPS=warps, STAGES=stages, BM=rows, WN=wn or warps_along_x(rows),
-                           num_warps=warps,
-                           **extra)
+                           WARPS=warps, STAGES=stages, BM=rows, num_warps=warps, **extra)
     if split > 1 and not use_ticket:
         from kernels.qmatmul import sum_splits
 
         sum_splits(part, y)
     return y
-
 
 def aot_specs(spec: type) -> list:
     """kernels/aot.py: the kernel at its launch configuration, plain and as a programmatic
@@ -551,12 +533,11 @@ def aot_specs(spec: type) -> list:
     fused = {**sig, "w2_ptr": "*u8", "n1": "i32", "row_bytes2": "i32"}
     fused = {**{k: v for k, v in fused.items() if v != "constexpr"},
              **{k: v for k, v in fused.items() if v == "constexpr"}}  # the kernel's order
-    sig["BM"] = fused["BM"] = sig["WN"] = fused["WN"] = "constexpr"
+    sig["BM"] = fused["BM"] = "constexpr"
     # the 16-row builds plain and as programmatic dependent launches; the wider ones as
     # the engine launches them (PDL)
     return [spec(f"qint_mma_{name}{'' if rows == 16 else f'_m{rows}'}{'_pdl' if pdl else ''}"
-                 "_tiled", kernel, s,
-                 {"WARPS": WARPS, "STAGES": STAGES, "PDL": pdl, "BM": rows, "WN": 1},
+                 "_tiled", kernel, s, {"WARPS": WARPS, "STAGES": STAGES, "PDL": pdl, "BM": rows},
                  WARPS, True, "cuda", None, divisible + extra,
                  max_regs_of(rows, name == "Q6_K", name == "Q4_K_Q6_K"))
             for name, kernel, s, extra in (

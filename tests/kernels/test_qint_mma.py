@@ -104,18 +104,6 @@ def test_wider_builds_multiply_every_row_without_spilling(qtype, rows):
         assert 3 * kernel.metadata.shared <= 228 * 1024
 
 
-def test_warps_along_x(monkeypatch):
-    """One warp across x's rows by default; MBUFO_QINT_MMA_WN=2 (for measuring) lays the
-    32- and 64-row builds' warps 2 x 2, never the 16-row one's; a clear error otherwise."""
-    monkeypatch.delenv("MBUFO_QINT_MMA_WN", raising=False)
-    assert [qint_mma.warps_along_x(r) for r in (16, 32, 64)] == [1, 1, 1]
-    monkeypatch.setenv("MBUFO_QINT_MMA_WN", "2")
-    assert [qint_mma.warps_along_x(r) for r in (16, 32, 64)] == [1, 2, 2]
-    monkeypatch.setenv("MBUFO_QINT_MMA_WN", "4")
-    with pytest.raises(ValueError, match="MBUFO_QINT_MMA_WN"):
-        qint_mma.warps_along_x(64)
-
-
 def test_tile_rows_holds_m():
     assert [qint_mma.tile_rows(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
     with pytest.raises(ValueError, match="at most 64 rows"):
