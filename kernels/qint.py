@@ -1089,9 +1089,10 @@ def mma_rows() -> int:
 def mma_path(m: int, qtype: int, qtype2: int, backend: str, device: torch.device) -> bool:
     """Whether a matrix-unit launch runs kernels/qint_mma.py's Gluon kernel instead of
     _qint_mm_kernel (the same bits, 15-27% faster at the model's shapes at 16 rows on the
-    H200): Q4_K or Q6_K_A alone or Q4_K's q|k with Q6_K_A's v, up to mma_rows() rows of x,
-    on NVIDIA, with Gluon, unless MBUFO_QINT_MMA=0 or a tile is forced (the tuner and
-    benches time _qint_mm_kernel's tiles)."""
+    H200, 12-43% at 64: bench/RESULTS.md, 2026-12-03): Q4_K or Q6_K_A alone or Q4_K's
+    q|k with Q6_K_A's v, up to mma_rows() rows of x, on NVIDIA, with Gluon, unless
+    MBUFO_QINT_MMA=0 or a tile is forced (the tuner and benches time _qint_mm_kernel's
+    tiles)."""
     qint_mma = _qint_mma()
     return (device.type == "cuda" and backend == "cuda"
             and (qtype in QINT_TYPES and not qtype2 or (qtype, qtype2) == (Q4_K, Q6_K_A))

@@ -245,14 +245,14 @@ if HAS_GLUON:
                       (cc < M)[None, :] & (rr < N)[:, None], ticket)
 
     # M, N and the split are plain arguments (not specialized on their values): one build
-    # serves every batch of 5-16 rows and every split
+    # serves every batch of up to BM rows and every split
     @gluon.jit(do_not_specialize=["M", "N", "sb_per_split", "nsplit"])
     def _qint_mma_q4k_kernel(
         q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
         sb_per_split, nsplit, ticket, WARPS: gl.constexpr = 4, STAGES: gl.constexpr = 2,
         PDL: gl.constexpr = False, BM: gl.constexpr = 16,
     ):
-        """y[m, n] for x's rows m < M (<= 16) and W's rows n; grid (N / (16 WARPS), nsplit),
+        """y[m, n] for x's rows m < M (<= BM) and W's rows n; grid (N / (16 WARPS), nsplit),
         the splits' partials added in split order by the last program of a tile (as
         qgemv.finish_splits). Every operand of a super-block is copied asynchronously into
         shared memory, STAGES - 1 super-blocks ahead of the products."""
