@@ -453,6 +453,12 @@ if HAS_GLUON:
                 BM)
 
 
+def fused_max_regs(rows: int) -> int | None:
+    """The two-type kernel's register cap at `rows` rows of x (FUSED_MAX_REGS at 16; the
+    wider builds uncapped)."""
+    return FUSED_MAX_REGS if rows == 16 else None
+
+
 def tile_rows(m: int) -> int:
     """The build (TILE_ROWS) whose rows of x hold `m` (<= MMA_ROWS): a program multiplies
     all of them, past m repeating the last."""
@@ -488,8 +494,9 @@ def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: A
                              f"{16 * warps} below {n}")
         kernel = _qint_mma_q4k_q6k_kernel
         extra = {"w2_ptr": blocks2, "n1": n1, "row_bytes2": blocks2.shape[1]}
-        if rows == 16:
-            extra["maxnreg"] = FUSED_MAX_REGS
+        cap = fused_max_regs(rows)
+        if cap:
+            extra["maxnreg"] = cap
     else:
         kernel = _qint_mma_q6k_kernel if q6 else _qint_mma_q4k_kernel
     kernel = launch(kernel) if launch else kernel
@@ -521,10 +528,10 @@ def aot_specs(spec: type) -> list:
     # the engine launches them (PDL)
     return [spec(f"qint_mma_{name}{'' if rows == 16 else f'_m{rows}'}{'_pdl' if pdl else ''}"
                  "_tiled", kernel, s, {"WARPS": WARPS, "STAGES": STAGES, "PDL": pdl, "BM": rows},
-                 WARPS, True, "cuda", None, divisible + extra, regs if rows == 16 else None)
-            for name, kernel, s, extra, regs in (
-                ("Q4_K", _qint_mma_q4k_kernel, sig, (), None),
-                ("Q6_K", _qint_mma_q6k_kernel, sig, (), None),
-                ("Q4_K_Q6_K", _qint_mma_q4k_q6k_kernel, fused, ("w2_ptr", "row_bytes2"),
-                 FUSED_MAX_REGS))
+                 WARPS, True, "cuda", None, divisible + extra,
+                 fused_max_regs(rows) if kernel is _qint_mma_q4k_q6k_kernel else None)
+            for name, kernel, s, extra in (
+                ("Q4_K", _qint_mma_q4k_kernel, sig, ()),
+                ("Q6_K", _qint_mma_q6k_kernel, sig, ()),
+                ("Q4_K_Q6_K", _qint_mma_q4k_q6k_kernel, fused, ("w2_ptr", "row_bytes2")))
             for rows in TILE_ROWS for pdl in ((False, True) if rows == 16 else (True,))]

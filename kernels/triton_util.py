@@ -60,6 +60,7 @@ __all__ = [
     "HAS_TRITON",
     "await_inputs",
     "SMLimits",
+    "carveout_active",
     "carveout_for",
     "carveout_kernels",
     "carveout_setting",
@@ -385,14 +386,21 @@ def _kernel_meta(metadata_group: dict) -> tuple[int, int]:
         return 1 << 30, 4
 
 
+def carveout_active() -> bool:
+    """Whether MBUFO_CARVEOUT takes effect here: set (on by default), on NVIDIA (CUDA builds
+    of torch with a GPU; ROCm has no carveout)."""
+    return torch.cuda.is_available() and torch.version.hip is None and \
+        carveout_setting(os.environ.get("MBUFO_CARVEOUT")) is not None
+
+
 @functools.lru_cache(maxsize=1)
 def install_carveout() -> int | None:
-    """Sets MBUFO_CARVEOUT on every Triton kernel loaded from now on (CUDA builds of torch
-    with a GPU; once a process). Returns the percentage, or None where nothing is set."""
+    """Sets MBUFO_CARVEOUT on the Triton kernels of MBUFO_CARVEOUT_KERNELS loaded from now
+    on (where carveout_active; once a process). Returns the percentage, or None where
+    nothing is set."""
     percent = carveout_setting(os.environ.get("MBUFO_CARVEOUT"))
     only = carveout_kernels(os.environ.get("MBUFO_CARVEOUT_KERNELS"))
-    if percent is None or not HAS_TRITON or torch.version.hip is not None \
-            or not torch.cuda.is_available():
+    if not HAS_TRITON or not carveout_active():
         return None
     import ctypes
 

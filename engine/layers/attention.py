@@ -37,7 +37,7 @@ from kernels.paged_attention import (
 )
 from kernels.paged_attention_plan import WORK_FIELDS
 from kernels.qint import QuantX
-from kernels.triton_util import carveout_setting
+from kernels.triton_util import carveout_active
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +113,7 @@ def attn_quant_enabled(tokens: int = 1) -> bool:
         raise ValueError(f"MBUFO_ATTN_QUANT must be 0 or 1, got {raw!r}")
     if raw:
         return raw == "1"
-    return tokens == 1 and torch.cuda.is_available() and torch.version.hip is None and \
-        carveout_setting(os.environ.get("MBUFO_CARVEOUT")) is not None
+    return tokens == 1 and carveout_active()
 
 
 def attend_q8(layer: AttnLayer, q: torch.Tensor, batch: ForwardBatch,
