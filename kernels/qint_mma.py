@@ -47,6 +47,7 @@ NVIDIA only (Gluon's NVMMA layouts, cp.async); gfx1151 keeps qint's kernel.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from kernels.triton_util import HAS_TRITON
@@ -62,6 +63,12 @@ STAGES = 2  # super-blocks in shared memory: the one multiplied and the one in f
 # multiprocessor), at 96 (5, as Q6_K's) 8 bytes spilled outside the loops (the row offsets
 # kept for the finish); the wider builds are not capped (at 96: 112 and 416 bytes spilled)
 FUSED_MAX_REGS = 96
+# Q4_K's 64-row build capped: 164 registers instead of 183, nothing spilled, three programs
+# a multiprocessor instead of two (its 56 KB of shared memory allow three). Q6_K's (97 KB:
+# two programs by shared memory) and the two-type one's would spill. H200 (bench/RESULTS.md,
+# 2026-12-03): gate|up 74.0 against 77.9 us uncapped, 64 streams 8104-8127 against
+# 7944-8035 tok/s steady. MBUFO_QINT_MMA_CAP=0: uncapped.
+WIDE_Q4K_MAX_REGS = 168
 
 HAS_GLUON = False
 if HAS_TRITON:
@@ -468,16 +475,26 @@ def tile_rows(m: int) -> int:
     raise ValueError(f"qint_mma: at most {MMA_ROWS} rows of x, got {m}")
 
 
+def max_regs_of(rows: int, q6: bool, fused: bool) -> int | None:
+    """The register cap a thread of the build at `rows` rows of x (None: none)."""
+    if fused:
+        return fused_max_regs(rows)
+    if not q6 and rows == 64 and os.environ.get("MBUFO_QINT_MMA_CAP", "").strip() != "0":
+        return WIDE_Q4K_MAX_REGS
+    return None
+
+
 def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: Any = None, *,
                     q6: bool = False, second: tuple[Any, int] | None = None, launch: Any = None,
-                    warps: int = WARPS, stages: int = STAGES) -> Any:
+                    warps: int = WARPS, stages: int = STAGES, max_regs: int = 0) -> Any:
     """y (M, n) float32 = xq's rows (M <= MMA_ROWS, a QuantX) times the Q4_K rows `blocks`
     (n, k / 256 * 144; `q6`: Q6_K_A rows, kernels/qint.py's row_bytes; `second`: (Q6_K_A
     rows, n1): `blocks` holds the first n1 of the n rows in Q4_K, a multiple of 16 warps,
     and these the rest): `split` ranges of super-blocks, their partials added by the last
     program of each tile where `tickets` (qgemv's counters) are given and count enough
     tiles (n / (16 warps)), else by qmatmul.sum_splits. `launch` maps the kernel to what to
-    launch (kernels/triton_util.launcher: the PDL launch in captures)."""
+    launch (kernels/triton_util.launcher: the PDL launch in captures). `max_regs`: a
+    register cap a thread (0: max_regs_of's)."""
     import torch
 
     m = xq.q.shape[0]
@@ -494,11 +511,11 @@ def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: A
                              f"{16 * warps} below {n}")
         kernel = _qint_mma_q4k_q6k_kernel
         extra = {"w2_ptr": blocks2, "n1": n1, "row_bytes2": blocks2.shape[1]}
-        cap = fused_max_regs(rows)
-        if cap:
-            extra["maxnreg"] = cap
     else:
         kernel = _qint_mma_q6k_kernel if q6 else _qint_mma_q4k_kernel
+    cap = max_regs or max_regs_of(rows, q6, second is not None)
+    if cap:
+        extra["maxnreg"] = cap
     kernel = launch(kernel) if launch else kernel
     kernel[(tiles, split)](*xq, blocks, y, part, tickets if use_ticket else y, m, n, k,
                            blocks.shape[1], k // 256 // split, split, int(use_ticket),
@@ -529,7 +546,7 @@ def aot_specs(spec: type) -> list:
     return [spec(f"qint_mma_{name}{'' if rows == 16 else f'_m{rows}'}{'_pdl' if pdl else ''}"
                  "_tiled", kernel, s, {"WARPS": WARPS, "STAGES": STAGES, "PDL": pdl, "BM": rows},
                  WARPS, True, "cuda", None, divisible + extra,
-                 fused_max_regs(rows) if kernel is _qint_mma_q4k_q6k_kernel else None)
+                 max_regs_of(rows, name == "Q6_K", name == "Q4_K_Q6_K"))
             for name, kernel, s, extra in (
                 ("Q4_K", _qint_mma_q4k_kernel, sig, ()),
                 ("Q6_K", _qint_mma_q6k_kernel, sig, ()),

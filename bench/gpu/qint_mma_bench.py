@@ -2,7 +2,9 @@
 matrix-unit kernel on the GPU, Q4_K and Q6_K at Llama-3.1-8B's shapes and 9-64 rows of x.
 
     python3 bench/gpu/qint_mma_bench.py [--types Q4_K,Q6_K,fused] [--variants 4,2;4,3;8,2]
-        [--out DIR]
+        [--rows 16,9] [--out DIR]
+
+A variant is warps,stages[,register cap a thread].
 
 `fused` times q|k (Q4_K) and v (Q6_K) in one launch through qint_parts, as the engine
 multiplies a layer's attention input on llama.cpp's Q6_K layers.
@@ -102,11 +104,12 @@ def main(argv: list[str] | None = None) -> int:
             row["old_us"] = run.time_us([partial(old_call, b) for b in copies])
             splits = [cfg.split] + [cfg.split * int(f) for f in args.splits.split(",") if f
                                     if (k // 256) % (cfg.split * int(f)) == 0]
-            for warps, stages in variants:
+            for warps, stages, *cap in variants:
                 for split in splits:
-                    tag = f"w{warps}_st{stages}_s{split}"
+                    tag = f"w{warps}_st{stages}_s{split}" + (f"_r{cap[0]}" if cap else "")
                     call = partial(qint_mma.qint_mma_launch, xq, n=n, k=k, split=split,
-                                   tickets=tickets, q6=q6, warps=warps, stages=stages)
+                                   tickets=tickets, q6=q6, warps=warps, stages=stages,
+                                   max_regs=cap[0] if cap else None)
                     y = run.attempt(f"{name} {n}x{k} m{m} {tag}", lambda c=call, b=blocks: c(b))
                     if y is None:
                         continue

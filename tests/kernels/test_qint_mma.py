@@ -78,13 +78,15 @@ def test_builds_for_sm90_on_the_matrix_unit(qtype, consts):
 def test_wider_builds_multiply_every_row_without_spilling(qtype, rows):
     """The 32- and 64-row builds (as the engine launches them: PDL) take rows / 16 times
     the 16-row build's products a super-block, copy x's rows in full, spill nothing (the
-    two-type kernel uncapped) and leave at least two programs a multiprocessor (registers
-    and shared memory)."""
+    two-type kernel uncapped, Q4_K's 64-row one under WIDE_Q4K_MAX_REGS) and leave at least
+    two programs a multiprocessor (registers and shared memory), Q4_K's 64-row one three."""
     from kernels import aot
 
     spec = next(s for s in qint_mma.aot_specs(aot.KernelSpec)
                 if s.name == f"qint_mma_{qtype}_m{rows}_pdl_tiled")
-    assert spec.constexprs["BM"] == rows and spec.max_regs is None
+    assert spec.constexprs["BM"] == rows
+    assert spec.max_regs == (qint_mma.WIDE_Q4K_MAX_REGS if (qtype, rows) == ("Q4_K", 64)
+                             else None)
     kernel = aot.build(spec, "cuda:90")
     res = aot._cubin_resources(kernel.asm["cubin"])
     ptx = kernel.asm["ptx"]
@@ -97,6 +99,9 @@ def test_wider_builds_multiply_every_row_without_spilling(qtype, rows):
         assert res["stack_bytes"] == 0, res
         assert 2 * 128 * res["regs"] <= 65536, res
     assert 2 * kernel.metadata.shared <= 228 * 1024
+    if (qtype, rows) == ("Q4_K", 64):  # capped: three programs a multiprocessor
+        assert not res or res["regs"] <= qint_mma.WIDE_Q4K_MAX_REGS, res
+        assert 3 * kernel.metadata.shared <= 228 * 1024
 
 
 def test_tile_rows_holds_m():
