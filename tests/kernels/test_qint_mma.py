@@ -104,6 +104,19 @@ def test_wider_builds_multiply_every_row_without_spilling(qtype, rows):
         assert 3 * kernel.metadata.shared <= 228 * 1024
 
 
+def test_register_caps_by_build_and_switch(monkeypatch):
+    """Q4_K's 64-row build alone is capped (MBUFO_QINT_MMA_CAP=0: uncapped), the two-type
+    kernel only at 16 rows, Q6_K never."""
+    monkeypatch.delenv("MBUFO_QINT_MMA_CAP", raising=False)
+    caps = {(rows, q6, fused): qint_mma.max_regs_of(rows, q6, fused)
+            for rows in qint_mma.TILE_ROWS for q6 in (False, True) for fused in (False, True)}
+    assert caps.pop((64, False, False)) == qint_mma.WIDE_Q4K_MAX_REGS
+    assert caps.pop((16, False, True)) == caps.pop((16, True, True)) == qint_mma.FUSED_MAX_REGS
+    assert set(caps.values()) == {None}
+    monkeypatch.setenv("MBUFO_QINT_MMA_CAP", "0")
+    assert qint_mma.max_regs_of(64, False, False) is None
+
+
 def test_tile_rows_holds_m():
     assert [qint_mma.tile_rows(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
     with pytest.raises(ValueError, match="at most 64 rows"):
