@@ -15,7 +15,10 @@ gemv_max_m rows of the type run on the CUDA cores, more on _qint_mm_kernel) and 
 float64 reference of kernels.qint (within 2^-16 |W| |x_q|); both are timed at every row
 count (--rows), as CUDA-graph replays over weight copies that miss the L2, as qint_bench.
 GB/s counts the weights' bytes, also as a percentage of the copy ceiling measured in the
-same run. Writes $OUT/qint_mma_bench.json.
+same run; TOPS counts 2 m n k integer operations, also as a percentage of the int8 matrix
+ceiling measured in the same run (torch._int_mm, cuBLASLt's int8 GEMM, at 8192 x 8192 x
+8192): at 64 rows the products are neither bandwidth- nor matrix-bound. Writes
+$OUT/qint_mma_bench.json.
 """
 
 from __future__ import annotations
@@ -48,6 +51,24 @@ SHAPES = {"Q4_K": [(4096, 4096), (6144, 4096), (28672, 4096), (14336, 4096), (40
           "Q6_K": [(4096, 14336), (128256, 4096), (1024, 4096)]}
 
 
+def int8_ceiling(run: Run, size: int = 8192) -> float:
+    """TOPS of torch._int_mm (int8 x int8 -> int32) on two (size, size) matrices."""
+    a = torch.randint(-127, 128, (size, size), dtype=torch.int8, device=run.dev,
+                      generator=run.gen)
+    b = torch.randint(-127, 128, (size, size), dtype=torch.int8, device=run.dev,
+                      generator=run.gen)
+    return 2 * size ** 3 / run.time_us([partial(torch._int_mm, a, b)]) / 1e6
+
+
+def rates(res: dict, nbytes: int, ops: int, ceil: dict) -> dict:
+    """res with GB/s of the weights' bytes and TOPS of `ops`, each against its ceiling."""
+    res["gb_s"] = nbytes / res["us"] / 1e3
+    res["pct_copy"] = 100 * res["gb_s"] / ceil["copy_gb_s"]
+    res["tops"] = ops / res["us"] / 1e6
+    res["pct_int8"] = 100 * res["tops"] / ceil["int8_tops"]
+    return res
+
+
 def forced(m: int) -> tuple:
     """qint's default matrix-unit tile at m rows (the first candidate of m's bound)."""
     bound = next(b for b in qint.TILE_BOUNDS if m <= b)
@@ -67,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(args)
     variants = [tuple(int(v) for v in t.split(",")) for t in args.variants.split(";") if t]
     rows = [int(r) for r in args.rows.split(",")]
-    ceil = ceilings(run)
-    print("copy ceiling", round(ceil["copy_gb_s"]), "GB/s", flush=True)
+    ceil = {**ceilings(run), "int8_tops": int8_ceiling(run)}
+    print("copy ceiling", round(ceil["copy_gb_s"]), "GB/s; int8 matrix ceiling",
+          round(ceil["int8_tops"]), "TOPS", flush=True)
     out = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "commit": commit_id(),
            "device": torch.cuda.get_device_name(0), "ceilings": ceil, "rows": [],
            "errors": run.out["errors"]}
@@ -121,8 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                         [partial(c, b) for b in cs]))
                     if us is not None:
                         res["us"] = us
-                        res["gb_s"] = blocks.numel() / us / 1e3
-                        res["pct_copy"] = 100 * res["gb_s"] / ceil["copy_gb_s"]
+                        rates(res, blocks.numel(), 2 * m * n * k, ceil)
                     row[tag] = res
             print(json.dumps(row), flush=True)
             out["rows"].append(row)
@@ -168,8 +189,7 @@ def fused_rows(run: Run, rows: list[int], ceil: dict, n1: int = 5120, n2: int = 
                "bits_equal_qint": bool(torch.equal(y, old(sets[0])))}
         row["old_us"] = run.time_us([partial(old, p) for p in sets])
         row["us"] = run.time_us([partial(new, p) for p in sets])
-        row["gb_s"] = size / row["us"] / 1e3
-        row["pct_copy"] = 100 * row["gb_s"] / ceil["copy_gb_s"]
+        rates(row, size, 2 * m * (n1 + n2) * k, ceil)
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
