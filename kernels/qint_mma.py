@@ -460,12 +460,6 @@ if HAS_GLUON:
                 BM)
 
 
-def fused_max_regs(rows: int) -> int | None:
-    """The two-type kernel's register cap at `rows` rows of x (FUSED_MAX_REGS at 16; the
-    wider builds uncapped)."""
-    return FUSED_MAX_REGS if rows == 16 else None
-
-
 def tile_rows(m: int) -> int:
     """The build (TILE_ROWS) whose rows of x hold `m` (<= MMA_ROWS): a program multiplies
     all of them, past m repeating the last."""
@@ -476,9 +470,10 @@ def tile_rows(m: int) -> int:
 
 
 def max_regs_of(rows: int, q6: bool, fused: bool) -> int | None:
-    """The register cap a thread of the build at `rows` rows of x (None: none)."""
+    """The register cap a thread of the build at `rows` rows of x (None: none): the
+    two-type kernel's FUSED_MAX_REGS at 16 rows, Q4_K's WIDE_Q4K_MAX_REGS at 64."""
     if fused:
-        return fused_max_regs(rows)
+        return FUSED_MAX_REGS if rows == 16 else None
     if not q6 and rows == 64 and os.environ.get("MBUFO_QINT_MMA_CAP", "").strip() != "0":
         return WIDE_Q4K_MAX_REGS
     return None
@@ -486,7 +481,8 @@ def max_regs_of(rows: int, q6: bool, fused: bool) -> int | None:
 
 def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: Any = None, *,
                     q6: bool = False, second: tuple[Any, int] | None = None, launch: Any = None,
-                    warps: int = WARPS, stages: int = STAGES, max_regs: int = 0) -> Any:
+                    warps: int = WARPS, stages: int = STAGES,
+                    max_regs: int | None = None) -> Any:
     """y (M, n) float32 = xq's rows (M <= MMA_ROWS, a QuantX) times the Q4_K rows `blocks`
     (n, k / 256 * 144; `q6`: Q6_K_A rows, kernels/qint.py's row_bytes; `second`: (Q6_K_A
     rows, n1): `blocks` holds the first n1 of the n rows in Q4_K, a multiple of 16 warps,
@@ -494,7 +490,7 @@ def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: A
     program of each tile where `tickets` (qgemv's counters) are given and count enough
     tiles (n / (16 warps)), else by qmatmul.sum_splits. `launch` maps the kernel to what to
     launch (kernels/triton_util.launcher: the PDL launch in captures). `max_regs`: a
-    register cap a thread (0: max_regs_of's)."""
+    register cap a thread (None: max_regs_of's)."""
     import torch
 
     m = xq.q.shape[0]
