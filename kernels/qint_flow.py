@@ -54,6 +54,7 @@ class FlowConfig(NamedTuple):
     d_split: int = 4  # its splits of the chunk's super-blocks
     num_warps: int = 2
     max_regs: int | None = 128
+    probe: int = 0  # timing only, wrong outputs: 1 down items never wait, 2 gate|up only
 
 
 DEFAULT_CONFIG = FlowConfig()
@@ -91,13 +92,14 @@ if HAS_TRITON:
     def _await(ptr, target, err_ptr):
         """Poll ptr (acquire) until it reaches target, at most SPIN_LIMIT times (then count
         an error at err_ptr); every thread reads after."""
-        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+        seen = tl.load(ptr, volatile=True)
         spins = 0
-        while (seen < target) & (spins < _SPIN_LIMIT):
-            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+        while (seen < target) & (spins < _SPIN_LIMIT):  # plain reads: no atomic traffic
+            seen = tl.load(ptr, volatile=True)
             spins += 1
         if spins >= _SPIN_LIMIT:
             tl.atomic_add(err_ptr, 1, sem="relaxed", scope="gpu")
+        tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")  # what the release published
         tl.debug_barrier()
 
     @helper
@@ -145,7 +147,8 @@ if HAS_TRITON:
     @helper
     def _d_item(t, wd_ptr, aq_ptr, adx_ptr, abs_ptr, part_ptr, y_ptr, ctr_ptr, H, F,
                 d_row_bytes, DTYPE: tl.constexpr, D_ROWS: tl.constexpr, D_S: tl.constexpr,
-                CSB: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
+                CSB: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
+                PROBE: tl.constexpr):
         """Down item t: its first weights, the wait for its chunk, its partial, its row
         tile's count, and the sum by the tile's last."""
         CF: tl.constexpr = CSB * 256
@@ -168,7 +171,8 @@ if HAS_TRITON:
             ql, qh, sw, d = qint._ld_q6k(wd_ptr, row_off, gsb, F)
         await_inputs(PDL)
         ready = ctr_ptr + _LINE * (1 + NC + c)
-        _await(ready, 1, ctr_ptr)
+        if PROBE != 1:
+            _await(ready, 1, ctr_ptr)
         if tl.atomic_add(ctr_ptr + _LINE * (1 + 2 * NC + c), 1, sem="relaxed",
                          scope="gpu") == n_rt - 1:  # the chunk's last reader: reset both
             tl.atomic_xchg(ctr_ptr + _LINE * (1 + 2 * NC + c), 0, sem="relaxed", scope="gpu")
@@ -203,19 +207,21 @@ if HAS_TRITON:
                          DTYPE: tl.constexpr, ACT: tl.constexpr, CSB: tl.constexpr,
                          GU_ROWS: tl.constexpr, GU_S: tl.constexpr, D_ROWS: tl.constexpr,
                          D_S: tl.constexpr, PTX: tl.constexpr = False,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False, PROBE: tl.constexpr = 0):
         """The module docstring's launch: x (q, dx, bs) of H columns, gate|up (2 F Q4_K
         rows) into gu (2 F), the activation into aq, adx (DX_PAD a chunk), abs, down (H
         rows of DTYPE) into part (NC, H) and y (H); program p takes items p, p + P, ..."""
         n_gu = 2 * F // GU_ROWS
         n_items = n_gu + (H // D_ROWS) * (F // (CSB * 256))
+        if PROBE == 2:
+            n_items = n_gu
         for t in range(tl.program_id(0), n_items, tl.num_programs(0)):
             if t < n_gu:
                 _gu_item(t, q_ptr, dx_ptr, bs_ptr, wgu_ptr, gu_ptr, aq_ptr, adx_ptr, abs_ptr,
                          ctr_ptr, H, F, gu_row_bytes, GU_ROWS, GU_S, CSB, ACT, PTX, PDL)
             else:
                 _d_item(t - n_gu, wd_ptr, aq_ptr, adx_ptr, abs_ptr, part_ptr, y_ptr, ctr_ptr,
-                        H, F, d_row_bytes, DTYPE, D_ROWS, D_S, CSB, PTX, PDL)
+                        H, F, d_row_bytes, DTYPE, D_ROWS, D_S, CSB, PTX, PDL, PROBE)
         await_inputs(PDL)  # a program without items still waits (the chain's rule)
 
 
@@ -252,7 +258,7 @@ def _launch_args(xq: QuantX, gate_up: torch.Tensor, down: torch.Tensor, down_typ
     consts = {"DTYPE": int(down_type), "ACT": ACTIVATION_IDS[activation],
               "CSB": cfg.chunk_sb, "GU_ROWS": cfg.gu_rows, "GU_S": cfg.gu_split,
               "D_ROWS": cfg.d_rows, "D_S": cfg.d_split, "PTX": ptx(dev),
-              "num_warps": cfg.num_warps}
+              "num_warps": cfg.num_warps, **({"PROBE": cfg.probe} if cfg.probe else {})}
     if cfg.max_regs is not None and dev.type == "cuda" and not torch.version.hip:
         consts["maxnreg"] = cfg.max_regs
     args = (*xq, gate_up, gu, *aq, down, part, y, ctr, hidden, ffn, gate_up.shape[1],

@@ -67,6 +67,8 @@ CONFIGS = {
     "d32x4": {"d_rows": 32, "d_split": 4},
     "r144": {"max_regs": 144},
     "w4": {"num_warps": 4, "max_regs": None},
+    "nowait": {"probe": 1},  # timing only: down items never wait
+    "guonly": {"probe": 2},  # timing only: the gate|up items alone
 }
 
 
@@ -79,6 +81,12 @@ def parse_config(name: str) -> FlowConfig:
         key, value = item.split("=")
         fields[key] = None if value == "none" else int(value)
     return FlowConfig()._replace(**fields)
+
+
+def _flowed(xq, gu_w, d_w, down_type, hidden, ffn, programs, cfg, ctr) -> None:
+    """Every layer's flow launch."""
+    for i in range(len(gu_w)):
+        mlp_flow(xq, gu_w[i], d_w[i], down_type, hidden, ffn, "silu", programs, cfg, ctr)
 
 
 def bench(run: Run, down_name: str, hidden: int, ffn: int, layers: int, configs: list[str],
@@ -114,8 +122,20 @@ def bench(run: Run, down_name: str, hidden: int, ffn: int, layers: int, configs:
         for i in range(layers):
             launches(i)
 
+    def gu_alone() -> None:
+        for i in range(layers):
+            qint_triton(x, gu_w[i], Q4_K, (2 * ffn, hidden), gu_cfg, xq=xq)
+
+    aq0 = want[0][2]
+
+    def down_alone() -> None:
+        for i in range(layers):
+            qint_triton(want[0][1][:, :ffn], d_w[i], down_type, (hidden, ffn), xq=aq0)
+
     if not run.smoke:
         row["launches"] = run.time_us([chained]) / layers
+        row["gate_up_launch"] = run.time_us([gu_alone]) / layers
+        row["down_launch"] = run.time_us([down_alone]) / layers
     for name in configs:
         cfg = parse_config(name)
         ctr = torch.zeros(counter_ints(ffn, hidden, cfg), dtype=torch.int32, device=run.dev)
@@ -123,8 +143,14 @@ def bench(run: Run, down_name: str, hidden: int, ffn: int, layers: int, configs:
                                                      ffn, "silu", cfg)
         row[f"{name}_resident"] = most
         for frac in fractions:
-            programs = max(1, int(most * frac))
+            programs = min(most, int(frac)) if frac > 1 else max(1, int(most * frac))
             label = f"{name}@{programs}"
+            if cfg.probe:  # timing only: its outputs are wrong, its counts left over
+                if not run.smoke:
+                    row[label] = run.time_us([partial(_flowed, xq, gu_w, d_w, down_type,
+                                                      hidden, ffn, programs, cfg, ctr)]) / layers
+                ctr.zero_()
+                continue
             y, gu, aq = mlp_flow(xq, gu_w[0], d_w[0], down_type, hidden, ffn, "silu",
                                  programs, cfg, ctr)
             chunks = ffn // (QK * cfg.chunk_sb)
@@ -142,14 +168,8 @@ def bench(run: Run, down_name: str, hidden: int, ffn: int, layers: int, configs:
                 print(f"CHECK FAILED {down_name} {label}: {ok}", flush=True)
                 continue
             if not run.smoke:
-                calls = [partial(mlp_flow, xq, gu_w[i], d_w[i], down_type, hidden, ffn, "silu",
-                                 programs, cfg, ctr) for i in range(layers)]
-
-                def flowed(calls=calls) -> None:
-                    for call in calls:
-                        call()
-
-                row[label] = run.time_us([flowed]) / layers
+                row[label] = run.time_us([partial(_flowed, xq, gu_w, d_w, down_type, hidden,
+                                                  ffn, programs, cfg, ctr)]) / layers
                 row[f"{label}_errors_after"] = int(ctr[0])
     return row
 
@@ -160,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--downs", default="Q4_K,Q6_K")
     ap.add_argument("--configs", default="default")
     ap.add_argument("--programs", default="1.0",
-                    help="fractions of the resident programs to launch")
+                    help="fractions of the resident programs to launch (above 1: counts)")
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
