@@ -13,10 +13,11 @@ launch whose programs take the work items in order, each program every P-th item
 - then the down items, chunk by chunk: D_ROWS rows of down over one chunk's columns
   (D_S splits), whose programs load their first weights, then wait for their chunk only;
   each writes its partial sum; the last of a row tile's NC partials (a count) adds them
-  in chunk order into y (the same sum whichever program is last).
+  into y (one reduction of all NC: the same sum whichever program is last).
 
-So a down item starts when its chunk is ready, while later gate|up items still stream,
-and no program waits for the whole gate|up product. Every program must be resident at
+The order puts `lag` chunks of gate|up items ahead of each chunk's down items, so a down
+item starts when its chunk is ready, while later gate|up items still stream, and no
+program waits for the whole gate|up product. Every program must be resident at
 once (an item waits only for items before it: with every program running, each item's
 inputs are finished by programs that wait only for earlier items): `programs` is at most
 what the device holds. The counts reset themselves (the last arrival zeroes its count),
@@ -54,6 +55,7 @@ class FlowConfig(NamedTuple):
     d_split: int = 4  # its splits of the chunk's super-blocks
     num_warps: int = 2
     max_regs: int | None = 128
+    lag: int = 2  # chunks of gate|up items ahead of the down items in the order
     probe: int = 0  # timing only, wrong outputs: 1 down items never wait, 2 gate|up only
 
 
@@ -108,13 +110,12 @@ if HAS_TRITON:
         """Chunk c's activation act(gate) * up, quantized (quantize_store) into the chunk's
         slots; gate|up's outputs read past the L1 (other programs wrote them)."""
         CF: tl.constexpr = CSB * 256
-        for i in range(CSB):  # a super-block at a time: few registers
-            b = i + tl.zeros((1,), tl.int32)
-            cols = c * CF + b[:, None] * 256 + tl.arange(0, 256)[None, :]
-            g = tl.load(gu_ptr + cols, cache_modifier=".cg")
-            u = tl.load(gu_ptr + F + cols, cache_modifier=".cg")
-            quantize_store(gated(g, u, ACT), b, b >= 0, 0, aq_ptr + c * CF,
-                           adx_ptr + c * 32, abs_ptr + c * (CF // 16), CF)
+        b = tl.arange(0, CSB)  # every load at once: one latency, not CSB
+        cols = c * CF + b[:, None] * 256 + tl.arange(0, 256)[None, :]
+        g = tl.load(gu_ptr + cols, cache_modifier=".cg")
+        u = tl.load(gu_ptr + F + cols, cache_modifier=".cg")
+        quantize_store(gated(g, u, ACT), b, b >= 0, 0, aq_ptr + c * CF, adx_ptr + c * 32,
+                       abs_ptr + c * (CF // 16), CF)
 
     @helper
     def _gu_item(t, q_ptr, dx_ptr, bs_ptr, wgu_ptr, gu_ptr, aq_ptr, adx_ptr, abs_ptr,
@@ -147,7 +148,7 @@ if HAS_TRITON:
     @helper
     def _d_item(t, wd_ptr, aq_ptr, adx_ptr, abs_ptr, part_ptr, y_ptr, ctr_ptr, H, F,
                 d_row_bytes, DTYPE: tl.constexpr, D_ROWS: tl.constexpr, D_S: tl.constexpr,
-                CSB: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
+                CSB: tl.constexpr, NCP: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
                 PROBE: tl.constexpr):
         """Down item t: its first weights, the wait for its chunk, its partial, its row
         tile's count, and the sum by the tile's last."""
@@ -196,32 +197,48 @@ if HAS_TRITON:
         if _arrive(cnt) == NC - 1:  # the tile's last partial: the sum in chunk order
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
             rows = rt * D_ROWS + tl.arange(0, D_ROWS)
-            total = tl.load(part_ptr + rows, cache_modifier=".cg")
-            for c2 in range(1, NC):
-                total += tl.load(part_ptr + c2 * H + rows, cache_modifier=".cg")
-            tl.store(y_ptr + rows, total)
+            ch = tl.arange(0, NCP)[:, None]  # every partial at once: one latency
+            parts = tl.load(part_ptr + ch * H + rows[None, :], mask=ch < NC, other=0.0,
+                            cache_modifier=".cg")
+            tl.store(y_ptr + rows, tl.sum(parts, axis=0))
 
     @triton.jit
     def _mlp_flow_kernel(q_ptr, dx_ptr, bs_ptr, wgu_ptr, gu_ptr, aq_ptr, adx_ptr, abs_ptr,
                          wd_ptr, part_ptr, y_ptr, ctr_ptr, H, F, gu_row_bytes, d_row_bytes,
                          DTYPE: tl.constexpr, ACT: tl.constexpr, CSB: tl.constexpr,
                          GU_ROWS: tl.constexpr, GU_S: tl.constexpr, D_ROWS: tl.constexpr,
-                         D_S: tl.constexpr, PTX: tl.constexpr = False,
+                         D_S: tl.constexpr, LAG: tl.constexpr, NCP: tl.constexpr,
+                         PTX: tl.constexpr = False,
                          PDL: tl.constexpr = False, PROBE: tl.constexpr = 0):
         """The module docstring's launch: x (q, dx, bs) of H columns, gate|up (2 F Q4_K
         rows) into gu (2 F), the activation into aq, adx (DX_PAD a chunk), abs, down (H
-        rows of DTYPE) into part (NC, H) and y (H); program p takes items p, p + P, ..."""
-        n_gu = 2 * F // GU_ROWS
-        n_items = n_gu + (H // D_ROWS) * (F // (CSB * 256))
+        rows of DTYPE) into part (NC, H) and y (H); program p takes items p, p + P, ...
+        of the order below (LAG: chunks of gate|up ahead of down's)."""
+        NC = F // (CSB * 256)
+        n_gc = 2 * (CSB * 256 // GU_ROWS)  # gate|up items a chunk
+        n_dc = H // D_ROWS  # down items a chunk
+        lag = tl.minimum(LAG, NC)
+        n_items = NC * (n_gc + n_dc)
         if PROBE == 2:
-            n_items = n_gu
+            lag = NC
+            n_items = NC * n_gc
+        head = lag * n_gc
+        pair = n_gc + n_dc
         for t in range(tl.program_id(0), n_items, tl.num_programs(0)):
-            if t < n_gu:
-                _gu_item(t, q_ptr, dx_ptr, bs_ptr, wgu_ptr, gu_ptr, aq_ptr, adx_ptr, abs_ptr,
+            # the order: gate|up of chunks 0 .. lag - 1, then gate|up of chunk lag + k and
+            # down of chunk k in turn, then down of the last lag chunks
+            u = t - head
+            k = u // pair
+            r = u - k * pair
+            gu = (t < head) | ((k < NC - lag) & (r < n_gc))
+            gi = tl.where(t < head, t, (lag + k) * n_gc + r)
+            di = tl.where(k < NC - lag, k * n_dc + r - n_gc, u - (NC - lag) * n_gc)
+            if gu:
+                _gu_item(gi, q_ptr, dx_ptr, bs_ptr, wgu_ptr, gu_ptr, aq_ptr, adx_ptr, abs_ptr,
                          ctr_ptr, H, F, gu_row_bytes, GU_ROWS, GU_S, CSB, ACT, PTX, PDL)
             else:
-                _d_item(t - n_gu, wd_ptr, aq_ptr, adx_ptr, abs_ptr, part_ptr, y_ptr, ctr_ptr,
-                        H, F, d_row_bytes, DTYPE, D_ROWS, D_S, CSB, PTX, PDL, PROBE)
+                _d_item(di, wd_ptr, aq_ptr, adx_ptr, abs_ptr, part_ptr, y_ptr, ctr_ptr,
+                        H, F, d_row_bytes, DTYPE, D_ROWS, D_S, CSB, NCP, PTX, PDL, PROBE)
         await_inputs(PDL)  # a program without items still waits (the chain's rule)
 
 
@@ -257,7 +274,8 @@ def _launch_args(xq: QuantX, gate_up: torch.Tensor, down: torch.Tensor, down_typ
     y = torch.empty(1, hidden, dtype=torch.float32, device=dev)
     consts = {"DTYPE": int(down_type), "ACT": ACTIVATION_IDS[activation],
               "CSB": cfg.chunk_sb, "GU_ROWS": cfg.gu_rows, "GU_S": cfg.gu_split,
-              "D_ROWS": cfg.d_rows, "D_S": cfg.d_split, "PTX": ptx(dev),
+              "D_ROWS": cfg.d_rows, "D_S": cfg.d_split, "LAG": cfg.lag,
+              "NCP": 1 << (chunks - 1).bit_length(), "PTX": ptx(dev),
               "num_warps": cfg.num_warps, **({"PROBE": cfg.probe} if cfg.probe else {})}
     if cfg.max_regs is not None and dev.type == "cuda" and not torch.version.hip:
         consts["maxnreg"] = cfg.max_regs
@@ -328,14 +346,15 @@ def aot_specs(spec: type) -> list:
            "gu_ptr": "*fp32", "aq_ptr": "*i8", "adx_ptr": "*fp32", "abs_ptr": "*i32",
            "wd_ptr": "*u8", "part_ptr": "*fp32", "y_ptr": "*fp32", "ctr_ptr": "*i32",
            "H": "i32", "F": "i32", "gu_row_bytes": "i32", "d_row_bytes": "i32",
-           **dict.fromkeys(("DTYPE", "ACT", "CSB", "GU_ROWS", "GU_S", "D_ROWS", "D_S",
-                            "PTX", "PDL"), "constexpr")}
+           **dict.fromkeys(("DTYPE", "ACT", "CSB", "GU_ROWS", "GU_S", "D_ROWS", "D_S", "LAG",
+                            "NCP", "PTX", "PDL"), "constexpr")}
     cfg = FlowConfig()
     divisible = tuple(a for a, t in sig.items() if t != "constexpr")  # as the launches are
     out = []
     for name, dtype in (("Q4_K", Q4_K), ("Q6_K", Q6_K_A)):
         consts = {"DTYPE": dtype, "ACT": 0, "CSB": cfg.chunk_sb, "GU_ROWS": cfg.gu_rows,
-                  "GU_S": cfg.gu_split, "D_ROWS": cfg.d_rows, "D_S": cfg.d_split}
+                  "GU_S": cfg.gu_split, "D_ROWS": cfg.d_rows, "D_S": cfg.d_split,
+                  "LAG": cfg.lag, "NCP": 8}
         out.append(spec(f"mlp_flow_{name}", _mlp_flow_kernel, sig,
                         {**consts, "PTX": True, "PDL": True}, cfg.num_warps, False, "cuda",
                         divisible=divisible, max_regs=cfg.max_regs))

@@ -62,13 +62,19 @@ from kernels.qint_flow import (  # noqa: E402
 # name -> FlowConfig fields changed from the default
 CONFIGS = {
     "default": {},
+    "lag7": {"lag": 7},  # every gate|up item ahead of every down item
     "c4": {"chunk_sb": 4},  # 14 chunks of 1024 columns
     "d8x8": {"d_rows": 8, "d_split": 8},  # a down item 8 rows, one super-block a split
     "d32x4": {"d_rows": 32, "d_split": 4},
+    "g8": {"gu_rows": 8, "gu_split": 8},  # small gate|up items: 2 super-blocks a split
+    "g8l1": {"gu_rows": 8, "gu_split": 8, "lag": 1},
+    "g8l3": {"gu_rows": 8, "gu_split": 8, "lag": 3},
+    "g16": {"gu_rows": 16, "gu_split": 4},
     "r144": {"max_regs": 144},
     "w4": {"num_warps": 4, "max_regs": None},
     "nowait": {"probe": 1},  # timing only: down items never wait
     "guonly": {"probe": 2},  # timing only: the gate|up items alone
+    "g8guonly": {"gu_rows": 8, "gu_split": 8, "probe": 2},
 }
 
 

@@ -18,7 +18,10 @@ from kernels.qint import Q6_K_A, QIntConfig, dequantized_x_reference, in_cta_con
 from kernels.qint_flow import DX_PAD, FlowConfig, check_shapes, counter_ints
 
 H, F = 512, 2048
-CFG = FlowConfig(chunk_sb=4, gu_rows=32, gu_split=2, d_rows=16, d_split=2)
+# 2 chunks, every gate|up item first; 4 chunks, each chunk's down items after the next
+# chunk's gate|up items, gate|up in smaller tiles
+CONFIGS = [FlowConfig(chunk_sb=4, gu_rows=32, gu_split=2, d_rows=16, d_split=2, lag=2),
+           FlowConfig(chunk_sb=2, gu_rows=8, gu_split=2, d_rows=32, d_split=2, lag=1)]
 
 
 def flow_case(x, gate_up, down, down_type, cfg, activation):
@@ -47,19 +50,21 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-@pytest.mark.parametrize("down_qtype,activation", [(T.Q4_K, "silu"), (T.Q6_K, "gelu")])
-def test_flow_matches_the_launches_and_the_definition(interp, rng, down_qtype, activation):
+@pytest.mark.parametrize("down_qtype,activation,cfg", [(T.Q4_K, "silu", CONFIGS[0]),
+                                                       (T.Q6_K, "gelu", CONFIGS[1])])
+def test_flow_matches_the_launches_and_the_definition(interp, rng, down_qtype, activation,
+                                                      cfg):
     gate_up = random_weight(T.Q4_K, 2 * F, H, rng)
     down_blocks = random_weight(down_qtype, H, F, rng)
     down, down_type = ((repack_q6k(down_blocks, F), Q6_K_A) if down_qtype == T.Q6_K
                        else (down_blocks, int(T.Q4_K)))
     x = torch.from_numpy(rng.standard_normal((1, H), dtype=np.float32))
     y, y2, gu, aq, gu_want, aq_want, after_first, ctr = interp.call(
-        "test_qint_flow:flow_case", x, gate_up, down, down_type, CFG, activation)
+        "test_qint_flow:flow_case", x, gate_up, down, down_type, cfg, activation)
     assert torch.equal(gu, gu_want)  # gate|up: the one-row launch's tile, its bits
-    chunks = F // (256 * CFG.chunk_sb)
+    chunks = F // (256 * cfg.chunk_sb)
     assert torch.equal(aq.q, aq_want.q) and torch.equal(aq.bs, aq_want.bs)
-    dx = aq.dx.reshape(chunks, DX_PAD)[:, :CFG.chunk_sb].reshape(1, -1)
+    dx = aq.dx.reshape(chunks, DX_PAD)[:, :cfg.chunk_sb].reshape(1, -1)
     assert torch.equal(dx, aq_want.dx)
     # y against the definition: down dequantized by gguf-py, times the quantized activation
     w = torch.from_numpy(gguf_dequantize(down_blocks.numpy(), down_qtype).astype(np.float64))
