@@ -164,9 +164,10 @@ def bench(run: Run, down_name: str, hidden: int, ffn: int, layers: int, configs:
             y_want, gu_want, aq_want = want[0]
             same_tile = (cfg.gu_rows, cfg.gu_split) == (gu_cfg.block_n, gu_cfg.split)
             # another gate|up tile sums in another order: within 2^-14, then, and the
-            # activation from its own gate|up (the launches' only with the same tile)
+            # activation and y from its own gate|up (the launches' only with the same tile)
             if not same_tile:
-                _, aq_want = gated_act_quant(gu, "silu")
+                act, aq_want = gated_act_quant(gu, "silu")
+                y_want = qint_triton(act, d_w[0], down_type, (hidden, ffn), xq=aq_want)
             ok = {"gu": bool(torch.equal(gu, gu_want)) if same_tile else
                   float((gu - gu_want).abs().max() / gu_want.abs().max()) <= 2**-14,
                   "act": bool(torch.equal(aq.q, aq_want.q) and torch.equal(dx, aq_want.dx)
