@@ -47,7 +47,6 @@ NVIDIA only (Gluon's NVMMA layouts, cp.async); gfx1151 keeps qint's kernel.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any
 
@@ -68,7 +67,7 @@ FUSED_MAX_REGS = 96
 # a multiprocessor instead of two (its 56 KB of shared memory allow three). Q6_K's (97 KB:
 # two programs by shared memory) and the two-type one's would spill. H200 (bench/RESULTS.md,
 # 2026-12-03): gate|up 74.0 against 77.9 us uncapped, 64 streams 8104-8127 against
-# 7944-8035 tok/s steady. MBUFO_QINT_MMA_CAP=0: uncapped; =N: capped at N.
+# 7944-8035 tok/s steady. MBUFO_QINT_MMA_CAP=0: uncapped.
 WIDE_Q4K_MAX_REGS = 168
 
 HAS_GLUON = False
@@ -475,22 +474,9 @@ def max_regs_of(rows: int, q6: bool, fused: bool) -> int | None:
     two-type kernel's FUSED_MAX_REGS at 16 rows, Q4_K's WIDE_Q4K_MAX_REGS at 64."""
     if fused:
         return FUSED_MAX_REGS if rows == 16 else None
-    if not q6 and rows == 64:
-        return wide_q4k_cap(os.environ.get("MBUFO_QINT_MMA_CAP", ""))
-    return None
-
-
-@functools.lru_cache(maxsize=8)
-def wide_q4k_cap(value: str) -> int | None:
-    """MBUFO_QINT_MMA_CAP's value: unset or empty WIDE_Q4K_MAX_REGS, 0 none, else the cap
-    (registers a thread, 24-255: a measurement of other caps)."""
-    value = value.strip()
-    if not value:
+    if not q6 and rows == 64 and os.environ.get("MBUFO_QINT_MMA_CAP", "").strip() != "0":
         return WIDE_Q4K_MAX_REGS
-    if not value.isdigit() or (int(value) and not 24 <= int(value) <= 255):
-        raise ValueError(f"MBUFO_QINT_MMA_CAP must be 0 or a register count 24-255, "
-                         f"got {value!r}")
-    return int(value) or None
+    return None
 
 
 def qint_mma_launch(xq: Any, blocks: Any, n: int, k: int, split: int, tickets: Any = None, *,

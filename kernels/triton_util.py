@@ -274,25 +274,9 @@ def launcher(kernel: Any, device: torch.device) -> Any:
     install_carveout()
     fn = compiled(kernel)
     if "PDL" in fn.arg_names and pdl_enabled(device) and (
-            torch.cuda.is_current_stream_capturing() or getattr(_PDL_EAGER, "on", False)) \
-            and _kernel_name(fn) not in pdl_off(os.environ.get("MBUFO_PDL_OFF", "")):
+            torch.cuda.is_current_stream_capturing() or getattr(_PDL_EAGER, "on", False)):
         return _PDLLaunch(fn)
     return fn
-
-
-def _kernel_name(fn: Any) -> str:
-    """A JITFunction's Python function name ("" where it has none)."""
-    return getattr(getattr(fn, "fn", fn), "__name__", "")
-
-
-@functools.lru_cache(maxsize=8)
-def pdl_off(value: str) -> frozenset[str]:
-    """MBUFO_PDL_OFF: the Triton kernels (comma-separated function names, such as
-    `_attn_partial_kernel`) launched plainly even where the others take programmatic
-    dependent launches: such a kernel starts once the one before has finished, and its
-    own wait is nothing. For measurements; parsed once a value (launcher runs at every
-    launch)."""
-    return frozenset(n.strip() for n in value.split(",") if n.strip())
 
 
 # The shared-memory carveout (NVIDIA): a multiprocessor splits its on-chip memory between

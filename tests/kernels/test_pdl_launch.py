@@ -124,21 +124,3 @@ def test_every_decode_kernel_takes_pdl():
                qmatmul._qmm_kernel, qmatmul._sum_splits_kernel]
     for kernel in kernels:
         assert "PDL" in triton_util.compiled(kernel).arg_names, kernel
-
-
-def test_kernels_named_in_mbufo_pdl_off_launch_plainly(gpu, monkeypatch):
-    """MBUFO_PDL_OFF names kernels (their function names) that launch without the flag."""
-
-    def _attn_partial_kernel():
-        pass
-
-    def _other_kernel():
-        pass
-
-    named, other = _Fake(["x_ptr", "PDL"]), _Fake(["x_ptr", "PDL"])
-    named.fn, other.fn = _attn_partial_kernel, _other_kernel
-    monkeypatch.setenv("MBUFO_PDL_OFF", " _attn_partial_kernel, ")
-    triton_util.launcher(named, torch.device("cuda", 0))[(1,)](1)
-    triton_util.launcher(other, torch.device("cuda", 0))[(1,)](1)
-    assert named.calls == [((1,), (1,), {})]
-    assert other.calls == [((1,), (1,), {"PDL": True, "launch_pdl": True})]

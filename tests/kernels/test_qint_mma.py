@@ -105,8 +105,8 @@ def test_wider_builds_multiply_every_row_without_spilling(qtype, rows):
 
 
 def test_register_caps_by_build_and_switch(monkeypatch):
-    """Q4_K's 64-row build alone is capped (MBUFO_QINT_MMA_CAP=0: uncapped, =N: at N), the
-    two-type kernel only at 16 rows, Q6_K never."""
+    """Q4_K's 64-row build alone is capped (MBUFO_QINT_MMA_CAP=0: uncapped), the two-type
+    kernel only at 16 rows, Q6_K never."""
     monkeypatch.delenv("MBUFO_QINT_MMA_CAP", raising=False)
     caps = {(rows, q6, fused): qint_mma.max_regs_of(rows, q6, fused)
             for rows in qint_mma.TILE_ROWS for q6 in (False, True) for fused in (False, True)}
@@ -115,13 +115,6 @@ def test_register_caps_by_build_and_switch(monkeypatch):
     assert set(caps.values()) == {None}
     monkeypatch.setenv("MBUFO_QINT_MMA_CAP", "0")
     assert qint_mma.max_regs_of(64, False, False) is None
-    monkeypatch.setenv("MBUFO_QINT_MMA_CAP", " 128")  # another cap, to measure
-    assert qint_mma.max_regs_of(64, False, False) == 128
-    assert qint_mma.max_regs_of(64, True, False) is None
-    for bad in ("12", "256", "lots"):
-        monkeypatch.setenv("MBUFO_QINT_MMA_CAP", bad)
-        with pytest.raises(ValueError, match="MBUFO_QINT_MMA_CAP"):
-            qint_mma.max_regs_of(64, False, False)
 
 
 def test_tile_rows_holds_m():
