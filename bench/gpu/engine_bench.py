@@ -9,7 +9,8 @@ decodes at temperature 0.8, top-p 0.95 instead of greedily; `+padN` launches N e
 kernels after each fused norm, bench/gpu/pad_kernels.py: the cost of one launch in the
 step's chain).
 Per variant: the forward step alone (runner.forward timed with a device sync, decode
-batches of each concurrency), engine decode at each concurrency (fixed output length,
+batches of each concurrency at `forward_context` keys a row: 256 or the context if
+shorter, more than the decode streams' own), engine decode at each concurrency (fixed output length,
 ignore_eos) with a per-step breakdown (schedule + batch building, forward launch,
 sampling including the wait for the device) and the ITL policy's state afterwards,
 prefill of each prompt length, optionally a profile of one eager decode step (kernel
@@ -413,6 +414,7 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
     print(f"[{name}] loaded in {out['load_s']} s, {out['gpu_gb']} GB", flush=True)
     runner, gen = core.runner, torch.Generator().manual_seed(0)
     ctx = min(256, context)  # the decode rows' context in the forward-only figures
+    out["forward_context"] = ctx  # their attention reads ctx keys a row (the streams' fewer)
     if graphs:  # every bucket now: capture time apart from the figures below
         t0 = time.perf_counter()
         attempt(out, "graphs_prepared", runner.prepare_graphs, ctx)
