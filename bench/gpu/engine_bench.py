@@ -9,10 +9,11 @@ decodes at temperature 0.8, top-p 0.95 instead of greedily; `+padN` launches N e
 kernels after each fused norm, bench/gpu/pad_kernels.py: the cost of one launch in the
 step's chain).
 Per variant: the forward step alone (runner.forward timed with a device sync, decode
-batches of each concurrency at `forward_context` keys a row: 256 or the context if
-shorter, more than the decode streams' own), engine decode at each concurrency (fixed output length,
-ignore_eos) with a per-step breakdown (schedule + batch building, forward launch,
-sampling including the wait for the device) and the ITL policy's state afterwards,
+batches of each concurrency at `--forward-context` keys a row, 256 by default, or the
+context if shorter: more than the decode streams' own), engine decode at each concurrency
+(fixed output length, ignore_eos) with a per-step breakdown (schedule + batch building,
+forward launch, sampling including the wait for the device) and the ITL policy's state
+afterwards,
 prefill of each prompt length, optionally a profile of one eager decode step (kernel
 count, top kernels by device time), and the Triton kernels built in each phase (those
 built while measured stalled a step: shapes the load-time warm-up missed). A variant or a
@@ -413,7 +414,7 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
     out["gpu_gb"] = round(torch.cuda.memory_allocated() / 1e9, 2) if args.device == "cuda" else 0
     print(f"[{name}] loaded in {out['load_s']} s, {out['gpu_gb']} GB", flush=True)
     runner, gen = core.runner, torch.Generator().manual_seed(0)
-    ctx = min(256, context)  # the decode rows' context in the forward-only figures
+    ctx = min(args.forward_context, context)  # the forward-only figures' decode context
     out["forward_context"] = ctx  # their attention reads ctx keys a row (the streams' fewer)
     if graphs:  # every bucket now: capture time apart from the figures below
         t0 = time.perf_counter()
@@ -542,6 +543,9 @@ def main() -> int:
                     help="the decode streams' prompt tokens (their context: this plus the "
                          "tokens decoded so far)")
     ap.add_argument("--prefill", default="512,4096")
+    ap.add_argument("--forward-context", type=int, default=256,
+                    help="keys a row of the forward-only and profiled decode batches (at "
+                         "most the engine's context)")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--profile-rows", default="",
                     help="comma list of decode rows to profile (default: 1 and the largest "
