@@ -13,9 +13,8 @@ batches of each concurrency at `--forward-context` keys a row, 256 by default, o
 context if shorter: more than the decode streams' own), engine decode at each concurrency
 (fixed output length, ignore_eos) with a per-step breakdown (schedule + batch building,
 forward launch, sampling including the wait for the device) and the ITL policy's state
-afterwards,
-prefill of each prompt length, optionally a profile of one eager decode step (kernel
-count, top kernels by device time), and the Triton kernels built in each phase (those
+afterwards, prefill of each prompt length, optionally a profile of one eager decode step
+(kernel count, top kernels by device time), and the Triton kernels built in each phase (those
 built while measured stalled a step: shapes the load-time warm-up missed). A variant or a
 measurement that fails is recorded with its error and the run goes on; the JSON
 ($OUT/engine_bench.json or --out) is rewritten after every variant, so a run cut short
