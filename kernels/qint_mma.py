@@ -37,10 +37,11 @@ H200, 16 rows, against qint's kernel (bench/RESULTS.md, 2026-12-01): Q4_K 35.2 a
 16.1 at 6144 x 4096, 10.0 / 11.8 at 4096 x 4096, 6.3 / 6.2 at 1024 x 4096; Q6_K 29.0 /
 35.7 at 4096 x 14336, 184.6 / 253.2 at 128256 x 4096, 7.5 / 7.7 at 1024 x 4096.
 
-At 64 rows (183 registers and 55 KB a program on 4 warps, two programs a multiprocessor):
-Q4_K 79.1 against 96.4 us at 28672 x 4096, 44.9 / 51.2 at 4096 x 14336, 23.9 / 26.9 at
-4096 x 4096; Q6_K 65.0 / 98.8 at 4096 x 14336, 452 / 745 at 128256 x 4096; the q|k + v
-pair 34.3 / 59.8 (bench/RESULTS.md, 2026-12-03).
+At 64 rows (uncapped: 183 registers and 55 KB a program on 4 warps, two programs a
+multiprocessor): Q4_K 79.1 against 96.4 us at 28672 x 4096, 44.9 / 51.2 at 4096 x 14336,
+23.9 / 26.9 at 4096 x 4096; Q6_K 65.0 / 98.8 at 4096 x 14336, 452 / 745 at 128256 x 4096;
+the q|k + v pair 34.3 / 59.8 (bench/RESULTS.md, 2026-12-03). Q4_K's 64-row build now runs
+under WIDE_Q4K_MAX_REGS (three programs a multiprocessor: 74.0 us at 28672 x 4096).
 
 NVIDIA only (Gluon's NVMMA layouts, cp.async); gfx1151 keeps qint's kernel.
 """
