@@ -11,6 +11,7 @@ import torch
 
 from engine.core import EngineCore
 from engine.engine import Engine
+from engine.errors import InvalidRequest
 from engine.gguf import ModelFile
 from engine.kernel_select import use_triton
 from engine.llm import DTYPES
@@ -52,10 +53,15 @@ class EngineOptions:
     # the host reads them, so the host's work between steps overlaps the device's.
     look_ahead: bool = True
     # Weight layout: ggml keeps the file's blocks (fused dequant kernels), q8 too with the
-    # Q4_K products on 8-bit activations (kernels/qint.py), bf16 dense matrices in `dtype`;
+    # Q4_K products on 8-bit activations (kernels/qint.py), bf16 dense matrices in `dtype`,
+    # hybrid q8's blocks for small calls and bf16 copies for large ones (`dense_rows`);
     # auto: dense on the CPU, on a GPU the faster of ggml and bf16 as measured at load
     # (engine/layout_tune.py).
     weights: str = "auto"
+    # The hybrid layout's threshold: calls of this many rows or more multiply bf16 copies
+    # of the weights, fewer q8's blocks. None: measured at load on a GPU
+    # (engine/layout_tune.py's choose_dense_rows); needed elsewhere.
+    dense_rows: int | None = None
     # Build the kernels of the first prefill and mixed steps and capture the decode graphs
     # at load (a GPU only; ModelRunner.warm_up), not in the first requests' steps.
     warm_up: bool = True
@@ -104,6 +110,12 @@ def load_for(model: str | os.PathLike, opts: EngineOptions) -> LoadedModel:
             and use_triton(device))
     if opts.weights == "auto" and not tune:
         return load(model, dtype, opts.device)
+    if opts.dense_rows is not None and opts.weights != "hybrid":
+        raise InvalidRequest(f"dense_rows is the hybrid weight layout's, not {opts.weights!r}'s")
+    hybrid_tune = opts.weights == "hybrid" and opts.dense_rows is None
+    if hybrid_tune and not (device.type == "cuda" and use_triton(device)):
+        raise InvalidRequest("the hybrid weight layout measures its threshold on a GPU with "
+                             "the Triton kernels; elsewhere give dense_rows")
     start = time.perf_counter()  # as load() does, with the layout passed to the weights
     if device.type == "cpu":
         configure_cpu_threads(int(os.environ.get("MBUFO_CPU_THREADS", "0")) or None)
@@ -111,19 +123,20 @@ def load_for(model: str | os.PathLike, opts: EngineOptions) -> LoadedModel:
     mf = ModelFile.open(path)
     cfg = read_config(mf)
     tokenizer = Tokenizer.from_metadata(mf.metadata)
-    layout, choice = opts.weights, None
-    if tune:
+    layout, choice, dense_rows = opts.weights, None, opts.dense_rows
+    if tune or hybrid_tune:
         from engine.layout_tune import measure_layout
 
         choice = measure_layout(mf, cfg, device, sessions=opts.sessions, context=opts.context,
-                                kv_quant=opts.kv_quant)
-        layout = choice.layout
+                                kv_quant=opts.kv_quant, hybrid=hybrid_tune)
+        layout, dense_rows = choice.layout, choice.dense_rows
     tiles = None
-    if layout == "q8" and opts.tune_tiles and device.type == "cuda" and use_triton(device):
+    if layout in ("q8", "hybrid") and opts.tune_tiles and device.type == "cuda" and \
+            use_triton(device):
         from engine.tile_tune import tune_tiles
 
         tiles = tune_tiles(mf, device, opts.tile_cache)
-    decoder = DecoderModel(cfg, WeightLoader(mf, dtype, device, layout))
+    decoder = DecoderModel(cfg, WeightLoader(mf, dtype, device, layout, dense_rows))
     return LoadedModel(path, mf, cfg, decoder, tokenizer, chat_template_for(mf, tokenizer),
                        time.perf_counter() - start, choice, tiles)
 

@@ -17,6 +17,13 @@ blocks, Q4_K and Q6_K multiplied with 8-bit activations: kernels/qint.py). q8 is
 shapes where it differs (its other types run ggml's kernels) and taken only when more than
 5% faster than ggml: on a near tie the activations stay unquantized.
 
+`hybrid` keeps q8's blocks and a bf16 copy of every linear, each call taking the copy from
+a row count on (engine/layers/ggml_linear.py): `choose_dense_rows` times both on the model's
+shapes at HYBRID_ROWS and takes the smallest row count from which the copies are more than
+5% faster at every larger count timed, when blocks and copies fit the free memory (else
+q8 alone). It is asked for explicitly (`weights="hybrid"`): across its threshold a row's
+bits depend on its batch, which the block layouts never let happen.
+
 Cost: one build of each qmatmul kernel (which the first forward would do anyway) and about
 two dozen graph replays, a second or two at load; the result is logged and printed by
 `mbufo inspect MODEL --device cuda`.
@@ -41,6 +48,8 @@ from engine.planner import plan
 log = logging.getLogger(__name__)
 
 ROWS = (1, 16)  # always timed (and reported); a session count between adds its own
+# the hybrid layout's candidate thresholds: decode buckets, then prefill chunks' sizes
+HYBRID_ROWS = (4, 8, 16, 32, 64, 128, 512)
 TIE_MARGIN = 0.05  # ggml wins unless bf16 is more than 5% faster
 MEMORY_FRACTION = 0.9  # of the device's free memory at load
 L2_MISS_BYTES = 256 << 20  # weight bytes per timing: beyond any GPU's L2
@@ -59,15 +68,16 @@ class LinearShape:
 
 @dataclass(frozen=True)
 class LayoutChoice:
-    layout: str  # "ggml", "q8" or "bf16"
+    layout: str  # "ggml", "q8", "bf16" or "hybrid"
     reason: str
     # layout -> rows -> ms of every linear of one forward (the measured shapes, weighted)
     forward_ms: dict[str, dict[int, float]] = field(default_factory=dict)
     total_bytes: dict[str, int] = field(default_factory=dict)  # weights + KV, per layout
     budget_bytes: int | None = None
+    dense_rows: int | None = None  # hybrid: calls of this many rows or more take the copies
 
     def as_dict(self) -> dict:
-        return {"layout": self.layout, "reason": self.reason,
+        return {"layout": self.layout, "reason": self.reason, "dense_rows": self.dense_rows,
                 "forward_ms": {k: {str(m): round(v, 4) for m, v in d.items()}
                                for k, d in self.forward_ms.items()},
                 "total_bytes": dict(self.total_bytes), "budget_bytes": self.budget_bytes}
@@ -141,6 +151,46 @@ def choose_layout(mf: ModelFile, cfg: ModelConfig, *, sessions: int, context: in
     return LayoutChoice(layout, reason, cost, plans, budget_bytes)
 
 
+def choose_dense_rows(mf: ModelFile, cfg: ModelConfig, *, sessions: int, context: int,
+                      kv_quant: str, budget_bytes: int | None, measure: Measure,
+                      rows: tuple[int, ...] = HYBRID_ROWS) -> LayoutChoice:
+    """The hybrid layout's threshold on the device `measure` times (module docstring): the
+    smallest of `rows` from which every linear of one forward, weighted by count, is more
+    than TIE_MARGIN faster on the bf16 copies than on q8's blocks at each larger count too.
+    layout "q8" (no copies) when none is or blocks and copies do not fit `budget_bytes`."""
+    blocks = plan(mf, cfg, sessions=sessions, context=context, kv_quant=kv_quant,
+                  backend="gpu")
+    dense = plan(mf, cfg, sessions=sessions, context=context, kv_quant=kv_quant,
+                 backend="cpu")
+    total = blocks.total_bytes + dense.weights_bytes  # the token table counted dense: a bound
+    totals = {"q8": blocks.total_bytes, "hybrid": total}
+    if budget_bytes is not None and total > budget_bytes:
+        return LayoutChoice("q8", f"blocks and bf16 copies ({total >> 20} MiB) exceed the "
+                            f"{budget_bytes >> 20} MiB free", {}, totals, budget_bytes)
+    shapes = linear_shapes(mf)
+    cost: dict[str, dict[int, float]] = {"q8": {}, "bf16": {}}
+    for s in shapes:  # a shape's weights are made once for all its row counts
+        for layout in ("q8", "bf16"):
+            timed_as = layout if layout == "bf16" or s.ggml_type in ACT8_TYPES else "ggml"
+            for m in rows:
+                cost[layout][m] = cost[layout].get(m, 0.0) + 1e3 * s.count * measure(
+                    timed_as, s.ggml_type, s.out_features, s.in_features, m)
+    wins = [cost["bf16"][m] < (1 - TIE_MARGIN) * cost["q8"][m] for m in rows]
+    dense_rows = next((m for i, m in enumerate(rows) if all(wins[i:])), None)
+    per_rows = {name: "/".join(f"{by_rows[m]:.2f}" for m in rows)
+                for name, by_rows in cost.items()}
+    reason = (f"linears of one forward at {'/'.join(map(str, rows))} rows: "
+              + ", ".join(f"{name} {per_rows[name]} ms" for name in cost))
+    if dense_rows is None:
+        reason += "; the bf16 copies never win from a row count on: q8 alone"
+        layout = "q8"
+    else:
+        reason += f"; bf16 copies from {dense_rows} rows"
+        layout = "hybrid"
+    log.info("weight layout %s (%s)", layout, reason)
+    return LayoutChoice(layout, reason, cost, totals, budget_bytes, dense_rows)
+
+
 def gpu_measure(device: torch.device, *, replays: int = 5) -> Measure:
     """A Measure on `device`: random data of each shape (the time does not depend on the
     values), enough copies to miss the L2 (kept while the next calls time the same shape at
@@ -204,9 +254,10 @@ def free_memory_budget(device: torch.device) -> int:
 
 
 def measure_layout(mf: ModelFile, cfg: ModelConfig, device: torch.device, *, sessions: int,
-                   context: int, kv_quant: str) -> LayoutChoice:
-    """choose_layout on `device` itself, within its free memory (the engine's load and
-    `mbufo inspect --device`)."""
-    return choose_layout(mf, cfg, sessions=sessions, context=min(context, cfg.context_length),
-                         kv_quant=kv_quant, budget_bytes=free_memory_budget(device),
-                         measure=gpu_measure(device))
+                   context: int, kv_quant: str, hybrid: bool = False) -> LayoutChoice:
+    """choose_layout (with `hybrid`: choose_dense_rows) on `device` itself, within its free
+    memory (the engine's load and `mbufo inspect --device`)."""
+    choose = choose_dense_rows if hybrid else choose_layout
+    return choose(mf, cfg, sessions=sessions, context=min(context, cfg.context_length),
+                  kv_quant=kv_quant, budget_bytes=free_memory_budget(device),
+                  measure=gpu_measure(device))

@@ -4,7 +4,8 @@ Run on the device machine (see bench/RESULTS.md for the command):
     python bench/gpu/engine_bench.py --synthetic llama-3.1-8b:Q4_K_M --vocab VOCAB.gguf
 One invocation measures several variants (`--variants`, default: GGML blocks and dense
 bf16 weights, each with and without CUDA graphs; `+itloff` turns the ITL target off,
-`+noahead` the look-ahead decode steps, `+notune` q8's load-time tile tuning; `+sampled`
+`+noahead` the look-ahead decode steps, `+notune` q8's load-time tile tuning, `+dN`
+gives the hybrid layout's threshold (N rows) instead of measuring it; `+sampled`
 decodes at temperature 0.8, top-p 0.95 instead of greedily; `+padN` launches N empty
 kernels after each fused norm, bench/gpu/pad_kernels.py: the cost of one launch in the
 step's chain).
@@ -391,11 +392,15 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
     """Fills `out` as it goes (a failure keeps what was measured before it)."""
     parts = name.split("+")
     weights, graphs = parts[0], "graphs" in parts
+    # hybrid's threshold given (`+d32`) instead of measured at load
+    dense_rows = next((int(p[1:]) for p in parts[1:] if p[:1] == "d" and p[1:].isdigit()),
+                      None)
     context = max(*lengths, args.prompt) + args.tokens + 64
     opts = EngineOptions(sessions=max(levels), context=context, prefill_chunk=512,
                          device=args.device, max_pending_per_client=None, cuda_graphs=graphs,
                          weights=weights, itl_target_ms=None if "itloff" in parts else "auto",
-                         look_ahead="noahead" not in parts, tune_tiles="notune" not in parts)
+                         look_ahead="noahead" not in parts, tune_tiles="notune" not in parts,
+                         dense_rows=dense_rows)
     out.update({"weights": weights, "cuda_graphs": graphs, "look_ahead": "noahead" not in parts,
                 "tune_tiles": "notune" not in parts, "pad_kernels": pad_count(name)})
     t0 = time.perf_counter()
@@ -407,7 +412,7 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
     if loaded.tile_choice is not None:  # q8: its matrix-unit tiles were timed
         out["tile_choice"] = loaded.tile_choice.as_dict()
         print(f"[{name}] q8 tiles: {out['tile_choice']['tiles']}", flush=True)
-    if loaded.layout_choice is not None:  # weights=auto on a GPU: both layouts were timed
+    if loaded.layout_choice is not None:  # auto or hybrid on a GPU: the layouts were timed
         out["layout_choice"] = loaded.layout_choice.as_dict()
         print(f"[{name}] layout {loaded.layout_choice.layout}: {loaded.layout_choice.reason}")
     out["gpu_gb"] = round(torch.cuda.memory_allocated() / 1e9, 2) if args.device == "cuda" else 0
@@ -535,7 +540,9 @@ def main() -> int:
     ap.add_argument("--synthetic", default="llama-3.1-8b:Q4_K_M")
     ap.add_argument("--vocab", required=True)
     ap.add_argument("--variants", default=VARIANTS,
-                    help="comma list of WEIGHTS[+graphs], WEIGHTS in ggml|q8|bf16|auto")
+                    help="comma list of WEIGHTS[+graphs][+dN], WEIGHTS in "
+                         "ggml|q8|bf16|hybrid|auto; +dN: hybrid's bf16 copies from N rows "
+                         "(default: measured at load)")
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=32,

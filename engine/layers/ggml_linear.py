@@ -9,6 +9,13 @@ are concatenated. Types without a qmatmul kernel (F16, BF16, F32, ...) are held 
 bf16 and go through torch.matmul. With `act8` (the `q8` layout) Q4_K and Q6_K parts
 multiply x quantized to 8 bits instead (kernels/qint.py: its own numerics, batch-invariant
 as well); their Q6_K blocks are repacked at load into qint's aligned rows (Q6_K_A).
+
+The `hybrid` layout (engine/models/weights.py) keeps a bf16 copy of the whole matrix
+beside the blocks (`dense`): a call of `dense_rows` rows or more multiplies the copy (one
+torch matmul: the matrix units at full rate, where the block kernels fall behind at many
+rows), fewer rows the blocks. A row's result then depends on how many rows share its call,
+so that layout is not batch-invariant across its threshold (DESIGN.md's determinism holds
+for the block layouts).
 """
 
 from __future__ import annotations
@@ -54,14 +61,24 @@ class GGMLLinear:
     """y = x @ W.T (+ b); the call contract of engine/layers/linear.py's Linear."""
 
     def __init__(self, parts: Sequence[GGMLPart], in_features: int,
-                 bias: torch.Tensor | None = None, *, act8: bool = False) -> None:
+                 bias: torch.Tensor | None = None, *, act8: bool = False,
+                 dense: torch.Tensor | None = None, dense_rows: int | None = None) -> None:
         if not parts:
             raise ValueError("GGMLLinear needs at least one part")
+        if (dense is None) != (dense_rows is None) or (dense_rows is not None
+                                                       and dense_rows < 1):
+            raise ValueError("a dense copy needs its row threshold (>= 1), and only then")
         self.act8 = bool(act8)
+        self.dense, self.dense_rows = dense, dense_rows
+        if dense is not None:
+            probe_out_dtype(dense.device)
         self.parts = tuple(parts)
         self.in_features = int(in_features)
         self.out_features = sum(p.out_features for p in self.parts)
         self.bias = None if bias is None else bias.float()
+        if dense is not None and tuple(dense.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"dense copy {tuple(dense.shape)} is not the layer's "
+                             f"{(self.out_features, self.in_features)}")
         qint = [self.act8 and p.ggml_type in QINT_TYPES for p in self.parts]
         # whether a call uses x quantized to 8 bits (kernels.qint.QuantX), which a caller
         # may hand over already made (the norm kernel before it); all parts: one qint call
@@ -70,8 +87,10 @@ class GGMLLinear:
     @classmethod
     def from_raw(cls, raw: torch.Tensor, ggml_type: int, shape: tuple[int, int],
                  bias: torch.Tensor | None = None, *, name: str = "tensor",
-                 dense_dtype: torch.dtype = torch.bfloat16, act8: bool = False) -> GGMLLinear:
-        """raw: the tensor's GGUF bytes (flat uint8, on the target device)."""
+                 dense_dtype: torch.dtype = torch.bfloat16, act8: bool = False,
+                 dense_rows: int | None = None) -> GGMLLinear:
+        """raw: the tensor's GGUF bytes (flat uint8, on the target device); `dense_rows`:
+        also keep a `dense_dtype` copy for calls of that many rows or more."""
         out_features, in_features = (int(s) for s in shape)
         if int(ggml_type) in SUPPORTED_TYPES:
             block, type_size = block_geometry(ggml_type)
@@ -84,10 +103,13 @@ class GGMLLinear:
             if stored != int(ggml_type):  # Q6_K: qint's aligned rows
                 blocks = repack_q6k(blocks, in_features)
             part = GGMLPart(out_features, stored, blocks)
+            dense = None if dense_rows is None else dequantize(
+                raw, ggml_type, shape, out_dtype=dense_dtype, name=name)
         else:
             part = GGMLPart(out_features, None,
                             dequantize(raw, ggml_type, shape, out_dtype=dense_dtype, name=name))
-        return cls([part], in_features, bias, act8=act8)
+            dense = None if dense_rows is None else part.weight  # the same tensor, no copy
+        return cls([part], in_features, bias, act8=act8, dense=dense, dense_rows=dense_rows)
 
     @classmethod
     def fuse(cls, linears: Sequence[GGMLLinear]) -> GGMLLinear:
@@ -98,6 +120,8 @@ class GGMLLinear:
             raise ValueError("fused linears must share in_features")
         if len({lin.act8 for lin in linears}) > 1:
             raise ValueError("fused linears must share act8")
+        if len({lin.dense_rows for lin in linears}) > 1:
+            raise ValueError("fused linears must share their dense copies' threshold")
         parts: list[GGMLPart] = []
         for part in (p for lin in linears for p in lin.parts):
             last = parts[-1] if parts else None
@@ -112,7 +136,11 @@ class GGMLLinear:
             bias = torch.cat([lin.bias if lin.bias is not None else
                               torch.zeros(lin.out_features, device=lin.parts[0].weight.device)
                               for lin in linears])
-        return cls(parts, in_features, bias, act8=linears[0].act8)
+        dense = None
+        if linears[0].dense is not None:
+            dense = torch.cat([lin.dense for lin in linears])
+        return cls(parts, in_features, bias, act8=linears[0].act8, dense=dense,
+                   dense_rows=linears[0].dense_rows)
 
     @property
     def device(self) -> torch.device:
@@ -120,11 +148,31 @@ class GGMLLinear:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.weight.numel() * p.weight.element_size() for p in self.parts)
+        held = {id(p.weight): p.weight for p in self.parts}
+        if self.dense is not None:
+            held[id(self.dense)] = self.dense
+        return sum(t.numel() * t.element_size() for t in held.values())
+
+    def dense_at(self, rows: int) -> bool:
+        """Whether a call of `rows` rows multiplies the dense copy."""
+        return self.dense_rows is not None and rows >= self.dense_rows
+
+    def wants_xq(self, rows: int) -> bool:
+        """Whether a call of `rows` rows uses x quantized to 8 bits (which the kernel before
+        it may make: engine/models/common.py)."""
+        return self.takes_xq and not self.dense_at(rows)
+
+    def input_dtype(self, rows: int) -> torch.dtype:
+        """The dtype the call of `rows` rows multiplies x in (what the kernel before it best
+        writes: no cast launch of its own)."""
+        return self.dense.dtype if self.dense_at(rows) else torch.float32
 
     def __call__(self, x: torch.Tensor, xq: QuantX | None = None) -> torch.Tensor:
         """x (n, in) float32 -> (n, out) float32; `xq`: x quantized (kernels/qint.py), for
         the q8 parts on the Triton path (made here once for all of them when not given)."""
+        if self.dense_at(x.shape[0]):
+            y = dense_matmul(x, self.dense)
+            return y if self.bias is None else y + self.bias
         if x.stride(-1) != 1:
             x = x.contiguous()
         triton = use_triton(x.device)
@@ -152,3 +200,31 @@ class GGMLLinear:
         if triton:
             return qmatmul(x, part.weight, part.ggml_type, shape)
         return qmatmul_reference(x, part.weight, part.ggml_type, shape).float()
+
+
+_MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> torch.mm(..., out_dtype=) works there
+
+
+def probe_out_dtype(device: torch.device) -> bool:
+    """Whether torch.mm on `device` writes float32 from bf16 operands itself (out_dtype);
+    asked once per device type at load, never inside a graph capture."""
+    kind = torch.device(device).type
+    if kind not in _MM_OUT_DTYPE:
+        ok = False
+        if kind != "cpu":
+            try:
+                a = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
+                ok = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+            except (RuntimeError, TypeError, NotImplementedError):
+                ok = False
+        _MM_OUT_DTYPE[kind] = ok
+    return _MM_OUT_DTYPE[kind]
+
+
+def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (n, in) @ w (out, in).T in w's dtype -> float32 (n, out). Where probe_out_dtype
+    found it, the product writes float32 itself: no cast launch after it."""
+    x = x.to(w.dtype)
+    if w.dtype != torch.float32 and _MM_OUT_DTYPE.get(x.device.type, False):
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
+    return torch.matmul(x, w.t()).float()

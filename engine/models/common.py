@@ -30,10 +30,20 @@ from kernels.qint import QuantX
 _Residual = tuple[torch.Tensor, torch.Tensor | None]
 
 
-def _act8(linear: object, fused: bool) -> bool:
-    """Whether the norm kernel before `linear` also quantizes its output for it (a linear
-    of the q8 layout, which would otherwise launch that quantization itself)."""
-    return fused and getattr(linear, "takes_xq", False)
+def _act8(linear: object, fused: bool, rows: int) -> bool:
+    """Whether the norm kernel before `linear`'s call of `rows` rows also quantizes its
+    output for it (a linear of the q8 layout, which would otherwise launch that quantization
+    itself; the hybrid layout's only below its dense copies' threshold)."""
+    wants = getattr(linear, "wants_xq", None)
+    return fused and wants is not None and wants(rows)
+
+
+def _in_dtype(linear: object, rows: int, default: torch.dtype) -> torch.dtype:
+    """What the kernel before `linear`'s call of `rows` rows writes: the dtype that call
+    multiplies in where the layer says (the hybrid layout's dense copies: bf16), else
+    `default`."""
+    of = getattr(linear, "input_dtype", None)
+    return default if of is None else of(rows)
 
 
 @dataclass(slots=True)
@@ -142,27 +152,38 @@ class DecoderModel:
         pending: _Residual | None = None  # the previous block's MLP output, not yet added
         for i, blk in enumerate(self.blocks):
             rope, cs = (self.rope_swa, cos_sin_swa) if cfg.is_sliding(i) else (self.rope, cos_sin)
-            x, h, hq = self._add_norm(x, pending, blk.attn_norm, fused, self._mm_dtype,
-                                      _act8(blk.qkv, fused))
+            n = x.shape[0]
+            x, h, hq = self._add_norm(x, pending, blk.attn_norm, fused,
+                                      _in_dtype(blk.qkv, n, self._mm_dtype),
+                                      _act8(blk.qkv, fused, n))
             o = self._attention(blk, h, hq, rope, cs, batch, kv, fused)
             if i == last and not batch.every_token():  # only the requested rows go
                 x, o = x[batch.logits_rows], o[batch.logits_rows]  # through the last MLP
+            n = x.shape[0]
             x, h, hq = self._add_norm(x, (o, blk.post_attn_norm), blk.ffn_norm, fused,
-                                      self._mm_dtype, _act8(blk.gate_up, fused))
+                                      _in_dtype(blk.gate_up, n, self._mm_dtype),
+                                      _act8(blk.gate_up, fused, n))
             gate_up = blk.gate_up(h) if hq is None else blk.gate_up(h, xq=hq)
-            if _act8(blk.down, fused):  # the activation kernel quantizes for the q8 down
+            if _act8(blk.down, fused, n):  # the activation kernel quantizes for the q8 down
                 act, aq = gated_act_quant(gate_up, self.cfg.activation, self._mm_dtype)
                 down = blk.down(act, xq=aq)
             else:
-                down = blk.down(self._mlp_act(gate_up, fused))
+                down = blk.down(self._mlp_act(gate_up, fused,
+                                              _in_dtype(blk.down, n, self._mm_dtype)))
             pending = (down, blk.post_ffn_norm)
-        return self._add_norm(x, pending, self.output_norm, fused,
-                              quantize=head_xq and _act8(self.head, fused))
+        n = x.shape[0]
+        quantize = head_xq and _act8(self.head, fused, n)
+        # forward's hidden states stay float32; step_logits' go to the head as it multiplies
+        out_dtype = _in_dtype(self.head, n, torch.float32) if head_xq and not quantize \
+            else torch.float32
+        return self._add_norm(x, pending, self.output_norm, fused, out_dtype, quantize)
 
-    def _mlp_act(self, gate_up: torch.Tensor, fused: bool) -> torch.Tensor:
-        """(T, 2 ffn) gate and up rows -> act(gate) * up (T, ffn)."""
+    def _mlp_act(self, gate_up: torch.Tensor, fused: bool,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+        """(T, 2 ffn) gate and up rows -> act(gate) * up (T, ffn), written in `out_dtype` on
+        the Triton path."""
         if fused:
-            return gated_act(gate_up, self.cfg.activation, self._mm_dtype)
+            return gated_act(gate_up, self.cfg.activation, out_dtype)
         gate, up = gate_up.split(self.cfg.ffn_size, dim=-1)
         return self._act(gate, up)
 
@@ -187,7 +208,7 @@ class DecoderModel:
         quantized by the norm kernel for a q8 projection."""
         cfg, n = self.cfg, h.shape[0]
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        qkv = blk.qkv(h) if hq is None else blk.qkv(h, xq=hq)
+        qkv = blk.qkv(h) if hq is None else blk.qkv(h, xq=hq)  # f32
         q, k, v = qkv.split([q_dim, kv_dim, cfg.num_kv_heads * cfg.head_dim_v], dim=-1)
         q = q.reshape(n, cfg.num_heads, cfg.head_dim)
         k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
@@ -195,7 +216,7 @@ class DecoderModel:
         if fused:  # q/k norm and RoPE of both, and the K/V store, in one kernel
             q, k = rope_qk(q, k, *cs, rope.neox, blk.q_norm, blk.k_norm, cfg.rms_eps,
                            kv_target(blk.attn, v, batch, kv))
-            if _act8(blk.out, fused) and attn_quant_enabled(n):  # the attention quantizes
+            if _act8(blk.out, fused, n) and attn_quant_enabled(n):  # the attention quantizes
                 o, oq = attend_q8(blk.attn, q, batch, kv)
                 return blk.out(o) if oq is None else blk.out(o, xq=oq)
             return blk.out(attend(blk.attn, q, k, v, batch, kv, stored=True))

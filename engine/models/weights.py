@@ -25,8 +25,9 @@ from kernels.gather_rows import can_gather
 INT8_SLICE_ROWS = 8192  # rows dequantized at a time when re-quantizing to int8
 # Linear weights: ggml (the file's blocks, fused dequant kernels), q8 (the blocks, with Q4_K
 # products on 8-bit activations: kernels/qint.py), bf16 (dense in `dtype`), auto (ggml on
-# a GPU with the Triton kernels unless dtype asks for exact f32, else dense).
-LAYOUTS = ("auto", "ggml", "q8", "bf16")
+# a GPU with the Triton kernels unless dtype asks for exact f32, else dense), hybrid (q8's
+# blocks, and a bf16 copy of each linear for calls of `dense_rows` rows or more).
+LAYOUTS = ("auto", "ggml", "q8", "bf16", "hybrid")
 
 
 def default_weight_dtype(device: torch.device) -> torch.dtype:
@@ -37,7 +38,8 @@ def default_weight_dtype(device: torch.device) -> torch.dtype:
 
 class WeightLoader:
     def __init__(self, model_file: ModelFile, dtype: torch.dtype | None = None,
-                 device: torch.device | str = "cpu", layout: str = "auto") -> None:
+                 device: torch.device | str = "cpu", layout: str = "auto",
+                 dense_rows: int | None = None) -> None:
         self.file = model_file
         self.device = torch.device(device)
         self.dtype = dtype = default_weight_dtype(self.device) if dtype is None else dtype
@@ -45,10 +47,16 @@ class WeightLoader:
             raise InvalidRequest("the int8 weight layout runs on the CPU only")
         if layout not in LAYOUTS:
             raise InvalidRequest(f"weight layout {layout!r}: expected one of {LAYOUTS}")
-        self.ggml = layout in ("ggml", "q8") or (
+        if (layout == "hybrid") != (dense_rows is not None):
+            raise InvalidRequest("the hybrid weight layout takes its row threshold "
+                                 "(dense_rows), and only it")
+        if dense_rows is not None and dense_rows < 1:
+            raise InvalidRequest(f"dense_rows must be at least 1, not {dense_rows}")
+        self.ggml = layout in ("ggml", "q8", "hybrid") or (
             layout == "auto" and self.device.type != "cpu" and dtype == torch.bfloat16
             and use_triton(self.device))
-        self.act8 = layout == "q8"
+        self.act8 = layout in ("q8", "hybrid")
+        self.dense_rows = dense_rows
 
     def has(self, name: str) -> bool:
         return name in self.file.tensors
@@ -124,7 +132,7 @@ class WeightLoader:
                      shape: tuple[int, int], bias: torch.Tensor | None) -> GGMLLinear:
         dense = self.dtype if self.dtype.is_floating_point else torch.bfloat16
         return GGMLLinear.from_raw(raw, ggml_type, shape, bias, name=name, dense_dtype=dense,
-                                   act8=self.act8)
+                                   act8=self.act8, dense_rows=self.dense_rows)
 
     def _linear(self, name: str, shape: tuple[int, int],
                 bias: torch.Tensor | None) -> Linear | Int8Linear | GGMLLinear:

@@ -60,8 +60,11 @@ def tiny(request, tmp_path_factory, vocab_dir):
 
 
 def opts(device: str, weights: str, graphs: bool, kv_quant: str = "f16") -> EngineOptions:
+    """`weights` "hybridN": the hybrid layout with its bf16 copies from N rows."""
+    dense_rows = int(weights[6:]) if weights.startswith("hybrid") and weights[6:] else None
     return EngineOptions(sessions=6, context=256, prefill_chunk=64, device=device,
-                         dtype="f32" if device == "cpu" else "bf16", weights=weights,
+                         dtype="f32" if device == "cpu" else "bf16",
+                         weights="hybrid" if dense_rows else weights, dense_rows=dense_rows,
                          cuda_graphs=graphs, kv_quant=kv_quant, max_pending_per_client=None)
 
 
@@ -126,7 +129,7 @@ def test_q8_load_tunes_its_tiles(tiny, tmp_path):
         is None
 
 
-@pytest.mark.parametrize("weights", ["ggml", "q8", "bf16"])
+@pytest.mark.parametrize("weights", ["ggml", "q8", "bf16", "hybrid4"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_gpu_greedy_tokens_match_cpu(tiny, weights, graphs):
     prompts = prompts_for(5)  # five rows: graph bucket 8 with padding, then fewer
@@ -143,7 +146,7 @@ def test_gpu_greedy_tokens_match_cpu(tiny, weights, graphs):
         assert gap < NEAR_TIE, f"GPU token {b[first]} != CPU {a[first]} at {first}, gap {gap}"
 
 
-@pytest.mark.parametrize("weights", ["ggml", "q8", "bf16"])
+@pytest.mark.parametrize("weights", ["ggml", "q8", "bf16", "hybrid2", "hybrid8"])
 def test_gpu_logits_close_to_cpu(tiny, weights):
     """Teacher-forced: one prefill step of 4 prompts, then decode steps (graph replays).
     f16 KV: with q4/q8 KV, codes flip on these differences and the logits move further
@@ -161,7 +164,7 @@ def test_gpu_logits_close_to_cpu(tiny, weights):
             logits.append(runner.forward(span_batch(runner, pages, spans)).cpu())
         a, b = logits
         rel = (a - b).norm() / a.norm()
-        bound = MAX_REL_Q8 if weights == "q8" else MAX_REL
+        bound = MAX_REL_Q8 if weights == "q8" or weights.startswith("hybrid") else MAX_REL
         assert torch.isfinite(b).all() and rel < bound, float(rel)
         spans = [(i, [t]) for i, t in enumerate(a.argmax(-1).tolist())]
     assert runners[1].graphs is not None and runners[1].graphs.num_replays == 5
@@ -203,3 +206,18 @@ def test_auto_weights_measure_both_layouts_and_load_the_choice(tiny):
     qkv = loaded.model.blocks[0].qkv
     assert isinstance(qkv, GGMLLinear) == (choice.layout != "bf16")
     assert getattr(qkv, "act8", False) == (choice.layout == "q8")
+
+
+def test_hybrid_weights_measure_their_threshold_and_load_it(tiny):
+    from engine.layers.ggml_linear import GGMLLinear
+    from engine.layout_tune import HYBRID_ROWS
+
+    loaded = load_for(tiny, opts("cuda", "hybrid", True))
+    choice = loaded.layout_choice
+    assert choice is not None and choice.layout in ("q8", "hybrid")
+    assert set(choice.forward_ms) == {"q8", "bf16"}
+    assert all(set(by_rows) == set(HYBRID_ROWS) for by_rows in choice.forward_ms.values())
+    qkv = loaded.model.blocks[0].qkv
+    assert isinstance(qkv, GGMLLinear) and qkv.act8
+    assert qkv.dense_rows == choice.dense_rows
+    assert (qkv.dense is not None) == (choice.layout == "hybrid")

@@ -14,7 +14,13 @@ from engine.build import EngineOptions, load_for
 from engine.errors import InvalidRequest
 from engine.gguf import ModelFile
 from engine.inspect import inspect_model
-from engine.layout_tune import choose_layout, linear_shapes, tune_rows
+from engine.layout_tune import (
+    HYBRID_ROWS,
+    choose_dense_rows,
+    choose_layout,
+    linear_shapes,
+    tune_rows,
+)
 from engine.models.registry import read_config
 from engine.planner import plan
 from engine.synthetic import SyntheticSpec, write_synthetic_gguf
@@ -165,3 +171,53 @@ def test_inspect_measures_only_on_a_gpu(with_head, capsys, monkeypatch):
     assert cli_main(["inspect", str(with_head), "--device", "auto", "--json"]) == 0
     out = capsys.readouterr().out
     assert '"architecture"' in out and "weight_layout" not in out
+
+
+def hybrid_choice(path, measure, budget=None):
+    with ModelFile.open(path) as mf:
+        return choose_dense_rows(mf, read_config(mf), sessions=64, context=256,
+                                 kv_quant="f16", budget_bytes=budget, measure=measure)
+
+
+@pytest.mark.parametrize("bf16_wins_at,expected", [
+    ((32, 64, 128, 512), 32),
+    ((16, 64, 128, 512), 64),  # a win at 16 but not at 32: from 64 on
+    ((4, 8, 16, 32, 64, 128, 512), 4),
+    ((8, 16, 32, 64, 128), None),  # lost at the largest count: never from a count on
+    ((), None)])
+def test_hybrid_threshold_is_where_the_copies_win_for_good(with_head, bf16_wins_at, expected):
+    """The copies win at a row count when every linear of one forward together takes more
+    than 5% less; the threshold is the first count from which they win at every larger one.
+    q8 is timed on its kernels' types (Q4_K, Q6_K), ggml's kernels on the others (Q8_0)."""
+    calls: list[tuple] = []
+
+    def measure(layout, ggml_type, n, k, m):
+        calls.append((layout, ggml_type, m))
+        blocks = 1e-9 * n * k * m
+        return blocks * (0.9 if m in bf16_wins_at else 0.96) if layout == "bf16" else blocks
+
+    choice = hybrid_choice(with_head, measure)
+    assert choice.dense_rows == expected
+    assert choice.layout == ("q8" if expected is None else "hybrid")
+    assert sorted({c[2] for c in calls}) == list(HYBRID_ROWS)
+    assert {(c[0], c[1]) for c in calls} == {
+        ("q8", T.Q4_K), ("q8", T.Q6_K), ("ggml", T.Q8_0),
+        ("bf16", T.Q4_K), ("bf16", T.Q6_K), ("bf16", T.Q8_0)}
+    assert set(choice.forward_ms) == {"q8", "bf16"}
+    assert choice.as_dict()["dense_rows"] == expected
+
+
+def test_hybrid_that_does_not_fit_keeps_q8_unmeasured(with_head):
+    with ModelFile.open(with_head) as mf:
+        cfg = read_config(mf)
+        need = (plan(mf, cfg, sessions=64, context=256, kv_quant="f16",
+                     backend="gpu").total_bytes
+                + plan(mf, cfg, sessions=64, context=256, kv_quant="f16",
+                       backend="cpu").weights_bytes)
+    choice = hybrid_choice(with_head, lambda *a: pytest.fail("measured"), budget=need - 1)
+    assert choice.layout == "q8" and choice.dense_rows is None and "exceed" in choice.reason
+    fits = hybrid_choice(with_head, lambda layout, t, n, k, m: (0.5 if layout == "bf16"
+                                                                  else 1.0) * n * k * 1e-9,
+                         budget=need)
+    assert fits.layout == "hybrid" and fits.dense_rows == HYBRID_ROWS[0]
+    assert fits.total_bytes["hybrid"] == need

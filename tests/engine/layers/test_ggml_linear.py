@@ -151,3 +151,68 @@ def test_act8_layers_fuse_only_with_act8(rng):
                             (8, 256))
     with pytest.raises(ValueError, match="act8"):
         GGMLLinear.fuse([a, b])
+
+
+def build_hybrid(rng, k: int, dense_rows: int):
+    """build_act8's layer twice from the same bytes: with a bf16 copy from `dense_rows`
+    rows (the hybrid layout) and without (q8)."""
+    parts = [(qtype, n, random_raw(qtype, n, k, rng)) for qtype, n in QKV + [(T.Q8_0, 16)]]
+
+    def fused(rows):
+        return GGMLLinear.fuse([GGMLLinear.from_raw(
+            torch.from_numpy(raw), int(qtype), (n, k), act8=True, dense_rows=rows)
+            for qtype, n, raw in parts])
+
+    return fused(dense_rows), fused(None), parts
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+def test_hybrid_takes_the_blocks_below_its_threshold_and_bf16_copies_from_it(rng, m):
+    """Below `dense_rows` rows a hybrid layer is the q8 layer, bit for bit; from it on,
+    the product of bf16-rounded gguf-py weights and bf16-rounded x: f32 sums, the result
+    rounded to bf16 on the CPU as the bf16 layout's (2^-8 of it), and within 2^-7 of the
+    float64 product."""
+    k, threshold = 256, 4
+    hybrid, q8, parts = build_hybrid(rng, k, threshold)
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    y = hybrid(x)
+    w = torch.cat([dense64(raw, qtype, n, k) for qtype, n, raw in parts])
+    if m < threshold:
+        assert torch.equal(y, q8(x))
+        check_act8(y, x, parts)
+    else:
+        assert not torch.equal(y, q8(x))  # the copies, not x's 8-bit codes
+        xb = x.to(torch.bfloat16).double()
+        wb = w.to(torch.bfloat16).double()
+        ref = xb @ wb.T
+        err = (y.double() - ref).abs()
+        assert y.dtype == torch.float32
+        assert (err <= 2**-8 * ref.abs() + 2**-12 * (xb.abs() @ wb.abs().T) + 1e-6).all(), \
+            float(err.max())
+        check(y, x, w, None)
+    assert hybrid.wants_xq(m) == (m < threshold) and q8.wants_xq(m)
+    assert hybrid.input_dtype(m) == (torch.bfloat16 if m >= threshold else torch.float32)
+
+
+def test_hybrid_copy_is_the_whole_fused_matrix_and_counts_in_nbytes(rng):
+    k = 256
+    hybrid, q8, parts = build_hybrid(rng, k, 2)
+    assert hybrid.dense.shape == (hybrid.out_features, k)
+    assert hybrid.dense.dtype == torch.bfloat16
+    assert hybrid.nbytes == q8.nbytes + hybrid.dense.numel() * 2
+    w = torch.cat([dense64(raw, qtype, n, k) for qtype, n, raw in parts])
+    torch.testing.assert_close(hybrid.dense.double(), w, rtol=2**-8, atol=1e-12)
+
+
+def test_hybrid_thresholds_must_agree_and_be_given_with_a_copy(rng):
+    raw = torch.from_numpy(random_raw(T.Q4_K, 8, 256, rng))
+    a = GGMLLinear.from_raw(raw, int(T.Q4_K), (8, 256), act8=True, dense_rows=4)
+    b = GGMLLinear.from_raw(raw, int(T.Q4_K), (8, 256), act8=True, dense_rows=8)
+    with pytest.raises(ValueError, match="threshold"):
+        GGMLLinear.fuse([a, b])
+    with pytest.raises(ValueError, match="threshold"):
+        GGMLLinear(a.parts, 256, dense=a.dense)
+    with pytest.raises(ValueError, match="threshold"):
+        GGMLLinear(a.parts, 256, dense_rows=4)
+    with pytest.raises(ValueError, match="is not the layer's"):
+        GGMLLinear(a.parts, 256, dense=a.dense[:4], dense_rows=4)

@@ -80,3 +80,46 @@ def test_auto_is_dense_on_cpu_and_unknown_layouts_fail(tiny):
     assert q8.ggml and q8.act8 and not WeightLoader(mf, torch.bfloat16, "cpu", "ggml").act8
     with pytest.raises(InvalidRequest, match="layout"):
         WeightLoader(mf, torch.bfloat16, "cpu", "q4")
+
+
+def all_logits(model, ids: list[int]) -> torch.Tensor:
+    """One prefill of `ids` with every row's logits."""
+    runner = ModelRunner(model, 8)
+    seq = SeqPages(runner.pool)
+    seq.ensure(len(ids))
+    batch = ForwardBatch.build([(ids, 0)], {"full": [seq.table("full")]},
+                               list(range(len(ids))))
+    return runner.forward(batch)
+
+
+def test_hybrid_layout_is_q8_below_its_threshold_and_bf16_from_it(tiny):
+    """`hybrid` (dense_rows 3): a forward of 2 rows is the q8 layout's, of 4 rows the bf16
+    layout's, bit for bit (every linear of the step, the tied head included, on one side
+    of the threshold)."""
+    def model(weights, **kw):
+        return load_for(tiny, EngineOptions(device="cpu", dtype="bf16", weights=weights,
+                                            **kw)).model
+
+    hybrid, q8, dense = model("hybrid", dense_rows=3), model("q8"), model("bf16")
+    blk = hybrid.blocks[0]
+    assert all(isinstance(m, GGMLLinear) and m.act8 and m.dense_rows == 3
+               for m in (blk.qkv, blk.out, blk.gate_up, blk.down, hybrid.head))
+    short, long = [5, 17], [5, 17, 300, 2]
+    a, b = all_logits(hybrid, short), all_logits(q8, short)
+    assert torch.equal(a, b) and not torch.equal(a, all_logits(dense, short))
+    a, b = all_logits(hybrid, long), all_logits(dense, long)
+    assert torch.equal(a, b) and not torch.equal(a, all_logits(q8, long))
+
+
+def test_hybrid_needs_its_threshold_and_only_it(tiny):
+    mf = ModelFile.open(tiny)
+    with pytest.raises(InvalidRequest, match="dense_rows"):
+        WeightLoader(mf, torch.bfloat16, "cpu", "hybrid")
+    with pytest.raises(InvalidRequest, match="dense_rows"):
+        WeightLoader(mf, torch.bfloat16, "cpu", "q8", dense_rows=4)
+    with pytest.raises(InvalidRequest, match="at least 1"):
+        WeightLoader(mf, torch.bfloat16, "cpu", "hybrid", dense_rows=0)
+    with pytest.raises(InvalidRequest, match="measures its threshold on a GPU"):
+        load_for(tiny, EngineOptions(device="cpu", weights="hybrid"))
+    with pytest.raises(InvalidRequest, match="hybrid"):
+        load_for(tiny, EngineOptions(device="cpu", weights="ggml", dense_rows=4))
