@@ -12,8 +12,10 @@ step's chain).
 Per variant: the forward step alone (runner.forward timed with a device sync, decode
 batches of each concurrency at `--forward-context` keys a row, 256 by default, or the
 context if shorter: more than the decode streams' own), engine decode at each concurrency
-(fixed output length, ignore_eos) with a per-step breakdown (schedule + batch building,
-forward launch, sampling including the wait for the device) and the ITL policy's state
+(fixed output length, ignore_eos; `--consumers asyncio` reads the streams as the server
+does, one event loop, instead of a thread each) with a per-step breakdown (schedule +
+batch building, forward launch, sampling including the wait for the device) and the ITL
+policy's state
 afterwards, prefill of each prompt length, optionally a profile of one eager decode step
 (kernel count, top kernels by device time), and the Triton kernels built in each phase (those
 built while measured stalled a step: shapes the load-time warm-up missed). A variant or a
@@ -25,6 +27,7 @@ keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import gc
 import json
@@ -59,23 +62,43 @@ def sync() -> None:
 
 
 def run_batch(engine: Engine, prompts: list[tuple[int, ...]], max_tokens: int,
-              temperature: float = 0.0) -> dict:
+              temperature: float = 0.0, consumers: str = "threads") -> dict:
+    """Every prompt a stream at once; `consumers`: "threads" (one consuming thread per
+    stream, Engine.stream) or "asyncio" (every stream a task on one event loop through
+    Engine.submit, as the server consumes them)."""
     params = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0,
                             seed=0, max_tokens=max_tokens, ignore_eos=True)
     times: dict[int, list[float]] = {}
     start = time.perf_counter()
 
-    def one(i: int) -> None:
-        stamps = []
-        for chunk in engine.stream(Request(f"r{i}-{start}", prompts[i], params), timeout=300):
-            stamps.extend([time.perf_counter()] * len(chunk.token_ids))
-        times[i] = stamps
+    if consumers == "asyncio":
+        async def consume_all() -> None:
+            async def one(i: int) -> None:
+                stamps = []
+                async for chunk in engine.submit(Request(f"r{i}-{start}", prompts[i],
+                                                         params)):
+                    stamps.extend([time.perf_counter()] * len(chunk.token_ids))
+                times[i] = stamps
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+            await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(len(prompts)))),
+                                   timeout=300)
+
+        asyncio.run(consume_all())
+    elif consumers == "threads":
+        def one(i: int) -> None:
+            stamps = []
+            for chunk in engine.stream(Request(f"r{i}-{start}", prompts[i], params),
+                                       timeout=300):
+                stamps.extend([time.perf_counter()] * len(chunk.token_ids))
+            times[i] = stamps
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        raise ValueError(f"consumers: threads or asyncio, not {consumers!r}")
     if len(times) != len(prompts):
         raise RuntimeError(f"{len(prompts) - len(times)} streams failed (engine error: "
                            f"{engine.error!r})")
@@ -456,12 +479,13 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
         temperature = 0.8 if "sampled" in parts else 0.0
         builds.start("bench_warmup")
         for c in levels:  # warm-up: compiles, captures the buckets the runs will use
-            attempt(out["warmup"], str(c), run_batch, engine, prompts(c), 4, temperature)
+            attempt(out["warmup"], str(c), run_batch, engine, prompts(c), 4, temperature,
+                    args.consumers)
         builds.start("measured")  # a build here stalled a measured step
         for c in levels:
             timer.reset()
             row = attempt(out["decode"], str(c), run_batch, engine, prompts(c), args.tokens,
-                          temperature)
+                          temperature, args.consumers)
             if "error" not in row:
                 row["per_step_ms"] = timer.per_step_ms()
                 row["ahead_steps_so_far"] = core.num_ahead_steps
@@ -552,6 +576,9 @@ def main() -> int:
     ap.add_argument("--forward-context", type=int, default=256,
                     help="keys a row of the forward-only and profiled decode batches (at "
                          "most the engine's context)")
+    ap.add_argument("--consumers", choices=("threads", "asyncio"), default="threads",
+                    help="how the decode streams are read: one thread each (Engine.stream) "
+                         "or tasks on one event loop (Engine.submit, the server's way)")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--profile-rows", default="",
                     help="comma list of decode rows to profile (default: 1 and the largest "
@@ -577,6 +604,7 @@ def main() -> int:
                "commit": commit_id(),
                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                "tokens_per_stream": args.tokens, "prompt_tokens": args.prompt,
+               "consumers": args.consumers,
                "variants": {}}
     out_file = Path(args.out) / "engine_bench.json"
     out_file.parent.mkdir(parents=True, exist_ok=True)
