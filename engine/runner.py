@@ -9,6 +9,7 @@ engine/mixed_graphs.py). The CPU path runs the model on the batch as it is.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -30,6 +31,7 @@ from engine.layers.attention import (
     plan_batch,
     plan_decode,
 )
+from engine.layers.ggml_linear import blocks_only
 from engine.mixed_graphs import MixedGraphs
 from engine.models.common import DecoderModel
 from kernels.paged_attention_plan import MIN_SPLIT_KEYS, decode_split_keys
@@ -187,8 +189,9 @@ class ModelRunner:
         `chunk` tokens, alone and beside 1, 15 and 16 decode rows, so that row and token
         counts each take every class; then WARM_UP_MIXED; where launches can be
         programmatic dependent ones, those of them that a mixed graph holds again as such
-        (its captures launch them so; eager steps do not). K/V go to pages taken from the
-        pool and given back.
+        (its captures launch them so; eager steps do not). A hybrid model runs them all on
+        its blocks first, then as it serves them. K/V go to pages taken from the pool and
+        given back.
         -> the seconds it took (0.0 on the CPU path, which builds nothing)."""
         if not self.triton:
             return 0.0
@@ -201,19 +204,34 @@ class ModelRunner:
         shapes = [(rows, whole - fewer, whole * after, 2)
                   for rows, fewer, after in WARM_UP_SHAPES]
         shapes += [(rows, tokens, 0, ctx or long) for rows, tokens, ctx in WARM_UP_MIXED]
-        for rows, tokens, at, ctx in shapes:
-            self._warm_step(rows, tokens, at, ctx)
-        if pdl_enabled(device) and self.mixed is not None:
-            # again as the mixed graphs' captures launch (their PDL variants): the shapes a
-            # mixed graph holds (eager steps launch without PDL)
-            with pdl_launches():
+        # a model with dense copies (the hybrid layout) runs the shapes on its blocks first,
+        # as the q8 layout's would (the kernels of every row class below its threshold,
+        # which its large shapes would not build), then as it serves them
+        passes = [blocks_only, contextlib.nullcontext] if self._has_dense() else \
+            [contextlib.nullcontext]
+        for blocks in passes:
+            with blocks():
                 for rows, tokens, at, ctx in shapes:
-                    if self.mixed.holds(rows + 1, rows + tokens):
-                        self._warm_step(rows, tokens, at, ctx)
+                    self._warm_step(rows, tokens, at, ctx)
+                if pdl_enabled(device) and self.mixed is not None:
+                    # again as the mixed graphs' captures launch (their PDL variants): the
+                    # shapes a mixed graph holds (eager steps launch without PDL)
+                    with pdl_launches():
+                        for rows, tokens, at, ctx in shapes:
+                            if self.mixed.holds(rows + 1, rows + tokens):
+                                self._warm_step(rows, tokens, at, ctx)
         self.prepare_graphs(context)
         if device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
         return time.perf_counter() - start
+
+    def _has_dense(self) -> bool:
+        """Whether a linear of the model keeps a dense copy beside its blocks (hybrid)."""
+        m = self.model
+        linears = [getattr(m, "head", None)] + [
+            getattr(b, name, None) for b in getattr(m, "blocks", ())
+            for name in ("qkv", "out", "gate_up", "down")]
+        return any(getattr(lin, "dense_rows", None) is not None for lin in linears)
 
     def _warm_step(self, rows: int, tokens: int, at: int, context: int) -> None:
         """One eager step: `tokens` prefill tokens from position `at` beside `rows` decode

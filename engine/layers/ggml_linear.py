@@ -20,7 +20,9 @@ for the block layouts).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -45,7 +47,22 @@ from kernels.qmatmul import SUPPORTED_TYPES, qmatmul, qmatmul_reference
 # 1-4 rows: bench/RESULTS.md, 2026-11-30).
 ACT8_TYPES = frozenset(ACT8_STORED)
 
-__all__ = ["GGMLLinear", "GGMLPart"]
+__all__ = ["GGMLLinear", "GGMLPart", "blocks_only"]
+
+_LOCAL = threading.local()  # .blocks_only: dense copies set aside on this thread
+
+
+@contextmanager
+def blocks_only() -> Iterator[None]:
+    """Within it every call on this thread takes the blocks, dense copies or not (the
+    warm-up: a hybrid model's steps then build the kernels of every row class, as the q8
+    layout's do; engine/runner.py)."""
+    before = getattr(_LOCAL, "blocks_only", False)
+    _LOCAL.blocks_only = True
+    try:
+        yield
+    finally:
+        _LOCAL.blocks_only = before
 
 
 class GGMLPart(NamedTuple):
@@ -154,8 +171,9 @@ class GGMLLinear:
         return sum(t.numel() * t.element_size() for t in held.values())
 
     def dense_at(self, rows: int) -> bool:
-        """Whether a call of `rows` rows multiplies the dense copy."""
-        return self.dense_rows is not None and rows >= self.dense_rows
+        """Whether a call of `rows` rows multiplies the dense copy (never in blocks_only)."""
+        return self.dense_rows is not None and rows >= self.dense_rows and \
+            not getattr(_LOCAL, "blocks_only", False)
 
     def wants_xq(self, rows: int) -> bool:
         """Whether a call of `rows` rows uses x quantized to 8 bits (which the kernel before

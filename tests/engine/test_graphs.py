@@ -377,3 +377,27 @@ def test_no_collection_holds_the_collector_off():
         assert not gc.isenabled()  # left as it was
     finally:
         gc.enable()
+
+
+def test_warm_up_of_a_hybrid_model_runs_its_shapes_on_the_blocks_first(model, monkeypatch):
+    """With dense copies (the hybrid layout) every shape runs twice: on the blocks (as the
+    q8 layout's would, building the kernels of every row class) and then as served."""
+    from engine.layers import ggml_linear
+
+    runner = ModelRunner(model, PAGES, 16, "f16", cuda_graphs=True, max_context=CONTEXT,
+                         capture=FakeCapture())
+    assert not runner._has_dense()
+    seen, _ = _record_warm_up(runner, monkeypatch)
+    runner.warm_up(chunk=40)
+    plain = list(seen)
+    seen.clear()
+    modes = []
+    monkeypatch.setattr(runner, "_has_dense", lambda: True)
+    monkeypatch.setattr(runner, "forward_eager", lambda b: (
+        seen.append((b.num_rows, b.num_tokens)),
+        modes.append(getattr(ggml_linear._LOCAL, "blocks_only", False))))
+    runner.warm_up(chunk=40)
+    shapes = [(r, t) for r, t, *_ in plain]
+    assert seen == shapes + shapes
+    assert modes == [True] * len(shapes) + [False] * len(shapes)
+    assert not getattr(ggml_linear._LOCAL, "blocks_only", False)

@@ -216,3 +216,16 @@ def test_hybrid_thresholds_must_agree_and_be_given_with_a_copy(rng):
         GGMLLinear(a.parts, 256, dense_rows=4)
     with pytest.raises(ValueError, match="is not the layer's"):
         GGMLLinear(a.parts, 256, dense=a.dense[:4], dense_rows=4)
+
+
+def test_blocks_only_sets_the_copies_aside_on_its_thread(rng):
+    from engine.layers.ggml_linear import blocks_only
+
+    k = 256
+    hybrid, q8, _ = build_hybrid(rng, k, 2)
+    x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32))
+    assert hybrid.dense_at(3) and not torch.equal(hybrid(x), q8(x))
+    with blocks_only():
+        assert not hybrid.dense_at(3) and hybrid.wants_xq(3)
+        assert torch.equal(hybrid(x), q8(x))
+    assert hybrid.dense_at(3)
