@@ -15,6 +15,7 @@ from typing import Any
 
 SYSTEM_CONFIG = Path("/etc/mbufo/config.toml")
 SYSTEM_DATA_DIR = Path("/var/lib/mbufo")
+WEIGHT_LAYOUTS = ("auto", "ggml", "q8", "bf16", "hybrid")  # engine/models/weights.py's
 
 
 class SettingsError(ValueError):
@@ -39,6 +40,9 @@ class Settings:
     mixed_batch: bool = True
     itl_target_ms: str = "auto"  # "auto" | "off" | a number
     dtype: str = "auto"
+    # GPU weight layout: auto (measured at load), ggml, q8, bf16 or hybrid (q8's blocks and
+    # bf16 copies for large steps: more memory, more throughput at many sessions)
+    weights: str = "auto"
     memory_gb: float | None = None  # budget for loaded models (weights + KV); None = no limit
     no_auth: bool = False  # only allowed on a loopback host
     cors_origins: tuple[str, ...] = ()
@@ -128,6 +132,9 @@ def validate(s: Settings) -> None:
             raise SettingsError(f"{name} must be >= 1, got {getattr(s, name)}")
     if s.kv_quant not in ("f16", "q8", "k8v4", "k4v8", "k4v4"):
         raise SettingsError(f"kv_quant must be f16, q8, k8v4, k4v8 or k4v4, got {s.kv_quant}")
+    if s.weights not in WEIGHT_LAYOUTS:
+        raise SettingsError(f"weights must be one of {', '.join(WEIGHT_LAYOUTS)}, "
+                            f"got {s.weights}")
     if s.itl_target_ms not in ("auto", "off"):
         try:
             float(s.itl_target_ms)

@@ -35,6 +35,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mixed-batch", choices=("on", "off"))
     p.add_argument("--itl-target-ms", help="auto | off | milliseconds")
     p.add_argument("--dtype", choices=("auto", "bf16", "f32", "int8"))
+    p.add_argument("--weights", choices=("auto", "ggml", "q8", "bf16", "hybrid"),
+                   help="GPU weight layout (default auto: measured at load); hybrid keeps "
+                        "bf16 copies beside the blocks for large steps (more memory, more "
+                        "throughput with many sessions)")
     p.add_argument("--memory-gb", type=float, help="memory budget for loaded models")
     p.add_argument("--no-auth", action="store_const", const=True,
                    help="no API keys (loopback hosts only)")
@@ -84,7 +88,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cli: dict[str, Any] = {k: getattr(args, k) for k in (
         "host", "port", "data_dir", "models", "sessions", "context", "kv_quant",
-        "prefill_chunk", "itl_target_ms", "dtype", "memory_gb", "no_auth", "cors_origins",
+        "prefill_chunk", "itl_target_ms", "dtype", "weights", "memory_gb", "no_auth",
+        "cors_origins",
         "max_body_bytes", "keep_alive_s", "log_level")}
     if args.mixed_batch is not None:
         cli["mixed_batch"] = args.mixed_batch == "on"

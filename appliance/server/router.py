@@ -82,6 +82,7 @@ def engine_options(settings: Settings) -> EngineOptions:
     return EngineOptions(sessions=settings.sessions, context=settings.context,
                          prefill_chunk=settings.prefill_chunk, mixed_batch=settings.mixed_batch,
                          itl_target_ms=itl, kv_quant=settings.kv_quant, dtype=settings.dtype,
+                         weights=settings.weights,
                          tile_cache=str(settings.data_dir / "cache" / "q8_tiles.json"))
 
 
@@ -92,14 +93,18 @@ def planned_bytes(source: str, opts: EngineOptions) -> int:
     from engine.gguf import ModelFile
     from engine.loader import resolve_model_path
     from engine.models.registry import read_config
-    from engine.planner import plan
+    from engine.planner import plan, weights_bytes
 
     mf = ModelFile.open(resolve_model_path(source))
     cfg = read_config(mf)
+    gpu = torch.cuda.is_available()
     p = plan(mf, cfg, sessions=opts.sessions, context=min(opts.context, cfg.context_length),
              kv_quant=opts.kv_quant, page_size=PAGE_SIZE, prefill_chunk=opts.prefill_chunk,
-             backend="gpu" if torch.cuda.is_available() else "cpu")
-    return p.total_bytes + int(p.kv_bytes_total * opts.prefix_cache_fraction)
+             backend="gpu" if gpu else "cpu")
+    total = p.total_bytes + int(p.kv_bytes_total * opts.prefix_cache_fraction)
+    if gpu and opts.weights == "hybrid":  # the bf16 copies beside the blocks (a bound)
+        total += weights_bytes(mf, cfg, "cpu")
+    return total
 
 
 class ModelRouter:
