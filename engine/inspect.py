@@ -17,7 +17,8 @@ from engine.models.registry import read_config
 def inspect_model(name: str | os.PathLike, device: str = "cpu", *, sessions: int = 4,
                   context: int = 4096, kv_quant: str = "f16") -> dict:
     """What `name` holds; on a GPU `device` also the weight layout `--weights auto` picks
-    there for `sessions` x `context` (engine/layout_tune.py: both layouts are timed)."""
+    there for `sessions` x `context` (engine/layout_tune.py: the layouts are timed) and the
+    threshold `--weights hybrid` would take."""
     path = resolve_model_path(name)
     with ModelFile.open(path) as mf:
         cfg = read_config(mf)
@@ -77,6 +78,9 @@ def _layout(mf: ModelFile, cfg, dev, device: str, sessions: int, context: int,
         return {"layout": "bf16", "reason": "no Triton kernels (MBUFO_KERNELS or no triton)"}
     out = measure_layout(mf, cfg, dev, sessions=sessions, context=context,
                          kv_quant=kv_quant).as_dict()
+    # what `--weights hybrid` would load there: its threshold and both layouts' timings
+    out["hybrid"] = measure_layout(mf, cfg, dev, sessions=sessions, context=context,
+                                   kv_quant=kv_quant, hybrid=True).as_dict()
     if out["layout"] == "q8":  # and the tiles its load would take
         from engine.tile_tune import tune_tiles
 

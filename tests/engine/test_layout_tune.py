@@ -221,3 +221,25 @@ def test_hybrid_that_does_not_fit_keeps_q8_unmeasured(with_head):
                          budget=need)
     assert fits.layout == "hybrid" and fits.dense_rows == HYBRID_ROWS[0]
     assert fits.total_bytes["hybrid"] == need
+
+
+def test_inspect_on_a_gpu_reports_auto_and_hybrid_choices(with_head, monkeypatch):
+    """The measurement itself stands in (a fake clock: bf16 copies win from 64 rows)."""
+    import torch
+
+    import engine.kernel_select as kernel_select
+    import engine.layout_tune as tune
+    import engine.tile_tune as tile_tune
+
+    def measure(layout, ggml_type, n, k, m):
+        return 1e-9 * n * k * (0.5 if layout == "bf16" and m >= 64 else 1.0) * (1 + m / 16)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernel_select, "use_triton", lambda device=None: True)
+    monkeypatch.setattr(tune, "gpu_measure", lambda device: measure)
+    monkeypatch.setattr(tune, "free_memory_budget", lambda device: 1 << 40)
+    monkeypatch.setattr(tile_tune, "tune_tiles", lambda mf, dev: None)
+    layout = inspect_model(with_head, "cuda", sessions=64)["weight_layout"]
+    assert layout["layout"] in ("ggml", "q8") and layout["dense_rows"] is None
+    assert layout["hybrid"]["layout"] == "hybrid" and layout["hybrid"]["dense_rows"] == 64
+    assert set(layout["hybrid"]["forward_ms"]) == {"q8", "bf16"}
