@@ -68,6 +68,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (default), off, or milliseconds")
     g.add_argument("--kv-quant", choices=KV_CHOICES, default="f16")
     g.add_argument("--dtype", choices=("auto", "bf16", "f32", "int8"), default="auto")
+    g.add_argument("--weights", choices=("auto", "ggml", "q8", "bf16", "hybrid"),
+                   default="auto", help="GPU weight layout (default auto: measured at load)")
 
 
 def _target_args(p: argparse.ArgumentParser, peers: bool = False) -> None:
@@ -163,7 +165,7 @@ def engine_options(args: argparse.Namespace, *, min_sessions: int = 1, min_conte
     return EngineOptions(sessions=sessions, context=context, prefill_chunk=args.prefill_chunk,
                          mixed_batch=args.mixed_batch == "on",
                          itl_target_ms=args.itl_target_ms, kv_quant=args.kv_quant,
-                         dtype=args.dtype)
+                         dtype=args.dtype, weights=getattr(args, "weights", "auto"))
 
 
 def _check_source(args: argparse.Namespace) -> None:

@@ -28,6 +28,12 @@ def test_engine_flags_and_lists():
                                                "2", "--itl-target-ms", "25"]),
                                         min_sessions=16, min_context=5000)
     assert (opts.sessions, opts.context, opts.itl_target_ms) == (16, 5000, 25.0)
+    assert opts.weights == "auto"
+    opts = bench_command.engine_options(parse(["bench", "decode", "default", "--weights",
+                                               "hybrid"]))
+    assert opts.weights == "hybrid"
+    with pytest.raises(SystemExit):
+        parse(["bench", "decode", "default", "--weights", "q4"])
     with pytest.raises(SystemExit):
         parse(["bench", "decode", "default", "--concurrency", "0,2"])
     with pytest.raises(SystemExit):
