@@ -78,6 +78,7 @@ __all__ = [
     "pdl_enabled",
     "pdl_launches",
     "release_first",
+    "thread_flag",
     "tl",
     "triton",
 ]
@@ -228,16 +229,22 @@ _PDL_EAGER = threading.local()  # pdl_launches' switch, per thread
 
 
 @contextlib.contextmanager
-def pdl_launches() -> Iterator[None]:
-    """Inside, this thread's launches take the programmatic dependent launch as inside a
-    graph capture (where `pdl_enabled`): the load-time warm-up builds the PDL variants that
-    graph captures of mixed steps would otherwise build while serving."""
-    before = getattr(_PDL_EAGER, "on", False)
-    _PDL_EAGER.on = True
+def thread_flag(local: threading.local, name: str) -> Iterator[None]:
+    """Within it `local.<name>` is True on this thread; after it, what it was (False when
+    unset)."""
+    before = getattr(local, name, False)
+    setattr(local, name, True)
     try:
         yield
     finally:
-        _PDL_EAGER.on = before
+        setattr(local, name, before)
+
+
+def pdl_launches() -> contextlib.AbstractContextManager[None]:
+    """Inside, this thread's launches take the programmatic dependent launch as inside a
+    graph capture (where `pdl_enabled`): the load-time warm-up builds the PDL variants that
+    graph captures of mixed steps would otherwise build while serving."""
+    return thread_flag(_PDL_EAGER, "on")
 
 
 RELEASE_FIRST_KERNELS = ("quantize_x", "gated_act")

@@ -21,8 +21,8 @@ for the block layouts).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import NamedTuple
 
 import torch
@@ -41,6 +41,7 @@ from kernels.qint import (
     repack_q6k,
 )
 from kernels.qmatmul import SUPPORTED_TYPES, qmatmul, qmatmul_reference
+from kernels.triton_util import thread_flag
 
 # The GGML types that the q8 layout (act8) multiplies with 8-bit activations: Q4_K and
 # Q6_K, the types of Q4_K_M and Q6_K files (their kernels beat the bf16-operand ones at
@@ -52,17 +53,11 @@ __all__ = ["GGMLLinear", "GGMLPart", "blocks_only"]
 _LOCAL = threading.local()  # .blocks_only: dense copies set aside on this thread
 
 
-@contextmanager
-def blocks_only() -> Iterator[None]:
+def blocks_only() -> AbstractContextManager[None]:
     """Within it every call on this thread takes the blocks, dense copies or not (the
     warm-up: a hybrid model's steps then build the kernels of every row class, as the q8
     layout's do; engine/runner.py)."""
-    before = getattr(_LOCAL, "blocks_only", False)
-    _LOCAL.blocks_only = True
-    try:
-        yield
-    finally:
-        _LOCAL.blocks_only = before
+    return thread_flag(_LOCAL, "blocks_only")
 
 
 class GGMLPart(NamedTuple):
