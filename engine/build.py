@@ -115,7 +115,8 @@ def load_for(model: str | os.PathLike, opts: EngineOptions) -> LoadedModel:
     hybrid_tune = opts.weights == "hybrid" and opts.dense_rows is None
     if hybrid_tune and not (device.type == "cuda" and use_triton(device)):
         raise InvalidRequest("the hybrid weight layout measures its threshold on a GPU with "
-                             "the Triton kernels; elsewhere give dense_rows")
+                             "the Triton kernels, and there is none here: use another "
+                             "weight layout (or give dense_rows)")
     start = time.perf_counter()  # as load() does, with the layout passed to the weights
     if device.type == "cpu":
         configure_cpu_threads(int(os.environ.get("MBUFO_CPU_THREADS", "0")) or None)

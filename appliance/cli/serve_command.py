@@ -113,7 +113,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # uvicorn re-raises the signal it shut down on once its own handlers are gone: a no-op
     # handler makes a SIGTERM-initiated graceful shutdown end with status 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    server.run()
+    try:
+        server.run()
+    except SystemExit:  # uvicorn's own exit when the startup failed
+        if state.startup_error is None:
+            raise
+    if state.startup_error is not None:
+        print(f"mbufo: error: {state.startup_error}", file=sys.stderr)
+        return 2
     return 0 if server.started else 1
 
 

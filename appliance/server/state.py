@@ -20,6 +20,7 @@ from appliance.server.services.admin import AdminService
 from appliance.server.services.completions import CompletionService
 from appliance.server.services.generation import GenerationService
 from appliance.settings import Settings
+from engine.errors import EngineError
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class ServerState:
     completions: CompletionService = field(init=False)
     admin: AdminService = field(init=False)
     is_closed: bool = False
+    startup_error: str | None = None  # why a configured model did not load at start
 
     def __post_init__(self) -> None:
         self.router = ModelRouter(self.settings, self.registry)
@@ -56,8 +58,12 @@ class ServerState:
         for ref in self.settings.models:
             if ref in {h.name for h in self.router.handles()}:
                 continue
-            spec = await asyncio.to_thread(self.router.resolve, ref)
-            await self.router.load(spec)
+            try:
+                spec = await asyncio.to_thread(self.router.resolve, ref)
+                await self.router.load(spec)
+            except EngineError as exc:  # the server does not start; serve says why
+                self.startup_error = f"model {ref!r} did not load: {exc}"
+                raise
 
     async def drain(self, grace_s: float) -> None:
         """Refuse new work (503); let running requests finish for up to `grace_s`; then

@@ -76,3 +76,14 @@ def test_no_auth_off_loopback_is_refused(tmp_path):
                           env=_env(tmp_path), timeout=120)
     assert proc.returncode == 2
     assert "no_auth" in proc.stderr and "loopback" in proc.stderr
+
+
+def test_a_model_that_does_not_load_ends_serve_with_its_reason(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", RUN, "serve", "--model",
+                           str(tmp_path / "missing.gguf"), "--data-dir", str(tmp_path),
+                           "--port", "18931"], capture_output=True, text=True,
+                          env=_env(tmp_path), timeout=120)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("mbufo: error: model ") and "missing.gguf" in last
+    assert "did not load" in last and "readable GGUF" in last
