@@ -89,7 +89,8 @@ def build_core(loaded: LoadedModel, opts: EngineOptions) -> EngineCore:
     cfg = loaded.config
     context = min(opts.context, cfg.context_length)
     runner = ModelRunner(loaded.model, pages_per_group(cfg, opts), PAGE_SIZE, opts.kv_quant,
-                         cuda_graphs=opts.cuda_graphs, max_context=context)
+                         cuda_graphs=opts.cuda_graphs, max_context=context,
+                         max_rows=opts.sessions)
     if opts.warm_up and runner.triton and torch.device(loaded.model.device).type == "cuda":
         log.info("warm-up: %.1f s", runner.warm_up(opts.prefill_chunk))
     sched = SchedulerConfig(max_sessions=opts.sessions, context=context,

@@ -18,7 +18,14 @@ import torch
 
 from engine.batch import ForwardBatch
 from engine.errors import OutOfKVPages
-from engine.graphs import Capturer, CudaGraphCapturer, DecodeGraphs, DecodePlans, bucket_for
+from engine.graphs import (
+    Capturer,
+    CudaGraphCapturer,
+    DecodeGraphs,
+    DecodePlans,
+    bucket_for,
+    buckets_up_to,
+)
 from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache
 from engine.kv.pool import RECURRENT, KVPool, SeqPages
@@ -61,12 +68,14 @@ class ModelRunner:
     graphs' page tables); default, the largest group's pages. `capture` replaces CUDA
     graph capture (tests use a fake to run the graph path on the CPU). `num_sms`: the
     multiprocessors decode steps' key splits fill (decode_split_keys; default the GPU's,
-    0 on the CPU path)."""
+    0 on the CPU path). `max_rows`: the most decode rows a step may have (the configured
+    sessions): the decode graphs' buckets reach it (graphs.buckets_up_to; default
+    graphs.BUCKETS)."""
 
     def __init__(self, model: DecoderModel, num_pages: int | dict[str, int],
                  page_size: int = 16, kv_quant: str = "f16", *, cuda_graphs: bool = False,
                  max_context: int | None = None, capture: Capturer | None = None,
-                 num_sms: int | None = None) -> None:
+                 num_sms: int | None = None, max_rows: int | None = None) -> None:
         self.model = model
         device = torch.device(model.device)
         groups = {spec.group for spec in model.kv_layers() if spec is not None}
@@ -103,6 +112,7 @@ class ModelRunner:
                              for g, layer in self._layers.items()})
         self.graphs = DecodeGraphs(self._step.decode, sorted(pages), pages, page_size,
                                    self.max_context, device, capturer,
+                                   buckets=buckets_up_to(max_rows or 1),
                                    plans=plans) if graphs else None
         # Mixed steps (prefill chunks beside decode rows) replay graphs too on the Triton
         # path, unless a recurrent state would advance in their capture's warm-up runs.

@@ -13,7 +13,7 @@ from graph_fakes import FakeCapture
 from span_batch import span_batch
 
 from engine.batch import ForwardBatch
-from engine.graphs import DecodeGraphs, bucket_for, is_decode_only
+from engine.graphs import BUCKETS, DecodeGraphs, bucket_for, buckets_up_to, is_decode_only
 from engine.kv.pool import SeqPages
 from engine.layers.attention import PlannedBatch, _decode_plan, decode_items_host, plan_decode
 from engine.loader import load
@@ -53,6 +53,36 @@ def test_buckets_and_decode_only():
     assert is_decode_only(ForwardBatch.build([([5], 3), ([6], 0)], tables))
     assert not is_decode_only(ForwardBatch.build([([5, 6], 3), ([6], 0)], tables))
     assert not is_decode_only(ForwardBatch.build([([5], 3), ([6], 0)], tables, [1]))
+
+
+def test_buckets_reach_the_configured_rows():
+    assert buckets_up_to(1) == buckets_up_to(64) == BUCKETS
+    assert buckets_up_to(65) == BUCKETS + (128,)
+    assert buckets_up_to(200) == BUCKETS + (128, 256)
+    assert bucket_for(100, buckets_up_to(100)) == 128
+
+
+def test_more_sessions_than_64_replay_their_full_decode_steps(model):
+    """A runner set up for 70 decode rows has a 128-row bucket: a 70-row decode step
+    replays a graph (58 padding rows) and agrees with the runner without graphs."""
+    fake = FakeCapture()
+    rows = 70
+    graphed = ModelRunner(model, 2 * rows, 16, "f16", cuda_graphs=True, max_context=CONTEXT,
+                          capture=fake, max_rows=rows)
+    plain = ModelRunner(model, 2 * rows, 16, "f16", max_context=CONTEXT)
+    assert graphed.graphs.buckets == BUCKETS + (128,)
+    assert ModelRunner(model, PAGES, 16, "f16", cuda_graphs=True, max_context=CONTEXT,
+                       capture=FakeCapture()).graphs.buckets == BUCKETS
+    runners = (graphed, plain)
+    seqs = [[SeqPages(r.pool) for _ in range(rows)] for r in runners]
+    a, b = step(runners, seqs, [(i, [10 + i % 7, 3]) for i in range(rows)])  # prefill: eager
+    assert fake.captures == 0
+    ids = a.argmax(-1).tolist()
+    a, b = step(runners, seqs, [(i, [ids[i]]) for i in range(rows)])
+    assert fake.captures == 1 and graphed.graphs.captured == (128,)
+    assert graphed.graphs.num_replays == 1 and a.shape == b.shape == (rows, model.cfg.vocab_size)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
 def test_graph_path_matches_eager_and_pads_into_scratch(model):
