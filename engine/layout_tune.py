@@ -158,12 +158,10 @@ def choose_dense_rows(mf: ModelFile, cfg: ModelConfig, *, sessions: int, context
     smallest of `rows` from which every linear of one forward, weighted by count, is more
     than TIE_MARGIN faster on the bf16 copies than on q8's blocks at each larger count too.
     layout "q8" (no copies) when none is or blocks and copies do not fit `budget_bytes`."""
-    blocks = plan(mf, cfg, sessions=sessions, context=context, kv_quant=kv_quant,
-                  backend="gpu")
-    dense = plan(mf, cfg, sessions=sessions, context=context, kv_quant=kv_quant,
-                 backend="cpu")
-    total = blocks.total_bytes + dense.weights_bytes  # the token table counted dense: a bound
-    totals = {"q8": blocks.total_bytes, "hybrid": total}
+    totals = {layout: plan(mf, cfg, sessions=sessions, context=context, kv_quant=kv_quant,
+                           backend=backend).total_bytes
+              for layout, backend in (("q8", "gpu"), ("hybrid", "hybrid"))}
+    total = totals["hybrid"]
     if budget_bytes is not None and total > budget_bytes:
         return LayoutChoice("q8", f"blocks and bf16 copies ({total >> 20} MiB) exceed the "
                             f"{budget_bytes >> 20} MiB free", {}, totals, budget_bytes)

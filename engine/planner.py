@@ -3,7 +3,8 @@
 KV bytes per token are the contract of engine/kv/formats.py summed over attention layers.
 A sliding layer keeps at most its window (plus one page of slack) per session, a full
 layer every position; both round up to whole pages. Weights are counted as the backend
-holds them: dequantized to bf16 on CPU, in their GGML blocks on a GPU.
+holds them: dequantized to bf16 on CPU, in their GGML blocks on a GPU ("gpu"), and there
+with a bf16 copy of every linear beside them in the hybrid layout ("hybrid").
 """
 
 from __future__ import annotations
@@ -38,7 +39,23 @@ class MemoryPlan:
         return asdict(self)
 
 
+BACKENDS = ("cpu", "gpu", "hybrid")
+
+
+def dense_copy_bytes(mf: ModelFile) -> int:
+    """The hybrid layout's bf16 copies: every linear's matrix, i.e. each 2-D `*.weight`
+    tensor but the token table, which is a linear only as a tied head (no output.weight)."""
+    tied = "output.weight" not in mf.tensors
+    return sum(2 * t.n_elements for name, t in mf.tensors.items()
+               if len(t.shape) == 2 and name.endswith(".weight")
+               and (name != "token_embd.weight" or tied))
+
+
 def weights_bytes(mf: ModelFile, cfg: ModelConfig, backend: str) -> int:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
+    if backend == "hybrid":
+        return weights_bytes(mf, cfg, "gpu") + dense_copy_bytes(mf)
     if backend == "gpu":
         return sum(t.n_bytes for t in mf.tensors.values())
     matrices = sum(t.n_elements for t in mf.tensors.values() if len(t.shape) > 1)

@@ -124,8 +124,9 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-quant", choices=("f16", "q8", "k8v4", "k4v8", "k4v4", "all"),
                    default="all", help="KV format (default: a row for each)")
     p.add_argument("--memory-gb", type=float, default=None, help="memory to plan for")
-    p.add_argument("--backend", choices=("cpu", "gpu"), default="cpu",
-                   help="cpu: weights as bf16; gpu: weights in their GGML blocks")
+    p.add_argument("--backend", choices=("cpu", "gpu", "hybrid"), default="cpu",
+                   help="cpu: weights as bf16; gpu: weights in their GGML blocks; hybrid: "
+                        "the blocks and a bf16 copy of every linear (--weights hybrid)")
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_plan)

@@ -93,18 +93,17 @@ def planned_bytes(source: str, opts: EngineOptions) -> int:
     from engine.gguf import ModelFile
     from engine.loader import resolve_model_path
     from engine.models.registry import read_config
-    from engine.planner import plan, weights_bytes
+    from engine.planner import plan
 
     mf = ModelFile.open(resolve_model_path(source))
     cfg = read_config(mf)
-    gpu = torch.cuda.is_available()
+    backend = "cpu"
+    if torch.cuda.is_available():  # hybrid: the bf16 copies beside the blocks
+        backend = "hybrid" if opts.weights == "hybrid" else "gpu"
     p = plan(mf, cfg, sessions=opts.sessions, context=min(opts.context, cfg.context_length),
              kv_quant=opts.kv_quant, page_size=PAGE_SIZE, prefill_chunk=opts.prefill_chunk,
-             backend="gpu" if gpu else "cpu")
-    total = p.total_bytes + int(p.kv_bytes_total * opts.prefix_cache_fraction)
-    if gpu and opts.weights == "hybrid":  # the bf16 copies beside the blocks (a bound)
-        total += weights_bytes(mf, cfg, "cpu")
-    return total
+             backend=backend)
+    return p.total_bytes + int(p.kv_bytes_total * opts.prefix_cache_fraction)
 
 
 class ModelRouter:

@@ -6,6 +6,8 @@ linears have it, the tie going to the blocks, memory checked before speed."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from gguf import GGMLQuantizationType as T
 
@@ -210,10 +212,8 @@ def test_hybrid_threshold_is_where_the_copies_win_for_good(with_head, bf16_wins_
 def test_hybrid_that_does_not_fit_keeps_q8_unmeasured(with_head):
     with ModelFile.open(with_head) as mf:
         cfg = read_config(mf)
-        need = (plan(mf, cfg, sessions=64, context=256, kv_quant="f16",
-                     backend="gpu").total_bytes
-                + plan(mf, cfg, sessions=64, context=256, kv_quant="f16",
-                       backend="cpu").weights_bytes)
+        need = plan(mf, cfg, sessions=64, context=256, kv_quant="f16",
+                    backend="hybrid").total_bytes
     choice = hybrid_choice(with_head, lambda *a: pytest.fail("measured"), budget=need - 1)
     assert choice.layout == "q8" and choice.dense_rows is None and "exceed" in choice.reason
     fits = hybrid_choice(with_head, lambda layout, t, n, k, m: (0.5 if layout == "bf16"
@@ -243,3 +243,24 @@ def test_inspect_on_a_gpu_reports_auto_and_hybrid_choices(with_head, monkeypatch
     assert layout["layout"] in ("ggml", "q8") and layout["dense_rows"] is None
     assert layout["hybrid"]["layout"] == "hybrid" and layout["hybrid"]["dense_rows"] == 64
     assert set(layout["hybrid"]["forward_ms"]) == {"q8", "bf16"}
+
+
+def test_hybrid_plan_counts_a_bf16_copy_of_every_linear(with_head, tied, capsys):
+    """The copies are the linears' matrices (linear_shapes: the token table only as a
+    tied head), two bytes an element, beside the blocks."""
+    from engine.planner import dense_copy_bytes, weights_bytes
+
+    for path in (with_head, tied):
+        with ModelFile.open(path) as mf:
+            cfg = read_config(mf)
+            want = sum(2 * s.count * s.out_features * s.in_features
+                       for s in linear_shapes(mf))
+            assert dense_copy_bytes(mf) == want
+            assert weights_bytes(mf, cfg, "hybrid") == weights_bytes(mf, cfg, "gpu") + want
+            with pytest.raises(ValueError, match="backend"):
+                weights_bytes(mf, cfg, "tpu")
+    assert cli_main(["plan", str(with_head), "--backend", "hybrid", "--kv-quant", "f16",
+                     "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    with ModelFile.open(with_head) as mf:
+        assert out["weights_bytes"] == weights_bytes(mf, read_config(mf), "hybrid")

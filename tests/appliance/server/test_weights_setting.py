@@ -10,8 +10,7 @@ import torch
 from appliance.server.router import engine_options, planned_bytes
 from appliance.settings import SettingsError, load_settings
 from engine.gguf import ModelFile
-from engine.models.registry import read_config
-from engine.planner import weights_bytes
+from engine.planner import dense_copy_bytes
 
 
 def test_weights_reach_the_engine_options_from_flag_env_and_file(tmp_path):
@@ -38,5 +37,5 @@ def test_hybrid_plans_its_bf16_copies_on_a_gpu(tiny_gguf, monkeypatch):
     hybrid = planned_bytes(str(tiny_gguf), engine_options(load_settings(
         {"weights": "hybrid"}, environ={})))
     with ModelFile.open(tiny_gguf) as mf:
-        copies = weights_bytes(mf, read_config(mf), "cpu")
+        copies = dense_copy_bytes(mf)
     assert hybrid == q8 + copies and copies > 0
