@@ -114,3 +114,33 @@ def test_q8_layout_forward_matches_torch_path(triton_worker, tmp_path, vocab_dir
         # code moves them by O(1)
         assert torch.isfinite(got).all() and rel < 0.2, float(rel)
     assert runner.triton is False  # the reference side really ran the torch path
+
+
+def test_hybrid_layout_forward_matches_torch_path(triton_worker, tmp_path, vocab_dir):
+    """The hybrid layout on the Triton path (copies from 4 rows): 3 rows take q8's kernels
+    (x quantized by the norms), 5 rows the bf16 copies (the norms and the activation write
+    bf16 for them); against the torch path of the same model."""
+    spec = SyntheticSpec("llama", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                         head_dim=64, ffn_size=512, types=Q8_TYPES, default_type=T.F32)
+    path = tmp_path / "hybrid.gguf"
+    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-spm.gguf", seed=17)
+    model = load_for(path, EngineOptions(device="cpu", dtype="bf16", weights="hybrid",
+                                         dense_rows=4)).model
+    blk = model.blocks[0]
+    assert blk.qkv.wants_xq(3) and not blk.qkv.wants_xq(5) and blk.down.dense_at(5)
+    runner = ModelRunner(model, 24, 16, "f16", max_context=96)
+    seqs = [SeqPages(runner.pool) for _ in range(3)]
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**63))
+    runner.forward(span_batch(runner, seqs, [(i, rng.integers(3, 1000, n).tolist())
+                                             for i, n in enumerate((9, 21, 3))]))
+    # 3 rows: q8, bounded as the test above; 5 rows: the copies, where the two sides' bf16
+    # roundings (norm output, products rounded to bf16 on the CPU, the attention's f16
+    # operands) moved the logits 0.5-1.7% in the runs seen; a wrong layout or norm is O(1)
+    for spans, bound in (([(0, [5]), (1, [6]), (2, [7])], 0.2),
+                         ([(0, [8]), (2, [11, 12, 13]), (1, [9])], 0.05)):
+        batch = span_batch(runner, seqs, spans)
+        got = on_triton(triton_worker, runner, batch)
+        ref = runner.forward(batch)
+        rel = (got - ref).norm() / ref.norm()
+        assert torch.isfinite(got).all() and rel < bound, float(rel)
+    assert runner.triton is False
