@@ -14,8 +14,8 @@ The `hybrid` layout (engine/models/weights.py) keeps a bf16 copy of the whole ma
 beside the blocks (`dense`): a call of `dense_rows` rows or more multiplies the copy (one
 torch matmul: the matrix units at full rate, where the block kernels fall behind at many
 rows), fewer rows the blocks. A row's result then depends on how many rows share its call,
-so that layout is not batch-invariant across its threshold (DESIGN.md's determinism holds
-for the block layouts).
+so that layout is not batch-invariant across its threshold (the block layouts are: a
+row's bits never depend on what shares its call).
 """
 
 from __future__ import annotations
