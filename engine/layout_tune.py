@@ -43,7 +43,7 @@ from engine.gguf import ModelFile
 from engine.graphs import no_collection
 from engine.layers.ggml_linear import ACT8_TYPES
 from engine.models.config import ModelConfig
-from engine.planner import plan
+from engine.planner import linear_tensors, plan
 
 log = logging.getLogger(__name__)
 
@@ -84,17 +84,9 @@ class LayoutChoice:
 
 
 def linear_shapes(mf: ModelFile) -> list[LinearShape]:
-    """The 2-D weights a forward multiplies by: every `*.weight` matrix except the token
-    table, which counts only when the file has no `output.weight` (a tied head)."""
-    tied = "output.weight" not in mf.tensors
-    counts: Counter = Counter()
-    for name, info in mf.tensors.items():
-        if len(info.shape) != 2 or not name.endswith(".weight"):
-            continue
-        if name == "token_embd.weight" and not tied:
-            continue
-        out_features, in_features = (int(s) for s in info.shape)
-        counts[(int(info.ggml_type), out_features, in_features)] += 1
+    """planner.linear_tensors counted by (type, out, in)."""
+    counts = Counter((int(info.ggml_type), int(info.shape[0]), int(info.shape[1]))
+                     for info in linear_tensors(mf))
     return [LinearShape(t, n, k, c) for (t, n, k), c in sorted(counts.items())]
 
 
@@ -106,6 +98,13 @@ def tune_rows(sessions: int) -> tuple[int, ...]:
 
 def full_rows(sessions: int) -> int:
     return max(1, min(sessions, ROWS[-1]))
+
+
+def timings_text(cost: dict[str, dict[int, float]], rows: tuple[int, ...]) -> str:
+    """The choice's reason: each layout's ms at each row count."""
+    return (f"linears of one forward at {'/'.join(map(str, rows))} rows: "
+            + ", ".join(f"{name} {'/'.join(f'{by_rows[m]:.2f}' for m in rows)} ms"
+                        for name, by_rows in cost.items()))
 
 
 def choose_layout(mf: ModelFile, cfg: ModelConfig, *, sessions: int, context: int,
@@ -139,10 +138,7 @@ def choose_layout(mf: ModelFile, cfg: ModelConfig, *, sessions: int, context: in
     score = {layout: by_rows[1] + by_rows[full] for layout, by_rows in cost.items()}
     blocks = "q8" if score["q8"] < (1 - TIE_MARGIN) * score["ggml"] else "ggml"
     layout = "bf16" if bf16_fits and score["bf16"] < (1 - TIE_MARGIN) * score[blocks] else blocks
-    per_rows = {name: "/".join(f"{by_rows[m]:.2f}" for m in rows)
-                for name, by_rows in cost.items()}
-    reason = (f"linears of one forward at {'/'.join(map(str, rows))} rows: "
-              + ", ".join(f"{name} {per_rows[name]} ms" for name in cost)
+    reason = (timings_text(cost, rows)
               + f"; scored at 1 + {full} rows ({sessions} sessions)")
     if not bf16_fits:
         reason += (f"; bf16 weights and KV ({plans['bf16'] >> 20} MiB) exceed the "
@@ -175,10 +171,7 @@ def choose_dense_rows(mf: ModelFile, cfg: ModelConfig, *, sessions: int, context
                     timed_as, s.ggml_type, s.out_features, s.in_features, m)
     wins = [cost["bf16"][m] < (1 - TIE_MARGIN) * cost["q8"][m] for m in rows]
     dense_rows = next((m for i, m in enumerate(rows) if all(wins[i:])), None)
-    per_rows = {name: "/".join(f"{by_rows[m]:.2f}" for m in rows)
-                for name, by_rows in cost.items()}
-    reason = (f"linears of one forward at {'/'.join(map(str, rows))} rows: "
-              + ", ".join(f"{name} {per_rows[name]} ms" for name in cost))
+    reason = timings_text(cost, rows)
     if dense_rows is None:
         reason += "; the bf16 copies never win from a row count on: q8 alone"
         layout = "q8"

@@ -42,13 +42,18 @@ class MemoryPlan:
 BACKENDS = ("cpu", "gpu", "hybrid")
 
 
-def dense_copy_bytes(mf: ModelFile) -> int:
-    """The hybrid layout's bf16 copies: every linear's matrix, i.e. each 2-D `*.weight`
-    tensor but the token table, which is a linear only as a tied head (no output.weight)."""
+def linear_tensors(mf: ModelFile) -> list:
+    """The 2-D weights a forward multiplies by (TensorInfo): every `*.weight` matrix but the
+    token table, which counts only when the file has no `output.weight` (a tied head)."""
     tied = "output.weight" not in mf.tensors
-    return sum(2 * t.n_elements for name, t in mf.tensors.items()
-               if len(t.shape) == 2 and name.endswith(".weight")
-               and (name != "token_embd.weight" or tied))
+    return [info for name, info in mf.tensors.items()
+            if len(info.shape) == 2 and name.endswith(".weight")
+            and (name != "token_embd.weight" or tied)]
+
+
+def dense_copy_bytes(mf: ModelFile) -> int:
+    """The hybrid layout's bf16 copies: every linear's matrix (linear_tensors)."""
+    return sum(2 * t.n_elements for t in linear_tensors(mf))
 
 
 def weights_bytes(mf: ModelFile, cfg: ModelConfig, backend: str) -> int:

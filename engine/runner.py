@@ -237,11 +237,7 @@ class ModelRunner:
 
     def _has_dense(self) -> bool:
         """Whether a linear of the model keeps a dense copy beside its blocks (hybrid)."""
-        m = self.model
-        linears = [getattr(m, "head", None)] + [
-            getattr(b, name, None) for b in getattr(m, "blocks", ())
-            for name in ("qkv", "out", "gate_up", "down")]
-        return any(getattr(lin, "dense_rows", None) is not None for lin in linears)
+        return self.model.dense_rows is not None
 
     def _warm_step(self, rows: int, tokens: int, at: int, context: int) -> None:
         """One eager step: `tokens` prefill tokens from position `at` beside `rows` decode

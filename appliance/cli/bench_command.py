@@ -16,6 +16,7 @@ import shlex
 import sys
 from typing import Any
 
+from appliance.settings import WEIGHT_LAYOUTS
 from engine.errors import InvalidRequest
 
 KV_CHOICES = ("f16", "q8", "k8v4", "k4v8", "k4v4")
@@ -68,7 +69,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (default), off, or milliseconds")
     g.add_argument("--kv-quant", choices=KV_CHOICES, default="f16")
     g.add_argument("--dtype", choices=("auto", "bf16", "f32", "int8"), default="auto")
-    g.add_argument("--weights", choices=("auto", "ggml", "q8", "bf16", "hybrid"),
+    g.add_argument("--weights", choices=WEIGHT_LAYOUTS,
                    default="auto", help="GPU weight layout (default auto: measured at load)")
 
 

@@ -15,6 +15,8 @@ import signal
 import sys
 from typing import Any
 
+from appliance.settings import WEIGHT_LAYOUTS
+
 SHUTDOWN_GRACE_S = 30.0
 MAX_HEADER_BYTES = 64 << 10  # h11's limit on an incomplete request head
 
@@ -35,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mixed-batch", choices=("on", "off"))
     p.add_argument("--itl-target-ms", help="auto | off | milliseconds")
     p.add_argument("--dtype", choices=("auto", "bf16", "f32", "int8"))
-    p.add_argument("--weights", choices=("auto", "ggml", "q8", "bf16", "hybrid"),
+    p.add_argument("--weights", choices=WEIGHT_LAYOUTS,
                    help="GPU weight layout (default auto: measured at load); hybrid keeps "
                         "bf16 copies beside the blocks for large steps (more memory, more "
                         "throughput with many sessions)")

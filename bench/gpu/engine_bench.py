@@ -15,11 +15,10 @@ context if shorter: more than the decode streams' own), engine decode at each co
 (fixed output length, ignore_eos; `--consumers asyncio` reads the streams as the server
 does, one event loop, instead of a thread each) with a per-step breakdown (schedule +
 batch building, forward launch, sampling including the wait for the device) and the ITL
-policy's state
-afterwards, prefill of each prompt length, optionally a profile of one eager decode step
-(kernel count, top kernels by device time), and the Triton kernels built in each phase (those
-built while measured stalled a step: shapes the load-time warm-up missed). A variant or a
-measurement that fails is recorded with its error and the run goes on; the JSON
+policy's state afterwards, prefill of each prompt length, optionally a profile of one eager
+decode step (kernel count, top kernels by device time), and the Triton kernels built in each
+phase (those built while measured stalled a step: shapes the load-time warm-up missed). A
+variant or a measurement that fails is recorded with its error and the run goes on; the JSON
 ($OUT/engine_bench.json or --out) is rewritten after every variant, so a run cut short
 keeps what it measured.
 """

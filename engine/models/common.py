@@ -78,6 +78,8 @@ class DecoderModel:
             self.rope_swa = Rope(cfg.head_dim, cfg.rope_base_swa, cfg.rope_neox)
         self.blocks = [self._load_block(weights, i) for i in range(cfg.num_layers)]
         self.device = weights.device
+        # the hybrid layout's threshold (every linear keeps a dense copy); None otherwise
+        self.dense_rows = weights.dense_rows
         self._act = ACTIVATIONS[cfg.activation]
         # What the block matmuls read: bf16 when all are dense bf16 layers (they round x to
         # bf16 first), so that the fused kernels write it and no cast kernel runs.
