@@ -109,10 +109,10 @@ def load_for(model: str | os.PathLike, opts: EngineOptions) -> LoadedModel:
     dtype = DTYPES[opts.dtype]
     tune = (opts.weights == "auto" and device.type == "cuda" and dtype in (None, torch.bfloat16)
             and use_triton(device))
-    if opts.weights == "auto" and not tune:
-        return load(model, dtype, opts.device)
     if opts.dense_rows is not None and opts.weights != "hybrid":
         raise InvalidRequest(f"dense_rows is the hybrid weight layout's, not {opts.weights!r}'s")
+    if opts.weights == "auto" and not tune:
+        return load(model, dtype, opts.device)
     hybrid_tune = opts.weights == "hybrid" and opts.dense_rows is None
     if hybrid_tune and not (device.type == "cuda" and use_triton(device)):
         raise InvalidRequest("the hybrid weight layout measures its threshold on a GPU with "

@@ -151,6 +151,7 @@ class GGMLLinear:
         dense = None
         if linears[0].dense is not None:
             dense = torch.cat([lin.dense for lin in linears])
+            parts = _share_dense_rows(parts, dense)
         return cls(parts, in_features, bias, act8=linears[0].act8, dense=dense,
                    dense_rows=linears[0].dense_rows)
 
@@ -160,10 +161,14 @@ class GGMLLinear:
 
     @property
     def nbytes(self) -> int:
-        held = {id(p.weight): p.weight for p in self.parts}
+        """Bytes held: the parts' weights and the dense copy, each storage once (a dense
+        part of a hybrid layer is a view of its copy: _share_dense_rows)."""
+        held = {p.weight.untyped_storage().data_ptr(): p.weight.numel() *
+                p.weight.element_size() for p in self.parts}
         if self.dense is not None:
-            held[id(self.dense)] = self.dense
-        return sum(t.numel() * t.element_size() for t in held.values())
+            held[self.dense.untyped_storage().data_ptr()] = \
+                self.dense.numel() * self.dense.element_size()
+        return sum(held.values())
 
     def dense_at(self, rows: int) -> bool:
         """Whether a call of `rows` rows multiplies the dense copy (never in blocks_only)."""
@@ -232,6 +237,19 @@ def probe_out_dtype(device: torch.device) -> bool:
                 ok = False
         _MM_OUT_DTYPE[kind] = ok
     return _MM_OUT_DTYPE[kind]
+
+
+def _share_dense_rows(parts: list[GGMLPart], dense: torch.Tensor) -> list[GGMLPart]:
+    """`parts` with each dense part (a type without a kernel: F16, BF16, ...) replaced by
+    the view of its rows in the fused copy `dense`, whose rows are the same values (the
+    part's own tensor was the unfused copy: held twice otherwise)."""
+    out, row = [], 0
+    for part in parts:
+        if part.ggml_type is None and part.weight.dtype == dense.dtype:
+            part = part._replace(weight=dense[row:row + part.out_features])
+        out.append(part)
+        row += part.out_features
+    return out
 
 
 def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

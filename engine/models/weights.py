@@ -52,6 +52,9 @@ class WeightLoader:
                                  "(dense_rows), and only it")
         if dense_rows is not None and dense_rows < 1:
             raise InvalidRequest(f"dense_rows must be at least 1, not {dense_rows}")
+        if layout == "hybrid" and dtype.is_floating_point and dtype != torch.bfloat16:
+            raise InvalidRequest(f"the hybrid weight layout's copies are bf16 (its threshold "
+                                 f"and memory are measured so): dtype {dtype} is not")
         self.ggml = layout in ("ggml", "q8", "hybrid") or (
             layout == "auto" and self.device.type != "cpu" and dtype == torch.bfloat16
             and use_triton(self.device))

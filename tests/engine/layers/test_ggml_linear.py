@@ -204,6 +204,35 @@ def test_hybrid_copy_is_the_whole_fused_matrix_and_counts_in_nbytes(rng):
     torch.testing.assert_close(hybrid.dense.double(), w, rtol=2**-8, atol=1e-12)
 
 
+def test_hybrid_fused_dense_parts_are_views_of_the_copy_not_held_twice(rng):
+    """A hybrid fuse of a type without a kernel (F16) beside Q4_K: the F16 rows are held
+    once (the part is the copy's rows), and the layer's results are unchanged below and
+    from its threshold."""
+    k = 256
+    f16 = rng.standard_normal((16, k)).astype(np.float16)
+    q4 = random_raw(T.Q4_K, 8, k, rng)
+
+    def fused(rows):
+        return GGMLLinear.fuse([
+            GGMLLinear.from_raw(torch.from_numpy(q4), int(T.Q4_K), (8, k), act8=True,
+                                dense_rows=rows),
+            GGMLLinear.from_raw(torch.from_numpy(f16.view(np.uint8).reshape(-1)),
+                                int(T.F16), (16, k), act8=True, dense_rows=rows)])
+
+    hybrid, q8 = fused(2), fused(None)
+    dense_part = hybrid.parts[-1]
+    assert dense_part.ggml_type is None
+    assert dense_part.weight.data_ptr() == hybrid.dense[8:].data_ptr()
+    q4_bytes = hybrid.parts[0].weight.numel()
+    assert hybrid.nbytes == q4_bytes + hybrid.dense.numel() * 2
+    assert q8.nbytes == q4_bytes + 16 * k * 2
+    x = torch.from_numpy(rng.standard_normal((1, k)).astype(np.float32))
+    assert torch.equal(hybrid(x), q8(x))
+    x3 = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32))
+    w = torch.cat([dense64(q4, T.Q4_K, 8, k), torch.from_numpy(f16).double()])
+    check(hybrid(x3), x3, w, None)
+
+
 def test_hybrid_thresholds_must_agree_and_be_given_with_a_copy(rng):
     raw = torch.from_numpy(random_raw(T.Q4_K, 8, 256, rng))
     a = GGMLLinear.from_raw(raw, int(T.Q4_K), (8, 256), act8=True, dense_rows=4)

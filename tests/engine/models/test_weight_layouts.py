@@ -119,7 +119,11 @@ def test_hybrid_needs_its_threshold_and_only_it(tiny):
         WeightLoader(mf, torch.bfloat16, "cpu", "q8", dense_rows=4)
     with pytest.raises(InvalidRequest, match="at least 1"):
         WeightLoader(mf, torch.bfloat16, "cpu", "hybrid", dense_rows=0)
+    with pytest.raises(InvalidRequest, match="copies are bf16"):
+        WeightLoader(mf, torch.float32, "cpu", "hybrid", dense_rows=4)
     with pytest.raises(InvalidRequest, match="measures its threshold on a GPU"):
         load_for(tiny, EngineOptions(device="cpu", weights="hybrid"))
     with pytest.raises(InvalidRequest, match="hybrid"):
         load_for(tiny, EngineOptions(device="cpu", weights="ggml", dense_rows=4))
+    with pytest.raises(InvalidRequest, match="hybrid"):  # auto's CPU load too, not ignored
+        load_for(tiny, EngineOptions(device="cpu", weights="auto", dense_rows=4))
