@@ -78,6 +78,27 @@ def kv_bytes_per_session(cfg: ModelConfig, kv_quant: str, context: int, page_siz
         (cfg.num_layers - sliding) * pages_full + sliding * pages_sliding)
 
 
+def decode_read_bytes(mf: ModelFile, cfg: ModelConfig, context: int, kv_quant: str) -> int:
+    """The bytes one decode token of one stream reads at `context` keys, as the file holds
+    them: every linear (linear_tensors), every 1-D tensor (norms, biases), one row of the
+    token table (when the head is not that table), and the K and V of `context` positions
+    in each layer (a sliding layer's window at most). The bandwidth bound of one stream is
+    a device's memory rate over these bytes (engine/bench/bound.py)."""
+    if context < 1:
+        raise ValueError(f"context must be at least 1, not {context}")
+    weights = sum(t.n_bytes for t in linear_tensors(mf))
+    vectors = sum(t.n_bytes for t in mf.tensors.values() if len(t.shape) == 1)
+    table = mf.tensors.get("token_embd.weight")
+    row = 0
+    if table is not None and "output.weight" in mf.tensors:
+        row = table.n_bytes // int(table.shape[0])  # (vocab, hidden): one token's row
+    per_layer_token = kv_bytes_per_token(1, cfg.num_kv_heads, cfg.head_dim, kv_quant)
+    window = cfg.sliding_window or context
+    positions = sum(min(context, window) if cfg.is_sliding(i) else context
+                    for i in range(cfg.num_layers))
+    return weights + vectors + row + per_layer_token * positions
+
+
 def prefill_working_bytes(cfg: ModelConfig, chunk: int) -> int:
     """f32 activations of one chunk: residual, qkv, attention out, gate+up, one logits row."""
     q = cfg.num_heads * cfg.head_dim

@@ -226,6 +226,7 @@ def _emit(obj: dict[str, Any], as_json: bool, table: str) -> None:
 
 # ---- commands --------------------------------------------------------------------------------
 def cmd_decode(args: argparse.Namespace) -> int:
+    from engine.bench.bound import bound_line, loaded_bound, share_of_bound
     from engine.bench.decode import decode_table, run_decode
     from engine.bench.prompts import PromptFactory
 
@@ -243,14 +244,27 @@ def cmd_decode(args: argparse.Namespace) -> int:
                 levels = [1] if target.is_serial else args.concurrency  # one sequence at a time
                 results[target.name] = await run_decode(target, factory, levels, args.tokens,
                                                         args.prompt_tokens, _progress)
+                one = next((lv for lv in results[target.name] if lv["concurrency"] == 1), None)
+                loaded = getattr(getattr(target, "engine", None), "loaded", None)
+                if one is not None and loaded is not None:  # the in-process engine
+                    bounds[target.name] = await asyncio.to_thread(
+                        loaded_bound, loaded, args.prompt_tokens + args.tokens, options.kv_quant)
+                    bounds[target.name]["one_stream_pct"] = share_of_bound(
+                        one["per_session_tok_s"], bounds[target.name])
         finally:
             for target in targets:
                 await target.aclose()
         return {"bench": "decode", "tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
-                "seed": seed, "targets": [t.describe() for t in targets], "results": results}
+                "seed": seed, "targets": [t.describe() for t in targets], "results": results,
+                "bounds": bounds}
 
+    bounds: dict[str, Any] = {}
     out = asyncio.run(run())
-    _emit(out, args.json, decode_table(out["results"]))
+    table = decode_table(out["results"])
+    for name, bound in bounds.items():  # one stream's decode rate against its bytes' bound
+        one = next(lv for lv in out["results"][name] if lv["concurrency"] == 1)
+        table += f"\n{name}: {bound_line(one['per_session_tok_s'], bound)}"
+    _emit(out, args.json, table)
     return 0
 
 

@@ -45,9 +45,17 @@ from pad_kernels import pad_count, padded_norms  # noqa: E402
 from provenance import commit_id  # noqa: E402
 
 from engine.batch import ForwardBatch  # noqa: E402
+from engine.bench.bound import (  # noqa: E402
+    DEFAULT_COPY_BYTES,
+    copy_rate_gb_s,
+    decode_bound,
+    share_of_bound,
+)
 from engine.build import EngineOptions, build_core, load_for  # noqa: E402
 from engine.engine import Engine  # noqa: E402
+from engine.gguf import ModelFile  # noqa: E402
 from engine.kv.pool import SeqPages  # noqa: E402
+from engine.models.registry import read_config  # noqa: E402
 from engine.sampler import SamplingParams  # noqa: E402
 from engine.scheduler.request import Request  # noqa: E402
 from engine.synthetic import ensure_synthetic  # noqa: E402
@@ -514,11 +522,15 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
                   f"{row['at_s']} s: {row['spec'][:200]}", flush=True)
 
 
-def summarize(variant: dict) -> None:
-    """The headline figures: decode_tps by concurrency, prefill_tps by length."""
+def summarize(variant: dict, bound: dict | None = None) -> None:
+    """The headline figures: decode_tps by concurrency, prefill_tps by length, and one
+    stream's decode as a share of its bandwidth bound (`bound`: decode_bound's)."""
     variant["decode_tps"] = {c: r.get("total_tok_s")
                              for c, r in variant.get("decode", {}).items()}
     variant["prefill_tps"] = {n: r.get("tok_s") for n, r in variant.get("prefill", {}).items()}
+    one = variant["decode_tps"].get("1")
+    if bound is not None and isinstance(one, int | float):
+        variant["one_stream_pct_of_bound"] = share_of_bound(one, bound)
 
 
 def print_table(results: dict, levels: list[int], lengths: list[int]) -> None:
@@ -534,6 +546,13 @@ def print_table(results: dict, levels: list[int], lengths: list[int]) -> None:
         cells += [v.get("prefill_tps", {}).get(str(n)) for n in lengths]
         print(f"{name:<14}" + "".join(f"{x:12.1f}" if isinstance(x, float | int) else
                                       f"{'-':>12}" for x in cells))
+    bound = results.get("bound")
+    for name, v in results["variants"].items():
+        if bound is not None and "one_stream_pct_of_bound" in v:
+            print(f"{name}: one stream {v['decode_tps']['1']:.1f} tok/s, "
+                  f"{v['one_stream_pct_of_bound']}% of its bandwidth bound "
+                  f"{bound['bound_tok_s']:.0f} tok/s ({bound['token_bytes'] / 1e9:.3f} GB a "
+                  f"token at {bound['copy_gb_s']:.0f} GB/s copied)")
     for name, v in results["variants"].items():
         for c, row in v.get("decode", {}).items():
             if "per_step_ms" in row:
@@ -610,10 +629,17 @@ def main() -> int:
 
     def save() -> None:
         for variant in results["variants"].values():
-            summarize(variant)
+            summarize(variant, results.get("bound"))
         out_file.write_text(json.dumps(results, indent=1))
 
     SAVE.append(save)
+    # one stream's bandwidth bound: the bytes a token reads at the streams' last context
+    # over this device's measured copy rate (engine/bench/bound.py)
+    with ModelFile.open(path) as mf:
+        rate = copy_rate_gb_s(args.device, DEFAULT_COPY_BYTES if on_gpu else 64 << 20)
+        results["bound"] = decode_bound(mf, read_config(mf), args.prompt + args.tokens,
+                                        EngineOptions().kv_quant, rate)
+    print(f"bound: {results['bound']}", flush=True)
     for name in args.variants.split(","):
         record: dict = {}
         results["variants"][name] = record

@@ -22,3 +22,15 @@ def test_decode_on_the_default_model(capsys):
         assert set(lv["itl_ms"]) == {"mean", "p95", "max"}
         assert 0 < lv["itl_ms"]["mean"] <= lv["itl_ms"]["max"]
     assert out["targets"][0]["options"]["sessions"] >= 2
+    # one stream against its bytes' bound: the default file's bytes at the streams' context
+    from engine.gguf import ModelFile
+    from engine.loader import resolve_model_path
+    from engine.models.registry import read_config
+    from engine.planner import decode_read_bytes
+
+    bound = out["bounds"]["mbufo"]
+    with ModelFile.open(resolve_model_path("default")) as mf:
+        assert bound["token_bytes"] == decode_read_bytes(mf, read_config(mf), 16 + 4, "f16")
+    assert bound["copy_gb_s"] > 0
+    assert abs(bound["one_stream_pct"] - 100 * levels[0]["per_session_tok_s"]
+               / bound["bound_tok_s"]) < 0.06
