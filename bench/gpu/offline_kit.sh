@@ -9,6 +9,8 @@
 #   export PYTHONPATH=/tmp/site:$PWD MBUFO_TEST_CACHE=$PWD/DIR/cache
 #   python3 bench/gpu/engine_bench.py --vocab $MBUFO_TEST_CACHE/llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-llama-bpe.gguf ...
 # (tests/conftest.py finds the vocabulary files under MBUFO_TEST_CACHE.) About 11 MB.
+# `offline_kit.sh DIR --peer` also packs llama.cpp's source as DIR/llama-src.tgz (~5 MB;
+# bench/gpu/llama_cpp_peer.sh run builds and measures it there).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 DIR=${1:-.devdata}
@@ -35,5 +37,8 @@ with tarfile.open(sys.argv[1]) as tar:
         sys.exit(f"offline_kit: the sdist lacks {names}")
     tar.extractall(sys.argv[2], members=members, filter="data")
 EOF
+if [ "${2:-}" = "--peer" ]; then
+  bash bench/gpu/llama_cpp_peer.sh pack "$DIR/llama-src.tgz"
+fi
 ls -1 "$DIR/wheels"
 du -sh "$DIR"
