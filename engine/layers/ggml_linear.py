@@ -161,14 +161,15 @@ class GGMLLinear:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the parts' weights and the dense copy, each storage once (a dense
-        part of a hybrid layer is a view of its copy: _share_dense_rows)."""
-        held = {p.weight.untyped_storage().data_ptr(): p.weight.numel() *
-                p.weight.element_size() for p in self.parts}
+        """Bytes held: the parts' weights and the dense copy, each range of memory once (a
+        dense part of a hybrid layer is a view of its copy: _share_dense_rows)."""
+        held = {(t.data_ptr(), t.numel() * t.element_size()) for t in
+                (p.weight for p in self.parts)}
         if self.dense is not None:
-            held[self.dense.untyped_storage().data_ptr()] = \
-                self.dense.numel() * self.dense.element_size()
-        return sum(held.values())
+            start, size = self.dense.data_ptr(), self.dense.numel() * self.dense.element_size()
+            held = {(ptr, n) for ptr, n in held if not start <= ptr < start + size}
+            held.add((start, size))
+        return sum(n for _, n in held)
 
     def dense_at(self, rows: int) -> bool:
         """Whether a call of `rows` rows multiplies the dense copy (never in blocks_only)."""

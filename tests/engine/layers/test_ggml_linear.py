@@ -233,6 +233,19 @@ def test_hybrid_fused_dense_parts_are_views_of_the_copy_not_held_twice(rng):
     check(hybrid(x3), x3, w, None)
 
 
+def test_nbytes_counts_views_of_one_buffer_apart(rng):
+    """Parts that are views of one buffer (blocks sliced from a file's mapping) each count
+    their own bytes; only a range held twice counts once."""
+    from engine.layers.ggml_linear import GGMLPart
+
+    k = 256
+    buf = torch.from_numpy(random_raw(T.Q4_K, 16, k, rng)).reshape(16, -1)
+    dense = torch.zeros(4, k, dtype=torch.bfloat16)
+    layer = GGMLLinear([GGMLPart(8, int(T.Q4_K), buf[:8]), GGMLPart(4, None, dense),
+                        GGMLPart(8, int(T.Q4_K), buf[8:])], k)
+    assert layer.nbytes == buf.numel() + dense.numel() * 2
+
+
 def test_hybrid_thresholds_must_agree_and_be_given_with_a_copy(rng):
     raw = torch.from_numpy(random_raw(T.Q4_K, 8, 256, rng))
     a = GGMLLinear.from_raw(raw, int(T.Q4_K), (8, 256), act8=True, dense_rows=4)
