@@ -36,6 +36,8 @@ class SyntheticSpec:
     types: dict[str, int] = field(default_factory=dict)
     default_type: int = T.F16
     rope_freq_factors: bool = False  # write rope_freqs.weight (Llama 3.1 style)
+    # general.file_type (gguf.LlamaFileType): the recipe's name, as llama.cpp labels a file
+    file_type: int = gguf.LlamaFileType.MOSTLY_F16
 
 
 # (scale field byte offset, count of f16 scales) inside one block, for random-block fixing
@@ -159,7 +161,7 @@ def write_synthetic_gguf(path: str | os.PathLike, spec: SyntheticSpec,
     writer.add_rope_freq_base(spec.rope_base)
     if spec.sliding_window:
         writer.add_sliding_window(spec.sliding_window)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_file_type(spec.file_type)
     vocab_size = copy_vocabulary(writer, vocab_path)
     for name, shape in tensor_shapes(spec, vocab_size).items():
         qtype = _tensor_type(spec, name, shape)
@@ -205,6 +207,11 @@ PRESETS: dict[str, SyntheticSpec] = {
 # (output.weight; token_embd.weight where the embeddings are tied, since it is the head
 # then) in Q6_K, an untied token_embd stays Q4_K, and the rows that fit no 256-block fall
 # back as `_fit_rows` says (gemma3-270m's 640 columns: Q4_K -> Q5_0, Q6_K -> Q8_0).
+# general.file_type of each recipe (llama.cpp's llama_ftype)
+FILE_TYPES: dict[str, int] = {"Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+                              "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                              "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
+                              "BF16": gguf.LlamaFileType.MOSTLY_BF16}
 RECIPES: dict[str, dict[str, int]] = {
     "Q4_K_M": {"output.weight": T.Q6_K, ".weight": T.Q4_K},
     "Q8_0": {".weight": T.Q8_0},
@@ -243,7 +250,8 @@ def synthetic_spec(name_quant: str) -> SyntheticSpec:
         for i in range(preset.num_layers):
             if more_bits_layer(i, preset.num_layers):
                 types[f"blk.{i}.{suffix}"] = qtype
-    return replace(preset, types=types, default_type=recipe[".weight"])
+    return replace(preset, types=types, default_type=recipe[".weight"],
+                   file_type=FILE_TYPES[quant])
 
 
 def _written_as(path: Path, spec: SyntheticSpec) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from engine.gguf import scan_file
+from engine.gguf import ModelFile, scan_file
 from engine.gguf.reader import MappedReader
 from engine.synthetic import (
     _tensor_type,
@@ -107,6 +107,8 @@ def test_q4_k_m_gemma3_270m_matches_the_real_file(default_model_path: Path):
         assert _tensor_type(spec, name, shape) == qtype, name
     v8 = {i for i in range(18) if real[f"blk.{i}.attn_v.weight"][0] == T.Q8_0}
     assert v8 == MORE_BITS_18  # the reference agrees with the hand-written rule too
+    with ModelFile.open(default_model_path) as mf:  # the file type llama.cpp wrote: 15
+        assert int(mf.metadata["general.file_type"]) == spec.file_type == 15
 
 
 def test_q4_k_m_small_preset_file(tmp_path: Path, vocab_dir: Path):
@@ -131,6 +133,8 @@ def test_q4_k_m_small_preset_file(tmp_path: Path, vocab_dir: Path):
                  + nbytes(T.F32, 1, 4 * h + 2 * 256))
     scan = scan_file(path)
     assert sum(t.n_bytes for t in scan.tensors) == want
+    with ModelFile.open(path) as mf:  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M
+        assert int(mf.metadata["general.file_type"]) == 15
     size = path.stat().st_size
     assert want < size < want + scan.data_offset + 32 * len(scan.tensors)
 
