@@ -14,7 +14,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "engine_bench.py
 
 def test_engine_bench_cpu_smoke_records_the_bound(tmp_path, vocab_dir):
     cmd = [sys.executable, str(BENCH), "--device", "cpu", "--vocab",
-           str(vocab_dir / "ggml-vocab-llama-bpe.gguf"), "--synthetic", "gemma3-270m:Q4_K_M",
+           str(vocab_dir / "ggml-vocab-llama-spm.gguf"), "--synthetic", "gemma3-270m:Q4_K_M",
            "--variants", "ggml", "--concurrency", "1", "--tokens", "2", "--prefill", "8",
            "--no-profile", "--out", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -40,7 +40,7 @@ def model(request, tmp_path_factory, vocab_dir):
                          head_dim=HEAD_DIM, ffn_size=768, num_layers=LAYERS, types=TYPES,
                          tied_embeddings=tied)
     path = tmp_path_factory.mktemp("bound") / f"{request.param}.gguf"
-    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-bpe.gguf", seed=5)
+    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-spm.gguf", seed=5)
     return path, tied, _tensor_bytes(path)
 
 
