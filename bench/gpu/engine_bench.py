@@ -46,7 +46,7 @@ from provenance import commit_id  # noqa: E402
 
 from engine.batch import ForwardBatch  # noqa: E402
 from engine.bench.bound import (  # noqa: E402
-    DEFAULT_COPY_BYTES,
+    bound_line,
     copy_rate_gb_s,
     decode_bound,
     share_of_bound,
@@ -549,10 +549,7 @@ def print_table(results: dict, levels: list[int], lengths: list[int]) -> None:
     bound = results.get("bound")
     for name, v in results["variants"].items():
         if bound is not None and "one_stream_pct_of_bound" in v:
-            print(f"{name}: one stream {v['decode_tps']['1']:.1f} tok/s, "
-                  f"{v['one_stream_pct_of_bound']}% of its bandwidth bound "
-                  f"{bound['bound_tok_s']:.0f} tok/s ({bound['token_bytes'] / 1e9:.3f} GB a "
-                  f"token at {bound['copy_gb_s']:.0f} GB/s copied)")
+            print(f"{name}: {bound_line(v['decode_tps']['1'], bound)}")
     for name, v in results["variants"].items():
         for c, row in v.get("decode", {}).items():
             if "per_step_ms" in row:
@@ -636,9 +633,8 @@ def main() -> int:
     # one stream's bandwidth bound: the bytes a token reads at the streams' last context
     # over this device's measured copy rate (engine/bench/bound.py)
     with ModelFile.open(path) as mf:
-        rate = copy_rate_gb_s(args.device, DEFAULT_COPY_BYTES if on_gpu else 64 << 20)
         results["bound"] = decode_bound(mf, read_config(mf), args.prompt + args.tokens,
-                                        EngineOptions().kv_quant, rate)
+                                        EngineOptions().kv_quant, copy_rate_gb_s(args.device))
     print(f"bound: {results['bound']}", flush=True)
     for name in args.variants.split(","):
         record: dict = {}

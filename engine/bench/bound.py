@@ -19,17 +19,21 @@ from engine.gguf import ModelFile
 from engine.models.config import ModelConfig
 from engine.planner import decode_read_bytes
 
-__all__ = ["DEFAULT_COPY_BYTES", "bound_line", "copy_rate_gb_s", "decode_bound",
-           "loaded_bound", "share_of_bound"]
+__all__ = ["CPU_COPY_BYTES", "DEFAULT_COPY_BYTES", "bound_line", "copy_rate_gb_s",
+           "decode_bound", "loaded_bound", "share_of_bound"]
 
 DEFAULT_COPY_BYTES = 1 << 30  # 1 GiB: far past any cache (the H200's L2 holds 50 MB)
+CPU_COPY_BYTES = 256 << 20  # the CPU's caches are smaller; its copy is slower
 
 
-def copy_rate_gb_s(device: torch.device | str, nbytes: int = DEFAULT_COPY_BYTES,
+def copy_rate_gb_s(device: torch.device | str, nbytes: int | None = None,
                    repeats: int = 10) -> float:
     """GB/s (1e9) read plus written by an SM copy of `nbytes` (float32) on `device`: the
-    fastest of `repeats` timed copies after one untimed."""
+    fastest of `repeats` timed copies after one untimed. `nbytes` None: DEFAULT_COPY_BYTES
+    on a GPU, CPU_COPY_BYTES on the CPU."""
     device = torch.device(device)
+    if nbytes is None:
+        nbytes = DEFAULT_COPY_BYTES if device.type == "cuda" else CPU_COPY_BYTES
     n = max(nbytes // 4, 1)
     src = torch.rand(n, device=device)
     dst = torch.empty_like(src)
@@ -69,9 +73,8 @@ def share_of_bound(tok_s: float, bound: dict[str, Any]) -> float:
 def loaded_bound(loaded: Any, context: int, kv_quant: str) -> dict[str, Any]:
     """decode_bound of an engine's loaded model (engine.loader.LoadedModel), at the rate
     measured on its device (1 GiB on a GPU, 256 MiB on the CPU)."""
-    device = loaded.model.device
-    rate = copy_rate_gb_s(device, DEFAULT_COPY_BYTES if device.type == "cuda" else 256 << 20)
-    return decode_bound(loaded.file, loaded.config, context, kv_quant, rate)
+    return decode_bound(loaded.file, loaded.config, context, kv_quant,
+                        copy_rate_gb_s(loaded.model.device))
 
 
 def bound_line(tok_s: float, bound: dict[str, Any]) -> str:
