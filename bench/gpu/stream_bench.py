@@ -1,0 +1,320 @@
+"""Chained one-row Q4_K products in one persistent launch whose weights stream through a
+shared-memory ring: can the next products' weights arrive while a product waits for its
+input, where launches (and chain_bench's grid barrier) leave the memory idle?
+
+chain_bench (bench/RESULTS.md, 2026-12-02) timed 32 chained one-row Q4_K products: qint
+launches 45.2 us a layer of four, the same products with no wait between them (`free`)
+35.1, the copy ceiling 28.9; a grid barrier costs what a launch costs, because after it
+every program waits a DRAM latency for its first weights, and registers hold at most one
+super-block ahead. Here a program (Gluon, NVIDIA only) owns tiles of BN = 4 WARPS weight
+rows of every product and copies their weights (cp.async) into a ring of D slots of S
+super-blocks, D - 1 slots ahead of the one it multiplies, across tiles and products: the
+copies never wait for x. Before the first tile of product l (l > 0) it waits for product
+l - 1's tiles to be done (a count, acquire; each tile's program counts it in after its
+stores, release), the dependency a chained step has; `free` skips that wait.
+
+The product is qint's definition (kernels/qint.py), one program over a row's super-blocks
+in K order (qint's split 1): a thread holds one quad of 4 code words of one row (as qint's
+one-row kernel), x's words for the quad in the order the bench lays them out (quantize_x's
+codes permuted per super-block, 32 words against the low nibbles and 32 against the high:
+a producer could write them so). Every output is checked bit-equal to qint_triton's with
+split 1.
+
+    python3 bench/gpu/stream_bench.py [--layers 32] [--shapes 4096x4096,...]
+        [--configs W:S:D:G,...] [--out DIR]
+
+Writes $OUT/stream_bench.json; prints us a product and GB/s for launches (qint's default
+config, chained in one CUDA graph with programmatic dependent launches), each ring config
+with the wait and without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import UTC, datetime
+from functools import partial
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench" / "gpu")]
+
+import torch  # noqa: E402
+from kernels_check import random_blocks  # noqa: E402
+from provenance import commit_id  # noqa: E402
+from qmatmul_bench import Run, ceilings  # noqa: E402
+
+from kernels import qint  # noqa: E402
+from kernels.qint import Q4_K, QIntConfig, default_qint_config, qint_triton, quantize_x  # noqa: E402
+from kernels.qint_mma import HAS_GLUON  # noqa: E402
+
+SHAPES = "4096x4096,6144x4096,4096x14336,28672x4096"
+# warps, super-blocks a slot, slots, programs a multiprocessor
+CONFIGS = "8:2:12:1,8:4:8:1,4:4:12:1,4:2:12:2"
+
+if HAS_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+    from kernels.qint import _k4_six
+    from kernels.qtiles import _f16lo
+
+    SPIN_LIMIT = gl.constexpr(1 << 20)  # polls a wait makes at most (a stuck one: ~1 s)
+
+    @gluon.jit
+    def _where_chunk(c, NC, n_my, pid, G):
+        """Chunk c of a program -> (product, tile, slot of the tile's super-blocks)."""
+        kc = c % NC
+        tj = c // NC
+        return tj // n_my, pid + (tj % n_my) * G, kc
+
+    @gluon.jit
+    def _issue(codes, heads, slot, c, C, w32, row_words, layer_words, NC, n_my, pid, G,
+               BN: gl.constexpr, S: gl.constexpr, WARPS: gl.constexpr):
+        """cp.async of chunk c's S super-blocks of BN rows into ring slot `slot`: codes
+        (BN, 32) words a super-block, 16 bytes a thread; the 4 head words of each row.
+        Nothing past the program's last chunk (an empty group is committed all the same)."""
+        CP: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WARPS, 1], [1, 0])
+        HP: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [WARPS, 1], [1, 0])
+        on = (c < C).to(gl.int32)
+        p, t, kc = _where_chunk(gl.where(c < C, c, 0), NC, n_my, pid, G)
+        r = gl.arange(0, BN, layout=gl.SliceLayout(1, CP))
+        col = gl.arange(0, 32, layout=gl.SliceLayout(0, CP))
+        base = p.to(gl.int64) * layer_words + (t * BN + r).to(gl.int64) * row_words
+        hr = gl.arange(0, BN, layout=gl.SliceLayout(1, HP))
+        hc = gl.arange(0, 4, layout=gl.SliceLayout(0, HP))
+        hbase = p.to(gl.int64) * layer_words + (t * BN + hr).to(gl.int64) * row_words
+        for s in gl.static_range(S):
+            sb = kc * S + s
+            async_copy.async_copy_global_to_shared(
+                codes.index(slot * S + s), w32 + (base + sb * 36 + 4)[:, None] + col[None, :],
+                mask=(col < 32 * on)[None, :])
+            async_copy.async_copy_global_to_shared(
+                heads.index(slot * S + s), w32 + (hbase + sb * 36)[:, None] + hc[None, :],
+                mask=(hc < 4 * on)[None, :])
+
+    @gluon.jit
+    def _quads(t):
+        """(R, 8, 2, 2) -> four (R, 8): word i of each quad (a quad lies in one thread)."""
+        a, b = gl.split(t)
+        w0, w2 = gl.split(a)
+        w1, w3 = gl.split(b)
+        return w0, w1, w2, w3
+
+    @gluon.jit
+    def _dp4a(a, b, c, SIGNED: gl.constexpr):
+        if SIGNED:
+            asm: gl.constexpr = "dp4a.s32.s32 $0, $1, $2, $3;"
+        else:
+            asm: gl.constexpr = "dp4a.u32.s32 $0, $1, $2, $3;"
+        return gl.inline_asm_elementwise(asm, "=r,r,r,r", [a, b, c], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _sb_dot(acc, codes_sb, heads_sb, sb, xlo_ptr, xhi_ptr, bs_ptr, dx_ptr, off4, boff4,
+                q, BN: gl.constexpr, L4: gl.constexpr, RL: gl.constexpr):
+        """acc (BN,) + super-block sb of the slot's BN rows times x (qint's definition);
+        q (1, 8): each quad's index."""
+        w0, w1, w2, w3 = _quads(codes_sb.reshape([BN, 8, 2, 2]).load(L4))
+        h0, h1, h2, h3 = _quads(heads_sb.reshape([BN, 1, 2, 2]).load(L4))
+        a0, a1, a2, a3 = _quads(gl.load(xlo_ptr + sb * 32 + off4))
+        b0, b1, b2, b3 = _quads(gl.load(xhi_ptr + sb * 32 + off4))
+        t0, t1, _, _ = _quads(gl.load(bs_ptr + sb * 16 + boff4))  # the quad's sub-block's
+        dx = gl.load(dx_ptr + sb)
+        m = 0x0F0F0F0F
+        p_lo = _dp4a(w0 & m, a0, w0 * 0, True)
+        p_lo = _dp4a(w1 & m, a1, p_lo, True)
+        p_lo = _dp4a(w2 & m, a2, p_lo, True)
+        p_lo = _dp4a(w3 & m, a3, p_lo, True)
+        hm = -0x0F0F0F10  # 0xF0F0F0F0: the high nibbles in place, 16 times their value
+        p_hi = _dp4a(w0 & hm, b0, w0 * 0, False)
+        p_hi = _dp4a(w1 & hm, b1, p_hi, False)
+        p_hi = _dp4a(w2 & hm, b2, p_hi, False)
+        p_hi = _dp4a(w3 & hm, b3, p_hi, False) >> 4
+        s_lo = (2 * (q // 2)).to(gl.uint32)
+        dot = _k4_six(h1, h3, s_lo, 0) * p_lo + _k4_six(h1, h3, s_lo + 1, 0) * p_hi
+        msum = _k4_six(h2, h3, q.to(gl.uint32), 4) * (t0 + t1)  # sub-block q's min
+        isum = gl.convert_layout(gl.sum(dot, axis=1), RL)
+        mtot = gl.convert_layout(gl.sum(msum, axis=1), RL)
+        hd = gl.convert_layout(gl.max(h0, axis=1), RL)  # (BN,): the row's word 0
+        acc = gl.fma(isum.to(gl.float32), _f16lo(hd) * dx, acc)
+        return gl.fma(-mtot.to(gl.float32), _f16lo(hd >> 16) * dx, acc)
+
+    @gluon.jit
+    def _await(ctr_ptr, target):
+        seen = gl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
+        spins = 0
+        while (seen < target) & (spins < SPIN_LIMIT):
+            seen = gl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
+            spins += 1
+        if spins >= SPIN_LIMIT:
+            gl.atomic_add(ctr_ptr + 1023, 1, sem="relaxed", scope="gpu")  # gave up
+
+    @gluon.jit
+    def _ring_kernel(w_ptr, xlo_ptr, xhi_ptr, bs_ptr, dx_ptr, y_ptr, ctr_ptr, N, K, layers,
+                     WARPS: gl.constexpr, S: gl.constexpr, D: gl.constexpr,
+                     WAIT: gl.constexpr):
+        """y[l] = W_l x for l < layers, one row; program pid takes tiles pid, pid + G, ...
+        of BN rows of every product (the module docstring)."""
+        BN: gl.constexpr = 4 * WARPS
+        L4: gl.constexpr = gl.BlockedLayout([1, 1, 2, 2], [4, 8, 1, 1], [WARPS, 1, 1, 1],
+                                            [3, 2, 1, 0])
+        RING: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        pid = gl.program_id(0)
+        G = gl.num_programs(0)
+        NB = K // 256
+        NC = NB // S
+        T = N // BN
+        n_my = (T - pid + G - 1) // G
+        C = layers * n_my * NC
+        row_words = NB * 36
+        layer_words = N.to(gl.int64) * row_words
+        w32 = w_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+        codes = gl.allocate_shared_memory(gl.int32, [D * S, BN, 32], RING)
+        heads = gl.allocate_shared_memory(gl.int32, [D * S, BN, 4], RING)
+        # x's word offsets in a quad's order (1, 8, 2, 2), and its 16-column sums': the
+        # quad's two (its sub-block's) and the quad's index
+        Q1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4)))
+        I1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4)))
+        I2: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4)))
+        q4 = gl.arange(0, 8, layout=Q1)[None, :, None, None]
+        i1 = gl.arange(0, 2, layout=I1)[None, None, :, None]
+        i2 = gl.arange(0, 2, layout=I2)[None, None, None, :]
+        off4 = q4 * 4 + i1 * 2 + i2
+        boff4 = 2 * q4 + i2 + 0 * i1  # _quads' first two: bs[2 q], bs[2 q + 1]
+        q, _, _, _ = _quads(q4 + 0 * i1 + 0 * i2)
+        for i in gl.static_range(D - 1):
+            _issue(codes, heads, i, i, C, w32, row_words, layer_words, NC, n_my, pid, G, BN,
+                   S, WARPS)
+            async_copy.commit_group()
+        RL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4)))
+        rows = gl.arange(0, BN, layout=RL)
+        acc = gl.zeros([BN], gl.float32, layout=RL)
+        for c in range(0, C):
+            async_copy.wait_group(D - 2)  # this thread's copies of chunk c
+            gl.thread_barrier()  # everyone's; and the slot multiplied last is free
+            _issue(codes, heads, (c + D - 1) % D, c + D - 1, C, w32, row_words, layer_words,
+                   NC, n_my, pid, G, BN, S, WARPS)
+            async_copy.commit_group()
+            p, t, kc = _where_chunk(c, NC, n_my, pid, G)
+            if WAIT:
+                if (kc == 0) & (t == pid) & (p > 0):  # product p's first tile here
+                    _await(ctr_ptr + p - 1, T)
+            slot = c % D
+            for s in gl.static_range(S):
+                acc = _sb_dot(acc, codes.index(slot * S + s), heads.index(slot * S + s),
+                              kc * S + s, xlo_ptr, xhi_ptr, bs_ptr, dx_ptr, off4, boff4, q, BN,
+                              L4, RL)
+            if kc == NC - 1:
+                gl.store(y_ptr + p.to(gl.int64) * N + t * BN + rows, acc)
+                acc = gl.zeros([BN], gl.float32, layout=RL)
+                gl.thread_barrier()
+                gl.atomic_add(ctr_ptr + p, 1, sem="release", scope="gpu")
+        async_copy.wait_group(0)
+
+
+def quad_order_x(xq: qint.QuantX, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's int8 codes as the ring kernel reads them: per super-block, 32 words against
+    the codes' low nibbles (word 4 q + i of the weights: x's word 4 q + i + 8 (q // 2))
+    and 32 against the high nibbles (8 words on)."""
+    words = xq.q[0].view(torch.int32).view(k // 256, 64)
+    c = torch.arange(32, device=words.device)
+    lo = c + 8 * (c // 8)
+    return words[:, lo].contiguous().view(-1), words[:, lo + 8].contiguous().view(-1)
+
+
+def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]]) -> dict:
+    """One shape: qint launches chained, then each ring config with and without the wait."""
+    row: dict = {"n": n, "k": k, "layers": layers, "mb_per_product": n * k // 256 * 144 / 1e6}
+    w = torch.stack([random_blocks(run, "Q4_K", n, k) for _ in range(layers)])
+    x = torch.randn(1, k, device=run.dev, generator=run.gen).bfloat16()
+    xq = quantize_x(x)
+    one = QIntConfig(64, 1, 2)  # split 1: the ring's order of sums
+    want = torch.stack([qint_triton(x, w[i], Q4_K, (n, k), one, xq=xq)[0]
+                        for i in range(layers)])
+    cfg = default_qint_config(Q4_K, n, k, run.sms, m=1)
+    row["launch_config"] = list(cfg)
+
+    def chained() -> None:
+        xl = quantize_x(x)
+        for i in range(layers):
+            qint_triton(x, w[i], Q4_K, (n, k), cfg, xq=xl)
+
+    row["launches"] = run.time_us([chained]) / layers
+    xlo, xhi = quad_order_x(xq, k)
+    bs = xq.bs[0].to(torch.int32).contiguous()
+    y = torch.empty(layers, n, dtype=torch.float32, device=run.dev)
+    ctr = torch.zeros(1024, dtype=torch.int32, device=run.dev)
+    row["ring"] = []
+    for warps, s, d, per_sm in configs:
+        bn = 4 * warps
+        if n % bn or (k // 256) % s:
+            continue
+        programs = min(n // bn, per_sm * run.sms)
+        for wait in (True, False):
+            def launch(wait=wait, warps=warps, s=s, d=d, programs=programs) -> None:
+                ctr.zero_()
+                _ring_kernel[(programs,)](w, xlo, xhi, bs, xq.dx[0], y, ctr, n, k, layers,
+                                          WARPS=warps, S=s, D=d, WAIT=wait, num_warps=warps)
+            y.fill_(float("nan"))
+            launch()
+            torch.cuda.synchronize()
+            ok = bool(torch.equal(y, want)) and int(ctr[1023]) == 0
+            entry = {"warps": warps, "s": s, "d": d, "per_sm": per_sm, "programs": programs,
+                     "wait": wait, "ok": ok, "gave_up": int(ctr[1023])}
+            if not ok:
+                off = (y != want).any(dim=1).nonzero()
+                entry["first_off"] = int(off[0]) if len(off) else None
+                entry["max_abs_err"] = float((y - want).abs().nan_to_num(1e30).max())
+            entry["us"] = run.time_us([launch]) / layers
+            row["ring"].append(entry)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--shapes", default=SHAPES)
+    ap.add_argument("--configs", default=CONFIGS, help="WARPS:S:D:PROGRAMS_A_SM,...")
+    ap.add_argument("--budget-s", type=float, default=240.0)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    args.smoke = False
+    if not (HAS_GLUON and torch.cuda.is_available()):
+        print("stream_bench needs an NVIDIA GPU and Triton's Gluon", file=sys.stderr)
+        return 2
+    configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
+    run = Run(args)
+    out = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "commit": commit_id(),
+           "device": torch.cuda.get_device_name(0), **run.out}
+    out["ceilings"] = ceilings(run)
+    print(f"copy {out['ceilings']['copy_gb_s']:.0f} GB/s; us a product (GB/s):", flush=True)
+    for shape in args.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        if run.left() < 20:
+            out["skipped"].append(shape)
+            continue
+        row = run.attempt(shape, lambda n=n, k=k: chain(run, n, k, args.layers, configs))
+        if row is None:
+            continue
+        out["rows"].append(row)
+        mb = row["mb_per_product"]
+        print(f"Q4_K {n:6} x {k:6} launches {row['launches']:7.2f} ({mb / row['launches'] * 1e3:5.0f})",
+              flush=True)
+        for e in row["ring"]:
+            print(f"   ring w{e['warps']} s{e['s']} d{e['d']} x{e['per_sm']} "
+                  f"{'wait' if e['wait'] else 'free'} {e['us']:7.2f} ({mb / e['us'] * 1e3:5.0f})"
+                  f"{'' if e['ok'] else '  WRONG ' + json.dumps(e)}", flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "stream_bench.json").write_text(json.dumps(out, indent=1))
+    bad = [(r["n"], e["warps"], e["s"], e["d"]) for r in out["rows"] for e in r["ring"]
+           if not e["ok"]]
+    print(f"failures: {bad}; errors: {out['errors']}")
+    return 1 if bad or out["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
