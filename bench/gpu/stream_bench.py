@@ -35,7 +35,6 @@ import json
 import os
 import sys
 from datetime import UTC, datetime
-from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -302,8 +301,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         out["rows"].append(row)
         mb = row["mb_per_product"]
-        print(f"Q4_K {n:6} x {k:6} launches {row['launches']:7.2f} ({mb / row['launches'] * 1e3:5.0f})",
-              flush=True)
+        gbs = mb / row["launches"] * 1e3
+        print(f"Q4_K {n:6} x {k:6} launches {row['launches']:7.2f} ({gbs:5.0f})", flush=True)
         for e in row["ring"]:
             print(f"   ring w{e['warps']} s{e['s']} d{e['d']} x{e['per_sm']} "
                   f"{'wait' if e['wait'] else 'free'} {e['us']:7.2f} ({mb / e['us'] * 1e3:5.0f})"
