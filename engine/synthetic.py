@@ -9,6 +9,7 @@ are whatever `gguf.quants.dequantize` says they are.
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -276,7 +277,16 @@ def ensure_synthetic(name_quant: str, vocab_path: str | os.PathLike,
     target = Path(cache_dir) / (name_quant.replace(":", "_").replace("/", "_") + ".gguf")
     if not (target.exists() and _written_as(target, spec)):
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(".partial")
-        write_synthetic_gguf(partial, spec, vocab_path, seed=0)
-        partial.replace(target)  # never leave a half-written file under the final name
+        # a partial name of this writer's own: two processes writing the same cache at once
+        # (a bench beside a test run) each replace the target with a whole file of the same
+        # bytes (seed 0), where one shared partial name let one take the other's half-file
+        fd, name = tempfile.mkstemp(prefix=target.stem + ".", suffix=".partial",
+                                    dir=target.parent)
+        os.close(fd)
+        partial = Path(name)
+        try:
+            write_synthetic_gguf(partial, spec, vocab_path, seed=0)
+            partial.replace(target)  # never leave a half-written file under the final name
+        finally:
+            partial.unlink(missing_ok=True)
     return target

@@ -153,3 +153,56 @@ def test_stale_cached_file_is_rewritten(tmp_path: Path, vocab_dir: Path):
     assert file_types(path) != want
     assert ensure_synthetic("gemma3-270m:Q4_K_M", vocab_path, tmp_path) == path
     assert file_types(path) == want
+
+
+def test_concurrent_writers_each_write_their_own_partial(tmp_path: Path, monkeypatch):
+    """Two processes filling the same cache at once (a bench beside a test run) each write
+    a partial file of their own and replace the target with it whole: neither finds its
+    partial taken by the other, and no partial is left behind. With one shared partial
+    name the second writer's replace found nothing (FileNotFoundError)."""
+    import threading
+
+    import engine.synthetic as synthetic
+
+    both_writing = threading.Barrier(2, timeout=10)
+    written: list[Path] = []
+
+    def slow_write(path, spec, vocab_path, seed=0):
+        written.append(Path(path))
+        Path(path).write_bytes(b"half")
+        both_writing.wait()  # the two writers are inside their writes together
+        Path(path).write_bytes(b"whole")
+
+    monkeypatch.setattr(synthetic, "write_synthetic_gguf", slow_write)
+    monkeypatch.setattr(synthetic, "_written_as", lambda path, spec: path.exists())
+    errors: list[BaseException] = []
+
+    def fill() -> None:
+        try:
+            ensure_synthetic("gemma3-270m:Q4_K_M", tmp_path / "vocab.gguf", tmp_path)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=fill) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(set(written)) == 2
+    assert (tmp_path / "gemma3-270m_Q4_K_M.gguf").read_bytes() == b"whole"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gemma3-270m_Q4_K_M.gguf"]
+
+
+def test_failed_write_leaves_no_partial(tmp_path: Path, monkeypatch):
+    """A write that fails (a full disk) leaves neither a target nor its partial file."""
+    import engine.synthetic as synthetic
+
+    def failing_write(path, spec, vocab_path, seed=0):
+        Path(path).write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(synthetic, "write_synthetic_gguf", failing_write)
+    with pytest.raises(OSError, match="No space left"):
+        ensure_synthetic("gemma3-270m:Q4_K_M", tmp_path / "vocab.gguf", tmp_path)
+    assert list(tmp_path.iterdir()) == []
