@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench" / "gpu")]
 
 import torch  # noqa: E402
+from chain_bench import resident  # noqa: E402
 from kernels_check import random_blocks  # noqa: E402
 from provenance import commit_id  # noqa: E402
 from qmatmul_bench import Run, ceilings  # noqa: E402
@@ -62,7 +63,7 @@ if HAS_GLUON:
     from kernels.qtiles import _f16lo
     from kernels.triton_util import await_inputs, launcher
 
-    SPIN_LIMIT = gl.constexpr(1 << 20)  # polls a wait makes at most (a stuck one: ~1 s)
+    SPIN_LIMIT = gl.constexpr(1 << 16)  # polls a wait makes at most (a stuck one: ~0.1 s)
 
     @gluon.jit
     def _where_chunk(c, NC, n_my, pid, G):
@@ -257,7 +258,13 @@ def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]])
         if n % bn or (k // 256) % s:
             continue
         programs = min(n // bn, per_sm * run.sms)
-        for wait in (True, False):
+        built = _ring_kernel.warmup(w, xlo, xhi, bs, xq.dx[0], y, ctr, n, k, layers,
+                                    WARPS=warps, S=s, D=d, WAIT=True, num_warps=warps,
+                                    grid=(programs,))
+        fits = resident(built, warps, run.sms)
+        row.setdefault("resident", []).append([warps, s, d, fits, built.n_regs,
+                                               built.metadata.shared])
+        for wait in (True, False) if programs <= fits else (False,):
             def launch(wait=wait, warps=warps, s=s, d=d, programs=programs) -> None:
                 ctr.zero_()
                 _ring_kernel[(programs,)](w, xlo, xhi, bs, xq.dx[0], y, ctr, n, k, layers,
