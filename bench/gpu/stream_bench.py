@@ -51,8 +51,9 @@ from kernels.qint import Q4_K, QIntConfig, default_qint_config, qint_triton, qua
 from kernels.qint_mma import HAS_GLUON  # noqa: E402
 
 SHAPES = "4096x4096,6144x4096,4096x14336,28672x4096"
-# warps, super-blocks a slot, slots, programs a multiprocessor
-CONFIGS = "8:2:12:1,8:4:8:1,4:4:12:1,4:2:12:2"
+# warps, super-blocks a slot, slots (a power of 2; the cp.async copies fall to 4 bytes past 512
+# rows of ring, sm_90 builds), programs a multiprocessor, rows a thread (1 or 2)
+CONFIGS = "8:4:4:2:1,4:4:4:2:2,4:8:4:2:1,8:2:8:2:1,4:2:8:2:2,4:4:4:3:2"
 
 if HAS_GLUON:
     from triton.experimental import gluon
@@ -74,28 +75,35 @@ if HAS_GLUON:
 
     @gluon.jit
     def _issue(codes, heads, slot, c, C, w32, row_words, layer_words, NC, n_my, pid, G,
-               BN: gl.constexpr, S: gl.constexpr, WARPS: gl.constexpr):
-        """cp.async of chunk c's S super-blocks of BN rows into ring slot `slot`: codes
-        (BN, 32) words a super-block, 16 bytes a thread; the 4 head words of each row.
-        Nothing past the program's last chunk (an empty group is committed all the same)."""
+               R: gl.constexpr, RT: gl.constexpr, S: gl.constexpr, WARPS: gl.constexpr):
+        """cp.async of chunk c's S super-blocks of RT groups of R rows into ring slot
+        `slot` of codes (D, S RT R, 32) and heads (D, S RT R, 4): buffer (s RT + group) of
+        the slot holds (R, 32) code words (16 bytes a thread) and the rows' 4 head words.
+        One copy for all the slot's codes and one for its heads (the compiler puts a
+        barrier between two copies into one buffer). Nothing past the program's last chunk
+        (an empty group is committed all the same)."""
+        P: gl.constexpr = S * RT
         CP: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WARPS, 1], [1, 0])
         HP: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [WARPS, 1], [1, 0])
         on = (c < C).to(gl.int32)
         p, t, kc = _where_chunk(gl.where(c < C, c, 0), NC, n_my, pid, G)
-        r = gl.arange(0, BN, layout=gl.SliceLayout(1, CP))
+        v = gl.arange(0, P * R, layout=gl.SliceLayout(1, CP))  # buffer v // R, row v % R
         col = gl.arange(0, 32, layout=gl.SliceLayout(0, CP))
-        base = p.to(gl.int64) * layer_words + (t * BN + r).to(gl.int64) * row_words
-        hr = gl.arange(0, BN, layout=gl.SliceLayout(1, HP))
+        j = v // R
+        rows = (t * (R * RT) + (j % RT) * R + v % R).to(gl.int64)
+        off = p.to(gl.int64) * layer_words + rows * row_words + (kc * S + j // RT) * 36
+        off = (off + 4)[:, None] + col[None, :]  # 16-byte runs (the analysis cannot tell)
+        off = gl.max_contiguous(gl.multiple_of(off, [4, 4]), [1, 4])
+        async_copy.async_copy_global_to_shared(codes.index(slot), w32 + off,
+                                               mask=(col < 32 * on)[None, :])
+        hv = gl.arange(0, P * R, layout=gl.SliceLayout(1, HP))
         hc = gl.arange(0, 4, layout=gl.SliceLayout(0, HP))
-        hbase = p.to(gl.int64) * layer_words + (t * BN + hr).to(gl.int64) * row_words
-        for s in gl.static_range(S):
-            sb = kc * S + s
-            async_copy.async_copy_global_to_shared(
-                codes.index(slot * S + s), w32 + (base + sb * 36 + 4)[:, None] + col[None, :],
-                mask=(col < 32 * on)[None, :])
-            async_copy.async_copy_global_to_shared(
-                heads.index(slot * S + s), w32 + (hbase + sb * 36)[:, None] + hc[None, :],
-                mask=(hc < 4 * on)[None, :])
+        hj = hv // R
+        hrows = (t * (R * RT) + (hj % RT) * R + hv % R).to(gl.int64)
+        hoff = p.to(gl.int64) * layer_words + hrows * row_words + (kc * S + hj // RT) * 36
+        hoff = gl.max_contiguous(gl.multiple_of(hoff[:, None] + hc[None, :], [4, 4]), [1, 4])
+        async_copy.async_copy_global_to_shared(heads.index(slot), w32 + hoff,
+                                               mask=(hc < 4 * on)[None, :])
 
     @gluon.jit
     def _quads(t):
@@ -115,16 +123,26 @@ if HAS_GLUON:
                                          is_pure=True, pack=1)
 
     @gluon.jit
-    def _sb_dot(acc, codes_sb, heads_sb, sb, xlo_ptr, xhi_ptr, bs_ptr, dx_ptr, off4, boff4,
-                q, BN: gl.constexpr, L4: gl.constexpr, RL: gl.constexpr):
-        """acc (BN,) + super-block sb of the slot's BN rows times x (qint's definition);
-        q (1, 8): each quad's index."""
-        w0, w1, w2, w3 = _quads(codes_sb.reshape([BN, 8, 2, 2]).load(L4))
-        h0, h1, h2, h3 = _quads(heads_sb.reshape([BN, 1, 2, 2]).load(L4))
+    def _sb_x(sb, xlo_ptr, xhi_ptr, bs_ptr, dx_ptr, off4, boff4):
+        """x at super-block sb, in the quads' layout: the words against each quad's low
+        and high nibbles, its sub-block's two 16-column sums, the scale."""
         a0, a1, a2, a3 = _quads(gl.load(xlo_ptr + sb * 32 + off4))
         b0, b1, b2, b3 = _quads(gl.load(xhi_ptr + sb * 32 + off4))
-        t0, t1, _, _ = _quads(gl.load(bs_ptr + sb * 16 + boff4))  # the quad's sub-block's
-        dx = gl.load(dx_ptr + sb)
+        t0, t1, _, _ = _quads(gl.load(bs_ptr + sb * 16 + boff4))
+        return a0, a1, a2, a3, b0, b1, b2, b3, t0 + t1, gl.load(dx_ptr + sb)
+
+    @gluon.jit
+    def _sb_dot(acc, codes_sb, heads_sb, xs, q, R: gl.constexpr, WARPS: gl.constexpr,
+                RL: gl.constexpr):
+        """acc (R,) + one super-block of R rows (a slot's row group) times x (xs: _sb_x),
+        qint's definition; q (1, 8): each quad's index."""
+        a0, a1, a2, a3, b0, b1, b2, b3, tq, dx = xs
+        CL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WARPS, 1], [1, 0])
+        w0, w1, w2, w3 = _quads(gl.reshape(codes_sb.load(CL), [R, 8, 2, 2]))
+        L4: gl.constexpr = gl.BlockedLayout([1, 1, 2, 2], [4, 8, 1, 1], [WARPS, 1, 1, 1],
+                                            [3, 2, 1, 0])
+        h4 = gl.convert_layout(gl.reshape(heads_sb.load(CL), [R, 1, 2, 2]), L4)  # 8 lanes a row
+        h0, h1, h2, h3 = _quads(h4)
         m = 0x0F0F0F0F
         p_lo = _dp4a(w0 & m, a0, w0 * 0, True)
         p_lo = _dp4a(w1 & m, a1, p_lo, True)
@@ -137,10 +155,10 @@ if HAS_GLUON:
         p_hi = _dp4a(w3 & hm, b3, p_hi, False) >> 4
         s_lo = (2 * (q // 2)).to(gl.uint32)
         dot = _k4_six(h1, h3, s_lo, 0) * p_lo + _k4_six(h1, h3, s_lo + 1, 0) * p_hi
-        msum = _k4_six(h2, h3, q.to(gl.uint32), 4) * (t0 + t1)  # sub-block q's min
+        msum = _k4_six(h2, h3, q.to(gl.uint32), 4) * tq  # sub-block q's min
         isum = gl.convert_layout(gl.sum(dot, axis=1), RL)
         mtot = gl.convert_layout(gl.sum(msum, axis=1), RL)
-        hd = gl.convert_layout(gl.max(h0, axis=1), RL)  # (BN,): the row's word 0
+        hd = gl.convert_layout(gl.max(h0, axis=1), RL)  # (R,): the row's word 0
         acc = gl.fma(isum.to(gl.float32), _f16lo(hd) * dx, acc)
         return gl.fma(-mtot.to(gl.float32), _f16lo(hd >> 16) * dx, acc)
 
@@ -157,11 +175,13 @@ if HAS_GLUON:
     @gluon.jit
     def _ring_kernel(w_ptr, xlo_ptr, xhi_ptr, bs_ptr, dx_ptr, y_ptr, ctr_ptr, N, K, layers,
                      WARPS: gl.constexpr, S: gl.constexpr, D: gl.constexpr,
-                     WAIT: gl.constexpr, PDL: gl.constexpr = False):
+                     WAIT: gl.constexpr, PDL: gl.constexpr = False, RT: gl.constexpr = 1):
         """y[l] = W_l x for l < layers, one row; program pid takes tiles pid, pid + G, ...
         of BN rows of every product (the module docstring). PDL (a launch a product): the
         first D - 1 slots' copies are issued before the wait for the kernel before."""
-        BN: gl.constexpr = 4 * WARPS
+        R: gl.constexpr = 4 * WARPS  # a row group: a thread a quad of one row
+        BN: gl.constexpr = R * RT  # RT (1 or 2) row groups: x's words loaded once for them
+        gl.static_assert((RT == 1) | (RT == 2))
         L4: gl.constexpr = gl.BlockedLayout([1, 1, 2, 2], [4, 8, 1, 1], [WARPS, 1, 1, 1],
                                             [3, 2, 1, 0])
         RING: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
@@ -175,8 +195,9 @@ if HAS_GLUON:
         row_words = NB * 36
         layer_words = N.to(gl.int64) * row_words
         w32 = w_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-        codes = gl.allocate_shared_memory(gl.int32, [D * S, BN, 32], RING)
-        heads = gl.allocate_shared_memory(gl.int32, [D * S, BN, 4], RING)
+        # a slot's S RT buffers of (R, 32) code words and (R, 4) head words as one, for its copy
+        codes = gl.allocate_shared_memory(gl.int32, [D, S * RT * R, 32], RING)
+        heads = gl.allocate_shared_memory(gl.int32, [D, S * RT * R, 4], RING)
         # x's word offsets in a quad's order (1, 8, 2, 2), and its 16-column sums': the
         # quad's two (its sub-block's) and the quad's index
         Q1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4)))
@@ -189,18 +210,19 @@ if HAS_GLUON:
         boff4 = 2 * q4 + i2 + 0 * i1  # _quads' first two: bs[2 q], bs[2 q + 1]
         q, _, _, _ = _quads(q4 + 0 * i1 + 0 * i2)
         for i in gl.static_range(D - 1):
-            _issue(codes, heads, i, i, C, w32, row_words, layer_words, NC, n_my, pid, G, BN,
-                   S, WARPS)
+            _issue(codes, heads, i, i, C, w32, row_words, layer_words, NC, n_my, pid, G, R,
+                   RT, S, WARPS)
             async_copy.commit_group()
         await_inputs(PDL)
         RL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4)))
-        rows = gl.arange(0, BN, layout=RL)
-        acc = gl.zeros([BN], gl.float32, layout=RL)
+        rows = gl.arange(0, R, layout=RL)
+        acc = gl.zeros([R], gl.float32, layout=RL)
+        acc2 = gl.zeros([R], gl.float32, layout=RL)
         for c in range(0, C):
             async_copy.wait_group(D - 2)  # this thread's copies of chunk c
             gl.thread_barrier()  # everyone's; and the slot multiplied last is free
-            _issue(codes, heads, (c + D - 1) % D, c + D - 1, C, w32, row_words, layer_words,
-                   NC, n_my, pid, G, BN, S, WARPS)
+            _issue(codes, heads, (c + D - 1) % D, c + D - 1, C, w32, row_words,
+                   layer_words, NC, n_my, pid, G, R, RT, S, WARPS)
             async_copy.commit_group()
             p, t, kc = _where_chunk(c, NC, n_my, pid, G)
             if WAIT:
@@ -208,12 +230,21 @@ if HAS_GLUON:
                     _await(ctr_ptr + p - 1, T)
             slot = c % D
             for s in gl.static_range(S):
-                acc = _sb_dot(acc, codes.index(slot * S + s), heads.index(slot * S + s),
-                              kc * S + s, xlo_ptr, xhi_ptr, bs_ptr, dx_ptr, off4, boff4, q, BN,
-                              L4, RL)
+                xs = _sb_x(kc * S + s, xlo_ptr, xhi_ptr, bs_ptr, dx_ptr, off4, boff4)
+                cs = codes.index(slot)
+                hs = heads.index(slot)
+                acc = _sb_dot(acc, cs.slice(s * RT * R, R), hs.slice(s * RT * R, R), xs, q, R,
+                              WARPS, RL)
+                if RT == 2:
+                    acc2 = _sb_dot(acc2, cs.slice((s * RT + 1) * R, R),
+                                   hs.slice((s * RT + 1) * R, R), xs, q, R, WARPS, RL)
             if kc == NC - 1:
-                gl.store(y_ptr + p.to(gl.int64) * N + t * BN + rows, acc)
-                acc = gl.zeros([BN], gl.float32, layout=RL)
+                yt = y_ptr + p.to(gl.int64) * N + t * BN + rows
+                gl.store(yt, acc)
+                acc = gl.zeros([R], gl.float32, layout=RL)
+                if RT == 2:
+                    gl.store(yt + R, acc2)
+                    acc2 = gl.zeros([R], gl.float32, layout=RL)
                 gl.thread_barrier()
                 gl.atomic_add(ctr_ptr + p, 1, sem="release", scope="gpu")
         async_copy.wait_group(0)
@@ -253,28 +284,29 @@ def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]])
     ctr = torch.zeros(1024, dtype=torch.int32, device=run.dev)
     row["ring"] = []
     layer_bytes = w[0].numel()
-    for warps, s, d, per_sm in configs:
-        bn = 4 * warps
+    for warps, s, d, per_sm, rt in configs:
+        bn = 4 * warps * rt
         if n % bn or (k // 256) % s:
             continue
         programs = min(n // bn, per_sm * run.sms)
         built = _ring_kernel.warmup(w, xlo, xhi, bs, xq.dx[0], y, ctr, n, k, layers,
-                                    WARPS=warps, S=s, D=d, WAIT=True, num_warps=warps,
+                                    WARPS=warps, S=s, D=d, WAIT=True, RT=rt, num_warps=warps,
                                     grid=(programs,))
         fits = resident(built, warps, run.sms)
-        row.setdefault("resident", []).append([warps, s, d, fits, built.n_regs,
+        row.setdefault("resident", []).append([warps, s, d, rt, fits, built.n_regs,
                                                built.metadata.shared])
         for wait in (True, False) if programs <= fits else (False,):
-            def launch(wait=wait, warps=warps, s=s, d=d, programs=programs) -> None:
+            def launch(wait=wait, warps=warps, s=s, d=d, programs=programs, rt=rt) -> None:
                 ctr.zero_()
                 _ring_kernel[(programs,)](w, xlo, xhi, bs, xq.dx[0], y, ctr, n, k, layers,
-                                          WARPS=warps, S=s, D=d, WAIT=wait, num_warps=warps)
+                                          WARPS=warps, S=s, D=d, WAIT=wait, RT=rt,
+                                          num_warps=warps)
             y.fill_(float("nan"))
             launch()
             torch.cuda.synchronize()
             ok = bool(torch.equal(y, want)) and int(ctr[1023]) == 0
-            entry = {"warps": warps, "s": s, "d": d, "per_sm": per_sm, "programs": programs,
-                     "wait": wait, "ok": ok, "gave_up": int(ctr[1023])}
+            entry = {"warps": warps, "s": s, "d": d, "per_sm": per_sm, "rt": rt,
+                     "programs": programs, "wait": wait, "ok": ok, "gave_up": int(ctr[1023])}
             if not ok:
                 off = (y != want).any(dim=1).nonzero()
                 entry["first_off"] = int(off[0]) if len(off) else None
@@ -282,18 +314,19 @@ def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]])
             entry["us"] = run.time_us([launch]) / layers
             row["ring"].append(entry)
 
-        def launches(warps=warps, s=s, d=d, programs=programs) -> None:
+        def launches(warps=warps, s=s, d=d, programs=programs, rt=rt) -> None:
             kern = launcher(_ring_kernel, run.dev)  # PDL launches inside the capture
             wb = w.view(-1)
             for i in range(layers):
                 kern[(programs,)](wb[i * layer_bytes:], xlo, xhi, bs, xq.dx[0], y[i], ctr, n,
-                                  k, 1, WARPS=warps, S=s, D=d, WAIT=False, num_warps=warps)
+                                  k, 1, WARPS=warps, S=s, D=d, WAIT=False, RT=rt,
+                                  num_warps=warps)
         y.fill_(float("nan"))
         launches()
         torch.cuda.synchronize()
         ok = bool(torch.equal(y, want))
-        entry = {"warps": warps, "s": s, "d": d, "per_sm": per_sm, "programs": programs,
-                 "wait": "pdl", "ok": ok, "gave_up": 0}
+        entry = {"warps": warps, "s": s, "d": d, "per_sm": per_sm, "rt": rt,
+                 "programs": programs, "wait": "pdl", "ok": ok, "gave_up": 0}
         entry["us"] = run.time_us([launches]) / layers
         row["ring"].append(entry)
     return row
@@ -303,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--shapes", default=SHAPES)
-    ap.add_argument("--configs", default=CONFIGS, help="WARPS:S:D:PROGRAMS_A_SM,...")
+    ap.add_argument("--configs", default=CONFIGS, help="WARPS:S:D:PROGRAMS_A_SM:ROWS_A_THREAD,...")
     ap.add_argument("--budget-s", type=float, default=240.0)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
@@ -331,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Q4_K {n:6} x {k:6} launches {row['launches']:7.2f} ({gbs:5.0f})", flush=True)
         for e in row["ring"]:
             how = {True: "wait", False: "free"}.get(e["wait"], e["wait"])
-            print(f"   ring w{e['warps']} s{e['s']} d{e['d']} x{e['per_sm']} {how} "
+            print(f"   ring w{e['warps']} s{e['s']} d{e['d']} x{e['per_sm']} r{e['rt']} {how} "
                   f"{e['us']:7.2f} ({mb / e['us'] * 1e3:5.0f})"
                   f"{'' if e['ok'] else '  WRONG ' + json.dumps(e)}", flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
