@@ -25,7 +25,12 @@ split 1.
 
 Writes $OUT/stream_bench.json; prints us a product and GB/s for launches (qint's default
 config, chained in one CUDA graph with programmatic dependent launches), each ring config
-with the wait and without it.
+with the wait, without it (`free`) and as a launch a product (`pdl`: the first slots
+copied before the programmatic dependent wait).
+
+Measured on the H200 (bench/RESULTS.md, 2026-12-03): slower than the launches at every
+shape, with the same bits. Decoding from shared memory is compute-bound at 2.0-2.7 TB/s
+even with no wait, and the wait costs what a launch boundary costs.
 """
 
 from __future__ import annotations
