@@ -180,10 +180,13 @@ if HAS_GLUON:
     @gluon.jit
     def _ring_kernel(w_ptr, xlo_ptr, xhi_ptr, bs_ptr, dx_ptr, y_ptr, ctr_ptr, N, K, layers,
                      WARPS: gl.constexpr, S: gl.constexpr, D: gl.constexpr,
-                     WAIT: gl.constexpr, PDL: gl.constexpr = False, RT: gl.constexpr = 1):
+                     WAIT: gl.constexpr, PDL: gl.constexpr = False, RT: gl.constexpr = 1,
+                     PROBE: gl.constexpr = 0):
         """y[l] = W_l x for l < layers, one row; program pid takes tiles pid, pid + G, ...
         of BN rows of every product (the module docstring). PDL (a launch a product): the
-        first D - 1 slots' copies are issued before the wait for the kernel before."""
+        first D - 1 slots' copies are issued before the wait for the kernel before. PROBE
+        (timing only, wrong outputs): 1 the copies alone (no product), 2 the products alone
+        (no copy after the first D - 1 slots: they multiply those slots again)."""
         R: gl.constexpr = 4 * WARPS  # a row group: a thread a quad of one row
         BN: gl.constexpr = R * RT  # RT (1 or 2) row groups: x's words loaded once for them
         gl.static_assert((RT == 1) | (RT == 2))
@@ -226,23 +229,24 @@ if HAS_GLUON:
         for c in range(0, C):
             async_copy.wait_group(D - 2)  # this thread's copies of chunk c
             gl.thread_barrier()  # everyone's; and the slot multiplied last is free
-            _issue(codes, heads, (c + D - 1) % D, c + D - 1, C, w32, row_words,
-                   layer_words, NC, n_my, pid, G, R, RT, S, WARPS)
+            _issue(codes, heads, (c + D - 1) % D, c + D - 1, C * (PROBE != 2), w32,
+                   row_words, layer_words, NC, n_my, pid, G, R, RT, S, WARPS)
             async_copy.commit_group()
             p, t, kc = _where_chunk(c, NC, n_my, pid, G)
             if WAIT:
                 if (kc == 0) & (t == pid) & (p > 0):  # product p's first tile here
                     _await(ctr_ptr + p - 1, T)
             slot = c % D
-            for s in gl.static_range(S):
-                xs = _sb_x(kc * S + s, xlo_ptr, xhi_ptr, bs_ptr, dx_ptr, off4, boff4)
-                cs = codes.index(slot)
-                hs = heads.index(slot)
-                acc = _sb_dot(acc, cs.slice(s * RT * R, R), hs.slice(s * RT * R, R), xs, q, R,
-                              WARPS, RL)
-                if RT == 2:
-                    acc2 = _sb_dot(acc2, cs.slice((s * RT + 1) * R, R),
-                                   hs.slice((s * RT + 1) * R, R), xs, q, R, WARPS, RL)
+            if PROBE != 1:
+                for s in gl.static_range(S):
+                    xs = _sb_x(kc * S + s, xlo_ptr, xhi_ptr, bs_ptr, dx_ptr, off4, boff4)
+                    cs = codes.index(slot)
+                    hs = heads.index(slot)
+                    acc = _sb_dot(acc, cs.slice(s * RT * R, R), hs.slice(s * RT * R, R), xs, q, R,
+                                  WARPS, RL)
+                    if RT == 2:
+                        acc2 = _sb_dot(acc2, cs.slice((s * RT + 1) * R, R),
+                                       hs.slice((s * RT + 1) * R, R), xs, q, R, WARPS, RL)
             if kc == NC - 1:
                 yt = y_ptr + p.to(gl.int64) * N + t * BN + rows
                 gl.store(yt, acc)
@@ -265,7 +269,8 @@ def quad_order_x(xq: qint.QuantX, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return words[:, lo].contiguous().view(-1), words[:, lo + 8].contiguous().view(-1)
 
 
-def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]]) -> dict:
+def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]],
+          probes: tuple[int, ...] = ()) -> dict:
     """One shape: qint launches chained, then each ring config with and without the wait."""
     row: dict = {"n": n, "k": k, "layers": layers, "mb_per_product": n * k // 256 * 144 / 1e6}
     w = torch.stack([random_blocks(run, "Q4_K", n, k) for _ in range(layers)])
@@ -318,6 +323,15 @@ def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]])
                 entry["max_abs_err"] = float((y - want).abs().nan_to_num(1e30).max())
             entry["us"] = run.time_us([launch]) / layers
             row["ring"].append(entry)
+        for probe in probes if programs <= fits else ():
+            def probed(probe=probe, warps=warps, s=s, d=d, programs=programs, rt=rt) -> None:
+                _ring_kernel[(programs,)](w, xlo, xhi, bs, xq.dx[0], y, ctr, n, k, layers,
+                                          WARPS=warps, S=s, D=d, WAIT=False, RT=rt,
+                                          PROBE=probe, num_warps=warps)
+            row["ring"].append({"warps": warps, "s": s, "d": d, "per_sm": per_sm, "rt": rt,
+                                "programs": programs, "wait": ("copies", "products")[probe - 1],
+                                "ok": True, "probe": True,
+                                "us": run.time_us([probed]) / layers})
 
         def launches(warps=warps, s=s, d=d, programs=programs, rt=rt) -> None:
             kern = launcher(_ring_kernel, run.dev)  # PDL launches inside the capture
@@ -342,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--configs", default=CONFIGS, help="WARPS:S:D:PROGRAMS_A_SM:ROWS_A_THREAD,...")
+    ap.add_argument("--probes", action="store_true",
+                    help="also time each config's copies alone and its products alone "
+                         "(wrong outputs, timing only)")
     ap.add_argument("--budget-s", type=float, default=240.0)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
@@ -360,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         if run.left() < 20:
             out["skipped"].append(shape)
             continue
-        row = run.attempt(shape, lambda n=n, k=k: chain(run, n, k, args.layers, configs))
+        row = run.attempt(shape, lambda n=n, k=k: chain(run, n, k, args.layers, configs,
+                                                             (1, 2) if args.probes else ()))
         if row is None:
             continue
         out["rows"].append(row)
