@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench" / "gpu")]
 
 import torch  # noqa: E402
-from chain_bench import resident  # noqa: E402
+from chain_bench import _await_count, resident  # noqa: E402
 from kernels_check import random_blocks  # noqa: E402
 from provenance import commit_id  # noqa: E402
 from qmatmul_bench import Run, ceilings  # noqa: E402
@@ -65,11 +65,10 @@ if HAS_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+    from kernels.qint import _dp4a_acc as _dp4a
     from kernels.qint import _k4_six
     from kernels.qtiles import _f16lo
     from kernels.triton_util import await_inputs, launcher
-
-    SPIN_LIMIT = gl.constexpr(1 << 16)  # polls a wait makes at most (a stuck one: ~0.1 s)
 
     @gluon.jit
     def _where_chunk(c, NC, n_my, pid, G):
@@ -119,15 +118,6 @@ if HAS_GLUON:
         return w0, w1, w2, w3
 
     @gluon.jit
-    def _dp4a(a, b, c, SIGNED: gl.constexpr):
-        if SIGNED:
-            asm: gl.constexpr = "dp4a.s32.s32 $0, $1, $2, $3;"
-        else:
-            asm: gl.constexpr = "dp4a.u32.s32 $0, $1, $2, $3;"
-        return gl.inline_asm_elementwise(asm, "=r,r,r,r", [a, b, c], dtype=gl.int32,
-                                         is_pure=True, pack=1)
-
-    @gluon.jit
     def _sb_x(sb, xlo_ptr, xhi_ptr, bs_ptr, dx_ptr, off4, boff4):
         """x at super-block sb, in the quads' layout: the words against each quad's low
         and high nibbles, its sub-block's two 16-column sums, the scale."""
@@ -166,16 +156,6 @@ if HAS_GLUON:
         hd = gl.convert_layout(gl.max(h0, axis=1), RL)  # (R,): the row's word 0
         acc = gl.fma(isum.to(gl.float32), _f16lo(hd) * dx, acc)
         return gl.fma(-mtot.to(gl.float32), _f16lo(hd >> 16) * dx, acc)
-
-    @gluon.jit
-    def _await(ctr_ptr, target):
-        seen = gl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
-        spins = 0
-        while (seen < target) & (spins < SPIN_LIMIT):
-            seen = gl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
-            spins += 1
-        if spins >= SPIN_LIMIT:
-            gl.atomic_add(ctr_ptr + 1023, 1, sem="relaxed", scope="gpu")  # gave up
 
     @gluon.jit
     def _ring_kernel(w_ptr, xlo_ptr, xhi_ptr, bs_ptr, dx_ptr, y_ptr, ctr_ptr, N, K, layers,
@@ -235,7 +215,7 @@ if HAS_GLUON:
             p, t, kc = _where_chunk(c, NC, n_my, pid, G)
             if WAIT:
                 if (kc == 0) & (t == pid) & (p > 0):  # product p's first tile here
-                    _await(ctr_ptr + p - 1, T)
+                    _await_count(ctr_ptr + 2 * (p - 1), T)  # gave up: ctr_ptr[2 p - 1]
             slot = c % D
             if PROBE != 1:
                 for s in gl.static_range(S):
@@ -255,7 +235,7 @@ if HAS_GLUON:
                     gl.store(yt + R, acc2)
                     acc2 = gl.zeros([R], gl.float32, layout=RL)
                 gl.thread_barrier()
-                gl.atomic_add(ctr_ptr + p, 1, sem="release", scope="gpu")
+                gl.atomic_add(ctr_ptr + 2 * p, 1, sem="release", scope="gpu")
         async_copy.wait_group(0)
 
 
@@ -314,9 +294,10 @@ def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]],
             y.fill_(float("nan"))
             launch()
             torch.cuda.synchronize()
-            ok = bool(torch.equal(y, want)) and int(ctr[1023]) == 0
+            gave_up = int(ctr[1::2].sum())  # chain_bench's polls that gave up, a product each
+            ok = bool(torch.equal(y, want)) and gave_up == 0
             entry = {"warps": warps, "s": s, "d": d, "per_sm": per_sm, "rt": rt,
-                     "programs": programs, "wait": wait, "ok": ok, "gave_up": int(ctr[1023])}
+                     "programs": programs, "wait": wait, "ok": ok, "gave_up": gave_up}
             if not ok:
                 off = (y != want).any(dim=1).nonzero()
                 entry["first_off"] = int(off[0]) if len(off) else None
