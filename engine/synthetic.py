@@ -286,6 +286,7 @@ def ensure_synthetic(name_quant: str, vocab_path: str | os.PathLike,
         partial = Path(name)
         try:
             write_synthetic_gguf(partial, spec, vocab_path, seed=0)
+            partial.chmod(0o644)  # mkstemp's 0600 would keep other users from the cache
             partial.replace(target)  # never leave a half-written file under the final name
         finally:
             partial.unlink(missing_ok=True)

@@ -191,6 +191,7 @@ def test_concurrent_writers_each_write_their_own_partial(tmp_path: Path, monkeyp
     assert errors == []
     assert len(set(written)) == 2
     assert (tmp_path / "gemma3-270m_Q4_K_M.gguf").read_bytes() == b"whole"
+    assert (tmp_path / "gemma3-270m_Q4_K_M.gguf").stat().st_mode & 0o777 == 0o644
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gemma3-270m_Q4_K_M.gguf"]
 
 
