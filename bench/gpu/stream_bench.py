@@ -78,6 +78,21 @@ if HAS_GLUON:
         return tj // n_my, pid + (tj % n_my) * G, kc
 
     @gluon.jit
+    def _slot_words(w32, p, t, kc, row_words, layer_words, FIRST: gl.constexpr,
+                    WIDTH: gl.constexpr, L: gl.constexpr, R: gl.constexpr, RT: gl.constexpr,
+                    S: gl.constexpr):
+        """Pointers (S RT R, WIDTH) to words FIRST .. FIRST + WIDTH - 1 of each super-block
+        record of product p's tile t, slot kc: row v is row v % R of group (v // R) % RT,
+        super-block kc S + v // (R RT); and the column indices (WIDTH,)."""
+        v = gl.arange(0, S * RT * R, layout=gl.SliceLayout(1, L))
+        col = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, L))
+        j = v // R
+        rows = (t * (R * RT) + (j % RT) * R + v % R).to(gl.int64)
+        off = p.to(gl.int64) * layer_words + rows * row_words + (kc * S + j // RT) * 36 + FIRST
+        off = off[:, None] + col[None, :]  # 16-byte runs (the analysis cannot tell)
+        return w32 + gl.max_contiguous(gl.multiple_of(off, [4, 4]), [1, 4]), col
+
+    @gluon.jit
     def _issue(codes, heads, slot, c, C, w32, row_words, layer_words, NC, n_my, pid, G,
                R: gl.constexpr, RT: gl.constexpr, S: gl.constexpr, WARPS: gl.constexpr):
         """cp.async of chunk c's S super-blocks of RT groups of R rows into ring slot
@@ -86,28 +101,16 @@ if HAS_GLUON:
         One copy for all the slot's codes and one for its heads (the compiler puts a
         barrier between two copies into one buffer). Nothing past the program's last chunk
         (an empty group is committed all the same)."""
-        P: gl.constexpr = S * RT
         CP: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WARPS, 1], [1, 0])
         HP: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [WARPS, 1], [1, 0])
         on = (c < C).to(gl.int32)
         p, t, kc = _where_chunk(gl.where(c < C, c, 0), NC, n_my, pid, G)
-        v = gl.arange(0, P * R, layout=gl.SliceLayout(1, CP))  # buffer v // R, row v % R
-        col = gl.arange(0, 32, layout=gl.SliceLayout(0, CP))
-        j = v // R
-        rows = (t * (R * RT) + (j % RT) * R + v % R).to(gl.int64)
-        off = p.to(gl.int64) * layer_words + rows * row_words + (kc * S + j // RT) * 36
-        off = (off + 4)[:, None] + col[None, :]  # 16-byte runs (the analysis cannot tell)
-        off = gl.max_contiguous(gl.multiple_of(off, [4, 4]), [1, 4])
-        async_copy.async_copy_global_to_shared(codes.index(slot), w32 + off,
+        src, col = _slot_words(w32, p, t, kc, row_words, layer_words, 4, 32, CP, R, RT, S)
+        async_copy.async_copy_global_to_shared(codes.index(slot), src,
                                                mask=(col < 32 * on)[None, :])
-        hv = gl.arange(0, P * R, layout=gl.SliceLayout(1, HP))
-        hc = gl.arange(0, 4, layout=gl.SliceLayout(0, HP))
-        hj = hv // R
-        hrows = (t * (R * RT) + (hj % RT) * R + hv % R).to(gl.int64)
-        hoff = p.to(gl.int64) * layer_words + hrows * row_words + (kc * S + hj // RT) * 36
-        hoff = gl.max_contiguous(gl.multiple_of(hoff[:, None] + hc[None, :], [4, 4]), [1, 4])
-        async_copy.async_copy_global_to_shared(heads.index(slot), w32 + hoff,
-                                               mask=(hc < 4 * on)[None, :])
+        src, col = _slot_words(w32, p, t, kc, row_words, layer_words, 0, 4, HP, R, RT, S)
+        async_copy.async_copy_global_to_shared(heads.index(slot), src,
+                                               mask=(col < 4 * on)[None, :])
 
     @gluon.jit
     def _quads(t):
