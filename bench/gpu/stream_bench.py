@@ -286,6 +286,8 @@ def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]],
                                     WARPS=warps, S=s, D=d, WAIT=True, RT=rt, num_warps=warps,
                                     grid=(programs,))
         fits = resident(built, warps, run.sms)
+        config = {"warps": warps, "s": s, "d": d, "per_sm": per_sm, "rt": rt,
+                  "programs": programs}
         row.setdefault("resident", []).append([warps, s, d, rt, fits, built.n_regs,
                                                built.metadata.shared])
         for wait in (True, False) if programs <= fits else (False,):
@@ -299,8 +301,7 @@ def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]],
             torch.cuda.synchronize()
             gave_up = int(ctr[1::2].sum())  # chain_bench's polls that gave up, a product each
             ok = bool(torch.equal(y, want)) and gave_up == 0
-            entry = {"warps": warps, "s": s, "d": d, "per_sm": per_sm, "rt": rt,
-                     "programs": programs, "wait": wait, "ok": ok, "gave_up": gave_up}
+            entry = {**config, "wait": wait, "ok": ok, "gave_up": gave_up}
             if not ok:
                 off = (y != want).any(dim=1).nonzero()
                 entry["first_off"] = int(off[0]) if len(off) else None
@@ -312,8 +313,7 @@ def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]],
                 _ring_kernel[(programs,)](w, xlo, xhi, bs, xq.dx[0], y, ctr, n, k, layers,
                                           WARPS=warps, S=s, D=d, WAIT=False, RT=rt,
                                           PROBE=probe, num_warps=warps)
-            row["ring"].append({"warps": warps, "s": s, "d": d, "per_sm": per_sm, "rt": rt,
-                                "programs": programs, "wait": ("copies", "products")[probe - 1],
+            row["ring"].append({**config, "wait": ("copies", "products")[probe - 1],
                                 "ok": True, "probe": True,
                                 "us": run.time_us([probed]) / layers})
 
@@ -328,8 +328,7 @@ def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]],
         launches()
         torch.cuda.synchronize()
         ok = bool(torch.equal(y, want))
-        entry = {"warps": warps, "s": s, "d": d, "per_sm": per_sm, "rt": rt,
-                 "programs": programs, "wait": "pdl", "ok": ok, "gave_up": 0}
+        entry = {**config, "wait": "pdl", "ok": ok, "gave_up": 0}
         entry["us"] = run.time_us([launches]) / layers
         row["ring"].append(entry)
     return row
