@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from engine.cache_files import write_whole
 from engine.errors import ModelNotFound
 from engine.gguf import ModelFile
 from engine.models.common import DecoderModel
@@ -33,7 +34,9 @@ def resolve_model_path(name: str | os.PathLike) -> Path:
         if target.exists() and target.stat().st_size > 0:
             return target
         log.info("assembling the default model into %s", target)
-        return Path(embedded.assemble(target))
+        # whole or not at all: a second process (a server and a bench started together)
+        # takes `target` once it exists, so it must never see a half-assembled file
+        return write_whole(target, lambda partial: embedded.assemble(partial, overwrite=True))
     path = Path(name).expanduser()
     if not path.is_file():
         raise ModelNotFound(f"model '{name}' is neither 'default' nor a readable GGUF file")

@@ -9,12 +9,13 @@ are whatever `gguf.quants.dequantize` says they are.
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import gguf
 import numpy as np
+
+from engine.cache_files import write_whole
 
 T = gguf.GGMLQuantizationType
 
@@ -276,18 +277,8 @@ def ensure_synthetic(name_quant: str, vocab_path: str | os.PathLike,
     spec = synthetic_spec(name_quant)
     target = Path(cache_dir) / (name_quant.replace(":", "_").replace("/", "_") + ".gguf")
     if not (target.exists() and _written_as(target, spec)):
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # a partial name of this writer's own: two processes writing the same cache at once
-        # (a bench beside a test run) each replace the target with a whole file of the same
-        # bytes (seed 0), where one shared partial name let one take the other's half-file
-        fd, name = tempfile.mkstemp(prefix=target.stem + ".", suffix=".partial",
-                                    dir=target.parent)
-        os.close(fd)
-        partial = Path(name)
-        try:
-            write_synthetic_gguf(partial, spec, vocab_path, seed=0)
-            partial.chmod(0o644)  # mkstemp's 0600 would keep other users from the cache
-            partial.replace(target)  # never leave a half-written file under the final name
-        finally:
-            partial.unlink(missing_ok=True)
+        # through a partial file of this writer's own: two processes filling the cache at
+        # once (a bench beside a test run) each replace the target with the same bytes
+        write_whole(target, lambda partial: write_synthetic_gguf(partial, spec, vocab_path,
+                                                                 seed=0))
     return target

@@ -36,12 +36,13 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from engine.cache_files import locked
 from engine.gguf import ModelFile
 from engine.layers.ggml_linear import ACT8_TYPES
 from engine.layout_tune import LinearShape, gpu_measure, linear_shapes
@@ -226,25 +227,6 @@ def read_cached(path: Path, key: str) -> TileChoice | None:
     return TileChoice(backend, tiles, ms, errors, cached=True, skipped=skipped)
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """Holds an exclusive lock on `path`'s ".lock" neighbour (flock: released when the
-    holder exits, killed too), so that two processes' writes of the file do not drop each
-    other's records; without one (no flock, an unwritable folder) it goes on unlocked."""
-    try:
-        import fcntl
-
-        fd = os.open(path.with_name(path.name + ".lock"), os.O_CREAT | os.O_RDWR, 0o644)
-    except (ImportError, OSError):
-        yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 def write_cached(path: Path, key: str, choice: TileChoice) -> None:
     """Keeps `choice` under `key` beside the file's other records as they are now (read
     again under the file's lock: another process may have written since this one read;
@@ -261,7 +243,7 @@ def write_cached(path: Path, key: str, choice: TileChoice) -> None:
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with _locked(path):
+        with locked(path):
             records = _records(path)
             records.pop(key, None)
             records[key] = record

@@ -16,12 +16,21 @@ CACHE = Path(os.environ.get("MBUFO_TEST_CACHE", Path.home() / ".cache" / "mbufo-
 
 
 def llama_cpp_source() -> Path:
-    """The llama-cpp-python sdist, unpacked once into the test cache; returns vendor/llama.cpp."""
+    """The llama-cpp-python sdist, unpacked once into the test cache; returns vendor/llama.cpp.
+    Under the cache's lock: the suite's worker processes (scripts/test.sh) start together,
+    and one must not read the folder while another still downloads or unpacks it."""
+    from engine.cache_files import locked
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with locked(CACHE / f"llama_cpp_python-{LLAMA_CPP_VERSION}"):
+        return _unpacked_source()
+
+
+def _unpacked_source() -> Path:
     root = CACHE / f"llama_cpp_python-{LLAMA_CPP_VERSION}"
     vendor = root / "vendor" / "llama.cpp"
     if (vendor / "models").is_dir():
         return vendor
-    CACHE.mkdir(parents=True, exist_ok=True)
     tarball = CACHE / f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz"
     if not tarball.exists():
         subprocess.run(
