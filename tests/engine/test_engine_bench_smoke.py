@@ -23,8 +23,10 @@ def test_engine_bench_cpu_smoke_records_the_bound(tmp_path, vocab_dir):
     bound, variant = out["bound"], out["variants"]["ggml"]
     assert bound["context"] == 32 + 2 and bound["kv_quant"] == "f16"
     assert bound["copy_gb_s"] > 0
+    # both figures are rounded to 0.1: the rate's half-step (0.05 GB/s) moves the bound by
+    # 0.05e9 / token_bytes, which at a CPU's ~13 GB/s is more than 0.1% of it
     assert abs(bound["bound_tok_s"] - bound["copy_gb_s"] * 1e9 / bound["token_bytes"]) <= \
-        0.1 + 1e-3 * bound["bound_tok_s"]
+        0.05 + 0.05e9 / bound["token_bytes"] + 1e-6
     one = variant["decode_tps"]["1"]
     assert one > 0 and variant["prefill_tps"]["8"] > 0
     assert abs(variant["one_stream_pct_of_bound"] - 100 * one / bound["bound_tok_s"]) < 0.06
