@@ -72,7 +72,7 @@ TOLERANCE = 1e-5  # max |y - qint| / max |qint| of a product
 
 
 @triton.jit
-def _gap_kernel(out_ptr, ns, PDL: tl.constexpr):
+def _gap_kernel(out_ptr, ns, PDL: tl.constexpr = False):
     """Waits for the kernel before (PDL), lets the next one start, then spins ns
     nanoseconds: a small kernel between two products."""
     await_inputs(PDL)
