@@ -84,13 +84,40 @@ def _gap_kernel(out_ptr, ns, PDL: tl.constexpr = False):
 
 
 if HAS_GLUON:
-    from stream_bench import _issue, _quads, _where_chunk
+    from stream_bench import _quads, _slot_words
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
     from kernels.qint import _dp4a_acc as _dp4a
     from kernels.qtiles import _f16lo
+
+    @gluon.jit
+    def _step(p, tj, kc, NC, n_my):
+        """The chunk after (product p, the program's tile tj, slot kc): no division."""
+        kc += 1
+        if kc == NC:
+            kc = 0
+            tj += 1
+            if tj == n_my:
+                tj = 0
+                p += 1
+        return p, tj, kc
+
+    @gluon.jit
+    def _issue(codes, heads, slot, p, t, kc, on, w32, row_words, layer_words,
+               BN: gl.constexpr, S: gl.constexpr, W: gl.constexpr):
+        """cp.async of (product p, tile t, slot kc)'s S super-blocks of BN rows into ring
+        slot `slot`: codes (S BN, 32) and heads (S BN, 4) words (stream_bench's copies);
+        nothing unless `on` (an empty group is committed all the same)."""
+        CP: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [W, 1], [1, 0])
+        HP: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [W, 1], [1, 0])
+        src, col = _slot_words(w32, p, t, kc, row_words, layer_words, 4, 32, CP, BN, 1, S)
+        async_copy.async_copy_global_to_shared(codes.index(slot), src,
+                                               mask=(col < 32 * on)[None, :])
+        src, col = _slot_words(w32, p, t, kc, row_words, layer_words, 0, 4, HP, BN, 1, S)
+        async_copy.async_copy_global_to_shared(heads.index(slot), src,
+                                               mask=(col < 4 * on)[None, :])
 
     @gluon.jit
     def _byte(w, sel):
@@ -179,20 +206,29 @@ if HAS_GLUON:
         i2 = gl.arange(0, 2, layout=I2)[None, None, None, :]
         boff = 2 * q4 + i2 + 0 * i1  # sub-block q's two 16-column sums (twice)
         qv, _, _, _ = _quads(q4 + 0 * i1 + 0 * i2)
+        ip = 0  # the next chunk to copy: product, the program's tile, slot
+        itj = 0
+        ikc = 0
         for i in gl.static_range(D - 1):
-            _issue(codes, heads, i, i, C, w32, row_words, layer_words, NC, n_my, pid, G, BN,
-                   1, S, W)
+            _issue(codes, heads, i, ip, pid + itj * G, ikc, (i < C).to(gl.int32), w32,
+                   row_words, layer_words, BN, S, W)
             async_copy.commit_group()
+            ip, itj, ikc = _step(ip, itj, ikc, NC, n_my)
         await_inputs(PDL)
         rows = gl.arange(0, BN, layout=gl.SliceLayout(1, QL))
         acc = gl.zeros([BN, 8], gl.float32, layout=QL)
+        p = 0  # the chunk multiplied
+        tj = 0
+        kc = 0
         for ci in range(0, C):
             async_copy.wait_group(D - 2)  # this thread's copies of chunk ci
             gl.thread_barrier()  # everyone's; and the slot multiplied last is free
-            _issue(codes, heads, (ci + D - 1) % D, ci + D - 1, C * (PROBE != 2), w32,
-                   row_words, layer_words, NC, n_my, pid, G, BN, 1, S, W)
+            on = ((ci + D - 1 < C) & (PROBE != 2)).to(gl.int32)
+            _issue(codes, heads, (ci + D - 1) % D, ip, pid + itj * G, ikc, on, w32,
+                   row_words, layer_words, BN, S, W)
             async_copy.commit_group()
-            p, t, kc = _where_chunk(ci, NC, n_my, pid, G)
+            ip, itj, ikc = _step(ip, itj, ikc, NC, n_my)
+            t = pid + tj * G
             if WAIT:
                 if (kc == 0) & (t == pid) & (p > 0):  # product p's first tile here
                     _await_count(ctr_ptr + 2 * (p - 1), T)  # gave up: ctr_ptr[2 p - 1]
@@ -213,6 +249,7 @@ if HAS_GLUON:
                 acc = gl.zeros([BN, 8], gl.float32, layout=QL)
                 gl.thread_barrier()
                 gl.atomic_add(ctr_ptr + 2 * p, 1, sem="release", scope="gpu")
+            p, tj, kc = _step(p, tj, kc, NC, n_my)
         async_copy.wait_group(0)
 
 
