@@ -36,6 +36,11 @@ their first slots. Their chain alone is timed too (`gaps`).
 
     python3 bench/gpu/rows_ring_bench.py [--layers 32] [--shapes 4096x4096,...]
         [--configs W:RPT:S:D:PER_SM,...] [--gap-us 0,4] [--probes] [--out DIR]
+    ncu --section WarpStateStats ... python3 bench/gpu/rows_ring_bench.py \
+        --profile 8:2:4:2:2 --shapes 28672x4096 [--probe 2]
+
+`--profile` launches one config's persistent kernel (`--probe`: 0 the products with their
+copies and no wait, 2 the products alone) five times outside any graph, for a profiler.
 
 Writes $OUT/rows_ring_bench.json.
 """
@@ -293,6 +298,8 @@ def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]],
     y = torch.empty(layers, n, dtype=torch.float32, device=run.dev)
     ctr = torch.zeros(1024, dtype=torch.int32, device=run.dev)
     layer_bytes = w[0].numel()
+    kern = launcher(_rows_kernel, run.dev)  # PDL launches inside the capture
+    wb = w.view(-1)
     for warps, rpt, s, d, per_sm in configs:
         bn = 32 * rpt
         if n % bn or (k // 256) % s:
@@ -323,8 +330,6 @@ def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]],
                                           WAIT=False, PROBE=probe, **meta)
             row["ring"].append({**config, "how": ("copies", "products")[probe - 1],
                                 "ok": True, "us": run.time_us([probed]) / layers})
-        kern = launcher(_rows_kernel, run.dev)  # PDL launches inside the capture
-        wb = w.view(-1)
         for us in gaps:
             def launches(us=us, programs=programs, meta=meta) -> None:
                 for i in range(layers):
@@ -340,6 +345,22 @@ def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]],
     return row
 
 
+def profile(run: Run, shape: str, config: tuple[int, ...], layers: int, probe: int) -> None:
+    """Five plain launches of one config's persistent kernel (see the module docstring)."""
+    n, k = (int(v) for v in shape.split("x"))
+    warps, rpt, s, d, per_sm = config
+    w = torch.stack([random_blocks(run, "Q4_K", n, k) for _ in range(layers)])
+    xq = quantize_x(torch.randn(1, k, device=run.dev, generator=run.gen).bfloat16())
+    bs = xq.bs[0].to(torch.int32).contiguous()
+    y = torch.empty(layers, n, dtype=torch.float32, device=run.dev)
+    ctr = torch.zeros(1024, dtype=torch.int32, device=run.dev)
+    programs = min(n // (32 * rpt), per_sm * run.sms)
+    for _ in range(5):
+        _rows_kernel[(programs,)](w, xq.q[0], bs, xq.dx[0], y, ctr, n, k, layers, W=warps,
+                                  RPT=rpt, S=s, D=d, WAIT=False, PROBE=probe, num_warps=warps)
+    torch.cuda.synchronize()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=32)
@@ -349,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="us a kernel of one program spins before each product (0: none)")
     ap.add_argument("--probes", action="store_true",
                     help="also time each config's copies alone and its products alone")
+    ap.add_argument("--profile", metavar="W:RPT:S:D:PER_SM",
+                    help="only launch this config five times (the first shape), for ncu")
+    ap.add_argument("--probe", type=int, default=2, choices=(0, 2),
+                    help="--profile's kernel: 0 products and copies, 2 products alone")
     ap.add_argument("--budget-s", type=float, default=240.0)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
@@ -359,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
     gaps = [float(v) for v in args.gap_us.split(",")]
     run = Run(args)
+    if args.profile:
+        profile(run, args.shapes.split(",")[0], tuple(int(v) for v in args.profile.split(":")),
+                args.layers, args.probe)
+        return 0
     out = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "commit": commit_id(),
            "device": torch.cuda.get_device_name(0), "gap_us": gaps, **run.out}
     out["ceilings"] = ceilings(run)
