@@ -36,8 +36,8 @@ from kernels.triton_util import (
     tl,
 )
 
-__all__ = ["kv_encode_reference", "kv_store", "kv_store_reference", "plane_pair",
-           "rotate_exact", "store_args"]
+__all__ = ["kv_encode_reference", "kv_store", "kv_store_reference", "rotate_exact",
+           "store_args"]
 
 # Format name -> the kernel's (FMT, ROTATE) constexprs: FMT 0 f16, 1 q8, 2 q4.
 FORMAT_CODES = {"f16": (0, False), "q8": (1, True), "q4": (2, True), "q8_plain": (1, False),
@@ -155,26 +155,19 @@ def _planes(planes: dict[str, torch.Tensor], fmt: str, x: torch.Tensor,
             what: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The (first, last) planes of `fmt` for rows like x (n, kv_heads, d), checked."""
     n, heads, dim = x.shape
+    if fmt not in FORMAT_CODES or dim % 32:
+        raise InvalidRequest(f"kv_store: {what} format {fmt!r}, head dim {dim}")
     if x.dtype != torch.float32 or x.stride(-1) != 1:
         raise InvalidRequest(f"kv_store: {what} must be float32 (n, heads, d) with a "
                              f"contiguous last dim, got {x.dtype} {tuple(x.shape)}")
-    return plane_pair(planes, fmt, heads, dim, x.device, what)
-
-
-def plane_pair(planes: dict[str, torch.Tensor], fmt: str, heads: int, dim: int,
-               device: torch.device, what: str = "K") -> tuple[torch.Tensor, torch.Tensor]:
-    """The (first, last) planes of `fmt` for `heads` vectors of `dim` a slot, checked (f16:
-    the one float16 (slots, heads, dim) plane, twice)."""
-    if fmt not in FORMAT_CODES or dim % 32:
-        raise InvalidRequest(f"kv_store: {what} format {fmt!r}, head dim {dim}")
     tensors = []
     for name, (dtype, tail) in _plane_shapes(fmt, heads, dim).items():
         p = planes.get(name)
         if p is None or p.dtype != dtype or tuple(p.shape[1:]) != tail \
-                or not p.is_contiguous() or p.device != device:
+                or not p.is_contiguous() or p.device != x.device:
             got = None if p is None else (p.dtype, tuple(p.shape), p.device)
             raise InvalidRequest(f"kv_store: {what} plane {name!r} must be contiguous "
-                                 f"{dtype} (slots, *{tail}) on {device}, got {got}")
+                                 f"{dtype} (slots, *{tail}) on {x.device}, got {got}")
         tensors.append(p)
     return tensors[0], tensors[-1]
 

@@ -63,7 +63,6 @@ from kernels.triton_util import (
     HAS_TRITON,
     await_inputs,
     helper,
-    interpreter_active,
     launcher,
     next_pow2,
     release_first,
@@ -77,7 +76,6 @@ __all__ = ["ACT8_STORED", "INT_SUMS_M", "MMA_GEMV_MAX_M_OF", "Q6_K_A", "QINT_TYP
            "TILE_BOUNDS", "TILE_CANDIDATES", "TUNED_TILES", "forced_tile", "tile_bound",
            "tile_options", "tiled_tile",
            "QuantX", "dequantized_x_reference", "empty_quant_x", "qint_parts", "sums_dtype",
-           "RopeStore", "rope_fits",
            "qint_reference", "qint_triton", "quant_x_reference", "quantize_x",
            "quantize_x_reference", "repack_q6k", "row_bytes", "unpack_q6k"]
 
@@ -203,23 +201,6 @@ class QIntConfig(NamedTuple):
     # warps), summing the partials itself after a barrier instead of a ticket's last
     # program (_finish_in_cta: the same bits)
     in_cta: bool = False
-
-
-class RopeStore(NamedTuple):
-    """What a one-row fused q|k|v product also does in its finish (_finish_rope): RoPE of
-    its q and k rows (original layout: pairs of neighbouring elements of a head; no q/k
-    norm), q rotated into the output, k rotated and v stored at the token's slot of
-    float16 K/V planes (kernels/kv_store.py's f16 layout). fused_rope.rope_qk's and
-    kv_store's work without their launch."""
-
-    cos: torch.Tensor  # (half,) float32, contiguous: the token's
-    sin: torch.Tensor
-    slot: torch.Tensor  # (1,) int32 or int64: the token's KV slot
-    k_plane: torch.Tensor  # float16 (slots, kv_rows) of contiguous rows, any shape
-    v_plane: torch.Tensor
-    q_rows: int  # q heads x head dim; then kv_rows of k, then kv_rows of v
-    kv_rows: int
-    half: int  # half the head dim
 
 
 class QuantX(NamedTuple):
@@ -664,51 +645,13 @@ if HAS_TRITON:
         tl.store(y_ptr + rm.to(tl.int64)[None, :] * N + rt[:, None], total,
                  mask=(rm < M)[None, :] & (rt < N)[:, None])
 
-    @helper
-    def _finish_rope(acc, y_ptr, pid_n, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr,
-                     BLOCK_N: tl.constexpr, S: tl.constexpr, HALF: tl.constexpr,
-                     ROPE_Q: tl.constexpr, ROPE_KV: tl.constexpr):
-        """_finish_in_cta's tile of one row of a fused q|k|v, then what rope_qk does with
-        it (original layout: pairs of neighbouring rows in a head of 2 HALF; no q/k norm):
-        q rows rotated into y, k rows rotated and v rows as they are into float16 K/V
-        planes at the token's slot (kv_store's f16 layout: slot * ROPE_KV + row). A tile
-        lies in one of the three (its rows divide each part)."""
-        TILE: tl.constexpr = BLOCK_N // S
-        a = tl.reshape(acc, (TILE, S, 1))
-        pick = tl.arange(0, S)[None, :, None]
-        total = tl.sum(tl.where(pick == 0, a, -0.0), axis=1)
-        for s in tl.static_range(1, S):
-            total += tl.sum(tl.where(pick == s, a, -0.0), axis=1)
-        x0, x1 = tl.split(tl.reshape(total, (TILE // 2, 2)))  # rows 2 p, 2 p + 1
-        first = pid_n * TILE
-        r0 = first + 2 * tl.arange(0, TILE // 2)  # the pairs' first rows
-        if first < ROPE_Q + ROPE_KV:
-            i = (r0 % (2 * HALF)) // 2
-            cos = tl.load(cos_ptr + i)
-            sin = tl.load(sin_ptr + i)
-            o0 = x0 * cos - x1 * sin
-            o1 = x0 * sin + x1 * cos
-            if first < ROPE_Q:
-                tl.store(y_ptr + r0, o0)
-                tl.store(y_ptr + r0 + 1, o1)
-            else:
-                at = kc_ptr + tl.load(slot_ptr).to(tl.int64) * ROPE_KV + (r0 - ROPE_Q)
-                tl.store(at, o0.to(tl.float16))
-                tl.store(at + 1, o1.to(tl.float16))
-        else:
-            at = vc_ptr + tl.load(slot_ptr).to(tl.int64) * ROPE_KV + (r0 - ROPE_Q - ROPE_KV)
-            tl.store(at, x0.to(tl.float16))
-            tl.store(at + 1, x1.to(tl.float16))
-
     @triton.jit(do_not_specialize=["M", "N"])
     def _qint_gemv_kernel(
         q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, row_bytes,
-        sb_per_split, nsplit, ticket, w2_ptr, n1, row_bytes2, cos_ptr, sin_ptr, slot_ptr,
-        kc_ptr, vc_ptr,
+        sb_per_split, nsplit, ticket, w2_ptr, n1, row_bytes2,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PTX: tl.constexpr = False, QTYPE2: tl.constexpr = 0, PDL: tl.constexpr = False,
-        X_EARLY: tl.constexpr = True, IN_CTA: tl.constexpr = 0, ROPE: tl.constexpr = 0,
-        ROPE_Q: tl.constexpr = 0, ROPE_KV: tl.constexpr = 0,
+        X_EARLY: tl.constexpr = True, IN_CTA: tl.constexpr = 0,
     ):
         """y[m, n] = the product of x's row m (quantized: q, dx, 16-column sums bs) and W's
         row n; grid (N tiles, splits), a program's sum over its range of super-blocks
@@ -720,10 +663,7 @@ if HAS_TRITON:
         the same partials, summed in the same order. Row v is split v % IN_CTA of weight
         row v // IN_CTA: rows a multiple of IN_CTA apart share a split and x's words, and
         a thread's rows are such in the builds' layouts (with split-major rows the q|k + v
-        pair's sm_90 build of 32 weight rows on 8 warps took 226 registers, 161 so).
-        ROPE (= HALF, one row, with IN_CTA): the finish is _finish_rope's (a q|k|v of
-        ROPE_Q, ROPE_KV and ROPE_KV rows; cos, sin (HALF,) float32, the slot, the float16
-        K and V planes); else those five pointers are not read."""
+        pair's sm_90 build of 32 weight rows on 8 warps took 226 registers, 161 so)."""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -749,10 +689,7 @@ if HAS_TRITON:
             row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
             acc = _gemv_sbs(acc, w_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
                             M, QTYPE, BLOCK_M, PTX, PDL, X_EARLY, IN_CTA > 0)
-        if ROPE > 0:
-            _finish_rope(acc, y_ptr, pid_n, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr,
-                         BLOCK_N, IN_CTA, ROPE, ROPE_Q, ROPE_KV)
-        elif IN_CTA > 0:
+        if IN_CTA > 0:
             _finish_in_cta(acc, y_ptr, part_ptr, pid_n, M, N, BLOCK_M, BLOCK_N, IN_CTA)
         else:
             offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
@@ -1083,16 +1020,14 @@ def qint_triton(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tu
 
 def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], k: int,
                config: QIntConfig | None = None, *, num_sms: int | None = None,
-               xq: QuantX | None = None, rope: RopeStore | None = None) -> torch.Tensor:
+               xq: QuantX | None = None) -> torch.Tensor:
     """qint_triton of the weight whose rows are the parts' (blocks, type, rows) in order:
     y (M, sum of rows). The split is the whole weight's (default_qint_config of its rows),
     so each part's bits are the same on every path; a part of up to gemv_max_m(type)
     rows runs on the CUDA cores, more on the matrix unit. Two parts whose first fills whole
     programs run as one launch (a fused q|k|v of two types) where both take the same kernel:
     up to GEMV_MAX_M rows the CUDA cores', past both parts' gemv_max_m the matrix unit's;
-    else one launch each and a concatenation.
-    `rope` (where rope_fits): the launch also does RopeStore's work; y's q columns are
-    then rotated and its k and v columns not written."""
+    else one launch each and a concatenation."""
     m = x.shape[0]
     if x.dim() != 2 or x.shape[1] != k or k % QK or x.stride(1) != 1:
         raise InvalidRequest(f"qint: x must be (M, {k}) with K a multiple of 256 and "
@@ -1121,12 +1056,6 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
     if len(parts) == 2 and not gemv[0] and mma_path(m, int(parts[0][1]), int(parts[1][1]),
                                                     backend, x.device):
         gemv = [False, False]  # the Gluon kernel's two-type launch takes the second too
-    if rope is not None:
-        if not rope_fits(parts, k, m, rope.q_rows, rope.kv_rows, rope.half, x.device, cfg):
-            raise InvalidRequest(f"qint: no RoPE in the finish of {cfg} for "
-                                 f"{[(t, n) for _, t, n in parts]} at {m} rows")
-        _check_rope(rope, x.device)
-        return _launch(xq, parts, m, k, cfg, sms, backend, True, rope)
     if len(parts) == 1 or all(gemv) and len(parts) == 2 and m <= GEMV_MAX_M \
             and parts[0][2] % cfg.block_n == 0:
         return _launch(xq, parts, m, k, cfg, sms, backend, gemv[0])
@@ -1136,41 +1065,6 @@ def qint_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int, int]], 
     outs = [_launch(xq, [part], m, k, cfg, sms, backend, g)
             for part, g in zip(parts, gemv, strict=True)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
-
-def rope_fits(parts: Sequence[tuple[torch.Tensor, int, int]], k: int, m: int, q_rows: int,
-              kv_rows: int, half: int, device: torch.device,
-              config: QIntConfig | None = None) -> bool:
-    """Whether qint_parts can do a RopeStore of these sizes in the product's finish: one
-    row on the CUDA-core kernel with its splits in one program (in_cta: NVIDIA's one-row
-    default), one launch (one part, or a first part filling whole programs), rows q_rows
-    + 2 kv_rows, each a multiple of the head (2 half) and of the tile, and tiles of pairs."""
-    n = sum(p[2] for p in parts)
-    gpu = device.type == "cuda" and not torch.version.hip
-    if m != 1 or not HAS_TRITON or not (gpu or device.type == "cpu" and interpreter_active()) \
-            or len(parts) > 2 or half < 1 or n != q_rows + 2 * kv_rows:
-        return False
-    sms = device_sms(device)
-    cfg = config or default_qint_config(int(parts[0][1]), n, k, sms, "cuda", 1,
-                                        int(parts[1][1]) if len(parts) == 2 else 0)
-    tile = cfg.block_n
-    return (cfg.in_cta and cfg.split > 1 and tile % 2 == 0
-            and all(m <= gemv_max_m(int(t), "cuda", device) for _, t, _ in parts)
-            and (len(parts) == 1 or parts[0][2] % tile == 0)
-            and all(r % tile == 0 and r % (2 * half) == 0 for r in (q_rows, kv_rows)))
-
-
-def _check_rope(rope: RopeStore, device: torch.device) -> None:
-    ok = all(t.device == device for t in rope[:5]) and \
-        all(t.dtype == torch.float32 and t.is_contiguous() and t.numel() == rope.half
-            for t in (rope.cos, rope.sin)) and \
-        rope.slot.numel() == 1 and rope.slot.dtype in (torch.int32, torch.int64) and \
-        all(t.dtype == torch.float16 and t.is_contiguous() and t.numel() % rope.kv_rows == 0
-            for t in (rope.k_plane, rope.v_plane))
-    if not ok:
-        raise InvalidRequest(f"qint: RopeStore needs cos/sin ({rope.half},) float32, one int "
-                             f"slot and contiguous float16 planes of {rope.kv_rows}-element "
-                             "rows, all on the product's device")
 
 
 def _qint_mma():
@@ -1217,10 +1111,8 @@ def gemv_max_m(qtype: int, backend: str = "", device: torch.device | None = None
 
 
 def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, k: int,
-            cfg: QIntConfig, sms: int, backend: str, gemv: bool,
-            rope: RopeStore | None = None) -> torch.Tensor:
-    """One product kernel over checked inputs (two parts: the first fills whole programs;
-    `rope`: checked by qint_parts)."""
+            cfg: QIntConfig, sms: int, backend: str, gemv: bool) -> torch.Tensor:
+    """One product kernel over checked inputs (two parts: the first fills whole programs)."""
     (blocks, ggml_type, n1), device = parts[0], xq.q.device
     n = sum(p[2] for p in parts)
     blocks2, type2, _ = parts[1] if len(parts) == 2 else (blocks, 0, 0)
@@ -1236,10 +1128,7 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
                                             "X_EARLY": cfg.x_early, **stages}
         if in_cta:
             extra["IN_CTA"] = cfg.split
-        # the second part (or the first again), then _finish_rope's pointers (or y's)
-        own = (blocks2, n1, blocks2.shape[1], *(rope[:5] if rope is not None else (y,) * 5))
-        if rope is not None:
-            extra.update(ROPE=rope.half, ROPE_Q=rope.q_rows, ROPE_KV=rope.kv_rows)
+        own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
     elif mma_path(m, int(ggml_type), int(type2), backend, device) and (
             not type2 or n1 % (16 * _qint_mma().WARPS) == 0):
         return _qint_mma().qint_mma_launch(
@@ -1291,9 +1180,6 @@ def _tiled_spec(spec: type, name: str, sig: dict, divisible: tuple, qtype: int, 
                 divisible + ("w2_ptr", "row_bytes2"), opts.get("maxnreg"))
 
 
-NO_ROPE = {"ROPE": 0, "ROPE_Q": 0, "ROPE_KV": 0}  # _qint_gemv_kernel's plain finish
-
-
 def aot_specs(spec: type) -> list:
     """kernels/aot.py: x's quantization; the CUDA-core kernel of each type and of the
     Q4_K + Q6_K pair at 1 and GEMV_MAX_M rows (dp4a on cuda), and the matrix-unit one at
@@ -1312,9 +1198,7 @@ def aot_specs(spec: type) -> list:
                 {"x_ptr": "*bf16", "q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*fp16",
                  "K": "i32", "stride_xm": "i32"}, {}, 2, False, None, None,
                 ("x_ptr", "q_ptr", "dx_ptr", "bs_ptr", "K", "stride_xm"))]
-    gemv_sig = {**sig, "bs_ptr": "*i32", "w2_ptr": "*u8", "n1": "i32", "row_bytes2": "i32",
-                "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64", "kc_ptr": "*fp16",
-                "vc_ptr": "*fp16"}
+    gemv_sig = {**sig, "bs_ptr": "*i32", "w2_ptr": "*u8", "n1": "i32", "row_bytes2": "i32"}
     # each type alone, and q|k in Q4_K with v in Q6_K in one launch (Q4_K_M's attention)
     for qtype, qtype2, name in ((Q4_K, 0, "Q4_K"), (Q6_K_A, 0, "Q6_K"),
                                 (Q4_K, Q6_K_A, "Q4_K_Q6_K")):
@@ -1335,8 +1219,7 @@ def aot_specs(spec: type) -> list:
                     consts = {"QTYPE": qtype, "BLOCK_M": bm,
                               "BLOCK_N": Q6K_HEAD_BLOCK_N if head else cfg.block_n,
                               "PTX": backend == "cuda", "QTYPE2": qtype2,
-                              "PDL": backend == "cuda", "X_EARLY": bool(early), "IN_CTA": 0,
-                              **NO_ROPE}
+                              "PDL": backend == "cuda", "X_EARLY": bool(early), "IN_CTA": 0}
                     tag = "_head" if head else "" if early else "_late"
                     out.append(spec(f"qint_{name}_m{bm}{wide}{tag}",
                                     _qint_gemv_kernel,
@@ -1350,23 +1233,12 @@ def aot_specs(spec: type) -> list:
             for backend in ("hip", "cuda"):
                 consts = {"QTYPE": qtype, "BLOCK_M": 1, "BLOCK_N": cfg.block_n * cfg.split,
                           "PTX": backend == "cuda", "QTYPE2": qtype2,
-                          "PDL": backend == "cuda", "X_EARLY": True, "IN_CTA": cfg.split,
-                          **NO_ROPE}
+                          "PDL": backend == "cuda", "X_EARLY": True, "IN_CTA": cfg.split}
                 out.append(spec(f"qint_{name}_m1_in_cta",
                                 _qint_gemv_kernel,
                                 {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,
                                 cfg.num_warps, False, backend, cfg.num_stages,
                                 divisible + ("w2_ptr", "row_bytes2"), cfg.max_regs))
-            # Llama 3 8B's q|k|v with RoPE and the f16 K/V store in its finish (rope_fits:
-            # NVIDIA's alone; the gfx1151 build spills 103 registers and is never run)
-            cfg = default_qint_config(qtype, 6144, 4096, 132, "cuda", 1, qtype2)
-            consts = {"QTYPE": qtype, "BLOCK_M": 1, "BLOCK_N": cfg.block_n * cfg.split,
-                      "PTX": True, "QTYPE2": qtype2, "PDL": True, "X_EARLY": True,
-                      "IN_CTA": cfg.split, "ROPE": 64, "ROPE_Q": 4096, "ROPE_KV": 1024}
-            out.append(spec(f"qint_{name}_m1_in_cta_rope", _qint_gemv_kernel,
-                            {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,
-                            cfg.num_warps, False, "cuda", cfg.num_stages,
-                            divisible + ("w2_ptr", "row_bytes2"), cfg.max_regs))
         if qtype2:
             continue
         for backend in ("hip", "cuda"):

@@ -28,7 +28,6 @@ from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache
 from engine.layers.attention_cpu import attend_cpu
 from kernels.fused_rope import KVStore
-from kernels.kv_store import plane_pair
 from kernels.paged_attention import (
     AttnConfig,
     AttnPlan,
@@ -37,7 +36,7 @@ from kernels.paged_attention import (
     plan_attention,
 )
 from kernels.paged_attention_plan import WORK_FIELDS
-from kernels.qint import QuantX, RopeStore, rope_fits
+from kernels.qint import QuantX
 from kernels.triton_util import carveout_active
 
 
@@ -97,38 +96,6 @@ def kv_target(layer: AttnLayer, v: torch.Tensor, batch: ForwardBatch, kv: KVCach
     assert k_planes is not None and v_planes is not None
     return KVStore(v, batch.write_slots(kv.group_of(layer.index), kv.page_size), k_planes,
                    v_planes, kv.k_format.name, kv.v_format.name)
-
-
-def rope_in_qkv(layer: AttnLayer, qkv: Any, cos: torch.Tensor, sin: torch.Tensor,
-                neox: bool, qk_norm: bool, batch: ForwardBatch, kv: KVCache,
-                rows: int) -> RopeStore | None:
-    """What `qkv`'s product (the layer's fused q|k|v) needs to do rope_qk's work in its own
-    finish, RoPE of q and k and the K/V store (kernels/qint.py's RopeStore: no launch of
-    its own), or None where it cannot: one row on NVIDIA's one-row kernel (qint.rope_fits),
-    original-layout RoPE over the whole head without q/k norms, f16 K and V planes, a
-    layer of q8 parts only. cos and sin: the step's (1, 1, d/2). MBUFO_ROPE_IN_QKV=0 turns
-    it off (rope_qk's launch again)."""
-    raw = os.environ.get("MBUFO_ROPE_IN_QKV", "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"MBUFO_ROPE_IN_QKV must be 0 or 1, got {raw!r}")
-    if raw == "0" or rows != 1 or neox or qk_norm or layer.head_dim != layer.head_dim_v or \
-            kv.k_format.name != "f16" or kv.v_format.name != "f16" or \
-            not hasattr(qkv, "qint_parts_at"):
-        return None
-    parts = qkv.qint_parts_at(rows, cos.device)
-    q_rows = layer.num_heads * layer.head_dim
-    kv_rows = layer.num_kv_heads * layer.head_dim
-    half = layer.head_dim // 2
-    if parts is None or cos.numel() != half or not rope_fits(
-            parts, qkv.in_features, rows, q_rows, kv_rows, half, cos.device):
-        return None
-    k_planes, v_planes = kv.k[layer.index], kv.v[layer.index]
-    assert k_planes is not None and v_planes is not None
-    k0, _ = plane_pair(k_planes, "f16", layer.num_kv_heads, layer.head_dim, cos.device)
-    v0, _ = plane_pair(v_planes, "f16", layer.num_kv_heads, layer.head_dim, cos.device, "V")
-    slots = batch.write_slots(kv.group_of(layer.index), kv.page_size)
-    return RopeStore(cos.reshape(half), sin.reshape(half), slots, k0, v0, q_rows, kv_rows,
-                     half)
 
 
 def attn_quant_enabled(tokens: int = 1) -> bool:

@@ -34,7 +34,6 @@ from kernels.qint import (
     ACT8_STORED,
     QINT_TYPES,
     QuantX,
-    RopeStore,
     qint_parts,
     qint_reference,
     qint_triton,
@@ -187,27 +186,9 @@ class GGMLLinear:
         writes: no cast launch of its own)."""
         return self.dense.dtype if self.dense_at(rows) else torch.float32
 
-    def qint_parts_at(self, rows: int, device: torch.device) -> list | None:
-        """The parts as kernels.qint.qint_parts takes them where a call of `rows` rows on
-        `device` is one qint_parts call with nothing after it (the Triton path, every part
-        q8, no bias, no dense copy), else None."""
-        if not (use_triton(device) and self._all_qint) or self.bias is not None or \
-                self.dense_at(rows):
-            return None
-        return [(p.weight, p.ggml_type, p.out_features) for p in self.parts]
-
-    def __call__(self, x: torch.Tensor, xq: QuantX | None = None,
-                 rope: RopeStore | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, xq: QuantX | None = None) -> torch.Tensor:
         """x (n, in) float32 -> (n, out) float32; `xq`: x quantized (kernels/qint.py), for
-        the q8 parts on the Triton path (made here once for all of them when not given).
-        `rope` (where qint_parts_at and qint.rope_fits allow it): the product also does its
-        RoPE and K/V store, and the output's k and v columns are not written."""
-        if rope is not None:
-            parts = self.qint_parts_at(x.shape[0], x.device)
-            if parts is None:
-                raise ValueError("a RopeStore needs a layer of q8 parts only on the Triton "
-                                 "path, without a bias or a dense copy")
-            return qint_parts(x, parts, self.in_features, xq=xq, rope=rope)
+        the q8 parts on the Triton path (made here once for all of them when not given)."""
         if self.dense_at(x.shape[0]):
             y = dense_matmul(x, self.dense)
             return y if self.bias is None else y + self.bias

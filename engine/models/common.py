@@ -15,14 +15,7 @@ from engine.batch import ForwardBatch
 from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache, LayerKVSpec
 from engine.layers.activation import ACTIVATIONS
-from engine.layers.attention import (
-    AttnLayer,
-    attend,
-    attend_q8,
-    attn_quant_enabled,
-    kv_target,
-    rope_in_qkv,
-)
+from engine.layers.attention import AttnLayer, attend, attend_q8, attn_quant_enabled, kv_target
 from engine.layers.linear import Int8Linear, Linear
 from engine.layers.norm import rms_norm
 from engine.layers.rope import Rope
@@ -217,21 +210,14 @@ class DecoderModel:
         quantized by the norm kernel for a q8 projection."""
         cfg, n = self.cfg, h.shape[0]
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        store = rope_in_qkv(blk.attn, blk.qkv, *cs, rope.neox, blk.q_norm is not None, batch,
-                            kv, n) if fused and hq is not None else None
-        if store is not None:  # the product's finish rotates q and k and stores k and v
-            q = blk.qkv(h, xq=hq, rope=store)[:, :q_dim].reshape(n, cfg.num_heads, cfg.head_dim)
-            k = v = None
-        else:
-            qkv = blk.qkv(h) if hq is None else blk.qkv(h, xq=hq)  # f32
-            q, k, v = qkv.split([q_dim, kv_dim, cfg.num_kv_heads * cfg.head_dim_v], dim=-1)
-            q = q.reshape(n, cfg.num_heads, cfg.head_dim)
-            k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
-            v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim_v)
-        if fused:
-            if store is None:  # q/k norm and RoPE of both, and the K/V store, in one kernel
-                q, k = rope_qk(q, k, *cs, rope.neox, blk.q_norm, blk.k_norm, cfg.rms_eps,
-                               kv_target(blk.attn, v, batch, kv))
+        qkv = blk.qkv(h) if hq is None else blk.qkv(h, xq=hq)  # f32
+        q, k, v = qkv.split([q_dim, kv_dim, cfg.num_kv_heads * cfg.head_dim_v], dim=-1)
+        q = q.reshape(n, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim_v)
+        if fused:  # q/k norm and RoPE of both, and the K/V store, in one kernel
+            q, k = rope_qk(q, k, *cs, rope.neox, blk.q_norm, blk.k_norm, cfg.rms_eps,
+                           kv_target(blk.attn, v, batch, kv))
             if _act8(blk.out, fused, n) and attn_quant_enabled(n):  # the attention quantizes
                 o, oq = attend_q8(blk.attn, q, batch, kv)
                 return blk.out(o) if oq is None else blk.out(o, xq=oq)

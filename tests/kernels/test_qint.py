@@ -275,63 +275,6 @@ def test_nvidia_branch_gives_the_same_bits(interp, rng, qtype):
         check(got, x[:m], blocks, qtype)
 
 
-def parts_with_rope(x, parts, k, cfg, rope_args) -> tuple[torch.Tensor, ...]:
-    """qint_parts with a RopeStore (called in the interpreter's worker, where the planes
-    are written): its output and both planes."""
-    from kernels.qint import RopeStore, qint_parts
-
-    rope = RopeStore(*rope_args)
-    y = qint_parts(x, parts, k, cfg, rope=rope)
-    return y, rope.k_plane, rope.v_plane
-
-
-@pytest.mark.parametrize("second", [True, False], ids=["q4k_q6k", "q4k"])
-def test_rope_and_kv_store_in_the_qkv_finish(interp, rng, second):
-    """A RopeStore in the one-row q|k|v launch (its splits in one program; q|k in Q4_K and
-    v in Q6_K, or all Q4_K): y's q columns are the plain launch's q rotated as
-    fused_rope.rope_qk_reference rotates it, and the planes' row at the slot holds k
-    rotated and v, as float16 (kv_store's casts); the other slots and y's other columns
-    are left alone. The same float32 formulas: the same bits."""
-    from kernels.fused_rope import rope_qk_reference
-    from kernels.qint import in_cta_config
-
-    def fits(*args):  # in the worker, where the interpreter runs the CPU's kernels
-        return interp.call("kernels.qint:rope_fits", *args)
-
-    half, heads, kv_heads, k, slot = 8, 4, 2, 1024, 3
-    q_rows, kv_rows = heads * 2 * half, kv_heads * 2 * half
-    w = random_weight(T.Q4_K, q_rows + 2 * kv_rows, k, rng)
-    if second:
-        g2 = random_weight(T.Q6_K, kv_rows, k, rng)
-        parts = [(w[:q_rows + kv_rows], int(T.Q4_K), q_rows + kv_rows),
-                 (repack_q6k(g2, k), Q6_K_A, kv_rows)]
-    else:
-        parts = [(w, int(T.Q4_K), q_rows + 2 * kv_rows)]
-    x = torch.from_numpy(rng.standard_normal((1, k), dtype=np.float32))
-    cfg = in_cta_config(QIntConfig(16, 4, 2))  # 4 weight rows a program: 2 pairs
-    assert fits(parts, k, 1, q_rows, kv_rows, half, torch.device("cpu"), cfg)
-    angle = torch.from_numpy(rng.uniform(0, 6.3, half).astype(np.float32))
-    cos, sin = angle.cos(), angle.sin()
-    planes = [torch.full((5, kv_rows), 7.0, dtype=torch.float16) for _ in range(2)]
-    rope_args = (cos, sin, torch.tensor([slot]), *planes, q_rows, kv_rows, half)
-    y, k_plane, v_plane = interp.call("test_qint:parts_with_rope", x, parts, k, cfg,
-                                      rope_args)
-    plain = interp.call("kernels.qint:qint_parts", x, parts, k, cfg)
-    q, kk, v = plain[0].split([q_rows, kv_rows, kv_rows])
-    q_rot, k_rot = rope_qk_reference(q.view(1, heads, 2 * half), kk.view(1, kv_heads, 2 * half),
-                                     cos[None], sin[None], neox=False)
-    assert torch.equal(y[0, :q_rows], q_rot.flatten())
-    assert torch.equal(k_plane[slot], k_rot.flatten().half())
-    assert torch.equal(v_plane[slot], v.half())
-    others = [i for i in range(5) if i != slot]
-    assert (k_plane[others] == 7.0).all() and (v_plane[others] == 7.0).all()
-    assert not fits(parts, k, 2, q_rows, kv_rows, half, torch.device("cpu"), cfg)
-    assert not fits(parts, k, 1, q_rows, kv_rows, half, torch.device("cpu"),
-                    QIntConfig(16, 4, 2))  # splits as programs: no finish of its own
-    with pytest.raises(InvalidRequest, match="RoPE"):
-        interp.call("test_qint:parts_with_rope", x, parts, k, QIntConfig(16, 4, 2), rope_args)
-
-
 def parts_with_tile(tile: tuple, *args, **kwargs) -> torch.Tensor:
     """qint_parts with every matrix-unit launch at `tile` (called in the interpreter's worker)."""
     from kernels.qint import forced_tile, qint_parts, tiled_tile
