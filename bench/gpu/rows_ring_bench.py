@@ -96,12 +96,11 @@ def _gap_kernel(out_ptr, ns, PDL: tl.constexpr = False):
 
 
 if HAS_GLUON:
-    from stream_bench import _quads, _slot_words
+    from stream_bench import _nibble_dots, _quad_index, _quads, _ring_extent, _slot_words
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from kernels.qint import _dp4a_acc as _dp4a
     from kernels.qtiles import _f16lo
 
     @gluon.jit
@@ -152,16 +151,8 @@ if HAS_GLUON:
                                                              [BN, 1, 2, 2]), L4))
         a0, a1, a2, a3 = xa
         b0, b1, b2, b3 = xb
+        p_lo, p_hi = _nibble_dots(w0, w1, w2, w3, a0, a1, a2, a3, b0, b1, b2, b3)
         m = 0x0F0F0F0F
-        p_lo = _dp4a(w0 & m, a0, w0 * 0, True)
-        p_lo = _dp4a(w1 & m, a1, p_lo, True)
-        p_lo = _dp4a(w2 & m, a2, p_lo, True)
-        p_lo = _dp4a(w3 & m, a3, p_lo, True)
-        hm = -0x0F0F0F10  # 0xF0F0F0F0: the high nibbles in place, 16 times their value
-        p_hi = _dp4a(w0 & hm, b0, w0 * 0, False)
-        p_hi = _dp4a(w1 & hm, b1, p_hi, False)
-        p_hi = _dp4a(w2 & hm, b2, p_hi, False)
-        p_hi = _dp4a(w3 & hm, b3, p_hi, False) >> 4
         # the 8 scales and 8 mins as bytes of four words (get_scale_min_k4's fields):
         # sub-blocks 0-3 in h1 / h2's low 6 bits, 4-7 from h3's nibbles and h1 / h2's top 2
         sc_a = h1 & 0x3F3F3F3F
@@ -196,13 +187,7 @@ if HAS_GLUON:
         HEADS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
         pid = gl.program_id(0)
         G = gl.num_programs(0)
-        NB = K // 256
-        NC = NB // S
-        T = N // BN
-        n_my = (T - pid + G - 1) // G
-        C = layers * n_my * NC
-        row_words = NB * 36
-        layer_words = N.to(gl.int64) * row_words
+        NC, T, n_my, C, row_words, layer_words = _ring_extent(N, K, layers, BN, S)
         w32 = w_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         q32 = q_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         codes = gl.allocate_shared_memory(gl.int32, [D, S * BN, 32], CODES)
@@ -210,12 +195,7 @@ if HAS_GLUON:
         # x's words against the low nibbles of code word c: 4 q + i + 8 (q // 2) (qint's)
         c = gl.arange(0, 32, layout=gl.SliceLayout(0, XL))[None, :]
         xw = gl.max_contiguous(gl.multiple_of(c + 8 * (c // 8), [1, 4]), [1, 4])
-        Q1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4)))
-        I1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4)))
-        I2: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4)))
-        q4 = gl.arange(0, 8, layout=Q1)[None, :, None, None]
-        i1 = gl.arange(0, 2, layout=I1)[None, None, :, None]
-        i2 = gl.arange(0, 2, layout=I2)[None, None, None, :]
+        q4, i1, i2 = _quad_index(L4)
         boff = 2 * q4 + i2 + 0 * i1  # sub-block q's two 16-column sums (twice)
         qv, _, _, _ = _quads(q4 + 0 * i1 + 0 * i2)
         ip = 0  # the next chunk to copy: product, the program's tile, slot

@@ -130,6 +130,46 @@ if HAS_GLUON:
         return a0, a1, a2, a3, b0, b1, b2, b3, t0 + t1, gl.load(dx_ptr + sb)
 
     @gluon.jit
+    def _nibble_dots(w0, w1, w2, w3, a0, a1, a2, a3, b0, b1, b2, b3):
+        """A quad of Q4_K code words against x's words: the dot of their low nibbles with
+        a0..a3 and of their high nibbles with b0..b3 (int32, qint's _dp4a_acc chains)."""
+        m = 0x0F0F0F0F
+        p_lo = _dp4a(w0 & m, a0, w0 * 0, True)
+        p_lo = _dp4a(w1 & m, a1, p_lo, True)
+        p_lo = _dp4a(w2 & m, a2, p_lo, True)
+        p_lo = _dp4a(w3 & m, a3, p_lo, True)
+        hm = -0x0F0F0F10  # 0xF0F0F0F0: the high nibbles in place, 16 times their value
+        p_hi = _dp4a(w0 & hm, b0, w0 * 0, False)
+        p_hi = _dp4a(w1 & hm, b1, p_hi, False)
+        p_hi = _dp4a(w2 & hm, b2, p_hi, False)
+        return p_lo, _dp4a(w3 & hm, b3, p_hi, False) >> 4
+
+    @gluon.jit
+    def _quad_index(L4: gl.constexpr):
+        """(1, 8, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2) indices in L4: a super-block's quad, and
+        a word's place in it (word 4 q + 2 i1 + i2)."""
+        Q1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4)))
+        I1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4)))
+        I2: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4)))
+        return (gl.arange(0, 8, layout=Q1)[None, :, None, None],
+                gl.arange(0, 2, layout=I1)[None, None, :, None],
+                gl.arange(0, 2, layout=I2)[None, None, None, :])
+
+    @gluon.jit
+    def _ring_extent(N, K, layers, BN: gl.constexpr, S: gl.constexpr):
+        """A program's share of `layers` products of (N, K) Q4_K rows in tiles of BN rows
+        and chunks of S super-blocks: (chunks a tile, tiles, this program's tiles, its
+        chunks, words a row, words a product)."""
+        pid = gl.program_id(0)
+        G = gl.num_programs(0)
+        NB = K // 256
+        NC = NB // S
+        T = N // BN
+        n_my = (T - pid + G - 1) // G
+        row_words = NB * 36
+        return NC, T, n_my, layers * n_my * NC, row_words, N.to(gl.int64) * row_words
+
+    @gluon.jit
     def _sb_dot(acc, codes_sb, heads_sb, xs, q, R: gl.constexpr, WARPS: gl.constexpr,
                 RL: gl.constexpr):
         """acc (R,) + one super-block of R rows (a slot's row group) times x (xs: _sb_x),
@@ -141,16 +181,7 @@ if HAS_GLUON:
                                             [3, 2, 1, 0])
         h4 = gl.convert_layout(gl.reshape(heads_sb.load(CL), [R, 1, 2, 2]), L4)  # 8 lanes a row
         h0, h1, h2, h3 = _quads(h4)
-        m = 0x0F0F0F0F
-        p_lo = _dp4a(w0 & m, a0, w0 * 0, True)
-        p_lo = _dp4a(w1 & m, a1, p_lo, True)
-        p_lo = _dp4a(w2 & m, a2, p_lo, True)
-        p_lo = _dp4a(w3 & m, a3, p_lo, True)
-        hm = -0x0F0F0F10  # 0xF0F0F0F0: the high nibbles in place, 16 times their value
-        p_hi = _dp4a(w0 & hm, b0, w0 * 0, False)
-        p_hi = _dp4a(w1 & hm, b1, p_hi, False)
-        p_hi = _dp4a(w2 & hm, b2, p_hi, False)
-        p_hi = _dp4a(w3 & hm, b3, p_hi, False) >> 4
+        p_lo, p_hi = _nibble_dots(w0, w1, w2, w3, a0, a1, a2, a3, b0, b1, b2, b3)
         s_lo = (2 * (q // 2)).to(gl.uint32)
         dot = _k4_six(h1, h3, s_lo, 0) * p_lo + _k4_six(h1, h3, s_lo + 1, 0) * p_hi
         msum = _k4_six(h2, h3, q.to(gl.uint32), 4) * tq  # sub-block q's min
@@ -178,25 +209,14 @@ if HAS_GLUON:
         RING: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
         pid = gl.program_id(0)
         G = gl.num_programs(0)
-        NB = K // 256
-        NC = NB // S
-        T = N // BN
-        n_my = (T - pid + G - 1) // G
-        C = layers * n_my * NC
-        row_words = NB * 36
-        layer_words = N.to(gl.int64) * row_words
+        NC, T, n_my, C, row_words, layer_words = _ring_extent(N, K, layers, BN, S)
         w32 = w_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         # a slot's S RT buffers of (R, 32) code words and (R, 4) head words as one, for its copy
         codes = gl.allocate_shared_memory(gl.int32, [D, S * RT * R, 32], RING)
         heads = gl.allocate_shared_memory(gl.int32, [D, S * RT * R, 4], RING)
         # x's word offsets in a quad's order (1, 8, 2, 2), and its 16-column sums': the
         # quad's two (its sub-block's) and the quad's index
-        Q1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4)))
-        I1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4)))
-        I2: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4)))
-        q4 = gl.arange(0, 8, layout=Q1)[None, :, None, None]
-        i1 = gl.arange(0, 2, layout=I1)[None, None, :, None]
-        i2 = gl.arange(0, 2, layout=I2)[None, None, None, :]
+        q4, i1, i2 = _quad_index(L4)
         off4 = q4 * 4 + i1 * 2 + i2
         boff4 = 2 * q4 + i2 + 0 * i1  # _quads' first two: bs[2 q], bs[2 q + 1]
         q, _, _, _ = _quads(q4 + 0 * i1 + 0 * i2)
