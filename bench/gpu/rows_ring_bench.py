@@ -31,11 +31,14 @@ x is read as quantize_x writes it (no permuted copy). Variants, us a product:
 
 `--gap-us G` puts a kernel of one program that waits for the product before it and then
 spins G us before each product of `launches` and `pdl`: a decode step's small kernels
-(norm, attention, activation) between its products, during which `pdl`'s programs copy
-their first slots. Their chain alone is timed too (`gaps`).
+(norm, attention, activation) between its products. Their chain alone is timed too
+(`gaps`). A gap `Gt` lets the product after it start as it begins (programmatic dependent
+launch, as the engine's small kernels do): the product's programs then load their first
+weights (qint: a super-block a thread; `pdl`: D - 1 slots) while it spins. A plain `G`
+lets nothing start before it ends.
 
     python3 bench/gpu/rows_ring_bench.py [--layers 32] [--shapes 4096x4096,...]
-        [--configs W:RPT:S:D:PER_SM,...] [--gap-us 0,4] [--probes] [--out DIR]
+        [--configs W:RPT:S:D:PER_SM,...] [--gap-us 0,4,4t] [--probes] [--out DIR]
     ncu --section WarpStateStats ... python3 bench/gpu/rows_ring_bench.py \
         --profile 8:2:4:2:2 --shapes 28672x4096 [--probe 2]
 
@@ -245,6 +248,12 @@ if HAS_GLUON:
         async_copy.wait_group(0)
 
 
+def gap_spec(spec: str) -> tuple[float, bool]:
+    """`--gap-us` item -> (us, whether the gap kernel lets the next launch start early)."""
+    trigger = spec.endswith("t")
+    return float(spec[:-1] if trigger else spec), trigger
+
+
 def close(y: torch.Tensor, want: torch.Tensor) -> tuple[bool, float]:
     """Whether every product is within TOLERANCE of qint's, and the worst relative error."""
     err = float(((y - want).abs().amax(dim=1) / want.abs().amax(dim=1)).nan_to_num(1e30).max())
@@ -252,7 +261,7 @@ def close(y: torch.Tensor, want: torch.Tensor) -> tuple[bool, float]:
 
 
 def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]],
-          gaps: list[float], probes: bool) -> dict:
+          gaps: list[str], probes: bool) -> dict:
     """One shape: qint launches, then each ring config's variants."""
     row: dict = {"n": n, "k": k, "layers": layers, "mb_per_product": n * k // 256 * 144 / 1e6,
                  "gaps": {}, "launches": {}, "ring": []}
@@ -266,21 +275,22 @@ def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]],
     spin = torch.zeros(1, dtype=torch.int32, device=run.dev)
     gap = launcher(_gap_kernel, run.dev)
 
-    def gap_before(us: float) -> None:
+    def gap_before(spec: str) -> None:
+        us, trigger = gap_spec(spec)
         if us > 0:
-            gap[(1,)](spin, int(us * 1000), num_warps=1)
+            gap[(1,)](spin, int(us * 1000), PDL=trigger, num_warps=1)
 
     for us in gaps:
-        if us > 0:
-            row["gaps"][str(us)] = run.time_us([lambda us=us: [gap_before(us)
-                                                               for _ in range(layers)]]) / layers
+        if gap_spec(us)[0] > 0:
+            row["gaps"][us] = run.time_us([lambda us=us: [gap_before(us)
+                                                          for _ in range(layers)]]) / layers
 
         def chained(us=us) -> None:
             xl = quantize_x(x)
             for i in range(layers):
                 gap_before(us)
                 qint_triton(x, w[i], Q4_K, (n, k), cfg, xq=xl)
-        row["launches"][str(us)] = run.time_us([chained]) / layers
+        row["launches"][us] = run.time_us([chained]) / layers
     bs = xq.bs[0].to(torch.int32).contiguous()
     y = torch.empty(layers, n, dtype=torch.float32, device=run.dev)
     ctr = torch.zeros(1024, dtype=torch.int32, device=run.dev)
@@ -353,8 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--configs", default=CONFIGS, help="W:RPT:S:D:PROGRAMS_A_SM,...")
-    ap.add_argument("--gap-us", default="0,4",
-                    help="us a kernel of one program spins before each product (0: none)")
+    ap.add_argument("--gap-us", default="0,4,4t",
+                    help="us a kernel of one program spins before each product (0: none; "
+                         "a t suffix: it lets the product start as it begins)")
     ap.add_argument("--probes", action="store_true",
                     help="also time each config's copies alone and its products alone")
     ap.add_argument("--profile", metavar="W:RPT:S:D:PER_SM",
@@ -369,7 +380,12 @@ def main(argv: list[str] | None = None) -> int:
         print("rows_ring_bench needs an NVIDIA GPU and Triton's Gluon", file=sys.stderr)
         return 2
     configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
-    gaps = [float(v) for v in args.gap_us.split(",")]
+    gaps = args.gap_us.split(",")
+    for g in gaps:
+        try:
+            gap_spec(g)
+        except ValueError:
+            ap.error(f"--gap-us: {g!r} is not a number of us with an optional t suffix")
     run = Run(args)
     if args.profile:
         profile(run, args.shapes.split(",")[0], tuple(int(v) for v in args.profile.split(":")),

@@ -73,7 +73,8 @@ def test_gap_kernel_spins_after_its_wait(rows_ring_bench):
     sig = {"out_ptr": "*i32", "ns": "i32", "PDL": "constexpr"}
     ptx = _ptx(ASTSource(compiled(rows_ring_bench._gap_kernel), sig, {"PDL": True}), 1)
     assert "%globaltimer" in ptx
-    assert ptx.index("griddepcontrol.wait") < ptx.index("%globaltimer")
+    assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents") \
+        < ptx.index("%globaltimer")  # a `t` gap: the next launch starts before the spin
     plain = _ptx(ASTSource(compiled(rows_ring_bench._gap_kernel), sig, {"PDL": False}), 1)
     assert "griddepcontrol" not in plain
 
@@ -87,3 +88,11 @@ def test_close_takes_the_worst_product(rows_ring_bench):
     off[1, 1] += 8.0 * 2e-5  # 2e-5 of the second product's largest
     ok, err = rows_ring_bench.close(off, want)
     assert not ok and err == pytest.approx(2e-5, rel=1e-2)  # float32 8 + 1.6e-4
+
+
+def test_gap_specs(rows_ring_bench):
+    assert rows_ring_bench.gap_spec("0") == (0.0, False)
+    assert rows_ring_bench.gap_spec("2.5") == (2.5, False)
+    assert rows_ring_bench.gap_spec("3t") == (3.0, True)
+    with pytest.raises(ValueError):
+        rows_ring_bench.gap_spec("t")
