@@ -273,12 +273,13 @@ def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]],
     cfg = default_qint_config(Q4_K, n, k, run.sms, m=1)
     row["launch_config"] = list(cfg)
     spin = torch.zeros(1, dtype=torch.int32, device=run.dev)
-    gap = launcher(_gap_kernel, run.dev)
+    plain_gap = launcher(_gap_kernel, run.dev)  # outside the capture: no PDL
 
     def gap_before(spec: str) -> None:
         us, trigger = gap_spec(spec)
-        if us > 0:
-            gap[(1,)](spin, int(us * 1000), PDL=trigger, num_warps=1)
+        if us > 0:  # launcher() inside the capture: a programmatic dependent launch
+            (launcher(_gap_kernel, run.dev) if trigger else plain_gap)[(1,)](
+                spin, int(us * 1000), num_warps=1)
 
     for us in gaps:
         if gap_spec(us)[0] > 0:
@@ -295,7 +296,6 @@ def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]],
     y = torch.empty(layers, n, dtype=torch.float32, device=run.dev)
     ctr = torch.zeros(1024, dtype=torch.int32, device=run.dev)
     layer_bytes = w[0].numel()
-    kern = launcher(_rows_kernel, run.dev)  # PDL launches inside the capture
     wb = w.view(-1)
     for warps, rpt, s, d, per_sm in configs:
         bn = 32 * rpt
@@ -331,8 +331,10 @@ def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]],
             def launches(us=us, programs=programs, meta=meta) -> None:
                 for i in range(layers):
                     gap_before(us)
-                    kern[(programs,)](wb[i * layer_bytes:], xq.q[0], bs, xq.dx[0], y[i], ctr,
-                                      n, k, 1, WAIT=False, **meta)
+                    # launcher() inside the capture: PDL (its first slots before the wait)
+                    launcher(_rows_kernel, run.dev)[(programs,)](
+                        wb[i * layer_bytes:], xq.q[0], bs, xq.dx[0], y[i], ctr, n, k, 1,
+                        WAIT=False, **meta)
             y.fill_(float("nan"))
             launches()
             torch.cuda.synchronize()
