@@ -47,12 +47,14 @@ copies and no wait, 2 the products alone) five times outside any graph, for a pr
 
 Writes $OUT/rows_ring_bench.json.
 
-Measured on the H200 (bench/RESULTS.md, 2026-12-03, rows_ring): every output within 6e-7 of
-qint's. The consumer alone runs at 4.5 TB/s at 28672 x 4096 (stream_bench's: 3.4), about
-the memory rate, not the twice it would need: its programs issue 2.4 instructions a cycle
-(ncu), latency-bound on 14 warps a multiprocessor. With the wait between products, and as
-a launch a product, it loses to qint's launches at every shape, and a small kernel between
-two products costs its whole time either way (the staged first slots save nothing).
+Measured on the H200 (bench/RESULTS.md, 2026-12-03, rows_ring and rows_ring_bench's `pdl`
+launches): every output within 6e-7 of qint's. The consumer alone runs at 4.5 TB/s at
+28672 x 4096 (stream_bench's: 3.4), about the memory rate, not the twice it would need:
+its programs issue 2.4 instructions a cycle (ncu), latency-bound on 14 warps a
+multiprocessor. With the wait between products, and as a launch a product, it loses to
+qint's launches at every shape. After a `6t` gap a 4096 x 4096 product whose programs
+copied every weight before their wait still takes 5.5 us (qint: 4.0): the multiply of
+what a program holds, not the memory, is what the wait exposes.
 """
 
 from __future__ import annotations
