@@ -538,21 +538,17 @@ if HAS_TRITON:
         return a0, b0, a1, b1
 
     @helper
-    def _ld_q4k_row(w_ptr, row_off, sb, CACHED: tl.constexpr = False):
+    def _ld_q4k_row(w_ptr, row_off, sb):
         """_ld_q4k for a row a thread: super-block sb's record of the rows at row_off (BN,)
         as 36 words (BN,) (head 0-3, then code word c at 4 + c), as int32."""
         p = _words_at(w_ptr, row_off + sb * 144)[:, None] + tl.arange(0, 4)[None, :]
-        return (_ld_row_words(p, CACHED), _ld_row_words(p + 4, CACHED),
-                _ld_row_words(p + 8, CACHED), _ld_row_words(p + 12, CACHED),
-                _ld_row_words(p + 16, CACHED), _ld_row_words(p + 20, CACHED),
-                _ld_row_words(p + 24, CACHED), _ld_row_words(p + 28, CACHED),
-                _ld_row_words(p + 32, CACHED))
+        return (_ld_row_words(p), _ld_row_words(p + 4), _ld_row_words(p + 8),
+                _ld_row_words(p + 12), _ld_row_words(p + 16), _ld_row_words(p + 20),
+                _ld_row_words(p + 24), _ld_row_words(p + 28), _ld_row_words(p + 32))
 
     @helper
-    def _ld_row_words(p, CACHED: tl.constexpr = False):
+    def _ld_row_words(p):
         """_row_words of the weight words at p (BN, 4), read once."""
-        if CACHED:
-            return _row_words(tl.load(p).to(tl.int32, bitcast=True))
         return _row_words(_stream(p).to(tl.int32, bitcast=True))
 
     @helper
@@ -705,7 +701,7 @@ if HAS_TRITON:
             else:
                 sbx = sb
             if QTYPE == 12 and ROWT and VROWS and BLOCK_M == 1:  # a weight row a thread
-                rec = _ld_q4k_row(w_ptr, row_off, sb, ROWT == 2)
+                rec = _ld_q4k_row(w_ptr, row_off, sb)
                 await_inputs(PDL)
                 acc = _sb_q4k_row(acc, rec, sb, q_ptr, dx_ptr, bs_ptr, K, PTX)
             elif QTYPE == 12:  # Q4_K
@@ -746,7 +742,7 @@ if HAS_TRITON:
         sb_per_split, nsplit, ticket, w2_ptr, n1, row_bytes2,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PTX: tl.constexpr = False, QTYPE2: tl.constexpr = 0, PDL: tl.constexpr = False,
-        X_EARLY: tl.constexpr = True, IN_CTA: tl.constexpr = 0, ROWT: tl.constexpr = 1,
+        X_EARLY: tl.constexpr = True, IN_CTA: tl.constexpr = 0, ROWT: tl.constexpr = True,
     ):
         """y[m, n] = the product of x's row m (quantized: q, dx, 16-column sums bs) and W's
         row n; grid (N tiles, splits), a program's sum over its range of super-blocks
@@ -1223,7 +1219,7 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
                                             "X_EARLY": cfg.x_early, **stages}
         if in_cta:
             extra["IN_CTA"] = cfg.split
-            extra["ROWT"] = int(os.environ.get("MBUFO_QINT_ROWT", "1"))
+            extra["ROWT"] = os.environ.get("MBUFO_QINT_ROWT", "1") != "0"
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
     elif mma_path(m, int(ggml_type), int(type2), backend, device) and (
             not type2 or n1 % (16 * _qint_mma().WARPS) == 0):
