@@ -529,91 +529,6 @@ if HAS_TRITON:
         return acc
 
     @helper
-    def _row_words(t):
-        """The 4 words of each row of t (BN, 4) as four (BN,): a row's in one thread (one
-        16-byte load; the splits move no data)."""
-        a, b = tl.split(tl.reshape(t, (t.shape[0], 2, 2)))
-        a0, a1 = tl.split(a)
-        b0, b1 = tl.split(b)
-        return a0, b0, a1, b1
-
-    @helper
-    def _ld_q4k_row(w_ptr, row_off, sb):
-        """_ld_q4k for a row a thread: super-block sb's record of the rows at row_off (BN,)
-        as 36 words (BN,) (head 0-3, then code word c at 4 + c), as int32."""
-        p = _words_at(w_ptr, row_off + sb * 144)[:, None] + tl.arange(0, 4)[None, :]
-        return (_ld_row_words(p), _ld_row_words(p + 4), _ld_row_words(p + 8),
-                _ld_row_words(p + 12), _ld_row_words(p + 16), _ld_row_words(p + 20),
-                _ld_row_words(p + 24), _ld_row_words(p + 28), _ld_row_words(p + 32))
-
-    @helper
-    def _ld_row_words(p):
-        """_row_words of the weight words at p (BN, 4), read once."""
-        return _row_words(_stream(p).to(tl.int32, bitcast=True))
-
-    @helper
-    def _byte_of(packed, k: tl.constexpr):
-        """Byte k of the words `packed` (uint8 values as int32)."""
-        return (packed >> (8 * k)) & 0xFF
-
-    @helper
-    def _dots8(ws, xs, SIGNED: tl.constexpr, PTX: tl.constexpr):
-        """The sum of the 4 byte products of each of 8 word pairs (ws, xs: 8 (BN,) each),
-        ws' bytes signed or not, xs' signed: one dp4a chain on NVIDIA."""
-        if PTX:
-            acc = _dp4a_acc(ws[0], xs[0], 0 * ws[0], SIGNED)
-            for i in tl.static_range(1, 8):
-                acc = _dp4a_acc(ws[i], xs[i], acc, SIGNED)
-        else:
-            acc = _dp4a(ws[0], xs[0])
-            for i in tl.static_range(1, 8):
-                acc += _dp4a(ws[i], xs[i])
-        return acc
-
-    @helper
-    def _sb_q4k_row(acc, rec, sb, q_ptr, dx_ptr, bs_ptr, K, PTX: tl.constexpr):
-        """_sb_q4k at one row of x with a weight row a thread (sb (BN,): each row's own
-        super-block; rec: _ld_q4k_row's words): the same integer sums and float steps, so
-        the same bits, without exchanging data between threads. A group g of 8 code words
-        holds sub-block 2g in its low nibbles and 2g + 1 in its high ones, each against 8
-        consecutive x words (16 g and 16 g + 8); its 8 dp4a's are one chain. The 6-bit
-        scales and mins are picked from four packed words of 4 bytes each."""
-        q32 = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-        xp = q32 + (sb * 64)[:, None] + tl.arange(0, 4)[None, :]
-        sp = bs_ptr + (sb * 16)[:, None] + tl.arange(0, 4)[None, :]
-        w0, w1, w2, w3 = rec[0]
-        sc_lo = w1 & 0x3F3F3F3F  # bytes: the scales of sub-blocks 0-3
-        sc_hi = (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030)  # 4-7
-        mn_lo = w2 & 0x3F3F3F3F
-        mn_hi = ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030)
-        dot = 0 * w0
-        msum = 0 * w0
-        for g in tl.static_range(4):
-            codes = rec[1 + 2 * g] + rec[2 + 2 * g]  # 8 words (tuples concatenated)
-            xlo = _row_words(_keep(xp + 16 * g)) + _row_words(_keep(xp + 16 * g + 4))
-            xhi = _row_words(_keep(xp + 16 * g + 8)) + _row_words(_keep(xp + 16 * g + 12))
-            lo = [c & 0x0F0F0F0F for c in codes]
-            if PTX:  # the high nibbles in place (16 times their value), the sum / 16
-                hi = _dots8([c & -0x0F0F0F10 for c in codes], xhi, False, PTX) >> 4
-            else:
-                hi = _dots8([(c >> 4) & 0x0F0F0F0F for c in codes], xhi, False, PTX)
-            plo = _dots8(lo, xlo, True, PTX)
-            if g < 2:
-                dot += _byte_of(sc_lo, 2 * g) * plo + _byte_of(sc_lo, 2 * g + 1) * hi
-            else:
-                dot += _byte_of(sc_hi, 2 * g - 4) * plo + _byte_of(sc_hi, 2 * g - 3) * hi
-            t0, t1, t2, t3 = _row_words(_sums(sp + 4 * g))
-            if g < 2:
-                msum += _byte_of(mn_lo, 2 * g) * (t0 + t1) + _byte_of(mn_lo, 2 * g + 1) * (t2 + t3)
-            else:
-                msum += _byte_of(mn_hi, 2 * g - 4) * (t0 + t1) \
-                    + _byte_of(mn_hi, 2 * g - 3) * (t2 + t3)
-        dx = tl.load(dx_ptr + sb)
-        col = tl.arange(0, 1)[None, :]
-        acc = _put(acc, col, 0, dot, _f16lo(w0) * dx)
-        return _put(acc, col, 0, -msum, _f16lo(w0 >> 16) * dx)
-
-    @helper
     def _q6k_scales(sw, j, s):
         """Q6_K_A scales (int32) of sub-blocks sub(s) and sub(s) + 4 (s: any shape) from
         the scale words sw (BN, 4): sub(s) is byte s % 4 of word 2 (s // 4), sub(s) + 4 of
@@ -684,11 +599,9 @@ if HAS_TRITON:
     @helper
     def _gemv_sbs(acc, w_ptr, row_off, sb0, count, q_ptr, dx_ptr, bs_ptr, K, M,
                   QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, PTX: tl.constexpr,
-                  PDL: tl.constexpr, X_EARLY: tl.constexpr = True, VROWS: tl.constexpr = False,
-                  ROWT: tl.constexpr = False):
+                  PDL: tl.constexpr, X_EARLY: tl.constexpr = True, VROWS: tl.constexpr = False):
         """acc + super-blocks sb0 .. sb0 + count - 1 (count >= 1) of the rows at row_off
-        (VROWS: sb0 (BN,), each row's own). ROWT: Q4_K at one row of x with VROWS takes
-        _sb_q4k_row (a weight row a thread).
+        (VROWS: sb0 (BN,), each row's own).
         The first super-block's words are loaded before the wait for x (await_inputs;
         later waits return at once). (Loading each next super-block's words before the
         current one's product measured slower, and so did asking the L2 cache for the next
@@ -700,11 +613,7 @@ if HAS_TRITON:
                 sbx = sb[:, None]
             else:
                 sbx = sb
-            if QTYPE == 12 and ROWT and VROWS and BLOCK_M == 1:  # a weight row a thread
-                rec = _ld_q4k_row(w_ptr, row_off, sb)
-                await_inputs(PDL)
-                acc = _sb_q4k_row(acc, rec, sb, q_ptr, dx_ptr, bs_ptr, K, PTX)
-            elif QTYPE == 12:  # Q4_K
+            if QTYPE == 12:  # Q4_K
                 w, head = _ld_q4k(w_ptr, row_off, sb)
                 await_inputs(PDL)
                 acc = _sb_q4k(acc, w, head, sbx, q_ptr, dx_ptr, bs_ptr, K, M, BLOCK_M,
@@ -742,7 +651,7 @@ if HAS_TRITON:
         sb_per_split, nsplit, ticket, w2_ptr, n1, row_bytes2,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PTX: tl.constexpr = False, QTYPE2: tl.constexpr = 0, PDL: tl.constexpr = False,
-        X_EARLY: tl.constexpr = True, IN_CTA: tl.constexpr = 0, ROWT: tl.constexpr = True,
+        X_EARLY: tl.constexpr = True, IN_CTA: tl.constexpr = 0,
     ):
         """y[m, n] = the product of x's row m (quantized: q, dx, 16-column sums bs) and W's
         row n; grid (N tiles, splits), a program's sum over its range of super-blocks
@@ -775,11 +684,11 @@ if HAS_TRITON:
         if second:
             row_off = tl.where(rn < N, rn - n1, 0).to(tl.int64) * row_bytes2  # past N: row 0
             acc = _gemv_sbs(acc, w2_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
-                            M, QTYPE2, BLOCK_M, PTX, PDL, X_EARLY, IN_CTA > 0, ROWT)
+                            M, QTYPE2, BLOCK_M, PTX, PDL, X_EARLY, IN_CTA > 0)
         else:
             row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
             acc = _gemv_sbs(acc, w_ptr, row_off, sb0, sb_per_split, q_ptr, dx_ptr, bs_ptr, K,
-                            M, QTYPE, BLOCK_M, PTX, PDL, X_EARLY, IN_CTA > 0, ROWT)
+                            M, QTYPE, BLOCK_M, PTX, PDL, X_EARLY, IN_CTA > 0)
         if IN_CTA > 0:
             _finish_in_cta(acc, y_ptr, part_ptr, pid_n, M, N, BLOCK_M, BLOCK_N, IN_CTA)
         else:
@@ -1219,7 +1128,6 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
                                             "X_EARLY": cfg.x_early, **stages}
         if in_cta:
             extra["IN_CTA"] = cfg.split
-            extra["ROWT"] = os.environ.get("MBUFO_QINT_ROWT", "1") != "0"
         own = (blocks2, n1, blocks2.shape[1])  # the second part (or the first again)
     elif mma_path(m, int(ggml_type), int(type2), backend, device) and (
             not type2 or n1 % (16 * _qint_mma().WARPS) == 0):
@@ -1325,8 +1233,7 @@ def aot_specs(spec: type) -> list:
             for backend in ("hip", "cuda"):
                 consts = {"QTYPE": qtype, "BLOCK_M": 1, "BLOCK_N": cfg.block_n * cfg.split,
                           "PTX": backend == "cuda", "QTYPE2": qtype2,
-                          "PDL": backend == "cuda", "X_EARLY": True, "IN_CTA": cfg.split,
-                          "ROWT": True}
+                          "PDL": backend == "cuda", "X_EARLY": True, "IN_CTA": cfg.split}
                 out.append(spec(f"qint_{name}_m1_in_cta",
                                 _qint_gemv_kernel,
                                 {**gemv_sig, **{k: "constexpr" for k in consts}}, consts,
