@@ -1074,13 +1074,6 @@ def _qint_mma():
     return qint_mma
 
 
-def _qint_row():
-    """kernels/qint_row.py (imported late: it takes helpers from this module's imports)."""
-    from kernels import qint_row
-
-    return qint_row
-
-
 def mma_rows() -> int:
     """The most rows of x kernels/qint_mma.py's Gluon kernel takes: its MMA_ROWS, or fewer
     with MBUFO_QINT_MMA_ROWS (16: the rows past it on _qint_mm_kernel, as before its wider
@@ -1126,10 +1119,6 @@ def _launch(xq: QuantX, parts: Sequence[tuple[torch.Tensor, int, int]], m: int, 
     y = torch.empty(m, n, dtype=torch.float32, device=device)
     stages = compile_options(cfg.num_stages, cfg.max_regs, backend)
     in_cta = gemv and cfg.in_cta and cfg.split > 1
-    if in_cta and int(ggml_type) == Q4_K and len(parts) == 1 and \
-            _qint_row().row_path(m, k, backend, xq.bs.dtype):
-        return _qint_row().qint_row_launch(xq, blocks, n, k, cfg.split,
-                                           launch=lambda kernel: launcher(kernel, device))
     if gemv:
         grid = (-(-n // cfg.block_n), 1 if in_cta else cfg.split)
         kernel, extra = _qint_gemv_kernel, {"BLOCK_M": next_pow2(m),
