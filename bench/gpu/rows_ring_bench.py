@@ -283,17 +283,17 @@ def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]],
             (launcher(_gap_kernel, run.dev) if trigger else plain_gap)[(1,)](
                 spin, int(us * 1000), num_warps=1)
 
-    for us in gaps:
-        if gap_spec(us)[0] > 0:
-            row["gaps"][us] = run.time_us([lambda us=us: [gap_before(us)
-                                                          for _ in range(layers)]]) / layers
+    for gap in gaps:
+        if gap_spec(gap)[0] > 0:
+            row["gaps"][gap] = run.time_us([lambda gap=gap: [gap_before(gap)
+                                                             for _ in range(layers)]]) / layers
 
-        def chained(us=us) -> None:
+        def chained(gap=gap) -> None:
             xl = quantize_x(x)
             for i in range(layers):
-                gap_before(us)
+                gap_before(gap)
                 qint_triton(x, w[i], Q4_K, (n, k), cfg, xq=xl)
-        row["launches"][us] = run.time_us([chained]) / layers
+        row["launches"][gap] = run.time_us([chained]) / layers
     bs = xq.bs[0].to(torch.int32).contiguous()
     y = torch.empty(layers, n, dtype=torch.float32, device=run.dev)
     ctr = torch.zeros(1024, dtype=torch.int32, device=run.dev)
@@ -329,10 +329,10 @@ def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]],
                                           WAIT=False, PROBE=probe, **meta)
             row["ring"].append({**config, "how": ("copies", "products")[probe - 1],
                                 "ok": True, "us": run.time_us([probed]) / layers})
-        for us in gaps:
-            def launches(us=us, programs=programs, meta=meta) -> None:
+        for gap in gaps:
+            def launches(gap=gap, programs=programs, meta=meta) -> None:
                 for i in range(layers):
-                    gap_before(us)
+                    gap_before(gap)
                     # launcher() inside the capture: PDL (its first slots before the wait)
                     launcher(_rows_kernel, run.dev)[(programs,)](
                         wb[i * layer_bytes:], xq.q[0], bs, xq.dx[0], y[i], ctr, n, k, 1,
@@ -341,7 +341,7 @@ def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]],
             launches()
             torch.cuda.synchronize()
             ok, err = close(y, want)
-            row["ring"].append({**config, "how": "pdl", "gap_us": us, "ok": ok,
+            row["ring"].append({**config, "how": "pdl", "gap_us": gap, "ok": ok,
                                 "max_rel_err": err, "us": run.time_us([launches]) / layers})
     return row
 
