@@ -1,17 +1,17 @@
 """The q8 layout's matrix-unit tiles, chosen at load from measured cost.
 
 kernels/qint.py multiplies more than a few rows of x on the matrix unit with one tile per
-bound of rows (qint.TILE_BOUNDS: up to 16, 32, 64 and more). Its super-block sums are exact
+bound of rows (qint_mm.TILE_BOUNDS: up to 16, 32, 64 and more). Its super-block sums are exact
 integers, so the tile changes no bit of the result and may be chosen by speed alone. Which
 tile is fastest depends on the chip (registers, shared memory and matrix instructions differ
 between the H200 and the appliance's gfx1151, where no tile has been timed by hand), so at
-load, with the q8 layout on a GPU, every candidate of each bound (qint.TILE_CANDIDATES, the
+load, with the q8 layout on a GPU, every candidate of each bound (qint_mm.TILE_CANDIDATES, the
 default first; not the bounds whose rows kernels/qint_mma.py's Gluon kernel takes on
 NVIDIA: `gluon_bounds`) is timed on the model's own Q4_K and Q6_K linear shapes at the
 bound's rows (16, 32, 64 and 512 for prefill chunks), each weight read from memory as
 decode reads it (layout_tune.gpu_measure: copies beyond the L2, replayed in a CUDA graph),
 each shape weighted by how many linears have it. A candidate replaces the default when more than
-TIE_MARGIN faster; qint.TUNED_TILES holds the choice for the process. A candidate that
+TIE_MARGIN faster; qint_mm.TUNED_TILES holds the choice for the process. A candidate that
 fails to build or run is left out (its error kept in the record), and a failure of the
 whole tuning keeps the defaults.
 
@@ -20,8 +20,9 @@ first load pays: a few seconds each) and a few graph replays per candidate and s
 choice is kept in a JSON file (`cache_path`: $MBUFO_TILE_CACHE, else
 $XDG_CACHE_HOME/mbufo/q8_tiles.json; the appliance's data directory when it serves), keyed
 by everything it depends on (the device's name, backend, torch and Triton versions,
-kernels/qint.py's source, the candidates and the model's shapes), so a later load of the
-same model on the same device takes it without timing or building any candidate. A
+the sources of kernels/qint.py, qint_mm.py and qint_gemv.py, the candidates and the
+model's shapes), so a later load of the same model on the same device takes it without
+timing or building any candidate. A
 missing, unreadable or foreign file is a miss; a file that cannot be written is logged and
 the load goes on. The choice is logged, kept in `LoadedModel.tile_choice` (`cached` when
 read from the file) and printed by `mbufo inspect MODEL --device cuda` when the layout is
@@ -102,7 +103,8 @@ def choose_tiles(shapes: list[LinearShape], backend: str, measure: TileMeasure,
     """The fastest candidate per (type, row bound) over `shapes` (the q8 types' linears),
     timed by `measure`, except the (type as held, bound) pairs in `skip` (no tile of
     _qint_mm_kernel serves them: gluon_bounds); see the module docstring."""
-    from kernels.qint import ACT8_STORED, TILE_BOUNDS, TILE_CANDIDATES
+    from kernels.qint import ACT8_STORED
+    from kernels.qint_mm import TILE_BOUNDS, TILE_CANDIDATES
 
     candidates = TILE_CANDIDATES[backend]
     totals: dict[tuple[int, int], dict[tuple, float]] = {}
@@ -135,7 +137,7 @@ def choose_tiles(shapes: list[LinearShape], backend: str, measure: TileMeasure,
 
 def apply_tiles(choice: TileChoice) -> None:
     """The chosen tiles into kernels/qint.py's TUNED_TILES (this process's launches)."""
-    from kernels.qint import TILE_CANDIDATES, TUNED_TILES
+    from kernels.qint_mm import TILE_CANDIDATES, TUNED_TILES
 
     for (held, bound), tile in choice.tiles.items():
         if tile == TILE_CANDIDATES[choice.backend][bound][0]:
@@ -146,7 +148,7 @@ def apply_tiles(choice: TileChoice) -> None:
 
 def gpu_tile_measure(device: torch.device) -> TileMeasure:
     """A TileMeasure on `device`: layout_tune.gpu_measure's q8 product under each tile."""
-    from kernels.qint import forced_tile
+    from kernels.qint_mm import forced_tile
 
     measure = gpu_measure(device)
 
@@ -173,7 +175,8 @@ def gluon_bounds(held_types: set[int], backend: str, device: torch.device,
                  ) -> frozenset[tuple[int, int]]:
     """The (type as held, row bound) pairs whose rows kernels/qint_mma.py's Gluon kernel
     multiplies on `device` (qint.mma_path at the bound's rows), so no tile is timed."""
-    from kernels.qint import TILE_BOUNDS, mma_path
+    from kernels.qint import mma_path
+    from kernels.qint_mm import TILE_BOUNDS
 
     return frozenset((held, bound) for held in held_types for bound in TILE_BOUNDS
                      if mma_path(ROWS_OF_BOUND[bound], held, 0, backend, device))
@@ -182,13 +185,15 @@ def gluon_bounds(held_types: set[int], backend: str, device: torch.device,
 def cache_key(shapes: list[LinearShape], backend: str, device_name: str,
               skip: frozenset[tuple[int, int]] = frozenset()) -> str:
     """A digest of everything a choice depends on (see the module docstring)."""
-    from kernels import qint
+    from kernels import qint, qint_gemv, qint_mm
     from kernels.triton_util import triton
 
-    source = hashlib.sha256(Path(qint.__file__).read_bytes()).hexdigest()
+    # the launch and both kernels' sources (qint_mm's tiles read qint_gemv's word helpers)
+    source = hashlib.sha256(b"".join(Path(m.__file__).read_bytes()
+                                     for m in (qint, qint_mm, qint_gemv))).hexdigest()
     parts = [CACHE_VERSION, device_name, backend, torch.__version__,
              getattr(triton, "__version__", None),
-             source, repr(qint.TILE_BOUNDS), repr(qint.TILE_CANDIDATES[backend]),
+             source, repr(qint_mm.TILE_BOUNDS), repr(qint_mm.TILE_CANDIDATES[backend]),
              sorted((s.ggml_type, s.out_features, s.in_features, s.count) for s in shapes),
              sorted(skip)]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
@@ -209,7 +214,7 @@ def _records(path: Path) -> dict:
 def read_cached(path: Path, key: str) -> TileChoice | None:
     """The choice kept under `key`, or None (missing, or not a valid record of today's
     candidates)."""
-    from kernels.qint import TILE_CANDIDATES
+    from kernels.qint_mm import TILE_CANDIDATES
 
     record = _records(path).get(key)
     try:

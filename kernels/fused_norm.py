@@ -7,7 +7,7 @@
 
 The decoder keeps the residual stream `h` and feeds `y` to the next matmul, so a block's
 "x = x + f(...); y = norm(x)" pairs become one kernel each. With `quantize` the kernel also
-writes y quantized for kernels/qint.py's products (its quantize_x bits), sparing that
+writes y quantized for kernels/qint.py's products (kernels/quant_x.py's bits), sparing that
 launch before each of them. Float32 in and out, one program per row (rows are
 independent, so a row's result does not depend on the batch).
 The reference is torch's F.rms_norm in float32, as engine/layers/norm.py computes it.
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import InvalidRequest
-from kernels.qint import QK, QuantX, empty_quant_x, quant_x_reference
+from kernels.quant_x import QK, QuantX, empty_quant_x, quant_x_reference
 from kernels.triton_util import (
     HAS_TRITON,
     await_inputs,
@@ -51,7 +51,7 @@ def add_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
                            quantize: bool = False) -> NormOut:
     """x, residual (rows, dim) -> NormOut; without a residual h is x itself. y is computed
     in float32 and rounded to `out_dtype` (a bf16 matmul's input: no cast kernel); with
-    `quantize` y is also quantized as kernels/qint.py defines it."""
+    `quantize` y is also quantized as kernels/quant_x.py defines it."""
     x = x.float()
     if residual is not None:
         if residual_weight is not None:
@@ -73,7 +73,7 @@ if HAS_TRITON:
             return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         return y.to(ptr.dtype.element_ty)
 
-    from kernels.qint import quantize_store
+    from kernels.quant_x import quantize_store
 
     @jit
     def _add_rms_norm_kernel(

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from engine.errors import InvalidRequest
 from kernels.fused_norm import OUT_DTYPES
-from kernels.qint import QK, QuantX, empty_quant_x, quant_x_reference
+from kernels.quant_x import QK, QuantX, empty_quant_x, quant_x_reference
 from kernels.triton_util import (
     HAS_TRITON,
     await_inputs,
@@ -45,7 +45,7 @@ def gated_act_reference(gate_up: torch.Tensor, activation: str,
 
 if HAS_TRITON:
     from kernels.fused_norm import cast_out
-    from kernels.qint import quantize_store
+    from kernels.quant_x import quantize_store
 
     @helper
     def gated(g, u, ACT: tl.constexpr):
@@ -90,7 +90,7 @@ def gated_act(gate_up: torch.Tensor, activation: str,
 
 def gated_act_quant(gate_up: torch.Tensor, activation: str,
                     out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, QuantX]:
-    """gated_act, and its output quantized as kernels/qint.py's quantize_x would (F a
+    """gated_act, and its output quantized as kernels/quant_x.py's quantize_x would (F a
     multiple of 256), in the same launch."""
     return _gated_act(gate_up, activation, out_dtype, True)
 

@@ -32,7 +32,7 @@ import torch
 from engine.errors import InvalidRequest
 from kernels.paged_attention_plan import FORMAT_IDS, AttnConfig, AttnPlan, plan_attention
 from kernels.paged_attention_triton import MERGE_HEADS, aot_specs, launch
-from kernels.qint import QK, QuantX, empty_quant_x
+from kernels.quant_x import QK, QuantX, empty_quant_x
 from kernels.triton_util import HAS_TRITON, interpreter_active
 
 # aot_specs: kernels/aot.py collects every module's specs from here.
@@ -178,7 +178,7 @@ def paged_attention(
 def paged_attention_q8(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
                        v_planes: dict[str, torch.Tensor], k_format: str, v_format: str,
                        **kwargs: Any) -> tuple[torch.Tensor, QuantX | None]:
-    """paged_attention's output, and it quantized for a q8 product (kernels/qint.py's
+    """paged_attention's output, and it quantized for a q8 product (kernels/quant_x.py's
     quantize_x bits) by the kernel that writes it, where it can: the kernels run, V is
     stored unrotated (its rotation would follow the kernel) and each KV head's query heads
     hold whole 256-column super-blocks (G Dv a multiple of 256); else None (the product

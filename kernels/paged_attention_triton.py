@@ -23,9 +23,9 @@ from kernels.paged_attention_plan import FORMAT_IDS, AttnConfig, AttnPlan
 from kernels.triton_util import HAS_TRITON, await_inputs, helper, jit, launcher, next_pow2, tl
 
 if HAS_TRITON:
-    from kernels.qint import QuantX, quantize_store
+    from kernels.quant_x import QuantX, quantize_store
 else:
-    from kernels.qint import QuantX
+    from kernels.quant_x import QuantX
 
 __all__ = ["aot_specs", "launch", "merge"]
 
@@ -145,7 +145,7 @@ if HAS_TRITON:
     def _quantize_out(out_ptr, tok, b0, NB: tl.constexpr, q_ptr, dx_ptr, bs_ptr,
                       K: tl.constexpr):
         """Super-blocks b0 .. b0 + NB - 1 of token tok's row of out (T, K), written by this
-        program, quantized as kernels/qint.py's quantize_x (quantize_store): after the
+        program, quantized as kernels/quant_x.py's quantize_x (quantize_store): after the
         program's barrier, read back (L1) in 256-column blocks, no layout change of the
         accumulator in registers (which cost the decode build 168 registers against 96)."""
         tl.debug_barrier()

@@ -1,8 +1,8 @@
 """Q4_K and Q6_K times 8-bit x on NVIDIA's mma.sync for 5-64 rows of x (Gluon): every
 operand copied asynchronously into shared memory one super-block ahead of the products.
 
-The same sums, bits and storage as kernels/qint.py's matrix-unit kernel (its docstring is
-the definition; kernels/qint.py launches these in its place on NVIDIA). That kernel is
+The same sums, bits and storage as kernels/qint_mm.py's matrix-unit kernel (kernels/qint.py's
+docstring is the definition; kernels/qint.py launches these in its place on NVIDIA). That kernel is
 plain Triton: at 16 rows it waits on memory with few warps resident (ncu: 3.6 active and
 0.4 eligible warps a scheduler, long-scoreboard stalls first), its loads issued where
 their super-block's products begin. Here the layouts are explicit:
@@ -85,7 +85,8 @@ if HAS_TRITON:
 if HAS_GLUON:
     # Triton helpers run inside Gluon kernels
     from kernels.qgemv import finish_splits
-    from kernels.qint import _k4_six, _nibbles_i8, _q6_codes
+    from kernels.qint_gemv import _k4_six
+    from kernels.qint_mm import _nibbles_i8, _q6_codes
     from kernels.qtiles import _f16lo
     from kernels.triton_util import await_inputs
 

@@ -56,8 +56,9 @@ from kernels_check import random_blocks  # noqa: E402
 from provenance import commit_id  # noqa: E402
 from qmatmul_bench import Run, ceilings  # noqa: E402
 
-from kernels import qint  # noqa: E402
-from kernels.qint import Q4_K, default_qint_config, qint_triton, quantize_x  # noqa: E402
+from kernels import qint, qint_gemv, quant_x  # noqa: E402
+from kernels.qint import Q4_K, default_qint_config, qint_triton  # noqa: E402
+from kernels.quant_x import quantize_x  # noqa: E402
 
 SHAPES = "4096x4096,6144x4096,4096x14336,28672x4096"
 TREE_GROUPS = 16  # _tree_barrier's arrival counters
@@ -137,7 +138,7 @@ def _chain_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, ctr_ptr, N, K, row_bytes,
     rn = pid * TILE + v // S
     sb0 = (v % S) * sb_per_split
     row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
-    w, head = qint._ld_q4k(w_ptr, row_off, sb0)
+    w, head = qint_gemv._ld_q4k(w_ptr, row_off, sb0)
     passes = 0
     for layer in range(layers):
         wl = w_ptr + tl.cast(layer, tl.int64) * layer_bytes
@@ -147,16 +148,16 @@ def _chain_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, ctr_ptr, N, K, row_bytes,
             slot = 0
         qp, dxp, bsp = q_ptr + slot * K, dx_ptr + slot * dx_slot, bs_ptr + slot * (K // 16)
         acc = tl.zeros((BLOCK_N, 1), tl.float32)
-        acc = qint._sb_q4k(acc, w, head, sb0[:, None], qp, dxp, bsp, K, 1, 1, PTX, True)
+        acc = qint_gemv._sb_q4k(acc, w, head, sb0[:, None], qp, dxp, bsp, K, 1, 1, PTX, True)
         for i in range(1, sb_per_split):
-            wi, hi = qint._ld_q4k(wl, row_off, sb0 + i)
-            acc = qint._sb_q4k(acc, wi, hi, (sb0 + i)[:, None], qp, dxp, bsp, K, 1, 1, PTX,
+            wi, hi = qint_gemv._ld_q4k(wl, row_off, sb0 + i)
+            acc = qint_gemv._sb_q4k(acc, wi, hi, (sb0 + i)[:, None], qp, dxp, bsp, K, 1, 1, PTX,
                                True)
         yl = y_ptr + tl.cast(layer, tl.int64) * N
-        qint._finish_in_cta(acc, yl, y_ptr, pid, 1, N, 1, BLOCK_N, S)
+        qint_gemv._finish_in_cta(acc, yl, y_ptr, pid, 1, N, 1, BLOCK_N, S)
         nxt = w_ptr + tl.cast((layer + 1) % layers, tl.int64) * layer_bytes  # the last: 0
         if PREFETCH:
-            w, head = qint._ld_q4k(nxt, row_off, sb0)
+            w, head = qint_gemv._ld_q4k(nxt, row_off, sb0)
         if BARRIER:
             passes += 1
             _barrier(ctr_ptr, passes, GROUPS)
@@ -164,13 +165,13 @@ def _chain_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, ctr_ptr, N, K, row_bytes,
             for b in range(pid, K // 256, nprog):
                 bb = b + tl.zeros((1,), tl.int32)
                 xv = tl.load(yl + bb[:, None] * 256 + tl.arange(0, 256)[None, :])
-                qint.quantize_store(xv, bb, bb >= 0, 0, q_ptr + (slot + 1) * K,
+                quant_x.quantize_store(xv, bb, bb >= 0, 0, q_ptr + (slot + 1) * K,
                                     dx_ptr + (slot + 1) * dx_slot, bs_ptr + (slot + 1) * (K // 16),
                                     K)
             passes += 1
             _barrier(ctr_ptr, passes, GROUPS)
         if not PREFETCH:
-            w, head = qint._ld_q4k(nxt, row_off, sb0)
+            w, head = qint_gemv._ld_q4k(nxt, row_off, sb0)
 
 
 def resident(kernel, warps: int, sms: int) -> int:
@@ -207,13 +208,13 @@ def chain(run: Run, n: int, k: int, layers: int, dep: bool = False, split: int =
     # floats between x slots' scales: each slot on its own 128-byte lines (a read of slot
     # l's scales must not bring slot l + 1's line, still unwritten, into an L1)
     dx_slot = -(-k // 256 // 32) * 32
-    xq = qint.QuantX(*(torch.zeros((slots, dx_slot if i == 1 else t.shape[1]),
+    xq = quant_x.QuantX(*(torch.zeros((slots, dx_slot if i == 1 else t.shape[1]),
                                    dtype=t.dtype, device=run.dev)
                        for i, t in enumerate(quantize_x(x))))
     for t, v in zip(xq, quantize_x(x), strict=True):
         t[0, :v.shape[1]] = v[0]
 
-    def launches(i: int, xl: qint.QuantX) -> torch.Tensor:
+    def launches(i: int, xl: quant_x.QuantX) -> torch.Tensor:
         return qint_triton(x, w[i], Q4_K, (n, k), cfg, xq=xl)
 
     want, xl = [], quantize_x(x)

@@ -37,7 +37,8 @@ from qmatmul_bench import L2_MISS_BYTES, Run, ceilings  # noqa: E402
 from read_pattern_bench import _read_sbs  # noqa: E402
 
 from kernels import qint, qmatmul  # noqa: E402
-from kernels.qint import default_qint_config, qint_reference, qint_triton, quantize_x  # noqa: E402
+from kernels.qint import default_qint_config, qint_reference, qint_triton  # noqa: E402
+from kernels.quant_x import quantize_x  # noqa: E402
 
 CASES = (("Q4_K", 4096, 4096), ("Q4_K", 6144, 4096), ("Q4_K", 4096, 14336),
          ("Q4_K", 28672, 4096), ("Q6_K", 4096, 14336), ("Q6_K", 4096, 4096))

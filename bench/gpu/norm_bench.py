@@ -28,7 +28,7 @@ from provenance import commit_id  # noqa: E402
 from qmatmul_bench import Run  # noqa: E402
 
 from kernels import fused_norm  # noqa: E402
-from kernels.qint import empty_quant_x, quant_x_reference  # noqa: E402
+from kernels.quant_x import empty_quant_x, quant_x_reference  # noqa: E402
 from kernels.triton_util import launcher  # noqa: E402
 
 DIM = 4096

@@ -29,15 +29,11 @@ from kernels_check import GGML_TYPES, random_blocks  # noqa: E402
 from provenance import commit_id  # noqa: E402
 from qmatmul_bench import L2_MISS_BYTES, Run, ceilings  # noqa: E402
 
-from kernels import qint  # noqa: E402
+from kernels import qint, qint_mm  # noqa: E402
 from kernels.dequant import dequantize_reference  # noqa: E402
-from kernels.qint import (  # noqa: E402
-    QIntConfig,
-    default_qint_config,
-    dequantized_x_reference,
-    qint_triton,
-)
+from kernels.qint import QIntConfig, default_qint_config, qint_triton  # noqa: E402
 from kernels.qmatmul import qmatmul_triton  # noqa: E402
+from kernels.quant_x import dequantized_x_reference  # noqa: E402
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
 MS = (1, 2, 3, 4, 8, 16, 32, 64)
@@ -235,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                         out["rows"].append(row)
             if (n, k) in swept and not args.smoke and args.tile_sweep:  # matrix-unit tiles
                 for tile, tile_ms in parse_tiles(args.tiles) or TILE_SWEEP:
-                    with qint.forced_tile(tile):
+                    with qint_mm.forced_tile(tile):
                         for m in tile_ms:
                             row = measure(run, case, "qint", m, None, ceil)
                             row.update(mode="qint-tile", tile=list(tile))

@@ -40,7 +40,7 @@ from kernels_check import random_blocks  # noqa: E402
 from provenance import commit_id  # noqa: E402
 from qmatmul_bench import L2_MISS_BYTES, Run, ceilings  # noqa: E402
 
-from kernels import qint, qint_mma  # noqa: E402
+from kernels import qint, qint_mm, qint_mma, quant_x  # noqa: E402
 from kernels.dequant import dequantize_reference  # noqa: E402
 from kernels.qgemv import _tickets  # noqa: E402
 
@@ -71,8 +71,8 @@ def rates(res: dict, nbytes: int, ops: int, ceil: dict) -> dict:
 
 def forced(m: int) -> tuple:
     """qint's default matrix-unit tile at m rows (the first candidate of m's bound)."""
-    bound = next(b for b in qint.TILE_BOUNDS if m <= b)
-    return qint.TILE_CANDIDATES["cuda"][bound][0]
+    bound = next(b for b in qint_mm.TILE_BOUNDS if m <= b)
+    return qint_mm.TILE_CANDIDATES["cuda"][bound][0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,16 +109,16 @@ def main(argv: list[str] | None = None) -> int:
                                  torch.float64)
         del gguf_blocks
         x = torch.randn(max(rows), k, device=run.dev, generator=run.gen).bfloat16()
-        xq_ref = qint.dequantized_x_reference(x)
+        xq_ref = quant_x.dequantized_x_reference(x)
         ref, bound = xq_ref @ w.T, xq_ref.abs() @ w.abs().T
         del w
         for m in rows:
-            xq = qint.quantize_x(x[:m])
+            xq = quant_x.quantize_x(x[:m])
             cfg = qint.default_qint_config(qtype, n, k, run.sms, m=m)
             tile = forced(m)
 
             def old_call(b, xm=x[:m], xqm=xq, nk=(n, k), qt=qtype, tile=tile):
-                with qint.forced_tile(tile):
+                with qint_mm.forced_tile(tile):
                     return qint.qint_triton(xm, b, qt, nk, xq=xqm)
 
             old = old_call(blocks)
@@ -167,14 +167,14 @@ def fused_rows(run: Run, rows: list[int], ceil: dict, n1: int = 5120, n2: int = 
     sets += [[(b.clone(), t, n) for b, t, n in sets[0]]
              for _ in range(max(1, min(64, math.ceil(L2_MISS_BYTES / size))) - 1)]
     x = torch.randn(max(rows), k, device=run.dev, generator=run.gen).bfloat16()
-    xq_ref = qint.dequantized_x_reference(x)
+    xq_ref = quant_x.dequantized_x_reference(x)
     ref, bound = xq_ref @ w.T, xq_ref.abs() @ w.abs().T
     out = []
     for m in rows:
-        xq, tile = qint.quantize_x(x[:m]), forced(m)
+        xq, tile = quant_x.quantize_x(x[:m]), forced(m)
 
         def old(parts, xm=x[:m], xqm=xq, tile=tile):
-            with qint.forced_tile(tile):
+            with qint_mm.forced_tile(tile):
                 return qint.qint_parts(xm, parts, k, xq=xqm)
 
         def new(parts, xm=x[:m], xqm=xq):

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from kernels_check import random_blocks  # noqa: E402
 from qmatmul_bench import Run  # noqa: E402
 
-from kernels import qint, qint_mma  # noqa: E402
+from kernels import qint, qint_mm, qint_mma, quant_x  # noqa: E402
 from kernels.qgemv import _tickets  # noqa: E402
 
 
@@ -39,12 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(argparse.Namespace(smoke=False, budget_s=60.0))
     blocks = random_blocks(run, "Q4_K", args.n, args.k)
     x = torch.randn(args.m, args.k, device=run.dev, generator=run.gen)
-    xq = qint.quantize_x(x)
+    xq = quant_x.quantize_x(x)
     split = qint.default_qint_config(qint.Q4_K, args.n, args.k, run.sms, m=args.m).split
     warps, stages = (int(v) for v in args.variant.split(","))
     if args.qint:
         def call():
-            with qint.forced_tile(qint.TILE_CANDIDATES["cuda"][16][0]):
+            with qint_mm.forced_tile(qint_mm.TILE_CANDIDATES["cuda"][16][0]):
                 return qint.qint_triton(x, blocks, qint.Q4_K, (args.n, args.k), xq=xq)
     else:
         def call():

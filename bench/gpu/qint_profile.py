@@ -23,7 +23,7 @@ from kernels_check import GGML_TYPES, random_blocks  # noqa: E402
 from qgemv_profile import launch_us, shape_parser  # noqa: E402
 from qmatmul_bench import Run  # noqa: E402
 
-from kernels import qint  # noqa: E402
+from kernels import qint, quant_x  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     if qtype == qint.Q6_K_A:
         blocks = qint.repack_q6k(blocks, args.k)
     x = torch.randn(args.m, args.k, device=run.dev, generator=run.gen)
-    xq = qint.quantize_x(x)
+    xq = quant_x.quantize_x(x)
     cfg = qint.QIntConfig(*(int(v) for v in args.cfg.split(","))) if args.cfg else None
 
     def call():

@@ -77,8 +77,9 @@ from kernels_check import random_blocks  # noqa: E402
 from provenance import commit_id  # noqa: E402
 from qmatmul_bench import Run, ceilings  # noqa: E402
 
-from kernels.qint import Q4_K, QIntConfig, default_qint_config, qint_triton, quantize_x  # noqa: E402
+from kernels.qint import Q4_K, QIntConfig, default_qint_config, qint_triton  # noqa: E402
 from kernels.qint_mma import HAS_GLUON  # noqa: E402
+from kernels.quant_x import quantize_x  # noqa: E402
 from kernels.triton_util import await_inputs, launcher  # noqa: E402
 
 SHAPES = "4096x4096,6144x4096,4096x14336,28672x4096"

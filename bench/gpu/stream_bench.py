@@ -51,9 +51,10 @@ from kernels_check import random_blocks  # noqa: E402
 from provenance import commit_id  # noqa: E402
 from qmatmul_bench import Run, ceilings  # noqa: E402
 
-from kernels import qint  # noqa: E402
-from kernels.qint import Q4_K, QIntConfig, default_qint_config, qint_triton, quantize_x  # noqa: E402
+from kernels import quant_x  # noqa: E402
+from kernels.qint import Q4_K, QIntConfig, default_qint_config, qint_triton  # noqa: E402
 from kernels.qint_mma import HAS_GLUON  # noqa: E402
+from kernels.quant_x import quantize_x  # noqa: E402
 
 SHAPES = "4096x4096,6144x4096,4096x14336,28672x4096"
 # warps, super-blocks a slot, slots (a power of 2; the cp.async copies fall to 4 bytes past 512
@@ -65,8 +66,8 @@ if HAS_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from kernels.qint import _dp4a_acc as _dp4a
-    from kernels.qint import _k4_six
+    from kernels.qint_gemv import _dp4a_acc as _dp4a
+    from kernels.qint_gemv import _k4_six
     from kernels.qtiles import _f16lo
     from kernels.triton_util import await_inputs, launcher
 
@@ -262,7 +263,7 @@ if HAS_GLUON:
         async_copy.wait_group(0)
 
 
-def quad_order_x(xq: qint.QuantX, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quad_order_x(xq: quant_x.QuantX, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x's int8 codes as the ring kernel reads them: per super-block, 32 words against
     the codes' low nibbles (word 4 q + i of the weights: x's word 4 q + i + 8 (q // 2))
     and 32 against the high nibbles (8 words on)."""

@@ -36,7 +36,7 @@ from kernels.paged_attention import (
     plan_attention,
 )
 from kernels.paged_attention_plan import WORK_FIELDS
-from kernels.qint import QuantX
+from kernels.quant_x import QuantX
 from kernels.triton_util import carveout_active
 
 

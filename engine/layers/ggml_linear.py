@@ -33,14 +33,13 @@ from kernels.dequant import block_geometry, dequantize
 from kernels.qint import (
     ACT8_STORED,
     QINT_TYPES,
-    QuantX,
     qint_parts,
     qint_reference,
     qint_triton,
-    quantize_x,
     repack_q6k,
 )
 from kernels.qmatmul import SUPPORTED_TYPES, qmatmul, qmatmul_reference
+from kernels.quant_x import QuantX, quantize_x
 from kernels.triton_util import thread_flag
 
 # The GGML types that the q8 layout (act8) multiplies with 8-bit activations: Q4_K and
@@ -92,7 +91,7 @@ class GGMLLinear:
             raise ValueError(f"dense copy {tuple(dense.shape)} is not the layer's "
                              f"{(self.out_features, self.in_features)}")
         qint = [self.act8 and p.ggml_type in QINT_TYPES for p in self.parts]
-        # whether a call uses x quantized to 8 bits (kernels.qint.QuantX), which a caller
+        # whether a call uses x quantized to 8 bits (kernels.quant_x.QuantX), which a caller
         # may hand over already made (the norm kernel before it); all parts: one qint call
         self.takes_xq, self._all_qint = any(qint), all(qint)
 

@@ -24,7 +24,7 @@ from engine.models.weights import WeightLoader
 from kernels.fused_norm import NormOut, add_rms_norm
 from kernels.fused_rope import rope_qk
 from kernels.gated_act import gated_act, gated_act_quant
-from kernels.qint import QuantX
+from kernels.quant_x import QuantX
 
 # A block output on its way into the residual stream: (output, post-norm weight or None).
 _Residual = tuple[torch.Tensor, torch.Tensor | None]

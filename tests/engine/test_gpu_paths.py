@@ -110,7 +110,8 @@ def test_q8_load_tunes_its_tiles(tiny, tmp_path):
     from dataclasses import replace
 
     from engine.tile_tune import gluon_bounds
-    from kernels.qint import Q6_K_A, TILE_BOUNDS, TILE_CANDIDATES, tiled_tile
+    from kernels.qint import Q6_K_A
+    from kernels.qint_mm import TILE_BOUNDS, TILE_CANDIDATES, tiled_tile
 
     cached = replace(opts("cuda", "q8", True), tile_cache=str(tmp_path / "q8_tiles.json"))
     loaded = load_for(tiny, cached)

@@ -22,8 +22,9 @@ from engine.tile_tune import (
     read_cached,
     tuned_choice,
 )
-from kernels import qint
-from kernels.qint import Q6_K_A, TILE_BOUNDS, TILE_CANDIDATES, TUNED_TILES, tiled_tile
+from kernels import qint_mm
+from kernels.qint import Q6_K_A
+from kernels.qint_mm import TILE_BOUNDS, TILE_CANDIDATES, TUNED_TILES, tiled_tile
 
 Q4K, Q6K = int(T.Q4_K), int(T.Q6_K)
 SHAPES = [LinearShape(Q4K, 4096, 4096, 64), LinearShape(Q4K, 14336, 4096, 64),
@@ -100,7 +101,7 @@ def test_applied_tiles_serve_the_launches_and_the_defaults_clear_them():
     assert tiled_tile(16, "cuda", Q6_K_A) == cuda[16][0]
     assert tiled_tile(17, "cuda", int(T.Q4_K)) == cuda[32][0]  # another bound
     assert tiled_tile(9, "hip", int(T.Q4_K)) == TILE_CANDIDATES["hip"][16][0]
-    with qint.forced_tile(cuda[64][1]):
+    with qint_mm.forced_tile(cuda[64][1]):
         assert tiled_tile(9, "cuda", int(T.Q4_K)) == cuda[64][1]
         seen = []  # another thread (a model serving while one is tuned) keeps its tiles
         worker = threading.Thread(target=lambda: seen.append(tiled_tile(9, "cuda", int(T.Q4_K))))

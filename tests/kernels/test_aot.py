@@ -10,7 +10,7 @@ import re
 import background
 import pytest
 
-from kernels import paged_attention_triton, qgemv, qint, qint_mma, qmatmul
+from kernels import paged_attention_triton, qgemv, qint, qint_mm, qint_mma, qmatmul
 from kernels.triton_util import HAS_TRITON
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="the CPU torch build has no Triton")
@@ -74,7 +74,7 @@ def test_dots_lower_to_tensor_cores(report):
 def test_qint_builds_spill_nothing(report):
     """qint's kernels at their default configurations keep every value in registers on
     both targets (a spill goes through local memory on every super-block), and the 16-row
-    tile's sm_90 build stays within its register cap (qint.TILED_MAX_REGS: 4 programs a
+    tile's sm_90 build stays within its register cap (qint_mm.TILED_MAX_REGS: 4 programs a
     multiprocessor instead of 3), as does Q4_K's one-row build (qint.Q4K_ONE_ROW_REGS).
     The load-time tuner's other candidates must build (the tests above) and may spill:
     32 x 128 and 64 x 128 on 4 warps do, and are timed."""
@@ -91,7 +91,7 @@ def test_qint_builds_spill_nothing(report):
             name, cuda)
         if name.endswith("_tiled") and not re.search(r"^qint_mma_.*_m\d+_pdl_tiled$", name):
             # (the Gluon kernel's 32- and 64-row builds: test_qint_mma's own bounds)
-            assert cuda["regs"] <= qint.TILED_MAX_REGS, (name, cuda)
+            assert cuda["regs"] <= qint_mm.TILED_MAX_REGS, (name, cuda)
         if name.startswith("qint_Q4_K_m1"):  # alone at one row: 9 programs of 2 warps
             assert cuda["regs"] <= qint.Q4K_ONE_ROW_REGS, (name, cuda)
 

@@ -10,7 +10,7 @@ import torch
 
 from engine.errors import InvalidRequest
 from kernels.fused_norm import add_rms_norm, add_rms_norm_reference
-from kernels.qint import quantize_x_reference
+from kernels.quant_x import quantize_x_reference
 
 KERNEL = "kernels.fused_norm:add_rms_norm"
 EPS = 1e-6

@@ -13,7 +13,7 @@ import torch
 
 from engine.errors import InvalidRequest
 from kernels.gated_act import gated_act, gated_act_quant, gated_act_reference
-from kernels.qint import quantize_x_reference
+from kernels.quant_x import quantize_x_reference
 
 KERNEL = "kernels.gated_act:gated_act"
 

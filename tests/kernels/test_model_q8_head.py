@@ -33,14 +33,14 @@ def _step_both_ways(path: str) -> dict:
     from engine.layers import ggml_linear
     from engine.sampler import SamplingParams
     from engine.scheduler.request import Request
-    from kernels import qint
+    from kernels import quant_x
 
     set_mode("triton")
     try:
         core, model, vocab = tiny_core(path)
         out = {}
         calls = [0]
-        plain = qint.quantize_x
+        plain = quant_x.quantize_x
 
         def counted(x):
             calls[0] += 1
@@ -49,7 +49,7 @@ def _step_both_ways(path: str) -> dict:
         fused = model.step_logits
 
         def both(batch, kv):
-            ggml_linear.quantize_x = qint.quantize_x = counted
+            ggml_linear.quantize_x = quant_x.quantize_x = counted
             try:
                 calls[0] = 0
                 out["fused"], out["fused_launches"] = fused(batch, kv), calls[0]
@@ -57,7 +57,7 @@ def _step_both_ways(path: str) -> dict:
                 out["apart"] = model.logits(model.forward(batch, kv))
                 out["apart_launches"] = calls[0]
             finally:
-                ggml_linear.quantize_x = qint.quantize_x = plain
+                ggml_linear.quantize_x = quant_x.quantize_x = plain
             # the sampler's vocabulary: the rows past the head's 256 never drawn
             return torch.nn.functional.pad(out["fused"], (0, vocab - 256), value=-1e30)
 

@@ -19,7 +19,7 @@ from engine.errors import InvalidRequest
 from engine.kv.cache import KVCache, LayerKVSpec
 from engine.layers.attention import AttnLayer, attend_reference
 from kernels.paged_attention import AttnConfig, paged_attention_reference
-from kernels.qint import quantize_x_reference
+from kernels.quant_x import quantize_x_reference
 
 KERNEL = "kernels.paged_attention:paged_attention"
 PAGE = 16
@@ -199,7 +199,7 @@ def _merge_out(m, l_part, acc, base, splits, sinks, out, geometry, quantize=Fals
     """Runs in the interpreter worker: the merge kernel into `out`, returned (with
     `quantize` also its quantized copy)."""
     from kernels.paged_attention_triton import merge
-    from kernels.qint import empty_quant_x
+    from kernels.quant_x import empty_quant_x
 
     xq = empty_quant_x(out.shape[0], out.shape[1] * out.shape[2], out.device) if quantize \
         else None

@@ -112,15 +112,18 @@ def test_every_decode_kernel_takes_pdl():
         kv_store,
         paged_attention_triton,
         qgemv,
-        qint,
+        qint_gemv,
+        qint_mm,
         qmatmul,
+        quant_x,
     )
 
     kernels = [fused_norm._add_rms_norm_kernel, fused_rope._rope_qk_kernel,
                gated_act._gated_act_kernel, kv_store._kv_store_kernel,
                paged_attention_triton._attn_partial_kernel,
                paged_attention_triton._attn_merge_kernel, qgemv._qgemv_kernel,
-               qint._quantize_x_kernel, qint._qint_gemv_kernel, qint._qint_mm_kernel,
+               quant_x._quantize_x_kernel, qint_gemv._qint_gemv_kernel,
+               qint_mm._qint_mm_kernel,
                qmatmul._qmm_kernel, qmatmul._sum_splits_kernel]
     for kernel in kernels:
         assert "PDL" in triton_util.compiled(kernel).arg_names, kernel

@@ -20,7 +20,6 @@ from engine.errors import InvalidRequest
 from kernels.qint import (
     ACT8_STORED,
     GEMV_MAX_M,
-    INT_SUMS_M,
     Q4K_ONE_ROW_REGS,
     Q6_K_A,
     Q6K_EARLY_WAVES,
@@ -28,16 +27,19 @@ from kernels.qint import (
     WIDE_N,
     QIntConfig,
     default_qint_config,
-    dequantized_x_reference,
-    empty_quant_x,
     gemv_max_m,
     other_way,
     qint_reference,
-    quantize_x_reference,
     repack_q6k,
     row_bytes,
-    sums_dtype,
     unpack_q6k,
+)
+from kernels.quant_x import (
+    INT_SUMS_M,
+    dequantized_x_reference,
+    empty_quant_x,
+    quantize_x_reference,
+    sums_dtype,
 )
 
 KERNEL = "kernels.qint:qint_triton"
@@ -277,7 +279,8 @@ def test_nvidia_branch_gives_the_same_bits(interp, rng, qtype):
 
 def parts_with_tile(tile: tuple, *args, **kwargs) -> torch.Tensor:
     """qint_parts with every matrix-unit launch at `tile` (called in the interpreter's worker)."""
-    from kernels.qint import forced_tile, qint_parts, tiled_tile
+    from kernels.qint import qint_parts
+    from kernels.qint_mm import forced_tile, tiled_tile
 
     with forced_tile(tile):
         assert tiled_tile(args[0].shape[0], "cuda", Q6_K_A) == tile
@@ -288,7 +291,7 @@ def test_every_candidate_tile_gives_the_same_bits(interp, rng):
     """The load-time tuner (engine/tile_tune.py) may take any tile of TILE_CANDIDATES: each
     gives the default tile's bits, for both types and the fused q|k + v launch, at rows
     that leave the last tile partly filled."""
-    from kernels.qint import TILE_CANDIDATES
+    from kernels.qint_mm import TILE_CANDIDATES
 
     k, n1, n2 = 512, 128, 40
     b1, g2 = random_weight(T.Q4_K, n1, k, rng), random_weight(T.Q6_K, n2, k, rng)
@@ -349,7 +352,8 @@ def test_gpu_every_candidate_tile_gives_the_same_bits(rng):
     2^-16 of the definition."""
     if not torch.cuda.is_available():
         pytest.fail("no GPU: run the gpu tests on the device")
-    from kernels.qint import TILE_CANDIDATES, forced_tile, qint_parts
+    from kernels.qint import qint_parts
+    from kernels.qint_mm import TILE_CANDIDATES, forced_tile
 
     backend = "hip" if torch.version.hip else "cuda"
     k, n1, n2 = 4096, 1024, 512
@@ -418,6 +422,7 @@ def test_q6k_stays_on_the_cuda_cores_up_to_8_rows(monkeypatch):
     Q6_K up to 8; two parts share a launch up to GEMV_MAX_M and past 8 rows where the
     first fills whole tiles of the matrix-unit kernel."""
     import kernels.qint as qint
+    import kernels.quant_x as quant_x
 
     launches = []
     monkeypatch.setattr(qint, "_launch", lambda xq, parts, m, k, cfg, sms, backend, gemv:
@@ -434,5 +439,5 @@ def test_q6k_stays_on_the_cuda_cores_up_to_8_rows(monkeypatch):
                     (17, [((12,), False), ((Q6_K_A,), False)])):  # the 32-row tile's 128
         launches.clear()
         qint.qint_parts(torch.zeros(m, k), parts, k, QIntConfig(64, 1),
-                        xq=qint.empty_quant_x(m, k, torch.device("cpu")))
+                        xq=quant_x.empty_quant_x(m, k, torch.device("cpu")))
         assert launches == want, m

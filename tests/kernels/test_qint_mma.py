@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as T
 from test_qint import check, rng  # noqa: F401 - the fixture
 from test_qmatmul import random_weight
 
-from kernels import qint_mma
+from kernels import qint_mm, qint_mma, quant_x
 from kernels.triton_util import HAS_TRITON, num_sms
 
 
@@ -128,7 +128,8 @@ def test_engine_takes_it_for_q4k_and_q6k_up_to_64_rows_on_nvidia(monkeypatch):
     it, and so do Q4_K's q|k with Q6_K_A's v in one launch; more rows (or more than
     MBUFO_QINT_MMA_ROWS), another type or pair, HIP, the CPU, a forced tile (the tuner) or
     MBUFO_QINT_MMA=0 keep _qint_mm_kernel."""
-    from kernels.qint import Q6_K_A, forced_tile, mma_path
+    from kernels.qint import Q6_K_A, mma_path
+    from kernels.qint_mm import forced_tile
 
     cuda, q4 = torch.device("cuda"), int(T.Q4_K)
     assert mma_path(16, q4, 0, "cuda", cuda) and mma_path(5, q4, 0, "cuda", cuda)
@@ -170,7 +171,7 @@ def test_cuda_cores_keep_fewer_rows_where_the_gluon_kernel_takes_the_rest(monkey
     assert qint.gemv_max_m(qint.Q4_K, "hip", cuda) == qint.GEMV_MAX_M == 4
     assert qint.gemv_max_m(qint.Q6_K_A, "hip", cuda) == 8
     assert qint.gemv_max_m(qint.Q6_K_A) == 8
-    with qint.forced_tile((16, 64, 4)):
+    with qint_mm.forced_tile((16, 64, 4)):
         assert qint.gemv_max_m(qint.Q6_K_A, "cuda", cuda) == 8
     monkeypatch.setenv("MBUFO_QINT_MMA", "0")
     assert qint.gemv_max_m(qint.Q4_K, "cuda", cuda) == 4
@@ -197,7 +198,7 @@ def test_cuda_cores_keep_fewer_rows_where_the_gluon_kernel_takes_the_rest(monkey
     qk = random_weight(T.Q4_K, n, k, rng)
     for m in (3, 6):
         x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
-        xq = qint.QuantX(*(t.zero_() for t in qint.empty_quant_x(m, k, x.device)))
+        xq = quant_x.QuantX(*(t.zero_() for t in quant_x.empty_quant_x(m, k, x.device)))
         qint.qint_triton(x, qk, qint.Q4_K, (n, k), num_sms=132, xq=xq)
         qint.qint_triton(x, v, qint.Q6_K_A, (64, k), num_sms=132, xq=xq)
         qint.qint_parts(x, [(qk, qint.Q4_K, n), (v, qint.Q6_K_A, 64)], k, num_sms=132, xq=xq)
@@ -228,7 +229,7 @@ def test_qint_launch_hands_over_the_split_and_the_counters(monkeypatch, rng):  #
         blocks = random_weight(T.Q4_K if qtype == qint.Q4_K else T.Q6_K, n, k, rng)
         held = blocks if qtype == qint.Q4_K else qint.repack_q6k(blocks, k)
         x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
-        xq = qint.QuantX(*(t.zero_() for t in qint.empty_quant_x(m, k, x.device)))
+        xq = quant_x.QuantX(*(t.zero_() for t in quant_x.empty_quant_x(m, k, x.device)))
         y = qint.qint_triton(x, held, qtype, (n, k), num_sms=132, xq=xq)
         split = qint.default_qint_config(qtype, n, k, 132, m=m).split
         assert torch.equal(y, torch.full((m, n), 7.0))
@@ -252,7 +253,7 @@ def test_two_type_launch_refuses_a_q4k_part_that_does_not_fill_its_tiles(rng):  
     from kernels import qint
 
     k, m = 1024, 9
-    xq = qint.QuantX(*(t.zero_() for t in qint.empty_quant_x(m, k, torch.device("cpu"))))
+    xq = quant_x.QuantX(*(t.zero_() for t in quant_x.empty_quant_x(m, k, torch.device("cpu"))))
     qk = random_weight(T.Q4_K, 100, k, rng)
     v = qint.repack_q6k(random_weight(T.Q6_K, 64, k, rng), k)
     for n1, n in ((100, 164), (128, 128), (0, 64)):
@@ -262,9 +263,8 @@ def test_two_type_launch_refuses_a_q4k_part_that_does_not_fill_its_tiles(rng):  
 
 def default_tile(m: int) -> tuple:
     """qint's default matrix-unit tile at m rows (its bound's first candidate)."""
-    from kernels import qint
 
-    return qint.TILE_CANDIDATES["cuda"][next(b for b in qint.TILE_BOUNDS if m <= b)][0]
+    return qint_mm.TILE_CANDIDATES["cuda"][next(b for b in qint_mm.TILE_BOUNDS if m <= b)][0]
 
 
 @pytest.mark.gpu
@@ -290,10 +290,10 @@ def test_gpu_same_bits_as_qint(rng):  # noqa: F811 - the fixture
         held = (qint.repack_q6k(blocks, k) if q6 else blocks).cuda()
         x = torch.from_numpy(rng.standard_normal((64, k), dtype=np.float32))
         for m in rows:
-            xq = qint.quantize_x(x[:m].cuda())
+            xq = quant_x.quantize_x(x[:m].cuda())
             split = qint.default_qint_config(held_type, n, k, num_sms(held.device),
                                              m=m).split
-            with qint.forced_tile(default_tile(m)):
+            with qint_mm.forced_tile(default_tile(m)):
                 want = qint.qint_triton(x[:m].cuda(), held, held_type, (n, k), xq=xq).cpu()
             got = qint.qint_triton(x[:m].cuda(), held, held_type, (n, k), xq=xq).cpu()
             assert torch.equal(got, want), (qtype, n, k, m)
@@ -314,8 +314,8 @@ def test_gpu_same_bits_as_qint(rng):  # noqa: F811 - the fixture
         parts = [(g1.cuda(), qint.Q4_K, n1), (qint.repack_q6k(g2, k).cuda(), qint.Q6_K_A, n2)]
         x = torch.from_numpy(rng.standard_normal((64, k), dtype=np.float32))
         for m in (3, 6, 9, 16, 24, 64):
-            xq = qint.quantize_x(x[:m].cuda())
-            with qint.forced_tile(default_tile(m)):
+            xq = quant_x.quantize_x(x[:m].cuda())
+            with qint_mm.forced_tile(default_tile(m)):
                 want = qint.qint_parts(x[:m].cuda(), parts, k, xq=xq).cpu()
             got = qint.qint_parts(x[:m].cuda(), parts, k, xq=xq).cpu()
             assert torch.equal(got, want), (n1, n2, k, m)

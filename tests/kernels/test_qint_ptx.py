@@ -13,7 +13,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from kernels import qint
+from kernels import qint_mm
 
 MASK = 0xFFFFFFFF
 
@@ -73,7 +73,7 @@ def test_q6k_code_words_match_gguf_py(signed):
         ql, qh = block[b, :128], block[b, 128:192]
         for h in range(2):
             for j in range(4):
-                asm = qint._q6_codes_asm(j, signed)
+                asm = qint_mm._q6_codes_asm(j, signed)
                 for l0 in range(0, 32, 4):
                     lo = ql[64 * h + 32 * (j % 2) + l0:][:4]
                     hi = qh[32 * h + l0:][:4]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import gated_act, qint
+from kernels import gated_act, quant_x
 from kernels.triton_util import HAS_TRITON, release_first
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="the CPU torch build has no Triton")
@@ -44,11 +44,11 @@ def test_launches_pass_it_where_named(monkeypatch, setting):
                                 kernel.__name__, _Fake())
 
     monkeypatch.setenv("MBUFO_PDL_RELEASE_FIRST", setting)
-    monkeypatch.setattr(qint, "launcher", launch)
+    monkeypatch.setattr(quant_x, "launcher", launch)
     monkeypatch.setattr(gated_act, "launcher", launch)
     monkeypatch.setattr(gated_act, "interpreter_active", lambda: True)
     x = torch.zeros(1, 512)
-    qint.quantize_x(x)
+    quant_x.quantize_x(x)
     gated_act.gated_act_quant(torch.zeros(1, 1024), "silu")
     gated_act.gated_act(torch.zeros(1, 1024), "silu")
     q, act = fakes["_quantize_x_kernel"].calls, fakes["_gated_act_kernel"].calls
@@ -66,7 +66,7 @@ def _ptx(kernel, signature, consts) -> str:
 @pytest.mark.parametrize("which", ["quantize_x", "gated_act"])
 def test_builds_release_before_or_after_their_wait(which):
     if which == "quantize_x":
-        kernel = qint._quantize_x_kernel
+        kernel = quant_x._quantize_x_kernel
         sig = {"x_ptr": "*fp32", "q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*fp16",
                "K": "i32", "stride_xm": "i32"}
         base = {}

@@ -30,7 +30,7 @@ def test_x_words_in_quad_order(stream_bench):
     g = c // 8; byte 32 g + l has element 64 g + l in its low nibble and 64 g + 32 + l in
     its high one. So the low nibbles of word c meet x's elements 64 g + 4 (c % 8) + j, the
     high ones 32 further (GGML's Q4_K block, written out by hand)."""
-    from kernels.qint import QuantX
+    from kernels.quant_x import QuantX
 
     k = 512
     gen = torch.Generator().manual_seed(3)

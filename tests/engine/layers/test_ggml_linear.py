@@ -20,7 +20,8 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from engine.errors import GGUFFormatError
 from engine.layers.ggml_linear import GGMLLinear
-from kernels.qint import Q6_K_A, dequantized_x_reference
+from kernels.qint import Q6_K_A
+from kernels.quant_x import dequantized_x_reference
 
 F16_FIELDS = {T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}
 
