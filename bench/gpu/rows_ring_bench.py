@@ -263,14 +263,23 @@ def close(y: torch.Tensor, want: torch.Tensor) -> tuple[bool, float]:
     return err <= TOLERANCE, err
 
 
+def operands(run: Run, n: int, k: int, layers: int) -> tuple:
+    """`layers` random Q4_K weights (n, k), x (1, k) bf16 and quantized, x's 16-column sums
+    as int32 (the ring kernel's), y (layers, n) and the kernel's counters."""
+    w = torch.stack([random_blocks(run, "Q4_K", n, k) for _ in range(layers)])
+    x = torch.randn(1, k, device=run.dev, generator=run.gen).bfloat16()
+    xq = quantize_x(x)
+    return (w, x, xq, xq.bs[0].to(torch.int32).contiguous(),
+            torch.empty(layers, n, dtype=torch.float32, device=run.dev),
+            torch.zeros(1024, dtype=torch.int32, device=run.dev))
+
+
 def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]],
           gaps: list[str], probes: bool) -> dict:
     """One shape: qint launches, then each ring config's variants."""
     row: dict = {"n": n, "k": k, "layers": layers, "mb_per_product": n * k // 256 * 144 / 1e6,
                  "gaps": {}, "launches": {}, "ring": []}
-    w = torch.stack([random_blocks(run, "Q4_K", n, k) for _ in range(layers)])
-    x = torch.randn(1, k, device=run.dev, generator=run.gen).bfloat16()
-    xq = quantize_x(x)
+    w, x, xq, bs, y, ctr = operands(run, n, k, layers)
     want = torch.stack([qint_triton(x, w[i], Q4_K, (n, k), QIntConfig(64, 1, 2), xq=xq)[0]
                         for i in range(layers)])
     cfg = default_qint_config(Q4_K, n, k, run.sms, m=1)
@@ -295,9 +304,6 @@ def chain(run: Run, n: int, k: int, layers: int, configs: list[tuple[int, ...]],
                 gap_before(gap)
                 qint_triton(x, w[i], Q4_K, (n, k), cfg, xq=xl)
         row["launches"][gap] = run.time_us([chained]) / layers
-    bs = xq.bs[0].to(torch.int32).contiguous()
-    y = torch.empty(layers, n, dtype=torch.float32, device=run.dev)
-    ctr = torch.zeros(1024, dtype=torch.int32, device=run.dev)
     layer_bytes = w[0].numel()
     wb = w.view(-1)
     for warps, rpt, s, d, per_sm in configs:
@@ -351,11 +357,7 @@ def profile(run: Run, shape: str, config: tuple[int, ...], layers: int, probe: i
     """Five plain launches of one config's persistent kernel (see the module docstring)."""
     n, k = (int(v) for v in shape.split("x"))
     warps, rpt, s, d, per_sm = config
-    w = torch.stack([random_blocks(run, "Q4_K", n, k) for _ in range(layers)])
-    xq = quantize_x(torch.randn(1, k, device=run.dev, generator=run.gen).bfloat16())
-    bs = xq.bs[0].to(torch.int32).contiguous()
-    y = torch.empty(layers, n, dtype=torch.float32, device=run.dev)
-    ctr = torch.zeros(1024, dtype=torch.int32, device=run.dev)
+    w, _, xq, bs, y, ctr = operands(run, n, k, layers)
     programs = min(n // (32 * rpt), per_sm * run.sms)
     for _ in range(5):
         _rows_kernel[(programs,)](w, xq.q[0], bs, xq.dx[0], y, ctr, n, k, layers, W=warps,
