@@ -123,7 +123,7 @@ class DecodePlans(NamedTuple):
     the kernel config of decode steps (engine/layers/attention.py's attn_config)."""
 
     windows: dict[str, int | None]
-    split_keys: dict[str, int]  # the most; a step's own may be fewer (decode_split_keys)
+    split_keys: dict[str, int]  # the default; a step's own may differ (decode_split_keys)
     max_splits: dict[str, int]
     configs: dict[str, AttnConfig]
 

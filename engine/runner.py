@@ -310,11 +310,14 @@ class ModelRunner:
 
     def _most_splits(self, group: str, layer: AttnLayer) -> int:
         """The most key splits a decode row of up to max_context tokens takes: at one row
-        (the fewest keys a split), every length where a split count can change."""
+        (the fewest keys a split), every length where a split count can change; and at
+        the decode config's own split_keys, which mixed steps cut their decode rows at
+        (_replay_mixed: a long row there takes more splits than a decode step's)."""
         device = torch.device(self.model.device)
         step = min(MIN_SPLIT_KEYS, self._split_keys[group])
-        return max(decode_splits(layer, n, device, self._decode_keys(1, n)[group])
-                   for n in [*range(step, self.max_context, step), self.max_context])
+        return max(decode_splits(layer, n, device, keys)
+                   for n in [*range(step, self.max_context, step), self.max_context]
+                   for keys in (self._decode_keys(1, n)[group], self._split_keys[group]))
 
     def _splits_for(self, longest: int, keys: dict[str, int] | None = None) -> dict[str, int]:
         """Key splits per decode row when the longest row holds `longest` tokens, cut at

@@ -29,6 +29,11 @@ WORK_FIELDS = 6  # row, q_begin, q_count, key_lo, key_hi, split
 SPLIT_KEYS = 256
 # The fewest key positions a decode split is cut to (decode_split_keys)
 MIN_SPLIT_KEYS = 128
+# The most splits a decode row's keys are cut into: a longer row takes longer splits
+# (decode_split_keys). H200, Llama 3 8B, one row (bench/RESULTS.md, 2026-12-04), us a layer
+# in 256 / 512 / 1024 / 2048-key splits: 16384 keys 35.9 / 30.0 / 32.0 / 47.2, 32768 keys
+# 80.9 / 56.4 / 45.3 / 52.9 (f16; q8 alike): each best at 32 splits a row.
+MAX_DECODE_SPLITS = 32
 
 
 class AttnConfig(NamedTuple):
@@ -80,15 +85,18 @@ def decode_split_keys(rows: int, keys: int, kv_heads: int, num_sms: int,
     keys): `most`, halved down to MIN_SPLIT_KEYS while the step's work items (rows x KV
     heads x the splits of `keys`) are fewer than a quarter of the device's `num_sms`
     multiprocessors (0: never halved), unless `most` holds the keys in one split (no
-    merge: cut in two, 96 keys took 6.1 against 3.8 us). H200, Llama 3 8B, one row
-    (bench/RESULTS.md): 577 keys 6.9 us in 128-key splits against 8.4 in 256 and 8.0 in
-    64; 1024 keys 7.4 / 8.8 / 9.2; 4096 keys 16.2 in 128 against 14.7 in 256; 16 rows
-    fastest in 256."""
+    merge: cut in two, 96 keys took 6.1 against 3.8 us); doubled while the keys would take
+    more than MAX_DECODE_SPLITS splits (every merge term costs: 32768 keys 80.9 us a layer
+    in 256-key splits, 45.3 in 1024). H200, Llama 3 8B, one row (bench/RESULTS.md): 577
+    keys 6.9 us in 128-key splits against 8.4 in 256 and 8.0 in 64; 1024 keys 7.4 / 8.8 /
+    9.2; 4096 keys 16.2 in 128 against 14.7 in 256; 16 rows fastest in 256."""
     if keys <= most:
         return most
     split = most
     while split > MIN_SPLIT_KEYS and 4 * rows * kv_heads * -(-keys // split) < num_sms:
         split //= 2
+    while -(-keys // split) > MAX_DECODE_SPLITS:
+        split *= 2
     return split
 
 

@@ -124,6 +124,24 @@ def test_graph_path_matches_eager_and_pads_into_scratch(model):
     assert PAGES not in owned
 
 
+def test_long_rows_take_longer_splits_and_mixed_steps_keep_theirs(model, monkeypatch):
+    """A decode step's long row is cut into at most MAX_DECODE_SPLITS splits (longer keys a
+    split, its plan covering every key), while a mixed step keeps the decode config's
+    split_keys: the plans' most splits hold both."""
+    import kernels.paged_attention_plan as plan
+
+    monkeypatch.setattr(plan, "MAX_DECODE_SPLITS", 1)
+    runner = ModelRunner(model, PAGES, 16, "f16", max_context=PAGES * 16, num_sms=132)
+    keys = runner._decode_keys(1, 300)
+    assert keys == {"full": 512, "sliding": 256}  # 300 keys; the window's 24
+    # (a window's keys may straddle two splits)
+    assert runner._splits_for(300, keys) == {"full": 1, "sliding": 2}
+    assert runner._splits_for(300) == {"full": 2, "sliding": 2}  # a mixed step's
+    assert runner._max_splits["full"] == 2
+    items = decode_items_host(np.array([300]), None, keys["full"], 1)
+    assert items[:, 3].min() == 0 and items[:, 4].max() == 300  # every key, one split
+
+
 def test_other_buckets_and_fallbacks(model):
     fake = FakeCapture()
     graphed = ModelRunner(model, PAGES, 16, "f16", cuda_graphs=True, max_context=CONTEXT,

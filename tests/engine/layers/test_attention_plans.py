@@ -20,6 +20,7 @@ from engine.layers.attention import (
     plan_decode,
 )
 from kernels.paged_attention_plan import (
+    MAX_DECODE_SPLITS,
     MIN_SPLIT_KEYS,
     SPLIT_KEYS,
     AttnConfig,
@@ -168,4 +169,20 @@ def test_decode_split_keys_fill_the_device():
     assert decode_split_keys(1, 577, 8, 400) == 128  # never below MIN_SPLIT_KEYS
     assert decode_split_keys(16, 577, 8, 132) == SPLIT_KEYS  # 384 items already
     assert decode_split_keys(1, 577, 8, 0) == SPLIT_KEYS  # the CPU: never cut
-    assert decode_split_keys(1, 577, 8, 132, most=32) == 32  # never above `most`
+    assert decode_split_keys(1, 577, 8, 132, most=32) == 32  # 19 splits: not lengthened
+
+
+def test_decode_split_keys_lengthen_past_max_splits():
+    """A row of more than MAX_DECODE_SPLITS splits takes longer ones (doubled from `most`
+    until it fits), whatever the rows and multiprocessors; 32 splits of 256 keys stay."""
+    assert MAX_DECODE_SPLITS == 32
+    assert decode_split_keys(1, 8192, 8, 132) == SPLIT_KEYS  # 32 splits
+    assert decode_split_keys(1, 8193, 8, 132) == 512  # 33 at 256, 17 at 512
+    assert decode_split_keys(1, 16384, 8, 132) == 512
+    assert decode_split_keys(1, 32768, 8, 132) == 1024
+    assert decode_split_keys(16, 32768, 8, 132) == 1024
+    assert decode_split_keys(1, 131072, 8, 0) == 4096  # the CPU too
+    assert decode_split_keys(1, 2048, 8, 0, most=32) == 64
+    for keys in (8193, 20000, 65537, 250_000):
+        split = decode_split_keys(1, keys, 8, 132)
+        assert -(-keys // split) <= MAX_DECODE_SPLITS < -(-keys // (split // 2)), keys
