@@ -315,9 +315,11 @@ class ModelRunner:
         (_replay_mixed: a long row there takes more splits than a decode step's)."""
         device = torch.device(self.model.device)
         step = min(MIN_SPLIT_KEYS, self._split_keys[group])
-        return max(decode_splits(layer, n, device, keys)
-                   for n in [*range(step, self.max_context, step), self.max_context]
-                   for keys in (self._decode_keys(1, n)[group], self._split_keys[group]))
+        decode = max(decode_splits(layer, n, device, self._decode_keys(1, n)[group])
+                     for n in [*range(step, self.max_context, step), self.max_context])
+        # at one key size the count only grows with the length
+        return max(decode, decode_splits(layer, self.max_context, device,
+                                         self._split_keys[group]))
 
     def _splits_for(self, longest: int, keys: dict[str, int] | None = None) -> dict[str, int]:
         """Key splits per decode row when the longest row holds `longest` tokens, cut at

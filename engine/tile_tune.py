@@ -136,7 +136,7 @@ def choose_tiles(shapes: list[LinearShape], backend: str, measure: TileMeasure,
 
 
 def apply_tiles(choice: TileChoice) -> None:
-    """The chosen tiles into kernels/qint.py's TUNED_TILES (this process's launches)."""
+    """The chosen tiles into kernels/qint_mm.py's TUNED_TILES (this process's launches)."""
     from kernels.qint_mm import TILE_CANDIDATES, TUNED_TILES
 
     for (held, bound), tile in choice.tiles.items():

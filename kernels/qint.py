@@ -49,10 +49,10 @@ from engine.errors import InvalidRequest
 from kernels import qint_mma
 from kernels.qgemv import _TICKETS, _tickets, ptx
 from kernels.qint_mm import (
-    _FORCED,
     TILE_BOUNDS,
     TILE_CANDIDATES,
     compile_options,
+    tile_forced,
     tile_options,
     tiled_tile,
     x_masks,
@@ -315,7 +315,7 @@ def mma_path(m: int, qtype: int, qtype2: int, backend: str, device: torch.device
     return (device.type == "cuda" and backend == "cuda"
             and (qtype in QINT_TYPES and not qtype2 or (qtype, qtype2) == (Q4_K, Q6_K_A))
             and m <= mma_rows() and qint_mma.HAS_GLUON
-            and not getattr(_FORCED, "stack", None)
+            and not tile_forced()
             and os.environ.get("MBUFO_QINT_MMA", "1") != "0")
 
 

@@ -20,8 +20,8 @@ from kernels.qtiles import Q4_K, _f16, _f16lo
 from kernels.triton_util import HAS_TRITON, await_inputs, helper, tl, triton
 
 __all__ = ["TILE_BOUNDS", "TILE_CANDIDATES", "TILED_MAX_REGS", "TUNED_TILES",
-           "compile_options", "forced_tile", "tile_bound", "tile_options", "tiled_tile",
-           "x_masks"]
+           "compile_options", "forced_tile", "tile_bound", "tile_forced", "tile_options",
+           "tiled_tile", "x_masks"]
 
 # The matrix-unit kernel's tiles, (block_m, block_n, num_warps[, num_stages[, max_regs]]),
 # by rows of x: the first bound of TILE_BOUNDS that holds picks the tile, the tuned one
@@ -87,6 +87,11 @@ def tiled_tile(m: int, backend: str = "cuda", qtype: int = Q4_K) -> tuple:
         return forced[-1]
     bound = tile_bound(m)
     return TUNED_TILES.get((backend, int(qtype), bound)) or TILE_CANDIDATES[backend][bound][0]
+
+
+def tile_forced() -> bool:
+    """Whether this thread's matrix-unit launches take a forced tile (forced_tile)."""
+    return bool(getattr(_FORCED, "stack", None))
 
 
 @contextlib.contextmanager
