@@ -61,15 +61,18 @@ class MixedGraphs:
     """Captured mixed-step forwards by Key. `step(planned)` maps a PlannedBatch on the
     device to the logits of its logits rows; `configs` are the layer groups' attention
     configs of mixed steps; rows past `max_rows` or tokens past the largest bucket run
-    eagerly, and so does a key's step until its `capture_at`-th sighting."""
+    eagerly, and so does a key's step until its `capture_at`-th sighting. `fill`: the
+    groups' work items at once (plan_attention; the eager path's, so a replay's plan is
+    the eager step's)."""
 
     def __init__(self, step: Callable[[PlannedBatch], torch.Tensor],
                  layers: dict[str, AttnLayer], configs: dict[str, AttnConfig],
                  scratch_pages: dict[str, int], page_size: int, max_context: int,
                  max_rows: int, device: torch.device, capture: Capturer,
                  buckets: tuple[int, ...] = TOKEN_BUCKETS, max_graphs: int = MAX_GRAPHS,
-                 capture_at: int = CAPTURE_AT) -> None:
+                 capture_at: int = CAPTURE_AT, fill: dict[str, int] | None = None) -> None:
         self.step, self.layers, self.configs = step, dict(layers), dict(configs)
+        self.fill = dict(fill or {})
         self.groups = sorted(self.layers)
         self.scratch_pages, self.page_size = dict(scratch_pages), page_size
         self.max_context, self.max_rows = max_context, max_rows
@@ -114,7 +117,7 @@ class MixedGraphs:
         plans = {g: plan_attention(batch.query_start, batch.seq_lens,
                                    group=layer.num_heads // layer.num_kv_heads,
                                    window=layer.window, config=self.configs[g], device="cpu",
-                                   decode_splits=splits[g])
+                                   decode_splits=splits[g], fill=self.fill.get(g, 0))
                  for g, layer in self.layers.items()}
         tokens = next(b for b in self.buckets if b >= batch.num_tokens)
         logits = next_pow2(batch.logits_rows.numel())

@@ -41,7 +41,12 @@ from engine.layers.attention import (
 from engine.layers.ggml_linear import blocks_only
 from engine.mixed_graphs import MixedGraphs
 from engine.models.common import DecoderModel
-from kernels.paged_attention_plan import MIN_SPLIT_KEYS, decode_split_keys
+from kernels.paged_attention_plan import (
+    MIN_SPLIT_KEYS,
+    PROGRAMS_PER_SM,
+    decode_split_keys,
+    row_split_keys,
+)
 from kernels.triton_util import next_pow2, pdl_enabled, pdl_launches
 from kernels.triton_util import num_sms as device_sms
 
@@ -101,6 +106,10 @@ class ModelRunner:
         self.num_sms = num_sms if num_sms is not None else (
             device_sms(device) if self.triton else 0)
         self._max_splits = {g: self._most_splits(g, layer) for g, layer in self._layers.items()}
+        # Work items a step's attention runs at once (its programs over the KV heads): a
+        # long prefill chunk's few items are cut to reach them (plan_attention's `fill`)
+        self._fill = {g: PROGRAMS_PER_SM * self.num_sms // layer.num_kv_heads
+                      for g, layer in self._layers.items()}
         self._splits_cache: dict[tuple, dict[str, int]] = {}
         # The graphs' step functions hold the model, not the runner: a dropped runner (an
         # unloaded model) frees its graphs at once, never in a collection during a capture.
@@ -121,7 +130,8 @@ class ModelRunner:
             self.mixed = MixedGraphs(
                 self._step.planned, self._layers,
                 {g: attn_config(layer, device) for g, layer in self._layers.items()},
-                pages, page_size, self.max_context, self.graphs.buckets[-1], device, capturer)
+                pages, page_size, self.max_context, self.graphs.buckets[-1], device, capturer,
+                fill=self._fill)
 
     @property
     def page_size(self) -> int:
@@ -166,7 +176,7 @@ class ModelRunner:
         off (those steps then run eagerly) instead of failing the step."""
         assert self.mixed is not None
         lens = batch.seq_lens.numpy()[np.diff(batch.query_start.numpy()) == 1]
-        splits = self._splits_for(int(lens.max()) if lens.size else 1)
+        splits = self._mixed_splits(int(lens.max()) if lens.size else 1)
         try:
             return self.mixed.run(batch, splits)
         except RuntimeError:
@@ -291,7 +301,7 @@ class ModelRunner:
         if batch.is_decode_only() and batch.max_seq_len() <= self.max_context:
             return self._step.decode(on_device, *self._decode_splits(batch))
         host = batch.to(torch.device("cpu"))
-        planned = plan_batch(host, on_device, self._layers, self.page_size)
+        planned = plan_batch(host, on_device, self._layers, self.page_size, self._fill)
         return self.model.step_logits(planned, self.kv)
 
     def _decode_splits(self, batch: ForwardBatch) -> tuple[dict[str, int], dict[str, int]]:
@@ -310,16 +320,23 @@ class ModelRunner:
 
     def _most_splits(self, group: str, layer: AttnLayer) -> int:
         """The most key splits a decode row of up to max_context tokens takes: at one row
-        (the fewest keys a split), every length where a split count can change; and at
-        the decode config's own split_keys, which mixed steps cut their decode rows at
-        (_replay_mixed: a long row there takes more splits than a decode step's)."""
+        (the fewest keys a split), every length where a split count can change. A mixed
+        step's one-token rows take no more (_mixed_splits: their splits are never
+        shorter at the same length)."""
         device = torch.device(self.model.device)
         step = min(MIN_SPLIT_KEYS, self._split_keys[group])
-        decode = max(decode_splits(layer, n, device, self._decode_keys(1, n)[group])
-                     for n in [*range(step, self.max_context, step), self.max_context])
-        # at one key size the count only grows with the length
-        return max(decode, decode_splits(layer, self.max_context, device,
-                                         self._split_keys[group]))
+        return max(decode_splits(layer, n, device, self._decode_keys(1, n)[group])
+                   for n in [*range(step, self.max_context, step), self.max_context])
+
+    def _mixed_splits(self, longest: int) -> dict[str, int]:
+        """Key splits per one-token row of a mixed step whose longest such row holds
+        `longest` tokens: plan_attention cuts each at the config's split_keys (the decode
+        config's too), lengthened past MAX_DECODE_SPLITS splits (row_split_keys); a
+        shorter row never takes more splits than the longest's count rounded up to a
+        power of two (both at most MAX_DECODE_SPLITS, or one more in a window)."""
+        keys = {g: row_split_keys(min(longest, layer.window or longest), self._split_keys[g])
+                for g, layer in self._layers.items()}
+        return self._splits_for(longest, keys)
 
     def _splits_for(self, longest: int, keys: dict[str, int] | None = None) -> dict[str, int]:
         """Key splits per decode row when the longest row holds `longest` tokens, cut at

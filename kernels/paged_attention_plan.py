@@ -2,7 +2,10 @@
 
 One plan serves every attention layer of a step with the same window (the engine builds
 one per layer group). A work item is a block of query tokens of one row times a range of
-key positions; a token's partial results go to its slots `tok_base[t] + split`.
+key positions; a token's partial results go to its slots `tok_base[t] + split`. A row of
+one query block (decode, verify, a short chunk) has its keys cut into position-aligned
+splits; a longer row has an item a query block, cut into splits only when a step's few
+items would leave most of the device idle (a short chunk deep into a long prompt).
 
 Assumes the ForwardBatch contract: row r's tokens sit at positions
 seq_lens[r] - num_new .. seq_lens[r] - 1 (the kernel masks with the real positions; the
@@ -18,7 +21,8 @@ import torch
 from engine.errors import InvalidRequest
 from kernels.triton_util import next_pow2
 
-__all__ = ["FORMAT_IDS", "AttnConfig", "AttnPlan", "decode_split_keys", "plan_attention"]
+__all__ = ["FORMAT_IDS", "PROGRAMS_PER_SM", "AttnConfig", "AttnPlan", "decode_split_keys",
+           "plan_attention", "prefill_split_keys", "row_split_keys"]
 
 # KV format name -> the kernel's constexpr: 0 f16, 1 q8, 2 q4 (rotation is done outside).
 FORMAT_IDS = {"f16": 0, "q8": 1, "q8_plain": 1, "q4": 2, "q4_plain": 2}
@@ -34,6 +38,14 @@ MIN_SPLIT_KEYS = 128
 # in 256 / 512 / 1024 / 2048-key splits: 16384 keys 35.9 / 30.0 / 32.0 / 47.2, 32768 keys
 # 80.9 / 56.4 / 45.3 / 52.9 (f16; q8 alike): each best at 32 splits a row.
 MAX_DECODE_SPLITS = 32
+# Programs a multiprocessor runs at once that the plans aim at: a decode row's best split
+# left about two (256 programs of Llama 3 8B at 16K and 32K keys on 132 multiprocessors)
+PROGRAMS_PER_SM = 2
+# The fewest key positions a prefill item is cut to (prefill_split_keys): 16 key blocks of
+# a prefill config's 64 a merge term. Not yet measured against other lengths.
+MIN_PREFILL_SPLIT = 1024
+# A cut prefill item's key count is a multiple of this (whole key blocks but the last)
+KEY_ALIGN = 64
 
 
 class AttnConfig(NamedTuple):
@@ -85,23 +97,48 @@ def decode_split_keys(rows: int, keys: int, kv_heads: int, num_sms: int,
     keys): `most`, halved down to MIN_SPLIT_KEYS while the step's work items (rows x KV
     heads x the splits of `keys`) are fewer than a quarter of the device's `num_sms`
     multiprocessors (0: never halved), unless `most` holds the keys in one split (no
-    merge: cut in two, 96 keys took 6.1 against 3.8 us); doubled while the keys would take
-    more than MAX_DECODE_SPLITS splits (every merge term costs: 32768 keys 80.9 us a layer
-    in 256-key splits, 45.3 in 1024). H200, Llama 3 8B, one row (bench/RESULTS.md): 577
-    keys 6.9 us in 128-key splits against 8.4 in 256 and 8.0 in 64; 1024 keys 7.4 / 8.8 /
-    9.2; 4096 keys 16.2 in 128 against 14.7 in 256; 16 rows fastest in 256."""
+    merge: cut in two, 96 keys took 6.1 against 3.8 us); then row_split_keys' (at most
+    MAX_DECODE_SPLITS splits). H200, Llama 3 8B, one row (bench/RESULTS.md): 577 keys 6.9
+    us in 128-key splits against 8.4 in 256 and 8.0 in 64; 1024 keys 7.4 / 8.8 / 9.2; 4096
+    keys 16.2 in 128 against 14.7 in 256; 16 rows fastest in 256."""
     if keys <= most:
         return most
     split = most
     while split > MIN_SPLIT_KEYS and 4 * rows * kv_heads * -(-keys // split) < num_sms:
         split //= 2
+    return row_split_keys(keys, split)
+
+
+def row_split_keys(keys: int, split_keys: int) -> int:
+    """Key positions per split of a one-block row that sees `keys` keys: `split_keys`,
+    doubled while the keys would take more than MAX_DECODE_SPLITS splits (every merge term
+    costs: 32768 keys 80.9 us a layer in 256-key splits, 45.3 in 1024)."""
+    split = split_keys
     while -(-keys // split) > MAX_DECODE_SPLITS:
         split *= 2
     return split
 
 
+def prefill_split_keys(item_keys: list[int], fill: int, least: int | None = None) -> int:
+    """Key positions a prefill chunk's items are cut to (plan_attention's `fill`), or 0 for
+    none: a step whose `item_keys` (every work item's key range) are few and long runs on
+    a few programs, each reading its whole context (a 16-token chunk of Llama 3 8B at
+    200K keys: 8 programs on 132 multiprocessors, the other streams waiting on them). An
+    item longer than twice the mean load of `fill` items (at least `least`, default
+    MIN_PREFILL_SPLIT keys) is cut into pieces of about that load (_cut: whole key
+    blocks); a step whose items already spread evenly (a 512-token chunk: 32 items a KV
+    head of near equal keys) is left as it is."""
+    if fill <= 0 or not item_keys:
+        return 0
+    least = MIN_PREFILL_SPLIT if least is None else least
+    load = max(least, -(-sum(item_keys) // fill))
+    return load if max(item_keys) > 2 * load else 0
+
+
 def _row_items(row: int, q0: int, num_new: int, seq_len: int, block_q: int,
-               window: int | None, split_keys: int) -> list[tuple[int, ...]]:
+               window: int | None, split_keys: int) -> list[list[tuple[int, ...]]]:
+    """The row's work items, by the tokens they write: one group for a one-block row (its
+    key splits), one a query block otherwise (one item each, all its keys)."""
     first_pos = seq_len - num_new
 
     def key_lo(pos: int) -> int:  # oldest key the query at `pos` sees
@@ -109,14 +146,26 @@ def _row_items(row: int, q0: int, num_new: int, seq_len: int, block_q: int,
 
     if num_new <= block_q:  # one query block: split the keys at aligned boundaries
         lo, hi = key_lo(first_pos), seq_len
+        split_keys = row_split_keys(hi - lo, split_keys)
         first, last = lo // split_keys, (hi - 1) // split_keys
-        return [(row, q0, num_new, max(lo, s * split_keys), min(hi, (s + 1) * split_keys),
-                 s - first) for s in range(first, last + 1)]
-    items = []
-    for b in range(0, num_new, block_q):
-        count = min(block_q, num_new - b)
-        items.append((row, q0 + b, count, key_lo(first_pos + b), first_pos + b + count, 0))
-    return items
+        return [[(row, q0, num_new, max(lo, s * split_keys), min(hi, (s + 1) * split_keys),
+                  s - first) for s in range(first, last + 1)]]
+    return [[(row, q0 + b, min(block_q, num_new - b), key_lo(first_pos + b),
+              first_pos + b + min(block_q, num_new - b), 0)]
+            for b in range(0, num_new, block_q)]
+
+
+def _cut(item: tuple[int, ...], length: int) -> list[tuple[int, ...]]:
+    """A query block's item cut into splits of about `length` keys (even, KEY_ALIGN-aligned
+    sizes): a query may see none of the last one's keys (causal), its partials then merge
+    as exact zeros."""
+    row, q0, count, lo, hi, _ = item
+    pieces = -(-(hi - lo) // length)
+    if pieces <= 1:
+        return [item]
+    step = -(-(hi - lo) // (pieces * KEY_ALIGN)) * KEY_ALIGN
+    return [(row, q0, count, a, min(hi, a + step), s)
+            for s, a in enumerate(range(lo, hi, step))]
 
 
 def plan_attention(
@@ -128,11 +177,16 @@ def plan_attention(
     config: AttnConfig,
     device: torch.device | str,
     decode_splits: int = 0,
+    fill: int = 0,
+    least: int | None = None,
 ) -> AttnPlan:
     """Work items for rows (query_start (R + 1,), seq_lens (R,)); reads both on the host.
-    `decode_splits` > 0: every one-token row gets exactly that many items (its splits, then
-    empty key ranges, which merge as exact zeros), as a captured graph's fixed plan sizes
-    need; it must cover the row's splits."""
+    A one-block row's keys are cut at config.split_keys (row_split_keys: at most
+    MAX_DECODE_SPLITS splits). `decode_splits` > 0: every one-token row gets exactly that
+    many items (its splits, then empty key ranges, which merge as exact zeros), as a
+    captured graph's fixed plan sizes need; it must cover the row's splits. `fill` > 0:
+    the items the device runs at once (its programs at once over the KV heads); a long
+    prefill item of a step with few is cut (prefill_split_keys, at least `least` keys)."""
     starts = [int(s) for s in query_start.tolist()]
     lens = [int(s) for s in seq_lens.tolist()]
     if len(starts) != len(lens) + 1 or starts[0] != 0:
@@ -140,8 +194,7 @@ def plan_attention(
     block_q = config.tokens_per_block(group)
     if block_q < 1:
         raise InvalidRequest(f"paged_attention: block_m {config.block_m} < group {group}")
-    work: list[tuple[int, ...]] = []
-    splits: list[int] = []
+    groups: list[tuple[list[tuple[int, ...]], bool]] = []  # (items, a query block's)
     for row, seq_len in enumerate(lens):
         num_new = starts[row + 1] - starts[row]
         if num_new < 0 or num_new > seq_len:
@@ -149,16 +202,22 @@ def plan_attention(
                                  f"and seq_len {seq_len}")
         if num_new == 0:
             continue
-        items = _row_items(row, starts[row], num_new, seq_len, block_q, window,
-                           config.split_keys)
+        row_groups = _row_items(row, starts[row], num_new, seq_len, block_q, window,
+                                config.split_keys)
         if decode_splits and num_new == 1:
+            items = row_groups[0]
             if len(items) > decode_splits:
                 raise InvalidRequest(f"paged_attention: row {row} needs {len(items)} key "
                                      f"splits, more than decode_splits {decode_splits}")
             items += [(row, starts[row], 1, seq_len, seq_len, s)
                       for s in range(len(items), decode_splits)]
-        work.extend(items)
-        splits.extend([len(items) if num_new <= block_q else 1] * num_new)
+        groups += [(items, num_new > block_q) for items in row_groups]
+    length = prefill_split_keys([w[4] - w[3] for items, _ in groups for w in items], fill,
+                                least)
+    if length:
+        groups = [(_cut(items[0], length) if block else items, block) for items, block in groups]
+    work = [w for items, _ in groups for w in items]
+    splits = [len(items) for items, _ in groups for _ in range(items[0][2])]
     tok_splits = torch.tensor(splits, dtype=torch.int32)
     tok_base = torch.cumsum(tok_splits, 0, dtype=torch.int32) - tok_splits
     work_t = torch.tensor(work, dtype=torch.int32).reshape(-1, WORK_FIELDS)

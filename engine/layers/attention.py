@@ -169,9 +169,10 @@ def _plan_key(layer: AttnLayer) -> tuple:
 
 
 def plan_batch(host: ForwardBatch, batch: ForwardBatch, layers: dict[str, AttnLayer],
-               page_size: int) -> PlannedBatch:
+               page_size: int, fill: dict[str, int] | None = None) -> PlannedBatch:
     """Any batch (prefill, mixed, verify): plans and write slots computed on the host from
-    `host` (the CPU copy of `batch`), then copied to `batch`'s device."""
+    `host` (the CPU copy of `batch`), then copied to `batch`'s device. `fill[group]`: the
+    work items the device runs at once (plan_attention: a long chunk's few are cut)."""
     dev = batch.input_ids.device
     positions = batch.positions.to(torch.int32)
     attn, slots = {}, {}
@@ -179,7 +180,7 @@ def plan_batch(host: ForwardBatch, batch: ForwardBatch, layers: dict[str, AttnLa
         config = attn_config(layer, dev)
         plan = plan_attention(host.query_start, host.seq_lens,
                               group=layer.num_heads // layer.num_kv_heads, window=layer.window,
-                              config=config, device=dev)
+                              config=config, device=dev, fill=(fill or {}).get(group, 0))
         attn[group] = GroupInputs(plan, batch.page_tables[group].to(torch.int32), positions,
                                   config)
         slots[group] = host.write_slots(group, page_size).to(dev)

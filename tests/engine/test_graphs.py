@@ -15,7 +15,13 @@ from span_batch import span_batch
 from engine.batch import ForwardBatch
 from engine.graphs import BUCKETS, DecodeGraphs, bucket_for, buckets_up_to, is_decode_only
 from engine.kv.pool import SeqPages
-from engine.layers.attention import PlannedBatch, _decode_plan, decode_items_host, plan_decode
+from engine.layers.attention import (
+    PlannedBatch,
+    _decode_plan,
+    attn_config,
+    decode_items_host,
+    plan_decode,
+)
 from engine.loader import load
 from engine.runner import ModelRunner
 from engine.synthetic import SyntheticSpec, write_synthetic_gguf
@@ -124,10 +130,10 @@ def test_graph_path_matches_eager_and_pads_into_scratch(model):
     assert PAGES not in owned
 
 
-def test_long_rows_take_longer_splits_and_mixed_steps_keep_theirs(model, monkeypatch):
-    """A decode step's long row is cut into at most MAX_DECODE_SPLITS splits (longer keys a
-    split, its plan covering every key), while a mixed step keeps the decode config's
-    split_keys: the plans' most splits hold both."""
+def test_long_rows_take_longer_splits_in_decode_and_mixed_steps(model, monkeypatch):
+    """A long row is cut into at most MAX_DECODE_SPLITS splits (longer keys a split, its
+    plan covering every key) in a decode step and, as plan_attention cuts it, in a mixed
+    step: the plans' most splits hold both."""
     import kernels.paged_attention_plan as plan
 
     monkeypatch.setattr(plan, "MAX_DECODE_SPLITS", 1)
@@ -136,10 +142,19 @@ def test_long_rows_take_longer_splits_and_mixed_steps_keep_theirs(model, monkeyp
     assert keys == {"full": 512, "sliding": 256}  # 300 keys; the window's 24
     # (a window's keys may straddle two splits)
     assert runner._splits_for(300, keys) == {"full": 1, "sliding": 2}
-    assert runner._splits_for(300) == {"full": 2, "sliding": 2}  # a mixed step's
-    assert runner._max_splits["full"] == 2
+    assert runner._mixed_splits(300) == {"full": 1, "sliding": 2}  # 256 keys: 2 splits
+    assert runner._max_splits == {"full": 1, "sliding": 2}
+    # two programs a multiprocessor over the KV heads: what a step's plan_attention fills
+    assert runner._fill == {g: 264 // layer.num_kv_heads for g, layer in runner._layers.items()}
+    assert set(ModelRunner(model, PAGES, 16, "f16")._fill.values()) == {0}  # the CPU: none
     items = decode_items_host(np.array([300]), None, keys["full"], 1)
     assert items[:, 3].min() == 0 and items[:, 4].max() == 300  # every key, one split
+    layer = runner._layers["full"]
+    mixed = plan.plan_attention(torch.tensor([0, 1, 3]), torch.tensor([300, 40]),
+                                group=layer.num_heads // layer.num_kv_heads, window=None,
+                                config=attn_config(layer, torch.device("cpu")), device="cpu",
+                                decode_splits=runner._mixed_splits(300)["full"])
+    assert mixed.work[:2, 3:5].tolist() == [[0, 300], [0, 40]]  # one split a row
 
 
 def test_other_buckets_and_fallbacks(model):

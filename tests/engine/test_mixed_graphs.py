@@ -127,3 +127,31 @@ def test_padded_decode_splits():
     with pytest.raises(InvalidRequest, match="decode_splits"):
         plan_attention(batch.query_start, batch.seq_lens, group=2, window=None,
                        config=CONFIG, device="cpu", decode_splits=2)
+
+
+def test_long_chunks_are_cut_as_in_the_eager_plan(monkeypatch):
+    """With `fill`, a long chunk's query blocks are cut into key splits in the staged plan
+    exactly as plan_attention (the eager path's planner) cuts them."""
+    import kernels.paged_attention_plan as plan
+
+    monkeypatch.setattr(plan, "MIN_PREFILL_SPLIT", 16)
+    seen: list = []
+    fill = {"full": 8, "sliding": 8}
+    graphs = make(seen, fill=fill)
+    tables = {"full": [list(range(1, 8)), [8, 9]],
+              "sliding": [[-1, -1, -1, -1, 10, 11, 12], [13, 14]]}
+    batch = ForwardBatch.build([(list(range(9)), 100), ([3], 20)], tables)
+    splits = {"full": 2, "sliding": 2}
+    assert graphs.run(batch, splits) is not None
+    for g, layer in LAYERS.items():
+        want = plan_attention(batch.query_start, batch.seq_lens, group=2, window=layer.window,
+                              config=CONFIG, device="cpu", decode_splits=splits[g],
+                              fill=fill[g])
+        got = seen[-1].attn[g].plan
+        items = want.work.shape[0]
+        assert torch.equal(got.work[:items], want.work)
+        assert got.tok_splits[:10].tolist() == want.tok_splits.tolist()
+        assert got.tok_base[:10].tolist() == want.tok_base.tolist()
+    cut = plan_attention(batch.query_start, batch.seq_lens, group=2, window=None,
+                         config=CONFIG, device="cpu", decode_splits=2, fill=8)
+    assert cut.tok_splits[:9].tolist() == [2] * 9  # the chunk's blocks: two splits each

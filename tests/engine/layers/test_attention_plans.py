@@ -13,7 +13,9 @@ from engine.batch import ForwardBatch
 from engine.kv.cache import KVCache, LayerKVSpec
 from engine.layers.attention import (
     AttnLayer,
+    GroupInputs,
     _decode_plan,
+    _planned,
     attend,
     decode_splits,
     plan_batch,
@@ -21,11 +23,14 @@ from engine.layers.attention import (
 )
 from kernels.paged_attention_plan import (
     MAX_DECODE_SPLITS,
+    MIN_PREFILL_SPLIT,
     MIN_SPLIT_KEYS,
     SPLIT_KEYS,
     AttnConfig,
     decode_split_keys,
     plan_attention,
+    prefill_split_keys,
+    row_split_keys,
 )
 
 PAGE = 16
@@ -108,6 +113,91 @@ def test_mixed_plan_attention_matches_reference(triton_worker, gen, kv_quant, wi
     planned = plan_batch(batch, batch, {group: layer}, PAGE)
     out = triton_worker.call("engine.layers.attention:attend", layer, q, k, v, planned, kv)
     assert_close(out, attend(layer, q, k, v, batch, kv))
+
+
+@pytest.mark.parametrize("kv_quant,window", [("f16", None), ("q8", 70), ("k4v8", None)])
+def test_cut_prefill_items_match_reference(triton_worker, gen, kv_quant, window):
+    """Long chunks' query blocks cut into key splits (few items: `fill`), beside decode
+    rows and a one-block chunk: the merged output is the reference's."""
+    spans = [(20, 300), (1, 250), (3, 90), (13, 13)]
+    layer, kv, batch, q, k, v = make_case(gen, spans, kv_quant, window)
+    group = kv.group_of(0)
+    config = AttnConfig(16, 16, 32)  # query blocks of 8 tokens
+    plan = plan_attention(batch.query_start, batch.seq_lens, group=HEADS // KV_HEADS,
+                          window=window, config=config, device="cpu", fill=64, least=32)
+    assert plan.num_slots > batch.num_tokens + 2  # cut: more slots than one a token
+    first = plan.work[plan.work[:, 0] == 0]
+    assert first[:, 5].max() > 0  # the long chunk's blocks take several splits
+    planned = _planned(batch, {group: GroupInputs(
+        plan, batch.page_tables[group].to(torch.int32), batch.positions.to(torch.int32),
+        config)}, {group: batch.write_slots(group, PAGE)})
+    out = triton_worker.call("engine.layers.attention:attend", layer, q, k, v, planned, kv)
+    assert_close(out, attend(layer, q, k, v, batch, kv))
+
+
+def _cover(plan, row: int) -> dict[int, list[tuple[int, int]]]:
+    """A row's items by their first token: [(key_lo, key_hi), ...] in split order."""
+    out: dict[int, list[tuple[int, int, int]]] = {}
+    for w in plan.work.tolist():
+        if w[0] == row:
+            out.setdefault(w[1], []).append((w[5], w[3], w[4]))
+    return {t: [(lo, hi) for _, lo, hi in sorted(v)] for t, v in out.items()}
+
+
+@pytest.mark.parametrize("window", [None, 150])
+def test_few_long_prefill_items_are_cut(window):
+    """A 10-token chunk at 1000 keys (3 query blocks of 4 tokens) beside a short decode
+    row: fill 24 items cuts each block's keys into contiguous, 64-aligned pieces of at
+    most the mean load; every token gets its block's pieces as its splits."""
+    cfg = AttnConfig(8, 16, 32)  # block_q 4 tokens at group 2
+    qs, lens = torch.tensor([0, 10, 11]), torch.tensor([1000, 40])
+    kw = dict(group=2, window=window, config=cfg, device="cpu")
+    whole = plan_attention(qs, lens, **kw)
+    cut = plan_attention(qs, lens, **kw, fill=24, least=64)
+    keys = [w[4] - w[3] for w in whole.work.tolist()]
+    load = prefill_split_keys(keys, 24, 64)
+    assert load == max(64, -(-sum(keys) // 24)) and max(keys) > 2 * load
+    before, after = _cover(whole, 0), _cover(cut, 0)
+    assert sorted(before) == sorted(after) == [0, 4, 8]
+    splits = []
+    for t, [(lo, hi)] in before.items():
+        pieces = after[t]
+        assert pieces[0][0] == lo and pieces[-1][1] == hi and len(pieces) > 1
+        assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:], strict=False))
+        assert all((b - a) % 64 == 0 and b - a <= -(-load // 64) * 64 for a, b in pieces[:-1])
+        splits += [len(pieces)] * min(4, 10 - t)
+    assert _cover(cut, 1) == _cover(whole, 1)  # the decode row: its own splits
+    assert cut.tok_splits.tolist() == splits + whole.tok_splits.tolist()[10:]
+    assert cut.tok_base.tolist() == (torch.cumsum(cut.tok_splits, 0) - cut.tok_splits).tolist()
+    assert cut.num_slots == int(cut.tok_splits.sum())
+
+
+def test_prefill_split_keys_leave_even_or_short_items():
+    assert MIN_PREFILL_SPLIT == 1024
+    assert prefill_split_keys([200_000] * 4, 33) == 24243  # 800K keys over 33 items
+    assert prefill_split_keys([4096] * 32, 33) == 0  # 512 tokens at 4K: even already
+    assert prefill_split_keys([32768] * 32 + [1] * 8, 33) == 0
+    assert prefill_split_keys([3000, 10], 33) == 1024  # the least load
+    assert prefill_split_keys([2000, 10], 33) == 0  # within twice the least
+    assert prefill_split_keys([200_000] * 4, 0) == 0  # the CPU: never cut
+    assert prefill_split_keys([], 33) == 0
+
+
+def test_one_block_rows_take_at_most_max_decode_splits():
+    """A one-block row's splits lengthen past MAX_DECODE_SPLITS (row_split_keys), in
+    plan_attention too: a mixed step's long decode row is not cut into 128 splits."""
+    assert row_split_keys(8192, 256) == 256 and row_split_keys(8193, 256) == 512
+    assert row_split_keys(32768, 256) == 1024 and row_split_keys(100, 256) == 256
+    cfg = AttnConfig(64, 64, 256)
+    plan = plan_attention(torch.tensor([0, 1, 3]), torch.tensor([32768, 20000]), group=4,
+                          window=None, config=cfg, device="cpu")
+    assert plan.tok_splits.tolist() == [32, 20, 20]  # 1024 and 1024-key splits
+    ranges = [(w[3], w[4]) for w in plan.work.tolist() if w[0] == 0]
+    assert ranges == [(s * 1024, (s + 1) * 1024) for s in range(32)]
+    windowed = plan_attention(torch.tensor([0, 1]), torch.tensor([40000]), group=4,
+                              window=8192, config=cfg, device="cpu")
+    assert windowed.work[:, 3].min() == 31808 and windowed.work[:, 4].max() == 40000
+    assert int(windowed.tok_splits[0]) == MAX_DECODE_SPLITS + 1  # 256-key, straddling
 
 
 @pytest.mark.parametrize("window", [None, 100, 64])
