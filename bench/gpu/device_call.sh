@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: the offline kit set up, then the named plans in order.
+#   here:   bash bench/gpu/offline_kit.sh .devdata --peer   (once; carry .devdata along)
+#   there:  MBUFO_COMMIT=<sha> bash bench/gpu/device_call.sh PLAN [PLAN ...]
+# Each plan writes under $OUT/PLAN (OUT: default ./out) and its log to $OUT/PLAN.log; a
+# failed plan does not stop the next (the exit status is the count of failed plans).
+#   tests   every gpu-marked test (FILES: other test paths; T: pytest's timeout, 900 s)
+#   engine  engine_bench at 1/16/64 streams, pp512 and pp4096, then llama.cpp on the same
+#           file (bench/gpu/llama_cpp_peer.sh run; needs the kit's llama-src.tgz)
+#   long    one stream at long prompts (PROMPTS, default "16384 32768"), f16 KV
+#   attn    the attention alone: one decode row at 16K and 32K keys in 256-1024-key
+#           splits; a 16-token chunk at 32K and 128K keys with its items whole (fill 0) and
+#           cut as the engine cuts them on the H200 (fill 33)
+# DIR (default .devdata) is the kit; DRY=1 prints the commands instead of running them.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+DIR=${DIR:-.devdata}
+OUT=${OUT:-$PWD/out}
+SYN="--synthetic llama-3.1-8b:Q4_K_M --variants q8+graphs --consumers asyncio"
+VOCAB=$DIR/cache/llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-llama-bpe.gguf
+GPU_TESTS="tests/kernels tests/engine/test_gpu_parity.py tests/engine/test_tile_tune.py
+  tests/engine/test_sampler.py tests/engine/test_gpu_paths.py"
+
+run() {  # NAME COMMAND...: the command's output to $OUT/NAME.log
+  local name=$1; shift
+  if [ -n "${DRY:-}" ]; then echo "$name: $*"; return 0; fi
+  echo "== $name: $*"
+  local start=$SECONDS
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $((SECONDS - start)) s"; tail -n 25 "$OUT/$name.log"
+  return $rc
+}
+
+plan() {
+  case $1 in
+  tests)
+    # shellcheck disable=SC2086
+    run tests timeout "${T:-900}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+      ${FILES:-$GPU_TESTS} ;;
+  engine)
+    run engine python3 bench/gpu/engine_bench.py $SYN --vocab "$VOCAB" --concurrency 1,16,64 \
+      --tokens 64 --prefill 512,4096 --forward-context 96 --out "$OUT/engine" &&
+    run peer bash bench/gpu/llama_cpp_peer.sh run "$DIR/llama-src.tgz" \
+      /tmp/llama-3.1-8b_Q4_K_M.gguf "$OUT/peer" ;;
+  long)
+    local failed=0 n
+    for n in ${PROMPTS:-16384 32768}; do
+      run "long$n" python3 bench/gpu/engine_bench.py $SYN --vocab "$VOCAB" --concurrency 1 \
+        --tokens 64 --prompt "$n" --prefill 512 --forward-context 96 --no-profile \
+        --out "$OUT/long$n" || failed=1
+    done
+    return $failed ;;
+  attn)
+    run attn_decode python3 bench/gpu/attn_bench.py --rows 1 --contexts 16384,32768 \
+      --kv f16,q8 --configs 16x128x256,16x128x512,16x128x1024 --budget-s 150 \
+      --out "$OUT/attn_decode" &&
+    run attn_chunk python3 bench/gpu/attn_bench.py --rows 1 --chunk 16 \
+      --contexts 32768,131072 --kv f16,q8 --configs 64x64x256 --fill 0,33 --budget-s 150 \
+      --out "$OUT/attn_chunk" ;;
+  *) echo "unknown plan $1 (tests, engine, long, attn)" >&2; return 2 ;;
+  esac
+}
+
+[ $# -gt 0 ] || { sed -n 2,16p "$0"; exit 2; }
+if [ -z "${DRY:-}" ]; then
+  [ -n "${MBUFO_COMMIT:-}" ] || { echo "MBUFO_COMMIT is not set" >&2; exit 2; }
+  mkdir -p "$OUT"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$DIR"/wheels/*.whl || exit 2
+  export PYTHONPATH=/tmp/site:$PWD MBUFO_TEST_CACHE=$PWD/$DIR/cache PYTHONUNBUFFERED=1
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+fi
+failed=0
+for p in "$@"; do plan "$p" || failed=$((failed + 1)); done
+exit $failed

@@ -1,0 +1,47 @@
+"""bench/gpu/device_call.sh's plans, printed (DRY=1): every command names a script of the
+tree and only options that script declares, so a call planned here does not fail there."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu" / "device_call.sh"
+
+
+def dry(*plans: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *plans], capture_output=True, text=True,
+                          env={**os.environ, "DRY": "1", **env}, timeout=60)
+
+
+def test_every_plan_names_real_scripts_and_options():
+    run = dry("tests", "engine", "long", "attn", PROMPTS="8192 16384")
+    assert run.returncode == 0, run.stderr
+    lines = dict(line.split(": ", 1) for line in run.stdout.splitlines())
+    assert list(lines) == ["tests", "engine", "peer", "long8192", "long16384", "attn_decode",
+                           "attn_chunk"]
+    for name, command in lines.items():
+        words = shlex.split(command)
+        scripts = [w for w in words if w.endswith((".py", ".sh")) and "/" in w]
+        for script in scripts:
+            assert (ROOT / script).is_file(), (name, script)
+        if words[0] == "python3" and words[1] != "-m":
+            source = (ROOT / words[1]).read_text()
+            declared = set(re.findall(r'add_argument\(\s*"(--[a-z0-9-]+)"', source))
+            used = {w.split("=")[0].replace("--no-", "--") for w in words[2:]
+                    if w.startswith("--")}  # BooleanOptionalAction: --no-X is --X
+            assert used <= declared, (name, used - declared)
+    tests = shlex.split(lines["tests"])
+    assert "gpu" in tests and all((ROOT / p).exists() for p in tests[tests.index("gpu") + 3:])
+    assert "--prompt 8192" in lines["long8192"] and "--fill 0,33" in lines["attn_chunk"]
+
+
+def test_unknown_plan_and_no_plan_fail():
+    bad = dry("nope")
+    assert bad.returncode == 1 and "unknown plan nope" in bad.stderr
+    usage = dry()
+    assert usage.returncode == 2 and "PLAN" in usage.stdout
