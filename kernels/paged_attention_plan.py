@@ -4,8 +4,8 @@ One plan serves every attention layer of a step with the same window (the engine
 one per layer group). A work item is a block of query tokens of one row times a range of
 key positions; a token's partial results go to its slots `tok_base[t] + split`. A row of
 one query block (decode, verify, a short chunk) has its keys cut into position-aligned
-splits; a longer row has an item a query block, cut into splits only when a step's few
-items would leave most of the device idle (a short chunk deep into a long prompt).
+splits; a longer row has an item a query block, cut into splits only when its few items
+would leave most of the device idle (a short chunk deep into a long prompt).
 
 Assumes the ForwardBatch contract: row r's tokens sit at positions
 seq_lens[r] - num_new .. seq_lens[r] - 1 (the kernel masks with the real positions; the
@@ -120,14 +120,14 @@ def row_split_keys(keys: int, split_keys: int) -> int:
 
 
 def prefill_split_keys(item_keys: list[int], fill: int, least: int | None = None) -> int:
-    """Key positions a prefill chunk's items are cut to (plan_attention's `fill`), or 0 for
-    none: a step whose `item_keys` (every work item's key range) are few and long runs on
-    a few programs, each reading its whole context (a 16-token chunk of Llama 3 8B at
-    200K keys: 8 programs on 132 multiprocessors, the other streams waiting on them). An
-    item longer than twice the mean load of `fill` items (at least `least`, default
-    MIN_PREFILL_SPLIT keys) is cut into pieces of about that load (_cut: whole key
-    blocks); a step whose items already spread evenly (a 512-token chunk: 32 items a KV
-    head of near equal keys) is left as it is."""
+    """Key positions a prefill chunk's query blocks are cut to (plan_attention's `fill`),
+    or 0 for none: a chunk whose `item_keys` (its query blocks' key ranges) are few and
+    long runs on a few programs, each reading its whole context (a 16-token chunk of Llama
+    3 8B at 200K keys: 8 programs on 132 multiprocessors, the other streams waiting on
+    them). An item longer than twice the mean load of `fill` items (at least `least`,
+    default MIN_PREFILL_SPLIT keys) is cut into pieces of about that load (_cut: whole key
+    blocks); a chunk whose items already spread evenly (512 tokens: 32 items a KV head of
+    near equal keys) is left whole."""
     if fill <= 0 or not item_keys:
         return 0
     least = MIN_PREFILL_SPLIT if least is None else least
@@ -185,8 +185,10 @@ def plan_attention(
     MAX_DECODE_SPLITS splits). `decode_splits` > 0: every one-token row gets exactly that
     many items (its splits, then empty key ranges, which merge as exact zeros), as a
     captured graph's fixed plan sizes need; it must cover the row's splits. `fill` > 0:
-    the items the device runs at once (its programs at once over the KV heads); a long
-    prefill item of a step with few is cut (prefill_split_keys, at least `least` keys)."""
+    the items the device runs at once (its programs at once over the KV heads); a longer
+    row whose few long query blocks would not fill it has them cut into key splits
+    (prefill_split_keys, at least `least` keys). The cut is the row's own: whatever else
+    is in the step, a row gets the same items (and its tokens the same bits)."""
     starts = [int(s) for s in query_start.tolist()]
     lens = [int(s) for s in seq_lens.tolist()]
     if len(starts) != len(lens) + 1 or starts[0] != 0:
@@ -194,7 +196,7 @@ def plan_attention(
     block_q = config.tokens_per_block(group)
     if block_q < 1:
         raise InvalidRequest(f"paged_attention: block_m {config.block_m} < group {group}")
-    groups: list[tuple[list[tuple[int, ...]], bool]] = []  # (items, a query block's)
+    groups: list[list[tuple[int, ...]]] = []  # the items of the same tokens
     for row, seq_len in enumerate(lens):
         num_new = starts[row + 1] - starts[row]
         if num_new < 0 or num_new > seq_len:
@@ -211,13 +213,12 @@ def plan_attention(
                                      f"splits, more than decode_splits {decode_splits}")
             items += [(row, starts[row], 1, seq_len, seq_len, s)
                       for s in range(len(items), decode_splits)]
-        groups += [(items, num_new > block_q) for items in row_groups]
-    length = prefill_split_keys([w[4] - w[3] for items, _ in groups for w in items], fill,
-                                least)
-    if length:
-        groups = [(_cut(items[0], length) if block else items, block) for items, block in groups]
-    work = [w for items, _ in groups for w in items]
-    splits = [len(items) for items, _ in groups for _ in range(items[0][2])]
+        elif num_new > block_q and (length := prefill_split_keys(
+                [items[0][4] - items[0][3] for items in row_groups], fill, least)):
+            row_groups = [_cut(items[0], length) for items in row_groups]
+        groups += row_groups
+    work = [w for items in groups for w in items]
+    splits = [len(items) for items in groups for _ in range(items[0][2])]
     tok_splits = torch.tensor(splits, dtype=torch.int32)
     tok_base = torch.cumsum(tok_splits, 0, dtype=torch.int32) - tok_splits
     work_t = torch.tensor(work, dtype=torch.int32).reshape(-1, WORK_FIELDS)

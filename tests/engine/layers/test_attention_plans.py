@@ -148,13 +148,14 @@ def _cover(plan, row: int) -> dict[int, list[tuple[int, int]]]:
 def test_few_long_prefill_items_are_cut(window):
     """A 10-token chunk at 1000 keys (3 query blocks of 4 tokens) beside a short decode
     row: fill 24 items cuts each block's keys into contiguous, 64-aligned pieces of at
-    most the mean load; every token gets its block's pieces as its splits."""
+    most the chunk's mean load; every token gets its block's pieces as its splits; the
+    chunk alone gets the same items."""
     cfg = AttnConfig(8, 16, 32)  # block_q 4 tokens at group 2
     qs, lens = torch.tensor([0, 10, 11]), torch.tensor([1000, 40])
     kw = dict(group=2, window=window, config=cfg, device="cpu")
     whole = plan_attention(qs, lens, **kw)
     cut = plan_attention(qs, lens, **kw, fill=24, least=64)
-    keys = [w[4] - w[3] for w in whole.work.tolist()]
+    keys = [w[4] - w[3] for w in whole.work.tolist() if w[0] == 0]
     load = prefill_split_keys(keys, 24, 64)
     assert load == max(64, -(-sum(keys) // 24)) and max(keys) > 2 * load
     before, after = _cover(whole, 0), _cover(cut, 0)
@@ -170,6 +171,8 @@ def test_few_long_prefill_items_are_cut(window):
     assert cut.tok_splits.tolist() == splits + whole.tok_splits.tolist()[10:]
     assert cut.tok_base.tolist() == (torch.cumsum(cut.tok_splits, 0) - cut.tok_splits).tolist()
     assert cut.num_slots == int(cut.tok_splits.sum())
+    alone = plan_attention(qs[:2], lens[:1], **kw, fill=24, least=64)
+    assert torch.equal(alone.work, cut.work[:alone.work.shape[0]])
 
 
 def test_prefill_split_keys_leave_even_or_short_items():
