@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 
 import numpy as np
@@ -68,6 +69,15 @@ WARM_UP_SHAPES = ((0, 0, 0), (0, 15, 1), (1, 15, 0), (1, 1, 1), (15, 15, 0), (15
 WARM_UP_MIXED = ((15, 64, 2), (16, 160, 2), (16, 16, 0), (1, 15, 0))
 
 
+def prefill_cut_enabled() -> bool:
+    """Whether long chunks' few query blocks are cut into key splits (plan_attention's
+    `fill`): MBUFO_PREFILL_CUT=0 turns it off (for A/B runs), unset or 1 leaves it on."""
+    raw = os.environ.get("MBUFO_PREFILL_CUT", "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"MBUFO_PREFILL_CUT must be 0 or 1, got {raw!r}")
+    return raw != "0"
+
+
 class ModelRunner:
     """`max_context`: the most tokens a sequence may hold (it sizes decode plans and the
     graphs' page tables); default, the largest group's pages. `capture` replaces CUDA
@@ -109,7 +119,7 @@ class ModelRunner:
         # Work items a step's attention runs at once (its programs over the KV heads): a
         # long prefill chunk's few items are cut to reach them (plan_attention's `fill`)
         self._fill = {g: PROGRAMS_PER_SM * self.num_sms // layer.num_kv_heads
-                      for g, layer in self._layers.items()}
+                      if prefill_cut_enabled() else 0 for g, layer in self._layers.items()}
         self._splits_cache: dict[tuple, dict[str, int]] = {}
         # The graphs' step functions hold the model, not the runner: a dropped runner (an
         # unloaded model) frees its graphs at once, never in a collection during a capture.

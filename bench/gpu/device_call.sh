@@ -11,6 +11,8 @@
 #   attn    the attention alone: one decode row at 16K and 32K keys in 256-1024-key
 #           splits; a 16-token chunk at 32K and 128K keys with its items whole (fill 0) and
 #           cut as the engine cuts them on the H200 (fill 33)
+#   fair    `mbufo bench fairness`: STREAMS (16) streams, a LONG-token (32768) prompt
+#           injected, q8 weights; with long chunks' items whole (MBUFO_PREFILL_CUT=0), then cut
 # DIR (default .devdata) is the kit; DRY=1 prints the commands instead of running them.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -58,11 +60,19 @@ plan() {
     run attn_chunk python3 bench/gpu/attn_bench.py --rows 1 --chunk 16 \
       --contexts 32768,131072 --kv f16,q8 --configs 64x64x256 --fill 0,33 --budget-s 150 \
       --out "$OUT/attn_chunk" ;;
-  *) echo "unknown plan $1 (tests, engine, long, attn)" >&2; return 2 ;;
+  fair)
+    local failed=0 cut
+    for cut in 0 1; do
+      run "fair_cut$cut" env MBUFO_PREFILL_CUT=$cut python3 -m appliance.cli.main bench \
+        fairness --synthetic llama-3.1-8b:Q4_K_M --vocab "$VOCAB" --streams "${STREAMS:-16}" \
+        --long-tokens "${LONG:-32768}" --weights q8 --json || failed=1
+    done
+    return $failed ;;
+  *) echo "unknown plan $1 (tests, engine, long, attn, fair)" >&2; return 2 ;;
   esac
 }
 
-[ $# -gt 0 ] || { sed -n 2,16p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,/^# DIR/p' "$0"; exit 2; }
 if [ -z "${DRY:-}" ]; then
   [ -n "${MBUFO_COMMIT:-}" ] || { echo "MBUFO_COMMIT is not set" >&2; exit 2; }
   mkdir -p "$OUT"

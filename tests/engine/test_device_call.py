@@ -9,6 +9,8 @@ import shlex
 import subprocess
 from pathlib import Path
 
+from appliance.cli.main import build_parser
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu" / "device_call.sh"
 
@@ -19,17 +21,19 @@ def dry(*plans: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_every_plan_names_real_scripts_and_options():
-    run = dry("tests", "engine", "long", "attn", PROMPTS="8192 16384")
+    run = dry("tests", "engine", "long", "attn", "fair", PROMPTS="8192 16384")
     assert run.returncode == 0, run.stderr
     lines = dict(line.split(": ", 1) for line in run.stdout.splitlines())
     assert list(lines) == ["tests", "engine", "peer", "long8192", "long16384", "attn_decode",
-                           "attn_chunk"]
+                           "attn_chunk", "fair_cut0", "fair_cut1"]
     for name, command in lines.items():
         words = shlex.split(command)
         scripts = [w for w in words if w.endswith((".py", ".sh")) and "/" in w]
         for script in scripts:
             assert (ROOT / script).is_file(), (name, script)
-        if words[0] == "python3" and words[1] != "-m":
+        if "appliance.cli.main" in words:  # the CLI's own parser takes the arguments
+            build_parser().parse_args(words[words.index("appliance.cli.main") + 1:])
+        elif words[0] == "python3" and words[1] != "-m":
             source = (ROOT / words[1]).read_text()
             declared = set(re.findall(r'add_argument\(\s*"(--[a-z0-9-]+)"', source))
             used = {w.split("=")[0].replace("--no-", "--") for w in words[2:]
@@ -38,6 +42,7 @@ def test_every_plan_names_real_scripts_and_options():
     tests = shlex.split(lines["tests"])
     assert "gpu" in tests and all((ROOT / p).exists() for p in tests[tests.index("gpu") + 3:])
     assert "--prompt 8192" in lines["long8192"] and "--fill 0,33" in lines["attn_chunk"]
+    assert lines["fair_cut0"].startswith("env MBUFO_PREFILL_CUT=0 ")
 
 
 def test_unknown_plan_and_no_plan_fail():

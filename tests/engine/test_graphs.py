@@ -147,6 +147,11 @@ def test_long_rows_take_longer_splits_in_decode_and_mixed_steps(model, monkeypat
     # two programs a multiprocessor over the KV heads: what a step's plan_attention fills
     assert runner._fill == {g: 264 // layer.num_kv_heads for g, layer in runner._layers.items()}
     assert set(ModelRunner(model, PAGES, 16, "f16")._fill.values()) == {0}  # the CPU: none
+    monkeypatch.setenv("MBUFO_PREFILL_CUT", "0")  # off for A/B runs
+    assert set(ModelRunner(model, PAGES, 16, "f16", num_sms=132)._fill.values()) == {0}
+    monkeypatch.setenv("MBUFO_PREFILL_CUT", "yes")
+    with pytest.raises(ValueError, match="MBUFO_PREFILL_CUT"):
+        ModelRunner(model, PAGES, 16, "f16", num_sms=132)
     items = decode_items_host(np.array([300]), None, keys["full"], 1)
     assert items[:, 3].min() == 0 and items[:, 4].max() == 300  # every key, one split
     layer = runner._layers["full"]
