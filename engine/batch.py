@@ -8,6 +8,7 @@ Page tables index logical pages by position: page `p` of a row holds positions
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -154,15 +155,14 @@ class ForwardBatch:
         )
 
 
-def pad_tables(rows: list[list[int]]) -> np.ndarray:
-    """Per-row page id lists -> (rows, max(1, longest)) int64, padded with -1."""
+def pad_tables(rows: Sequence[list[int] | np.ndarray]) -> np.ndarray:
+    """Per-row page ids (lists, or int64 arrays: SeqPages.table_array, copied at C speed)
+    -> (rows, max(1, longest)) int64, padded with -1."""
     width = max(1, max(map(len, rows), default=0))
-    flat: list[int] = []
-    for r in rows:  # one conversion below; lists extend at C speed
-        flat += r
-        if len(r) < width:
-            flat += [-1] * (width - len(r))
-    return np.array(flat, dtype=np.int64).reshape(len(rows), width)
+    out = np.full((len(rows), width), -1, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
 
 
 def _ids(ids: list[int]) -> torch.Tensor:

@@ -315,7 +315,7 @@ def build_batch(plan: StepPlan, groups: list[str]) -> ForwardBatch:
     starts = np.empty(n, dtype=np.int64)
     num_new = np.empty(n, dtype=np.int64)
     num_logits = np.empty(n, dtype=np.int64)
-    tables: dict[str, list[list[int]]] = {g: [] for g in groups}
+    tables: dict[str, list[np.ndarray]] = {g: [] for g in groups}
     lists = [(tables[g].append, g) for g in groups]
     for i, row in enumerate(rows):
         seq = row.seq
@@ -332,7 +332,7 @@ def build_batch(plan: StepPlan, groups: list[str]) -> ForwardBatch:
         pages = seq.pages
         assert pages is not None
         for append, g in lists:
-            append(pages.table(g))
+            append(pages.table_array(g))
     ends = np.cumsum(num_new)
     # row i's logits rows: its last num_logits[i] tokens, ends[i] - num_logits[i] .. ends[i] - 1
     taken = np.cumsum(num_logits)
@@ -345,12 +345,12 @@ def build_batch(plan: StepPlan, groups: list[str]) -> ForwardBatch:
 def _decode_batch(seqs: list[Sequence], groups: list[str], ahead: bool = False) -> ForwardBatch:
     """The steady step: one row per decoder, its last sampled token at num_computed
     (`ahead`: the step after it, whose tokens are not yet on the host: ids 0 stand in)."""
-    tables: dict[str, list[list[int]]] = {g: [] for g in groups}
+    tables: dict[str, list[np.ndarray]] = {g: [] for g in groups}
     for seq in seqs:
         pages = seq.pages
         assert pages is not None
         for g in groups:
-            tables[g].append(pages.table(g))
+            tables[g].append(pages.table_array(g))
     starts = np.fromiter((s.num_computed + ahead for s in seqs), np.int64, len(seqs))
     ids = [0] * len(seqs) if ahead else [s.token_ids[-1] for s in seqs]
     return ForwardBatch.decode(ids, starts, {g: pad_tables(t) for g, t in tables.items()})

@@ -167,3 +167,33 @@ def test_attach_validates_and_takes_references() -> None:
     donor.free()
     seq.free()
     assert pool.groups["full"].num_free == 8
+
+
+def test_table_array_follows_growth_releases_and_resets() -> None:
+    """The int64 copy of a table grows past its capacity (64, then doubled), takes the
+    sliding window's releases (-1) whether or not it was read before them, and starts over
+    after free and attach."""
+    pool = KVPool({"full": 300, "sliding": 300}, 4, {"sliding": 10})
+    seq = SeqPages(pool)
+    for n in (3, 200, 201, 260, 900):  # 1, 50, 51, 65, 225 pages
+        seq.ensure(n)
+        for g in ("full", "sliding"):
+            got = seq.table_array(g)
+            assert got.dtype.name == "int64" and got.tolist() == seq.table(g), (n, g)
+    seq.ensure(1000)
+    assert seq.release_out_of_window(1000) > 0  # the array holds fewer entries than the table
+    assert seq.table_array("sliding").tolist() == seq.table("sliding")
+    assert seq.release_out_of_window(1000) == 0
+    seq.ensure(1100)
+    read = seq.table_array("sliding").tolist()
+    assert seq.release_out_of_window(1100) > 0  # now entries the array already holds
+    assert seq.table_array("sliding").tolist() == seq.table("sliding") != read
+    seq.free()
+    assert seq.table_array("full").tolist() == []
+    seq.ensure(8)
+    assert seq.table_array("full").tolist() == seq.table("full")
+    seq.free()
+    other = SeqPages(pool)
+    other.ensure(16)
+    seq.attach({"full": other.table("full"), "sliding": other.table("sliding")}, 16)
+    assert seq.table_array("full").tolist() == other.table("full")

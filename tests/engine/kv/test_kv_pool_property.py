@@ -2,7 +2,8 @@
 
 The model is a flat dict {tokens through the end of a cached page: entry per group},
 updated by the insert rules written out here; page holders are counted from the
-sequences' tables, the snapshots the test saw being taken, and that model.
+sequences' tables, the snapshots the test saw being taken, and that model; a sequence's
+table array (SeqPages.table_array, read now and then) always equals its table.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Live:
 class Harness:
     def __init__(self, seed: int, sizes: dict[str, int]) -> None:
         self.rng = random.Random(seed)
+        self.array_rng = random.Random(seed + 1)  # when check() reads SeqPages.table_array
         self.sizes = sizes
         self.paged = [g for g in sizes if g != "recurrent"]
         self.pool = KVPool(dict(sizes), PS, {"sliding": WINDOW} if "sliding" in sizes else {})
@@ -229,6 +231,8 @@ class Harness:
             assert lv.seq.num_tokens == n
             for g in self.sizes:
                 table = lv.seq.table(g)
+                if self.array_rng.random() < 0.3:  # the array kept in step, read now and then
+                    assert lv.seq.table_array(g).tolist() == table
                 holders[g].update(p for p in table if p >= 0)
                 if g == "recurrent":
                     assert len(table) == 1 and self.pool.groups[g].refcount(table[0]) == 1
