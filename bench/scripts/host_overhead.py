@@ -62,6 +62,7 @@ from engine.synthetic import SyntheticSpec, write_synthetic_gguf  # noqa: E402
 VOCAB = (Path.home() / ".cache" / "mbufo-tests" / "llama_cpp_python-0.3.36" / "vendor"
          / "llama.cpp" / "models" / "ggml-vocab-llama-bpe.gguf")
 PAGE_SIZE = 16
+PREFILL_CHUNK = 512
 # This thread's CPU time: other processes on a busy machine do not count (the work timed is
 # all on this thread, with one torch thread).
 CLOCK = time.thread_time
@@ -86,7 +87,8 @@ def real_core(args, rows: int, context: int) -> EngineCore:
     """The real model on args.device, graphs captured for rows of up to `context` tokens."""
     from engine.build import EngineOptions, build_core, load_for
 
-    opts = EngineOptions(sessions=rows, context=context, prefill_chunk=512, itl_target_ms=None,
+    opts = EngineOptions(sessions=rows, context=context, prefill_chunk=PREFILL_CHUNK,
+                         itl_target_ms=None,
                          max_pending_per_client=None, device=args.device, cuda_graphs=True,
                          weights=args.weights)
     core = build_core(load_for(args.model, opts), opts)
@@ -103,7 +105,7 @@ def make_core(path: Path, rows: int, context: int, width: int) -> EngineCore:
     assert runner.graphs is not None
     runner.graphs.step = lambda batch, splits: logits[:batch.num_rows]
     runner.forward_eager = lambda batch: logits[:len(batch.logits_rows)].clone()
-    config = SchedulerConfig(max_sessions=rows, context=context, prefill_chunk=512,
+    config = SchedulerConfig(max_sessions=rows, context=context, prefill_chunk=PREFILL_CHUNK,
                              itl_target_ms=None, prefix_cache=False)
     return EngineCore(runner, loaded.tokenizer, config, vocab_size=width)
 
@@ -153,13 +155,25 @@ class Breakdown:
         return out
 
 
+def decode_tokens(args, rows: int) -> int:
+    """Tokens a request decodes: the timed steps and warm-up, and the steps that the other
+    rows' prompts take to prefill, so that the first rows still decode when the last
+    start (every row decoding at once)."""
+    return args.steps + 8 + rows + -(-rows * args.prompt // PREFILL_CHUNK)
+
+
 def decode_times(core: EngineCore, rows: int, mode: str, args, tag: str,
                  parts: Breakdown | None = None) -> tuple[list[float], list[float]]:
     """Per decode-only step, all `rows` rows decoding: (step seconds, stats seconds)."""
-    for r in requests(rows, mode, args.prompt, args.steps + 8, args.width, tag):
+    for r in requests(rows, mode, args.prompt, decode_tokens(args, rows), args.width, tag):
         core.add(r)
-    while len(core.scheduler.decode_queue) < rows:  # prefill (and the first token)
+    prefill_steps = 2 * (rows + -(-rows * args.prompt // PREFILL_CHUNK)) + 16
+    for _ in range(prefill_steps):  # prefill (and the first token)
+        if len(core.scheduler.decode_queue) >= rows:
+            break
         core.step()
+    else:
+        raise RuntimeError(f"{rows} rows never decoded at once in {prefill_steps} steps")
     for _ in range(3):  # captures, first-use caches
         core.step()
     steps, stats = [], []
@@ -251,7 +265,7 @@ def main() -> int:
         if not path.exists():
             write_synthetic_gguf(path, spec, args.vocab, seed=0)
     levels = [int(r) for r in args.rows.split(",")]
-    context = args.prompt + args.steps + 64
+    context = args.prompt + decode_tokens(args, max(levels)) + 64
     result: dict = {"steps": args.steps, "prompt": args.prompt, "width": args.width}
     if args.profile:
         mode, rows = args.profile.split(":")
