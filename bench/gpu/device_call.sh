@@ -10,7 +10,8 @@
 #   long    one stream at long prompts (PROMPTS, default "16384 32768"), f16 KV
 #   attn    the attention alone: one decode row at 16K and 32K keys in 256-1024-key
 #           splits; a 16-token chunk at 32K and 128K keys with its items whole (fill 0) and
-#           cut as the engine cuts them on the H200 (fill 33)
+#           cut as the engine cuts them on the H200 (fill 33); ATTN_BUDGET: seconds a
+#           bench (150)
 #   fair    `mbufo bench fairness`: STREAMS (16) streams, a LONG-token (32768) prompt
 #           injected, q8 weights; with long chunks' items whole (MBUFO_PREFILL_CUT=0), then cut
 # DIR (default .devdata) is the kit; DRY=1 prints the commands instead of running them.
@@ -54,11 +55,12 @@ plan() {
     done
     return $failed ;;
   attn)
+    local budget=${ATTN_BUDGET:-150}
     run attn_decode python3 bench/gpu/attn_bench.py --rows 1 --contexts 16384,32768 \
-      --kv f16,q8 --configs 16x128x256,16x128x512,16x128x1024 --budget-s 150 \
+      --kv f16,q8 --configs 16x128x256,16x128x512,16x128x1024 --budget-s "$budget" \
       --out "$OUT/attn_decode" &&
     run attn_chunk python3 bench/gpu/attn_bench.py --rows 1 --chunk 16 \
-      --contexts 32768,131072 --kv f16,q8 --configs 64x64x256 --fill 0,33 --budget-s 150 \
+      --contexts 32768,131072 --kv f16,q8 --configs 64x64x256 --fill 0,33 --budget-s "$budget" \
       --out "$OUT/attn_chunk" ;;
   fair)
     local failed=0 cut
