@@ -367,18 +367,20 @@ async def _fairness_one(args: argparse.Namespace, label: str, long_tokens: int, 
     from engine.bench.prompts import PromptFactory
 
     options = engine_options(args, min_sessions=args.streams + 2, min_context=long_tokens + 16)
-    if args.model is not None and args.dtype not in loaded:  # one load for every config
-        from engine.llm import DTYPES
-        from engine.loader import load
+    key = (options.dtype, options.weights)  # one load for the configs that share them
+    if args.model is not None and key not in loaded:
+        from engine.build import load_for
 
-        loaded[args.dtype] = await asyncio.to_thread(load, args.model, DTYPES[args.dtype])
+        # load_for, not engine.loader.load: the options' device (the GPU when there is one)
+        # and weight layout, as build_engine would load them
+        loaded[key] = await asyncio.to_thread(load_for, args.model, options)
     _progress(f"fairness: configuration {label}")
     if label == getattr(args, "peer", None):  # on MODEL's file, with the engine's threads
         from engine.bench.peer_server import open_llama_cpp_server
 
-        target = await open_llama_cpp_server(loaded[args.dtype].path, n_ctx=options.context)
+        target = await open_llama_cpp_server(loaded[key].path, n_ctx=options.context)
     else:
-        target = (await _open_targets(args, options, loaded.get(args.dtype)))[0]
+        target = (await _open_targets(args, options, loaded.get(key)))[0]
     try:
         spec = FairnessSpec(streams=args.streams, long_tokens=long_tokens,
                             short_tokens=args.short_tokens, stream_tokens=args.stream_tokens,

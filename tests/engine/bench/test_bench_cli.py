@@ -86,6 +86,45 @@ def test_fairness_prints_one_json_line_per_config(monkeypatch, capsys):
     assert lines == [json.dumps(o, separators=(",", ":")) for o in objs]  # compact
 
 
+def test_fairness_loads_the_model_as_the_engine_would(monkeypatch):
+    """The configs' shared load goes through engine.build.load_for with each config's
+    options (device auto: the GPU where there is one; the weight layout), once per dtype
+    and layout, and the loaded model reaches the engine."""
+    import engine.bench.fairness as fairness
+    import engine.build
+    from engine.bench.prompts import PromptFactory
+
+    loads, opened = [], []
+
+    def fake_load_for(model, options):
+        loads.append((model, options.device, options.weights, options.context))
+        return f"loaded {options.weights}"
+
+    class Target:
+        async def aclose(self):
+            pass
+
+    async def fake_targets(args, options, loaded=None):
+        opened.append(loaded)
+        return [Target()]
+
+    async def fake_factory(target, seed):
+        return None
+
+    async def fake_run(target, factory, spec, progress):
+        return {"streams": spec.streams}
+
+    monkeypatch.setattr(engine.build, "load_for", fake_load_for)
+    monkeypatch.setattr(bench_command, "_open_targets", fake_targets)
+    monkeypatch.setattr(PromptFactory, "for_target", staticmethod(fake_factory))
+    monkeypatch.setattr(fairness, "run_fairness", fake_run)
+    args = parse(["bench", "fairness", "m.gguf", "--json", "--streams", "3", "--weights", "q8",
+                  "--long-tokens", "5000", "--configs", "--mixed-batch off;--weights bf16"])
+    assert args.handler(args) == 0
+    assert loads == [("m.gguf", "auto", "q8", 5016), ("m.gguf", "auto", "bf16", 5016)]
+    assert opened == ["loaded q8", "loaded bf16", "loaded q8"]  # --mixed-batch off, bf16, default
+
+
 def test_gguf_reject_is_wired(monkeypatch, capsys):
     import engine.bench.gguf_reject as reject
 
