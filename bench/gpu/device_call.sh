@@ -9,9 +9,9 @@
 #           file (bench/gpu/llama_cpp_peer.sh run; needs the kit's llama-src.tgz)
 #   long    one stream at long prompts (PROMPTS, default "16384 32768"), f16 KV
 #   attn    the attention alone: one decode row at 16K and 32K keys in 256-1024-key
-#           splits; a 16-token chunk at 32K and 128K keys with its items whole (fill 0) and
-#           cut as the engine cuts them on the H200 (fill 33); ATTN_BUDGET: seconds a
-#           bench (150)
+#           splits; a 128-token chunk (8 query blocks of 16 tokens x 4 heads) at 32K and
+#           128K keys with its items whole (fill 0) and cut as the engine cuts them on the
+#           H200 (fill 33); ATTN_BUDGET: seconds a bench (150)
 #   fair    `mbufo bench fairness`: STREAMS (16) streams, a LONG-token (32768) prompt
 #           injected, q8 weights; with long chunks' items whole (MBUFO_PREFILL_CUT=0), then cut
 # DIR (default .devdata) is the kit; DRY=1 prints the commands instead of running them.
@@ -59,7 +59,7 @@ plan() {
     run attn_decode python3 bench/gpu/attn_bench.py --rows 1 --contexts 16384,32768 \
       --kv f16,q8 --configs 16x128x256,16x128x512,16x128x1024 --budget-s "$budget" \
       --out "$OUT/attn_decode" &&
-    run attn_chunk python3 bench/gpu/attn_bench.py --rows 1 --chunk 16 \
+    run attn_chunk python3 bench/gpu/attn_bench.py --rows 1 --chunk 128 \
       --contexts 32768,131072 --kv f16,q8 --configs 64x64x256 --fill 0,33 --budget-s "$budget" \
       --out "$OUT/attn_chunk" ;;
   fair)
