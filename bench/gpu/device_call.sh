@@ -13,7 +13,9 @@
 #           128K keys with its items whole (fill 0) and cut as the engine cuts them on the
 #           H200 (fill 33); ATTN_BUDGET: seconds a bench (150)
 #   fair    `mbufo bench fairness`: STREAMS (16) streams, a LONG-token (32768) prompt
-#           injected, q8 weights; with long chunks' items whole (MBUFO_PREFILL_CUT=0), then cut
+#           injected, q8 weights; with long chunks' items whole (MBUFO_PREFILL_CUT=0), then cut;
+#           FAIR_ARGS: more flags (e.g. a fixed --itl-target-ms and --stream-tokens, so
+#           that both runs ask the same)
 # DIR (default .devdata) is the kit; DRY=1 prints the commands instead of running them.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -65,9 +67,10 @@ plan() {
   fair)
     local failed=0 cut
     for cut in 0 1; do
+      # shellcheck disable=SC2086
       run "fair_cut$cut" env MBUFO_PREFILL_CUT=$cut python3 -m appliance.cli.main bench \
         fairness --synthetic llama-3.1-8b:Q4_K_M --vocab "$VOCAB" --streams "${STREAMS:-16}" \
-        --long-tokens "${LONG:-32768}" --weights q8 --json || failed=1
+        --long-tokens "${LONG:-32768}" --weights q8 --json ${FAIR_ARGS:-} || failed=1
     done
     return $failed ;;
   *) echo "unknown plan $1 (tests, engine, long, attn, fair)" >&2; return 2 ;;
