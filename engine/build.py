@@ -85,14 +85,21 @@ def pages_per_group(cfg: ModelConfig, opts: EngineOptions) -> dict[str, int]:
     return pages
 
 
+def wants_warm_up(opts: EngineOptions, runner: ModelRunner) -> bool:
+    """Warm-up builds Triton kernels and captures graphs: a GPU's path only."""
+    return opts.warm_up and runner.triton and torch.device(runner.model.device).type == "cuda"
+
+
 def build_core(loaded: LoadedModel, opts: EngineOptions) -> EngineCore:
     cfg = loaded.config
     context = min(opts.context, cfg.context_length)
     runner = ModelRunner(loaded.model, pages_per_group(cfg, opts), PAGE_SIZE, opts.kv_quant,
                          cuda_graphs=opts.cuda_graphs, max_context=context,
                          max_rows=opts.sessions)
-    if opts.warm_up and runner.triton and torch.device(loaded.model.device).type == "cuda":
-        log.info("warm-up: %.1f s", runner.warm_up(opts.prefill_chunk))
+    if wants_warm_up(opts, runner):
+        # every decode graph a row of up to the context can need (~40 at 32K keys): a
+        # capture while serving would stall every stream's step for its duration
+        log.info("warm-up: %.1f s", runner.warm_up(opts.prefill_chunk, context))
     sched = SchedulerConfig(max_sessions=opts.sessions, context=context,
                             prefill_chunk=opts.prefill_chunk, mixed_batch=opts.mixed_batch,
                             itl_target_ms=opts.itl_target_ms,

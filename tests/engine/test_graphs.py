@@ -278,6 +278,49 @@ def test_prepare_and_a_failed_capture(model):
     assert failing.graphs is None and torch.equal(a, b)
 
 
+def test_graphs_prepared_to_a_context_serve_its_rows_without_a_capture(model):
+    """prepare_graphs(context) captures every key split count that rows of up to `context`
+    tokens take; a decode step at any length then replays (a capture while serving would
+    stall every stream's step)."""
+    fake = FakeCapture()
+    context = 1500
+    runner = ModelRunner(model, 300, 16, "f16", cuda_graphs=True, max_context=context,
+                         capture=fake)
+    held = runner.prepare_graphs(context)
+    splits = {s["full"] for b in runner.graphs.buckets for s in runner._splits_up_to(context, b)}
+    assert len(splits) > 2 and held == fake.captures  # several split counts, all captured
+    seqs = [SeqPages(runner.pool) for _ in range(3)]
+    for length in (1, 300, 700, context - 1):  # rows across the split counts
+        spans = [(i, [5] * (length - seqs[i].num_tokens)) for i in range(3)]
+        runner.forward(span_batch(runner, seqs, spans))  # prefill (eager) to `length`
+        runner.forward(span_batch(runner, seqs, [(i, [7]) for i in range(3)]))
+        assert runner.last_replayed and fake.captures == held, length
+
+
+def test_build_core_warms_up_to_its_context(tmp_path, vocab_dir, monkeypatch):
+    """build_core hands warm-up the sessions' context (capped at the model's), so the
+    decode graphs of long rows are captured at load, not while serving."""
+    import engine.build as build
+
+    spec = SyntheticSpec("llama", num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2,
+                         head_dim=16, ffn_size=64, default_type=T.F32)
+    path = tmp_path / "tiny.gguf"
+    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-spm.gguf", seed=4)
+    loaded = load(path, torch.float32, "cpu")
+    calls, wants = [], build.wants_warm_up
+    monkeypatch.setattr(build, "wants_warm_up", lambda opts, runner: True)
+    monkeypatch.setattr(ModelRunner, "warm_up",
+                        lambda self, chunk=48, context=1: calls.append((chunk, context)) or 0.0)
+    build.build_core(loaded, build.EngineOptions(sessions=2, context=3000, prefill_chunk=64,
+                                                 device="cpu"))
+    cap = loaded.config.context_length
+    build.build_core(loaded, build.EngineOptions(sessions=2, context=cap + 100,
+                                                 prefill_chunk=64, device="cpu"))
+    assert calls == [(64, min(3000, cap)), (64, cap)]
+    assert not wants(build.EngineOptions(), ModelRunner(
+        loaded.model, 8, 16, "f16", cuda_graphs=True, max_context=64))  # the CPU: never
+
+
 def _free_pages(runner: ModelRunner) -> dict[str, int]:
     return {g: p.num_free for g, p in runner.pool.groups.items()}
 
