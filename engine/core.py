@@ -31,6 +31,7 @@ from engine.scheduler.plan import (
     KVGroupStats,
     RowKind,
     SessionStats,
+    SlowStep,
     StepPlan,
 )
 from engine.scheduler.policies.itl_target import NO_PREFILL
@@ -42,6 +43,7 @@ from engine.stop import StopChecker
 
 AUTO_ITL_FACTOR = 3.0  # "auto" ITL target: this many decode-only steps
 EAGER_CAP = 8.0  # with decode graphs: the eager estimate counts up to this many replays
+SLOW_STEPS_KEPT = 64  # EngineStats.slow_steps: the latest steps over the ITL target
 
 
 class Runner(Protocol):
@@ -90,6 +92,7 @@ class EngineCore:
         self._aborts: list[str] = []
         self._decode_step_s: deque[float] = deque(maxlen=256)  # decode-only step times
         self._recent_itl_s: deque[float] = deque(maxlen=512)
+        self._slow_steps: deque[SlowStep] = deque(maxlen=SLOW_STEPS_KEPT)
         # Decode steps launched from the device's samples before the host reads them
         # (runners with decode graphs): the host's work between steps then overlaps the
         # device's.
@@ -148,13 +151,17 @@ class EngineCore:
         logits = None if ahead is None else ahead.logits_for(plan)
         if logits is not None:
             self.num_ahead_steps += 1
-            replayed = True
+            replayed, path = True, "ahead"
         else:
             logits = self.runner.forward(build_batch(plan, list(self.pool.groups)))
             replayed = getattr(self.runner, "last_replayed", False)
+            path = "capture" if getattr(self.runner, "last_captured", False) else \
+                "replay" if replayed else "eager"
         chunks += self._postprocess(plan, logits)
         self.num_steps += 1
-        elapsed = self.clock() - start
+        end = self.clock()
+        elapsed = end - start
+        self._note_slow(plan, elapsed, end, path)
         # The ITL cost model predicts eager steps; a graph replay costs a fraction of its
         # eager twin and would skew it. A replayed step with prefill (a mixed-step graph)
         # still shows how large chunks beside decoders have become.
@@ -165,6 +172,14 @@ class EngineCore:
         if plan.prefill_row is None:
             self._decode_step_s.append(elapsed)
         return chunks
+
+    def _note_slow(self, plan: StepPlan, elapsed: float, end: float, path: str) -> None:
+        """Keep a step with decode rows that took longer than the ITL target (SlowStep)."""
+        target = self.scheduler.itl.target_s
+        decode_rows = len(plan.rows) - (plan.prefill_row is not None)
+        if target is not None and elapsed > target and decode_rows:
+            self._slow_steps.append(SlowStep(end, elapsed * 1e3, target * 1e3, decode_rows,
+                                             plan.num_prefill_tokens, path))
 
     def _reap_aborts(self) -> list[OutputChunk]:
         seqs = [self.scheduler.abort(rid) for rid in self._aborts]
@@ -292,7 +307,7 @@ class EngineCore:
             recent_itl_ms=tuple(x * 1e3 for x in self._recent_itl_s),
             prefix_hit_tokens=self.radix.num_hit_tokens if self.radix else 0,
             prefix_query_tokens=self.radix.num_query_tokens if self.radix else 0,
-            num_ahead_steps=self.num_ahead_steps)
+            num_ahead_steps=self.num_ahead_steps, slow_steps=tuple(self._slow_steps))
 
 
 def _session_stats(seq: Sequence) -> SessionStats:

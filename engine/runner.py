@@ -150,10 +150,20 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> (len(batch.logits_rows), vocab) float32. `last_replayed` says whether this
-        step replayed a captured graph (its cost has another shape than an eager step's)."""
+        step replayed a captured graph (its cost has another shape than an eager step's),
+        `last_captured` whether it captured that graph first (a stall: the step's launches
+        recorded and instantiated on the way)."""
+        held = self.num_graphs
         logits = self._replay(batch)
         self.last_replayed = logits is not None
+        self.last_captured = self.num_graphs > held
         return logits if logits is not None else self.forward_eager(batch)
+
+    @property
+    def num_graphs(self) -> int:
+        """Decode and mixed-step graphs held."""
+        return (0 if self.graphs is None else self.graphs.num_graphs) + \
+            (0 if self.mixed is None else self.mixed.num_graphs)
 
     @property
     def can_look_ahead(self) -> bool:

@@ -111,6 +111,28 @@ def summarize_fairness(solo: Sequence[RequestResult], run: LoadedRun,
     }
 
 
+def summarize_slow_steps(steps: Sequence[dict[str, Any]], run: LoadedRun,
+                         keep: int = 8) -> dict[str, Any]:
+    """The target's steps over its ITL target while the loaded run's streams decoded (from
+    the first stream's request to the last one's last token): how many (of those the
+    target still held), by path (eager, replay, capture, ahead), and the `keep` slowest,
+    each timed from the long prompt's injection (negative: before it)."""
+    start = min(s.sent for s in run.streams)
+    end = max(s.last_token_time for s in run.streams if s.token_times)
+    inside = [x for x in steps if start <= x["at_s"] <= end]
+    by_path: dict[str, int] = {}
+    for x in inside:
+        by_path[x["path"]] = by_path.get(x["path"], 0) + 1
+    slowest = sorted(inside, key=lambda x: -x["ms"])[:keep]
+    return {
+        "count": len(inside),
+        "by_path": dict(sorted(by_path.items())),
+        "slowest": [{"at_ms": ms(x["at_s"] - run.long.sent), "ms": round(x["ms"], 2),
+                     "path": x["path"], "decode_rows": x["decode_rows"],
+                     "prefill_tokens": x["prefill_tokens"]} for x in slowest],
+    }
+
+
 def estimate_stream_tokens(warm: RequestResult, spec: FairnessSpec) -> int:
     """Tokens that keep a stream busy through the injection, with margin: the window is
     the two delays, twice the long prompt's solo prefill time, one second and the warm-up's
@@ -219,6 +241,11 @@ async def run_fairness(target: Target, factory: PromptFactory, spec: FairnessSpe
         "cache_check": "passed" if all(known) else "unknown (the target reports no cache hits)",
     }
     out.update(summarize_fairness(solo, run, itl_target))
+    steps = target.slow_steps()
+    if steps is not None:
+        out["slow_steps"] = slow = summarize_slow_steps(steps, run)
+        progress(f"fairness [{target.name}] {slow['count']} steps over the ITL target while "
+                 f"the streams ran {slow['by_path'] or ''}")
     return out
 
 

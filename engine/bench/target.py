@@ -53,6 +53,11 @@ class InProcessTarget(Target):
     def itl_target_ms(self) -> float | None:
         return self.engine.stats().itl_target_ms
 
+    def slow_steps(self) -> list[dict[str, Any]] | None:
+        from dataclasses import asdict
+
+        return [asdict(s) for s in self.engine.stats().slow_steps]
+
     @classmethod
     def from_model(cls, model: str, options: Any, loaded: Any = None,
                    name: str = "mbufo") -> InProcessTarget:

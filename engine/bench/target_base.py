@@ -104,5 +104,10 @@ class Target(ABC):
         """The ITL target the target's scheduler works to, when it says (mbufo in-process)."""
         return None
 
+    def slow_steps(self) -> list[dict[str, Any]] | None:
+        """The target's latest steps over its ITL target (engine.scheduler.plan.SlowStep as
+        dicts, `at_s` on time.perf_counter's clock), when it says (mbufo in-process)."""
+        return None
+
     async def aclose(self) -> None:
         return None

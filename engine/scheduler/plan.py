@@ -131,6 +131,19 @@ class ClientQueueStats:
 
 
 @dataclass(frozen=True, slots=True)
+class SlowStep:
+    """A step with decode rows that took longer than the ITL target: what every stream in
+    it waited for. `path`: eager, replay (a captured graph), capture (its graph was captured
+    in this step) or ahead (launched from the step before's samples)."""
+    at_s: float  # the engine's clock when the step ended
+    ms: float
+    target_ms: float
+    decode_rows: int
+    prefill_tokens: int
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     sessions: tuple[SessionStats, ...]  # resident first, then queued
     num_waiting: int
@@ -144,3 +157,4 @@ class EngineStats:
     prefix_hit_tokens: int
     prefix_query_tokens: int
     num_ahead_steps: int = 0  # steps whose logits came from a look-ahead launch
+    slow_steps: tuple[SlowStep, ...] = ()  # the latest steps over the ITL target, oldest first

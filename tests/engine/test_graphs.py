@@ -297,6 +297,20 @@ def test_graphs_prepared_to_a_context_serve_its_rows_without_a_capture(model):
         assert runner.last_replayed and fake.captures == held, length
 
 
+def test_a_step_says_whether_it_captured_its_graph(model):
+    """last_captured: the step that captures a decode graph (a stall the engine reports in
+    its slow steps), not the replays after it nor eager steps."""
+    fake = FakeCapture()
+    runner = ModelRunner(model, PAGES, 16, "f16", cuda_graphs=True, max_context=CONTEXT,
+                         capture=fake)
+    seqs = [SeqPages(runner.pool) for _ in range(2)]
+    flags = []
+    for spans in ([(0, [3, 4, 5]), (1, [6, 7])], [(0, [8]), (1, [9])], [(0, [1]), (1, [2])]):
+        runner.forward(span_batch(runner, seqs, spans))
+        flags.append((runner.last_replayed, runner.last_captured))
+    assert flags == [(False, False), (True, True), (True, False)] and fake.captures == 1
+
+
 def test_build_core_warms_up_to_its_context(tmp_path, vocab_dir, monkeypatch):
     """build_core hands warm-up the sessions' context (capped at the model's), so the
     decode graphs of long rows are captured at load, not while serving."""

@@ -104,7 +104,7 @@ def engine_state(handle: Any) -> dict[str, Any]:
         out.update(sessions=[], clients=[], num_waiting=0, num_steps=0, num_ahead_steps=0,
                    num_preemptions=0,
                    itl_target_ms=None, recent_itl_ms=[], prefix_hit_tokens=0,
-                   prefix_query_tokens=0, last_plan=None,
+                   prefix_query_tokens=0, last_plan=None, slow_steps=[],
                    kv=[{"group": g, "format": handle.options.kv_quant, "num_pages": p.num_pages,
                         "num_used": p.num_pages - p.num_free, "num_free": p.num_free,
                         "num_cached": 0} for g, p in pool.items()])
@@ -118,5 +118,17 @@ def engine_state(handle: Any) -> dict[str, Any]:
         num_preemptions=stats.num_preemptions, itl_target_ms=stats.itl_target_ms,
         recent_itl_ms=list(stats.recent_itl_ms[-RECENT_ITL:]),
         prefix_hit_tokens=stats.prefix_hit_tokens, prefix_query_tokens=stats.prefix_query_tokens,
-        last_plan=None if stats.last_plan is None else dataclasses.asdict(stats.last_plan))
+        last_plan=None if stats.last_plan is None else dataclasses.asdict(stats.last_plan),
+        slow_steps=slow_steps(stats.slow_steps, handle.engine.core.clock()))
+    return out
+
+
+def slow_steps(steps: Any, now: float) -> list[dict[str, Any]]:
+    """The engine's latest steps over its ITL target (what every decoding stream waited
+    for), newest first, each with its age in seconds instead of the engine's clock."""
+    out = []
+    for step in reversed(steps):
+        item = dataclasses.asdict(step)
+        item["age_s"] = round(now - item.pop("at_s"), 3)
+        out.append(item)
     return out

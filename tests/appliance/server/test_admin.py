@@ -78,6 +78,7 @@ async def test_live_state_shows_sessions_pages_and_queues(harness):
     assert kv["group"] == "full" and kv["format"] == "f16"
     assert kv["num_used"] + kv["num_free"] == kv["num_pages"] and kv["num_used"] > 0
     assert model["num_steps"] > 0 and model["recent_itl_ms"]
+    assert isinstance(model["slow_steps"], list)  # the steps over the ITL target, if any
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -115,3 +116,17 @@ async def test_cors_only_for_configured_origins(harness):
     assert other.headers.get("access-control-allow-origin") not in ("*", "https://evil.example")
     resp = await harness.http.get("/health", headers={"Origin": ORIGIN})
     assert resp.headers.get("access-control-allow-origin") == ORIGIN
+
+
+def test_slow_steps_newest_first_with_their_age():
+    from appliance.server.services.admin import slow_steps
+    from engine.scheduler.plan import SlowStep
+
+    steps = (SlowStep(10.0, 150.0, 60.0, 4, 0, "capture"),
+             SlowStep(12.5, 80.0, 60.0, 3, 256, "eager"))
+    assert slow_steps(steps, 13.0) == [
+        {"ms": 80.0, "target_ms": 60.0, "decode_rows": 3, "prefill_tokens": 256,
+         "path": "eager", "age_s": 0.5},
+        {"ms": 150.0, "target_ms": 60.0, "decode_rows": 4, "prefill_tokens": 0,
+         "path": "capture", "age_s": 3.0}]
+    assert slow_steps((), 1.0) == []

@@ -16,6 +16,7 @@ from engine.bench.fairness import (
     estimate_stream_tokens,
     run_fairness,
     summarize_fairness,
+    summarize_slow_steps,
 )
 from engine.bench.prompts import PromptFactory
 from engine.bench.report import compact_json
@@ -231,3 +232,39 @@ def test_streams_stopped_at_eos_are_refused():
     with pytest.raises(EngineError, match="does not honor ignore_eos"):
         _run(ScriptedTarget(script), FairnessSpec(stream_tokens=200, inject_after_s=0.001,
                                                   short_after_s=0.001))
+
+
+def _slow(at_s: float, ms: float, path: str, rows: int = 2, tokens: int = 0) -> dict:
+    return {"at_s": at_s, "ms": ms, "target_ms": 100.0, "decode_rows": rows,
+            "prefill_tokens": tokens, "path": path}
+
+
+def test_slow_steps_inside_the_loaded_run():
+    """Steps the target kept over its ITL target: only those between the first stream's
+    request and the last stream's last token count; the slowest first, timed from the
+    injection."""
+    s0 = result(0, [0.1, 0.3, 0.5, 0.7, 0.9, 1.2, 1.6, 1.7])
+    s1 = result(0, [0.2, 0.4, 0.6, 0.8, 1.1, 1.4, 1.8])
+    run = LoadedRun([s0, s1], result(1000, [1.5]), result(1300, [1.35]))
+    steps = [_slow(-0.1, 900, "eager"), _slow(0.25, 150, "capture"),
+             _slow(1.2, 300, "capture", tokens=64), _slow(1.45, 250, "eager", tokens=128),
+             _slow(1.6, 120, "replay"), _slow(2.5, 800, "eager")]
+    out = summarize_slow_steps(steps, run, keep=2)
+    assert out["count"] == 4 and out["by_path"] == {"capture": 2, "eager": 1, "replay": 1}
+    assert out["slowest"] == [
+        {"at_ms": 200.0, "ms": 300.0, "path": "capture", "decode_rows": 2, "prefill_tokens": 64},
+        {"at_ms": 450.0, "ms": 250.0, "path": "eager", "decode_rows": 2,
+         "prefill_tokens": 128}]
+    assert summarize_slow_steps([], run) == {"count": 0, "by_path": {}, "slowest": []}
+
+
+class SlowStepsTarget(ScriptedTarget):
+    def slow_steps(self):
+        return [_slow(0.2, 500.0, "capture")]
+
+
+def test_run_reports_slow_steps_when_the_target_keeps_them():
+    assert "slow_steps" not in _run(ScriptedTarget(_script()))  # a target that does not say
+    out = _run(SlowStepsTarget(_script()))
+    assert out["slow_steps"]["count"] == 1 and out["slow_steps"]["by_path"] == {"capture": 1}
+    assert out["slow_steps"]["slowest"][0]["at_ms"] == pytest.approx(200.0 - INJECT_MS)

@@ -96,6 +96,10 @@ class FakeRunner:
     # mixed-step graphs: a step with prefill "replays" at this factor of its eager cost
     mixed_replay_factor: float | None = None
     last_replayed: bool = False
+    # steps (1-based batch numbers) that "capture" a graph: they replay and cost this more
+    capture_steps: set[int] = field(default_factory=set)
+    capture_cost: float = 0.1
+    last_captured: bool = False
 
     @property
     def graphs(self) -> object | None:
@@ -133,10 +137,12 @@ class FakeRunner:
             tokens = sum(len(t) for t, _ in spans if len(t) > 1)
             factor = 1.0 if self.noise is None else self.noise(len(self.batches))
             replay = self.replay_factor if tokens == 0 else self.mixed_replay_factor
-            self.last_replayed = replay is not None
+            self.last_captured = len(self.batches) in self.capture_steps
+            self.last_replayed = replay is not None or self.last_captured
             if replay is not None:
                 factor *= replay
-            self.clock.now += (a + b * decode + c * tokens) * factor
+            self.clock.now += (a + b * decode + c * tokens) * factor + \
+                self.last_captured * self.capture_cost
         return torch.stack(out) if out else torch.zeros(0, VOCAB)
 
     def _read(self, batch: ForwardBatch, row: int, group: str, first: int, pos: int) -> int:
