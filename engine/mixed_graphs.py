@@ -30,6 +30,7 @@ no bucket, steps run eagerly.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -52,6 +53,20 @@ CAPTURE_AT = 2  # the sighting of a key that captures it (earlier ones run eager
 MAX_SEEN = 4096  # keys counted before the counts start over
 MAX_WORK = 4096  # work items of a group, at most (more: the step runs eagerly)
 WORK = 6  # fields of a work item (kernels/paged_attention_plan.py)
+
+
+def capture_at_setting() -> int | None:
+    """MBUFO_MIXED_CAPTURE_AT: the sighting of a key that captures its graph (default
+    CAPTURE_AT; a capture stalls its step, the steps it replays save their launches), or
+    `off`: mixed steps run eagerly. For A/B runs of the stalls against the launches."""
+    raw = os.environ.get("MBUFO_MIXED_CAPTURE_AT", "").strip()
+    if raw == "off":
+        return None
+    if not raw:
+        return CAPTURE_AT
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"MBUFO_MIXED_CAPTURE_AT must be off or a count >= 1, got {raw!r}")
+    return int(raw)
 
 # One graph's shape: (token bucket, logits rows, ((group, work items, slots), ...)).
 Key = tuple[int, int, tuple[tuple[str, int, int], ...]]

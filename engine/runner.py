@@ -40,7 +40,7 @@ from engine.layers.attention import (
     plan_decode,
 )
 from engine.layers.ggml_linear import blocks_only
-from engine.mixed_graphs import MixedGraphs
+from engine.mixed_graphs import MixedGraphs, capture_at_setting
 from engine.models.common import DecoderModel
 from kernels.paged_attention_plan import (
     MIN_SPLIT_KEYS,
@@ -136,12 +136,13 @@ class ModelRunner:
         # Mixed steps (prefill chunks beside decode rows) replay graphs too on the Triton
         # path, unless a recurrent state would advance in their capture's warm-up runs.
         self.mixed = None
-        if graphs and self.triton and RECURRENT not in self.pool.groups:
+        capture_at = capture_at_setting()
+        if graphs and self.triton and RECURRENT not in self.pool.groups and capture_at:
             self.mixed = MixedGraphs(
                 self._step.planned, self._layers,
                 {g: attn_config(layer, device) for g, layer in self._layers.items()},
                 pages, page_size, self.max_context, self.graphs.buckets[-1], device, capturer,
-                fill=self._fill)
+                capture_at=capture_at, fill=self._fill)
 
     @property
     def page_size(self) -> int:
