@@ -68,6 +68,7 @@ def capture_at_setting() -> int | None:
         raise ValueError(f"MBUFO_MIXED_CAPTURE_AT must be off or a count >= 1, got {raw!r}")
     return int(raw)
 
+
 # One graph's shape: (token bucket, logits rows, ((group, work items, slots), ...)).
 Key = tuple[int, int, tuple[tuple[str, int, int], ...]]
 
