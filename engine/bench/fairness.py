@@ -37,6 +37,7 @@ import asyncio
 import logging
 import math
 import statistics
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -120,9 +121,7 @@ def summarize_slow_steps(steps: Sequence[dict[str, Any]], run: LoadedRun,
     start = min(s.sent for s in run.streams)
     end = max(s.last_token_time for s in run.streams if s.token_times)
     inside = [x for x in steps if start <= x["at_s"] <= end]
-    by_path: dict[str, int] = {}
-    for x in inside:
-        by_path[x["path"]] = by_path.get(x["path"], 0) + 1
+    by_path = Counter(x["path"] for x in inside)
     slowest = sorted(inside, key=lambda x: -x["ms"])[:keep]
     return {
         "count": len(inside),
