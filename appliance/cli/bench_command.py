@@ -14,6 +14,7 @@ import copy
 import random
 import shlex
 import sys
+import time
 from typing import Any
 
 from appliance.settings import WEIGHT_LAYOUTS
@@ -368,19 +369,27 @@ async def _fairness_one(args: argparse.Namespace, label: str, long_tokens: int, 
 
     options = engine_options(args, min_sessions=args.streams + 2, min_context=long_tokens + 16)
     key = (options.dtype, options.weights)  # one load for the configs that share them
+    startup: dict[str, Any] = {"load_s": None}  # None: this configuration reused a load
     if args.model is not None and key not in loaded:
         from engine.build import load_for
 
         # load_for, not engine.loader.load: the options' device (the GPU when there is one)
         # and weight layout, as build_engine would load them
+        start = time.perf_counter()
         loaded[key] = await asyncio.to_thread(load_for, args.model, options)
+        startup["load_s"] = round(time.perf_counter() - start, 2)
     _progress(f"fairness: configuration {label}")
+    start = time.perf_counter()
     if label == getattr(args, "peer", None):  # on MODEL's file, with the engine's threads
         from engine.bench.peer_server import open_llama_cpp_server
 
         target = await open_llama_cpp_server(loaded[key].path, n_ctx=options.context)
     else:
         target = (await _open_targets(args, options, loaded.get(key)))[0]
+    # build_s: the engine's build (kernels, tile tune, warm-up's graph captures) or the
+    # peer's start; graphs: what the build captured, before any request
+    startup["build_s"] = round(time.perf_counter() - start, 2)
+    startup["graphs"] = _graphs_held(target)
     try:
         spec = FairnessSpec(streams=args.streams, long_tokens=long_tokens,
                             short_tokens=args.short_tokens, stream_tokens=args.stream_tokens,
@@ -390,7 +399,13 @@ async def _fairness_one(args: argparse.Namespace, label: str, long_tokens: int, 
     finally:
         await target.aclose()
     return {"config": label, "scenario": args.scenario if not args.long_tokens else None,
-            "seed": seed, **result}
+            "seed": seed, "startup": startup, **result}
+
+
+def _graphs_held(target: Any) -> int | None:
+    """The graphs an in-process engine's runner holds; None for other targets."""
+    runner = getattr(getattr(getattr(target, "engine", None), "core", None), "runner", None)
+    return getattr(runner, "num_graphs", None)
 
 
 def cmd_kv_quality(args: argparse.Namespace) -> int:

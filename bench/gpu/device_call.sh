@@ -16,6 +16,9 @@
 #           injected, q8 weights; with long chunks' items whole (MBUFO_PREFILL_CUT=0), then cut;
 #           FAIR_ARGS: more flags (e.g. a fixed --itl-target-ms and --stream-tokens, so
 #           that both runs ask the same)
+#   capture the fairness run (cut, FAIR_ARGS) once for each MBUFO_MIXED_CAPTURE_AT in
+#           CAPTURES (default "2 off"): mixed steps' graphs captured at a key's Nth
+#           sighting, or never
 # DIR (default .devdata) is the kit; DRY=1 prints the commands instead of running them.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -35,6 +38,14 @@ run() {  # NAME COMMAND...: the command's output to $OUT/NAME.log
   local rc=$?
   echo "== $name: rc=$rc in $((SECONDS - start)) s"; tail -n 25 "$OUT/$name.log"
   return $rc
+}
+
+fairness() {  # NAME VAR=VALUE...: one `mbufo bench fairness` run in that environment
+  local name=$1; shift
+  # shellcheck disable=SC2086
+  run "$name" env "$@" python3 -m appliance.cli.main bench fairness --synthetic \
+    llama-3.1-8b:Q4_K_M --vocab "$VOCAB" --streams "${STREAMS:-16}" \
+    --long-tokens "${LONG:-32768}" --weights q8 --json ${FAIR_ARGS:-}
 }
 
 plan() {
@@ -67,13 +78,16 @@ plan() {
   fair)
     local failed=0 cut
     for cut in 0 1; do
-      # shellcheck disable=SC2086
-      run "fair_cut$cut" env MBUFO_PREFILL_CUT=$cut python3 -m appliance.cli.main bench \
-        fairness --synthetic llama-3.1-8b:Q4_K_M --vocab "$VOCAB" --streams "${STREAMS:-16}" \
-        --long-tokens "${LONG:-32768}" --weights q8 --json ${FAIR_ARGS:-} || failed=1
+      fairness "fair_cut$cut" MBUFO_PREFILL_CUT=$cut || failed=1
     done
     return $failed ;;
-  *) echo "unknown plan $1 (tests, engine, long, attn, fair)" >&2; return 2 ;;
+  capture)
+    local failed=0 at
+    for at in ${CAPTURES:-2 off}; do
+      fairness "capture_$at" MBUFO_MIXED_CAPTURE_AT="$at" || failed=1
+    done
+    return $failed ;;
+  *) echo "unknown plan $1 (tests, engine, long, attn, fair, capture)" >&2; return 2 ;;
   esac
 }
 

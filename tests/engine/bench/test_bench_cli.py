@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import types
 
 import pytest
 from bench_fakes import parse_cli
@@ -86,10 +87,11 @@ def test_fairness_prints_one_json_line_per_config(monkeypatch, capsys):
     assert lines == [json.dumps(o, separators=(",", ":")) for o in objs]  # compact
 
 
-def test_fairness_loads_the_model_as_the_engine_would(monkeypatch):
+def test_fairness_loads_the_model_as_the_engine_would(monkeypatch, capsys):
     """The configs' shared load goes through engine.build.load_for with each config's
     options (device auto: the GPU where there is one; the weight layout), once per dtype
-    and layout, and the loaded model reaches the engine."""
+    and layout, and the loaded model reaches the engine. Each line reports its startup:
+    the load's seconds (None where a load was reused), the build's, the graphs held."""
     import engine.bench.fairness as fairness
     import engine.build
     from engine.bench.prompts import PromptFactory
@@ -101,12 +103,16 @@ def test_fairness_loads_the_model_as_the_engine_would(monkeypatch):
         return f"loaded {options.weights}"
 
     class Target:
+        def __init__(self, graphs):
+            runner = types.SimpleNamespace(num_graphs=graphs)
+            self.engine = types.SimpleNamespace(core=types.SimpleNamespace(runner=runner))
+
         async def aclose(self):
             pass
 
     async def fake_targets(args, options, loaded=None):
         opened.append(loaded)
-        return [Target()]
+        return [Target(len(opened))]
 
     async def fake_factory(target, seed):
         return None
@@ -123,6 +129,12 @@ def test_fairness_loads_the_model_as_the_engine_would(monkeypatch):
     assert args.handler(args) == 0
     assert loads == [("m.gguf", "auto", "q8", 5016), ("m.gguf", "auto", "bf16", 5016)]
     assert opened == ["loaded q8", "loaded bf16", "loaded q8"]  # --mixed-batch off, bf16, default
+    lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    startups = [o["startup"] for o in lines]
+    assert [s["graphs"] for s in startups] == [1, 2, 3]
+    assert [s["load_s"] is None for s in startups] == [False, False, True]
+    assert all(s["load_s"] is None or s["load_s"] >= 0 for s in startups)
+    assert all(s["build_s"] >= 0 for s in startups)
 
 
 def test_gguf_reject_is_wired(monkeypatch, capsys):
