@@ -139,6 +139,12 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._aborts)
 
+    def idle(self) -> bool:
+        """Work the runner keeps for a moment with no request (a deferred graph capture);
+        call only while `has_work()` is False. -> whether it did any (ask again while so)."""
+        idle = getattr(self.runner, "idle", None)
+        return bool(idle()) if idle is not None else False
+
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[OutputChunk]:
         start = self.clock()

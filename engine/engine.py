@@ -212,6 +212,10 @@ class Engine:
 
     # ---- loop thread -----------------------------------------------------------------
     def _drain_inbox(self) -> None:
+        # a quiet moment first goes to the core's idle work, one piece at a time (a graph
+        # capture: ~0.1 s), outside the lock so that callers can post meanwhile
+        while self._quiet() and self.core.idle():
+            pass
         with self._wake:
             while self._running and not self._inbox and not self.core.has_work():
                 self._wake.wait()
@@ -226,6 +230,11 @@ class Engine:
                     sink(exc)
             elif kind == "abort":
                 self.core.abort(payload)
+
+    def _quiet(self) -> bool:
+        """No request posted or in the core (the loop would sleep)."""
+        with self._wake:
+            return self._running and not self._inbox and not self.core.has_work()
 
     def _deliver(self, chunks: list[OutputChunk]) -> None:
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, OutputChunk]]] = {}

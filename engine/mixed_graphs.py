@@ -18,12 +18,19 @@ key splits (the decode graphs' rule), the unused ones empty, so the merge sums t
 terms as the eager plan (the extra terms are exact zeros): a row's logits are the eager
 step's bits on the kernels whose bits do not depend on the token count (qint, qmatmul).
 
-A capture runs the step's own batch (its warm-up runs store the same K/V at the same
-slots), so it needs no recurrent state (the runner leaves those models eager). A key is
-captured the second time a step has it (CAPTURE_AT): a capture costs a few eager steps,
-and under load many keys come once (a burst of arrivals, a step cut by the ITL target);
-the first time, the step runs eagerly, which also builds any kernel variant it is the
-first to need. Captures are limited to MAX_GRAPHS; past that, and for batches that fit
+A key is due for capture the second time a step has it (CAPTURE_AT): under load many
+keys come once (a burst of arrivals, a step cut by the ITL target); the first time, the
+step runs eagerly, which also builds any kernel variant it is the first to need. A capture
+costs 85-170 ms on the H200, several eager steps, and a step that captured stalled every
+stream beside it (the H200's fairness run: five captures, 86-132 ms gaps against a 60 ms
+ITL target; bench/RESULTS.md). So by default (`when="idle"`) a due key's step still runs
+eagerly and the key waits, with a copy of that step's staged inputs whose K/V writes go
+to the scratch pages, until the engine has no request to serve (`capture_pending`, called
+by the engine loop when it would otherwise sleep); a request that arrives meanwhile waits
+for at most that one capture. `when="step"` captures in the due step itself, with the
+step's own batch (its warm-up runs store the same K/V at the same slots). A capture runs
+the forward twice outside the graph, so the models with recurrent state stay eager (the
+runner's rule). Captures are limited to MAX_GRAPHS; past that, and for batches that fit
 no bucket, steps run eagerly.
 """
 
@@ -51,6 +58,8 @@ TOKEN_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256)
 MAX_GRAPHS = 48
 CAPTURE_AT = 2  # the sighting of a key that captures it (earlier ones run eagerly)
 MAX_SEEN = 4096  # keys counted before the counts start over
+MAX_PENDING = 8  # due keys waiting for a quiet moment (more: they are counted again later)
+WHEN = ("idle", "step")  # when a due key is captured
 MAX_WORK = 4096  # work items of a group, at most (more: the step runs eagerly)
 WORK = 6  # fields of a work item (kernels/paged_attention_plan.py)
 
@@ -69,6 +78,16 @@ def capture_at_setting() -> int | None:
     return int(raw)
 
 
+def capture_when_setting() -> str:
+    """MBUFO_MIXED_CAPTURE_WHEN: `idle` (default: a due key's graph is captured when the
+    engine has no request to serve) or `step` (in the step that finds it due, which
+    stalls that step's streams). For A/B runs of the two."""
+    raw = os.environ.get("MBUFO_MIXED_CAPTURE_WHEN", "").strip() or WHEN[0]
+    if raw not in WHEN:
+        raise ValueError(f"MBUFO_MIXED_CAPTURE_WHEN must be one of {WHEN}, got {raw!r}")
+    return raw
+
+
 # One graph's shape: (token bucket, logits rows, ((group, work items, slots), ...)).
 Key = tuple[int, int, tuple[tuple[str, int, int], ...]]
 
@@ -77,7 +96,8 @@ class MixedGraphs:
     """Captured mixed-step forwards by Key. `step(planned)` maps a PlannedBatch on the
     device to the logits of its logits rows; `configs` are the layer groups' attention
     configs of mixed steps; rows past `max_rows` or tokens past the largest bucket run
-    eagerly, and so does a key's step until its `capture_at`-th sighting. `fill`: the
+    eagerly, and so does a key's step until its `capture_at`-th sighting; `when`: whether
+    a due key is captured in its step or later, by `capture_pending`. `fill`: the
     groups' work items at once (plan_attention; the eager path's, so a replay's plan is
     the eager step's)."""
 
@@ -86,14 +106,19 @@ class MixedGraphs:
                  scratch_pages: dict[str, int], page_size: int, max_context: int,
                  max_rows: int, device: torch.device, capture: Capturer,
                  buckets: tuple[int, ...] = TOKEN_BUCKETS, max_graphs: int = MAX_GRAPHS,
-                 capture_at: int = CAPTURE_AT, fill: dict[str, int] | None = None) -> None:
+                 capture_at: int = CAPTURE_AT, fill: dict[str, int] | None = None,
+                 when: str = WHEN[0]) -> None:
+        if when not in WHEN:
+            raise ValueError(f"when must be one of {WHEN}, got {when!r}")
         self.step, self.layers, self.configs = step, dict(layers), dict(configs)
         self.fill = dict(fill or {})
         self.groups = sorted(self.layers)
         self.scratch_pages, self.page_size = dict(scratch_pages), page_size
         self.max_context, self.max_rows = max_context, max_rows
         self.buckets, self.max_graphs = tuple(sorted(buckets)), max_graphs
-        self.capture_at = capture_at
+        self.capture_at, self.when = capture_at, when
+        # due keys (when="idle") -> their step's staged inputs, K/V writes to scratch
+        self._pending: dict[Key, np.ndarray] = {}
         self.width = -(-max_context // page_size)
         self._capture = capture
         self._graphs: dict[Key, tuple[Replay, torch.Tensor]] = {}
@@ -113,6 +138,11 @@ class MixedGraphs:
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
+
+    @property
+    def num_pending(self) -> int:
+        """Due keys waiting for `capture_pending`."""
+        return len(self._pending)
 
     def holds(self, num_rows: int, num_tokens: int) -> bool:
         """Whether a step of these rows and tokens is within a graph's sizes."""
@@ -148,6 +178,10 @@ class MixedGraphs:
             self._seen[key] = seen = self._seen.get(key, 0) + 1
             if seen < self.capture_at:
                 return None
+            if self.when == "idle":
+                if key not in self._pending and len(self._pending) < MAX_PENDING:
+                    self._pending[key] = self._snapshot(batch, plans, key)
+                return None
             self._stage(batch, plans, key)
             log.info("capturing the mixed-step graph %s", key)
             self._graphs[key] = self._capture(self._static_step(key))
@@ -157,6 +191,38 @@ class MixedGraphs:
         replay()
         self.num_replays += 1
         return out[:batch.logits_rows.numel()].clone()  # the next replay overwrites `out`
+
+    def capture_pending(self) -> bool:
+        """Capture the oldest due key's graph from its staged inputs (their K/V writes go to
+        the scratch pages; the attention reads pages whose contents no longer matter: the
+        output is thrown away). -> whether a graph was captured (call again while so)."""
+        while self._pending:
+            key = next(iter(self._pending))
+            inputs = self._pending.pop(key)
+            if key in self._graphs or len(self._graphs) >= self.max_graphs:
+                continue
+            if self._copied is not None:
+                self._copied.synchronize()
+            self._host[:len(inputs)] = torch.from_numpy(inputs)
+            self._dev[:len(inputs)].copy_(self._host[:len(inputs)], non_blocking=True)
+            if self._copied is not None:
+                self._copied.record()
+            log.info("capturing the mixed-step graph %s (engine idle)", key)
+            self._graphs[key] = self._capture(self._static_step(key))
+            return True
+        return False
+
+    def _snapshot(self, batch: ForwardBatch, plans: dict[str, AttnPlan],
+                  key: Key) -> np.ndarray:
+        """The staged inputs of `batch` for `key` with every token's K/V write sent to the
+        scratch page (a later capture's runs then overwrite no sequence's K/V)."""
+        end = self._write_host(batch, plans, key)
+        inputs = self._host.numpy()[:end].copy()
+        layout = self._layout(key)
+        for g in self.groups:
+            at, n = layout[f"slots:{g}"]
+            inputs[at:at + n] = self.scratch_pages[g] * self.page_size
+        return inputs
 
     def _size(self, key: Key) -> int:
         return sum(n for _, n in self._layout(key).values())
@@ -184,6 +250,14 @@ class MixedGraphs:
 
     def _stage(self, batch: ForwardBatch, plans: dict[str, AttnPlan], key: Key) -> None:
         """The batch's inputs, padded to `key`, staged and uploaded in one copy."""
+        end = self._write_host(batch, plans, key)
+        self._dev[:end].copy_(self._host[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def _write_host(self, batch: ForwardBatch, plans: dict[str, AttnPlan], key: Key) -> int:
+        """The batch's inputs, padded to `key`, written to the host staging buffer once the
+        previous upload has left it. -> the staged length."""
         layout = self._layout(key)
         end = max(at + n for at, n in layout.values())
         if self._copied is not None:
@@ -214,9 +288,7 @@ class MixedGraphs:
             table[:rows, :src.shape[1]] = src
             table[:rows, src.shape[1]:] = -1
             table[rows:] = -1
-        self._dev[:end].copy_(self._host[:end], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        return end
 
     def _static_step(self, key: Key) -> Callable[[], torch.Tensor]:
         """The forward over `key`'s views of the device buffer (what the graph captures)."""

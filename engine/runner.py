@@ -40,7 +40,7 @@ from engine.layers.attention import (
     plan_decode,
 )
 from engine.layers.ggml_linear import blocks_only
-from engine.mixed_graphs import MixedGraphs, capture_at_setting
+from engine.mixed_graphs import MixedGraphs, capture_at_setting, capture_when_setting
 from engine.models.common import DecoderModel
 from kernels.paged_attention_plan import (
     MIN_SPLIT_KEYS,
@@ -142,7 +142,7 @@ class ModelRunner:
                 self._step.planned, self._layers,
                 {g: attn_config(layer, device) for g, layer in self._layers.items()},
                 pages, page_size, self.max_context, self.graphs.buckets[-1], device, capturer,
-                capture_at=capture_at, fill=self._fill)
+                capture_at=capture_at, fill=self._fill, when=capture_when_setting())
 
     @property
     def page_size(self) -> int:
@@ -204,6 +204,20 @@ class ModelRunner:
             log.exception("mixed-step graph capture failed: mixed steps run eagerly from now on")
             self.mixed = None
             return None
+
+    @torch.inference_mode()
+    def idle(self) -> bool:
+        """Work for a moment with no request to serve: one mixed-step graph capture that
+        was deferred to it (a failed capture turns mixed-step graphs off). -> whether any
+        was done (the caller asks again while so, and no request waits)."""
+        if self.mixed is None:
+            return False
+        try:
+            return self.mixed.capture_pending()
+        except RuntimeError:
+            log.exception("mixed-step graph capture failed: mixed steps run eagerly from now on")
+            self.mixed = None
+            return False
 
     @torch.inference_mode()
     def prepare_graphs(self, context: int = 1) -> int:

@@ -16,9 +16,9 @@
 #           injected, q8 weights; with long chunks' items whole (MBUFO_PREFILL_CUT=0), then cut;
 #           FAIR_ARGS: more flags (e.g. a fixed --itl-target-ms and --stream-tokens, so
 #           that both runs ask the same)
-#   capture the fairness run (cut, FAIR_ARGS) once for each MBUFO_MIXED_CAPTURE_AT in
-#           CAPTURES (default "2 off"): mixed steps' graphs captured at a key's Nth
-#           sighting, or never
+#   capture the fairness run (cut, FAIR_ARGS) once for each AT[:WHEN] in CAPTURES (default
+#           "2 2:step off"): mixed steps' graphs due at a key's AT-th sighting (or `off`:
+#           none), captured when the engine is idle (WHEN idle, the default) or in the step
 # DIR (default .devdata) is the kit; DRY=1 prints the commands instead of running them.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -82,9 +82,11 @@ plan() {
     done
     return $failed ;;
   capture)
-    local failed=0 at
-    for at in ${CAPTURES:-2 off}; do
-      fairness "capture_$at" MBUFO_MIXED_CAPTURE_AT="$at" || failed=1
+    local failed=0 item at when
+    for item in ${CAPTURES:-2 2:step off}; do
+      at=${item%%:*}; when=idle; [ "$item" = "$at" ] || when=${item#*:}
+      fairness "capture_${at}_$when" MBUFO_MIXED_CAPTURE_AT="$at" \
+        MBUFO_MIXED_CAPTURE_WHEN="$when" || failed=1
     done
     return $failed ;;
   *) echo "unknown plan $1 (tests, engine, long, attn, fair, capture)" >&2; return 2 ;;

@@ -22,12 +22,12 @@ def dry(*plans: str, **env: str) -> subprocess.CompletedProcess:
 
 def test_every_plan_names_real_scripts_and_options():
     run = dry("tests", "engine", "long", "attn", "fair", "capture", PROMPTS="8192 16384",
-              CAPTURES="2 off 8")
+              CAPTURES="2 off 8:step")
     assert run.returncode == 0, run.stderr
     lines = dict(line.split(": ", 1) for line in run.stdout.splitlines())
     assert list(lines) == ["tests", "engine", "peer", "long8192", "long16384", "attn_decode",
-                           "attn_chunk", "fair_cut0", "fair_cut1", "capture_2", "capture_off",
-                           "capture_8"]
+                           "attn_chunk", "fair_cut0", "fair_cut1", "capture_2_idle",
+                           "capture_off_idle", "capture_8_step"]
     for name, command in lines.items():
         words = shlex.split(command)
         scripts = [w for w in words if w.endswith((".py", ".sh")) and "/" in w]
@@ -45,7 +45,8 @@ def test_every_plan_names_real_scripts_and_options():
     assert "gpu" in tests and all((ROOT / p).exists() for p in tests[tests.index("gpu") + 3:])
     assert "--prompt 8192" in lines["long8192"] and "--fill 0,33" in lines["attn_chunk"]
     assert lines["fair_cut0"].startswith("env MBUFO_PREFILL_CUT=0 ")
-    assert lines["capture_off"].startswith("env MBUFO_MIXED_CAPTURE_AT=off ")
+    assert lines["capture_off_idle"].startswith("env MBUFO_MIXED_CAPTURE_AT=off ")
+    assert "MBUFO_MIXED_CAPTURE_WHEN=step " in lines["capture_8_step"]
 
 
 def test_unknown_plan_and_no_plan_fail():

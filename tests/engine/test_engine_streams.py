@@ -185,3 +185,31 @@ def test_stats_drop_a_request_before_its_last_chunk_goes_out(monkeypatch):
             assert not stats.sessions and stats.num_waiting == 0, stats
     finally:
         engine.stop()
+
+
+def test_quiet_moments_go_to_the_core_idle_work():
+    """With no request posted or in the core, the loop thread hands the runner's idle work
+    (a deferred graph capture) one piece at a time until there is none, never while a
+    request is in the core; a request then is served as usual."""
+    core, runner = make_core(max_sessions=4, prefill_chunk=64)
+    calls: list[bool] = []
+    pieces = [True, True, True]
+
+    def idle() -> bool:
+        calls.append(core.has_work())
+        return pieces.pop() if pieces else False
+
+    runner.idle = idle
+    engine = Engine(core, "fake").start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(calls) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(calls) == 4  # three pieces, then none: the loop sleeps
+        out = _run_threads(engine, {"a": (prompt_of(5, 6), greedy(4))})
+        while len(calls) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine.stop()
+    assert [c.finish_reason for c in out["a"]][-1] == "length"
+    assert len(calls) >= 5 and not any(calls)  # asked again once quiet, never while busy

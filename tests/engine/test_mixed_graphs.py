@@ -1,7 +1,8 @@
 """Mixed-step graph bookkeeping on the CPU (engine/mixed_graphs.py), with a fake capture and
 a fake step that returns the static inputs a captured forward reads: token and row
 padding (padding tokens write only the scratch page and belong to no work item), padded
-key splits of one-token rows, keys, the graph limit and what falls back to eager steps.
+key splits of one-token rows, keys, the graph limit, what falls back to eager steps, and
+captures deferred to the engine's quiet moments.
 The padded plan's items against kernels/paged_attention_plan.py's own."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ LAYERS = {"full": AttnLayer(0, 4, 2, 32, 32, 0.1, None),
 CONFIG = AttnConfig(8, 16, 32)  # block_q 4 tokens, 32 keys a split
 
 
-def make(seen: list, capture_at: int = 1, **kw) -> MixedGraphs:
+def make(seen: list, capture_at: int = 1, when: str = "step", **kw) -> MixedGraphs:
     def fake_step(planned):
         seen.append(planned)
         return torch.stack([planned.input_ids, planned.positions,
@@ -32,7 +33,7 @@ def make(seen: list, capture_at: int = 1, **kw) -> MixedGraphs:
     return MixedGraphs(fake_step, LAYERS, dict.fromkeys(LAYERS, CONFIG), SCRATCH, PAGE,
                        max_context=128, max_rows=8, device=torch.device("cpu"),
                        capture=FakeCapture(), buckets=(8, 16, 32), capture_at=capture_at,
-                       **kw)
+                       when=when, **kw)
 
 
 def mixed_batch() -> ForwardBatch:
@@ -155,3 +156,64 @@ def test_long_chunks_are_cut_as_in_the_eager_plan(monkeypatch):
     cut = plan_attention(batch.query_start, batch.seq_lens, group=2, window=None,
                          config=CONFIG, device="cpu", decode_splits=2, fill=8)
     assert cut.tok_splits[:9].tolist() == [2] * 9  # the chunk's blocks: two splits each
+
+
+def test_a_due_key_waits_for_a_quiet_moment_and_writes_only_scratch():
+    """when="idle": the step that makes a key due runs eagerly and keeps its staged inputs;
+    capture_pending captures from them with every K/V write on the scratch pages (the
+    capture's runs must not overwrite a sequence's K/V), one key a call; the next step
+    with the key replays on its own inputs."""
+    seen: list = []
+    graphs = make(seen, capture_at=2, when="idle")
+    batch, splits = mixed_batch(), {"full": 4, "sliding": 2}
+    assert graphs.capture_pending() is False  # nothing due
+    assert graphs.run(batch, splits) is None and graphs.run(batch, splits) is None
+    assert graphs.num_pending == 1 and graphs._capture.captures == 0 and not seen
+    assert graphs.run(batch, splits) is None and graphs.num_pending == 1  # kept once
+    other = ForwardBatch.build([([5, 6, 7], 8), ([10], 30)],
+                               {"full": [[1], [2, 3]], "sliding": [[1], [2, 3]]})
+    graphs.run(other, splits)
+    graphs.run(other, splits)
+    assert graphs.num_pending == 2
+    assert graphs.capture_pending() is True  # the oldest due key, alone
+    assert graphs.num_graphs == 1 and graphs.num_pending == 1 and len(seen) == 2
+    for planned in seen:  # the capture's runs: the due step's inputs, K/V to scratch
+        assert planned.input_ids[:9].tolist() == batch.input_ids.tolist()
+        for g in LAYERS:
+            assert planned.write_slots(g, PAGE).tolist() == [SCRATCH[g] * PAGE] * 16
+    out = graphs.run(batch, splits)  # replays, on this step's own slots
+    want = torch.stack([batch.input_ids, batch.positions, batch.write_slots("full", PAGE)], 1)
+    assert torch.equal(out, want[batch.logits_rows].float())
+    assert graphs._capture.captures == 1 and graphs.num_replays == 1
+    assert graphs.capture_pending() is True and graphs.capture_pending() is False
+    assert graphs.num_graphs == 2 and graphs.num_pending == 0
+
+
+def test_pending_keys_are_bounded_and_skip_past_the_limit(monkeypatch):
+    import engine.mixed_graphs as mixed
+
+    monkeypatch.setattr(mixed, "MAX_PENDING", 1)
+    graphs = make([], when="idle", max_graphs=1)
+    batch = mixed_batch()
+    graphs.run(batch, {"full": 4, "sliding": 2})
+    graphs.run(batch, {"full": 8, "sliding": 2})  # due too, but the pending list is full
+    assert graphs.num_pending == 1
+    graphs.run(batch, {"full": 16, "sliding": 2})
+    assert graphs.capture_pending() is True and graphs.num_graphs == 1
+    graphs.run(batch, {"full": 8, "sliding": 2})  # due again: pending, past the limit
+    assert graphs.num_pending == 0  # the limit: not kept for capture at all
+    assert graphs.capture_pending() is False and graphs.num_graphs == 1
+
+
+def test_when_must_be_known(monkeypatch):
+    from engine.mixed_graphs import capture_when_setting
+
+    with pytest.raises(ValueError, match="when"):
+        make([], when="later")
+    monkeypatch.setenv("MBUFO_MIXED_CAPTURE_WHEN", "step")
+    assert capture_when_setting() == "step"
+    monkeypatch.setenv("MBUFO_MIXED_CAPTURE_WHEN", "")
+    assert capture_when_setting() == "idle"
+    monkeypatch.setenv("MBUFO_MIXED_CAPTURE_WHEN", "soon")
+    with pytest.raises(ValueError, match="MBUFO_MIXED_CAPTURE_WHEN"):
+        capture_when_setting()

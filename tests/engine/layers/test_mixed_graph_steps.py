@@ -7,7 +7,9 @@ many rows on both sides. Prefill-only, decode-only and mixed steps, one-token ro
 several key splits (32 keys a split here), a replayed key, a step past the largest
 bucket, and a chunk whose query blocks are cut into key splits (runners that fill 132
 multiprocessors, 32 keys a cut split at least): every logit bit-equal, the K/V of real
-slots bit-equal, padding written only to the scratch pages."""
+slots bit-equal, padding written only to the scratch pages. Keys are captured in their
+step, or (`idle`) after it, as the engine loop does when it has no request: those
+captures' runs must leave every real slot's K/V as it was."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def planes(runner: ModelRunner) -> list[torch.Tensor]:
             for p in layer.values()]
 
 
-def graph_against_eager(path: str, steps: list, num_sms: int = 0) -> dict:
+def graph_against_eager(path: str, steps: list, num_sms: int = 0, when: str = "step") -> dict:
     """In the worker: the same steps on a runner with graphs and one without, both for
     `num_sms` multiprocessors (the worker is shared: its split sizes are put back after)."""
     import kernels.paged_attention_plan as plan_module
@@ -43,12 +45,12 @@ def graph_against_eager(path: str, steps: list, num_sms: int = 0) -> dict:
     saved = plan_module.SPLIT_KEYS, plan_module.MIN_PREFILL_SPLIT
     plan_module.SPLIT_KEYS = plan_module.MIN_PREFILL_SPLIT = 32  # several splits here
     try:
-        return _steps_on_both(path, steps, num_sms)
+        return _steps_on_both(path, steps, num_sms, when)
     finally:
         plan_module.SPLIT_KEYS, plan_module.MIN_PREFILL_SPLIT = saved
 
 
-def _steps_on_both(path: str, steps: list, num_sms: int) -> dict:
+def _steps_on_both(path: str, steps: list, num_sms: int, when: str) -> dict:
     model = load_for(path, EngineOptions(device="cpu", dtype="f32", weights="q8")).model
     fake = FakeCapture()
     graphed = ModelRunner(model, PAGES, 16, "f16", cuda_graphs=True, max_context=CONTEXT,
@@ -56,6 +58,7 @@ def _steps_on_both(path: str, steps: list, num_sms: int) -> dict:
     assert graphed.mixed is not None
     graphed.mixed.buckets = (16, 32, 64)
     graphed.mixed.capture_at = 1  # every key at first sight
+    graphed.mixed.when = when
     plain = ModelRunner(model, PAGES, 16, "f16", max_context=CONTEXT, num_sms=num_sms)
     seqs = {id(r): [SeqPages(r.pool) for _ in range(5)] for r in (graphed, plain)}
     out, slots = [], []
@@ -65,14 +68,16 @@ def _steps_on_both(path: str, steps: list, num_sms: int) -> dict:
         replayed, mixed_graphs = graphed.last_replayed, graphed.mixed.num_graphs
         want = plain.forward(span_batch(plain, seqs[id(plain)], spans))
         out.append((got, want, replayed, mixed_graphs, fake.captures))
+        while graphed.idle():  # when="idle": the due key's capture, between steps
+            pass
         planned = plan_batch(batch, batch, graphed._layers, 16, graphed._fill)
         slots.append(planned.attn["full"].plan.num_slots)  # the eager plan's, made alike
     return {"steps": out, "graphed": planes(graphed), "plain": planes(plain),
             "mixed_replays": graphed.mixed.num_replays, "real": PAGES * 16, "slots": slots}
 
 
-@pytest.mark.parametrize("num_sms", [0, 132])
-def test_mixed_steps_replay_the_eager_bits(triton_worker, tmp_path, vocab_dir, num_sms):
+@pytest.mark.parametrize(("num_sms", "when"), [(0, "step"), (132, "step"), (0, "idle")])
+def test_mixed_steps_replay_the_eager_bits(triton_worker, tmp_path, vocab_dir, num_sms, when):
     spec = SyntheticSpec("llama", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                          head_dim=64, ffn_size=512, types=TYPES, default_type=T.F32)
     path = tmp_path / "q8.gguf"
@@ -91,13 +96,18 @@ def test_mixed_steps_replay_the_eager_bits(triton_worker, tmp_path, vocab_dir, n
         [(0, ids(1)), (3, ids(40)), (1, ids(1)), (2, ids(1))],  # 40 at 110: bucket 64's replay
     ]
     res = triton_worker.call("test_mixed_graph_steps:graph_against_eager", str(path), steps,
-                             num_sms)
+                             num_sms, when)
     flags = [(replayed, graphs) for _, _, replayed, graphs, _ in res["steps"]]
     # the last step is bucket 64's; cut, its chunk's splits take more slots than the
     # first step's graph holds, so a third mixed graph is captured
     cut = num_sms > 0
-    assert flags == [(True, 1), (True, 1), (True, 2), (True, 2), (False, 2), (True, 2 + cut)]
-    assert res["mixed_replays"] == 4 and res["steps"][-1][4] == 3 + cut  # + 1 decode graph
+    if when == "step":
+        assert flags == [(True, 1), (True, 1), (True, 2), (True, 2), (False, 2),
+                         (True, 2 + cut)]
+        assert res["mixed_replays"] == 4 and res["steps"][-1][4] == 3 + cut  # + 1 decode
+    else:  # a key's first step runs eagerly, its capture follows it
+        assert flags == [(False, 0), (True, 1), (False, 1), (True, 2), (False, 2), (True, 2)]
+        assert res["mixed_replays"] == 2 and res["steps"][-1][4] == 3
     # the last step's slots: row 0's 2 key splits (46 keys), rows 1 and 2 one each, the
     # chunk's 40 tokens one each uncut; cut (132 items to fill, 32 keys at least), each of
     # its query blocks' keys (to 142 and 150) in 2 splits or more
