@@ -27,6 +27,8 @@ Sink = Callable[[OutputChunk | BaseException], None]
 # The longest the loop thread waits for the stream readers it wakes (a slow one is then
 # left to run beside the next step).
 HANDBACK_BASE_S, HANDBACK_PER_READER_S = 0.001, 0.0001
+# Quiet time before the loop thread runs the core's idle work (deferred graph captures)
+IDLE_GRACE_S = 0.5
 STATS_INTERVAL_S = 0.05  # EngineStats at most this often while steps run (and when idle)
 
 
@@ -212,13 +214,22 @@ class Engine:
 
     # ---- loop thread -----------------------------------------------------------------
     def _drain_inbox(self) -> None:
-        # a quiet moment first goes to the core's idle work, one piece at a time (a graph
-        # capture: ~0.1 s), outside the lock so that callers can post meanwhile
-        while self._quiet() and self.core.idle():
-            pass
+        # After IDLE_GRACE_S with nothing to do, the core's idle work runs one piece at a
+        # time (a graph capture: ~0.1 s), outside the lock so that callers can post
+        # meanwhile; requests that follow each other closely never wait for it.
+        more_idle_work = True
+        while True:
+            with self._wake:
+                if not self._quiet():
+                    break
+                if not more_idle_work:
+                    self._wake.wait()
+                    continue
+                self._wake.wait(IDLE_GRACE_S)
+                if not self._quiet():
+                    break
+            more_idle_work = self.core.idle()
         with self._wake:
-            while self._running and not self._inbox and not self.core.has_work():
-                self._wake.wait()
             inbox, self._inbox = self._inbox, []
         for kind, payload in inbox:
             if kind == "add":
@@ -232,9 +243,8 @@ class Engine:
                 self.core.abort(payload)
 
     def _quiet(self) -> bool:
-        """No request posted or in the core (the loop would sleep)."""
-        with self._wake:
-            return self._running and not self._inbox and not self.core.has_work()
+        """No request posted or in the core (the loop would sleep); under `_wake`."""
+        return self._running and not self._inbox and not self.core.has_work()
 
     def _deliver(self, chunks: list[OutputChunk]) -> None:
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, OutputChunk]]] = {}

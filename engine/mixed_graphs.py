@@ -25,9 +25,9 @@ costs 85-170 ms on the H200, several eager steps, and a step that captured stall
 stream beside it (the H200's fairness run: five captures, 86-132 ms gaps against a 60 ms
 ITL target; bench/RESULTS.md). So by default (`when="idle"`) a due key's step still runs
 eagerly and the key waits, with a copy of that step's staged inputs whose K/V writes go
-to the scratch pages, until the engine has no request to serve (`capture_pending`, called
-by the engine loop when it would otherwise sleep); a request that arrives meanwhile waits
-for at most that one capture. `when="step"` captures in the due step itself, with the
+to the scratch pages, until the engine has had no request to serve for a moment
+(`capture_pending`, called by the engine loop after engine.IDLE_GRACE_S of quiet); a
+request that arrives during a capture waits for that one. `when="step"` captures in the due step itself, with the
 step's own batch (its warm-up runs store the same K/V at the same slots). A capture runs
 the forward twice outside the graph, so the models with recurrent state stay eager (the
 runner's rule). Captures are limited to MAX_GRAPHS; past that, and for batches that fit

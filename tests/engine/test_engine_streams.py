@@ -187,10 +187,11 @@ def test_stats_drop_a_request_before_its_last_chunk_goes_out(monkeypatch):
         engine.stop()
 
 
-def test_quiet_moments_go_to_the_core_idle_work():
-    """With no request posted or in the core, the loop thread hands the runner's idle work
-    (a deferred graph capture) one piece at a time until there is none, never while a
-    request is in the core; a request then is served as usual."""
+def test_quiet_moments_go_to_the_core_idle_work(monkeypatch):
+    """After IDLE_GRACE_S with no request posted or in the core, the loop thread hands the
+    runner's idle work (a deferred graph capture) one piece at a time until there is none,
+    never while a request is in the core; a request then is served as usual."""
+    monkeypatch.setattr(engine_module, "IDLE_GRACE_S", 0.05)
     core, runner = make_core(max_sessions=4, prefill_chunk=64)
     calls: list[bool] = []
     pieces = [True, True, True]
@@ -213,3 +214,19 @@ def test_quiet_moments_go_to_the_core_idle_work():
         engine.stop()
     assert [c.finish_reason for c in out["a"]][-1] == "length"
     assert len(calls) >= 5 and not any(calls)  # asked again once quiet, never while busy
+
+
+def test_requests_close_together_do_not_wait_for_idle_work(monkeypatch):
+    """Within the grace a posted request is served before any idle work starts."""
+    monkeypatch.setattr(engine_module, "IDLE_GRACE_S", 30.0)
+    core, runner = make_core(max_sessions=4, prefill_chunk=64)
+    calls: list[bool] = []
+    runner.idle = lambda: calls.append(True) or False
+    engine = Engine(core, "fake").start()
+    try:
+        for i in range(3):
+            out = _run_threads(engine, {f"r{i}": (prompt_of(i, 6), greedy(3))})
+            assert out[f"r{i}"][-1].finish_reason == "length"
+    finally:
+        engine.stop()
+    assert calls == []
