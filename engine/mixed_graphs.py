@@ -27,11 +27,11 @@ ITL target; bench/RESULTS.md). So by default (`when="idle"`) a due key's step st
 eagerly and the key waits, with a copy of that step's staged inputs whose K/V writes go
 to the scratch pages, until the engine has had no request to serve for a moment
 (`capture_pending`, called by the engine loop after engine.IDLE_GRACE_S of quiet); a
-request that arrives during a capture waits for that one. `when="step"` captures in the due step itself, with the
-step's own batch (its warm-up runs store the same K/V at the same slots). A capture runs
-the forward twice outside the graph, so the models with recurrent state stay eager (the
-runner's rule). Captures are limited to MAX_GRAPHS; past that, and for batches that fit
-no bucket, steps run eagerly.
+request that arrives during a capture waits for that one. `when="step"` captures in the
+due step itself, with the step's own batch (its warm-up runs store the same K/V at the
+same slots). A capture runs the forward twice outside the graph, so the models with
+recurrent state stay eager (the runner's rule). Captures are limited to MAX_GRAPHS; past
+that, and for batches that fit no bucket, steps run eagerly.
 """
 
 from __future__ import annotations
