@@ -313,7 +313,9 @@ class EngineCore:
             recent_itl_ms=tuple(x * 1e3 for x in self._recent_itl_s),
             prefix_hit_tokens=self.radix.num_hit_tokens if self.radix else 0,
             prefix_query_tokens=self.radix.num_query_tokens if self.radix else 0,
-            num_ahead_steps=self.num_ahead_steps, slow_steps=tuple(self._slow_steps))
+            num_ahead_steps=self.num_ahead_steps, slow_steps=tuple(self._slow_steps),
+            graphs=getattr(self.runner, "num_graphs", 0),
+            graphs_pending=getattr(self.runner, "num_pending_graphs", 0))
 
 
 def _session_stats(seq: Sequence) -> SessionStats:

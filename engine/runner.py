@@ -167,6 +167,11 @@ class ModelRunner:
             (0 if self.mixed is None else self.mixed.num_graphs)
 
     @property
+    def num_pending_graphs(self) -> int:
+        """Mixed-step graphs due, waiting for `idle`."""
+        return 0 if self.mixed is None else self.mixed.num_pending
+
+    @property
     def can_look_ahead(self) -> bool:
         """Whether `forward_ahead` can run: decode graphs, and no recurrent state (a step
         run ahead and then discarded would have advanced it)."""

@@ -158,3 +158,5 @@ class EngineStats:
     prefix_query_tokens: int
     num_ahead_steps: int = 0  # steps whose logits came from a look-ahead launch
     slow_steps: tuple[SlowStep, ...] = ()  # the latest steps over the ITL target, oldest first
+    graphs: int = 0  # captured decode and mixed-step graphs the runner holds
+    graphs_pending: int = 0  # mixed-step graphs due, waiting for a quiet moment

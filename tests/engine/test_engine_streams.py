@@ -198,15 +198,19 @@ def test_quiet_moments_go_to_the_core_idle_work(monkeypatch):
 
     def idle() -> bool:
         calls.append(core.has_work())
-        return pieces.pop() if pieces else False
+        if not pieces:
+            return False
+        runner.num_graphs += 1  # a capture
+        return pieces.pop()
 
-    runner.idle = idle
+    runner.idle, runner.num_graphs = idle, 0
     engine = Engine(core, "fake").start()
     try:
         deadline = time.monotonic() + 10
         while len(calls) < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(calls) == 4  # three pieces, then none: the loop sleeps
+        assert engine.stats().graphs == 3  # the stats show what the idle work did
         out = _run_threads(engine, {"a": (prompt_of(5, 6), greedy(4))})
         while len(calls) < 5 and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -122,6 +122,7 @@ def test_same_tokens_as_without_look_ahead(model, request_fixture):
     assert cores[0].num_ahead_steps > 20 and cores[1].num_ahead_steps == 0
     assert cores[0].num_ahead_steps < cores[0].num_steps
     assert cores[0].stats().num_ahead_steps == cores[0].num_ahead_steps  # the dashboard's
+    assert cores[0].stats().graphs == cores[0].runner.num_graphs > 0  # decode and mixed
     assert [free_pages(c) for c in cores] == before  # the pages ahead-steps took came back
 
 

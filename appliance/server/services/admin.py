@@ -101,7 +101,9 @@ def engine_state(handle: Any) -> dict[str, Any]:
                            "sessions_max": handle.options.sessions, "context": handle.context}
     if stats is None:  # the engine has not stepped yet
         pool = handle.engine.core.pool.groups
+        runner = handle.engine.core.runner
         out.update(sessions=[], clients=[], num_waiting=0, num_steps=0, num_ahead_steps=0,
+                   graphs=getattr(runner, "num_graphs", 0), graphs_pending=0,
                    num_preemptions=0,
                    itl_target_ms=None, recent_itl_ms=[], prefix_hit_tokens=0,
                    prefix_query_tokens=0, last_plan=None, slow_steps=[],
@@ -115,6 +117,7 @@ def engine_state(handle: Any) -> dict[str, Any]:
         clients=[dataclasses.asdict(c) for c in stats.clients],
         num_waiting=stats.num_waiting, num_steps=stats.num_steps,
         num_ahead_steps=stats.num_ahead_steps,
+        graphs=stats.graphs, graphs_pending=stats.graphs_pending,
         num_preemptions=stats.num_preemptions, itl_target_ms=stats.itl_target_ms,
         recent_itl_ms=list(stats.recent_itl_ms[-RECENT_ITL:]),
         prefix_hit_tokens=stats.prefix_hit_tokens, prefix_query_tokens=stats.prefix_query_tokens,

@@ -79,6 +79,7 @@ async def test_live_state_shows_sessions_pages_and_queues(harness):
     assert kv["num_used"] + kv["num_free"] == kv["num_pages"] and kv["num_used"] > 0
     assert model["num_steps"] > 0 and model["recent_itl_ms"]
     assert isinstance(model["slow_steps"], list)  # the steps over the ITL target, if any
+    assert model["graphs"] >= 0 and model["graphs_pending"] >= 0  # none on the CPU path
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
