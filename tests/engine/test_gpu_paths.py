@@ -222,3 +222,31 @@ def test_hybrid_weights_measure_their_threshold_and_load_it(tiny):
     assert isinstance(qkv, GGMLLinear) and qkv.act8
     assert qkv.dense_rows == choice.dense_rows
     assert (qkv.dense is not None) == (choice.layout == "hybrid")
+
+
+def test_mixed_graph_captured_when_idle_replays_the_eager_bits(tiny):
+    """A mixed step (decode rows beside a chunk) on real CUDA graphs: due at its second
+    sighting, it runs eagerly and waits; the idle capture leaves every real K/V slot as it
+    was (its runs write the scratch pages only); the replay then gives the eager step's
+    logits bit for bit (q8: a row's product has the same bits at any token count)."""
+    model = load_for(tiny, opts("cuda", "q8", True)).model
+    runner = ModelRunner(model, 48, 16, "f16", cuda_graphs=True, max_context=256)
+    assert runner.mixed is not None and runner.mixed.when == "idle"
+    seqs = [SeqPages(runner.pool) for _ in range(3)]
+    prompts = prompts_for(3)
+    runner.forward(span_batch(runner, seqs, list(enumerate(prompts))))  # prefill, eager
+    mixed = span_batch(runner, seqs, [(0, [11]), (1, [12]), (2, list(range(100, 120)))])
+    eager = runner.forward(mixed)
+    assert not runner.last_replayed and runner.num_pending_graphs == 0
+    assert torch.equal(runner.forward(mixed), eager)  # due now: still eager, kept
+    assert not runner.last_replayed and runner.num_pending_graphs == 1
+    real = 48 * 16  # the pool's pages; the scratch page comes after them
+    before = [p[:real].clone() for side in (runner.kv.k, runner.kv.v) for layer in side
+              for p in layer.values()]
+    assert runner.idle() and not runner.idle() and runner.num_pending_graphs == 0
+    after = [p[:real] for side in (runner.kv.k, runner.kv.v) for layer in side
+             for p in layer.values()]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    replayed = runner.forward(mixed)
+    assert runner.last_replayed and not runner.last_captured
+    assert torch.equal(replayed, eager)
