@@ -30,8 +30,9 @@ to the scratch pages, until the engine has had no request to serve for a moment
 request that arrives during a capture waits for that one. `when="step"` captures in the
 due step itself, with the step's own batch (its warm-up runs store the same K/V at the
 same slots). A capture runs the forward twice outside the graph, so the models with
-recurrent state stay eager (the runner's rule). Captures are limited to MAX_GRAPHS; past
-that, and for batches that fit no bucket, steps run eagerly.
+recurrent state stay eager (the runner's rule). Captures are limited to MAX_GRAPHS: with
+`when="idle"` a key due past that replaces the least recently replayed graph at the next
+quiet moment; with `when="step"` it runs eagerly, as do batches that fit no bucket.
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ class MixedGraphs:
         self._dev = torch.zeros(size, dtype=torch.int64, device=device)
         self._copied = torch.cuda.Event() if self._pin else None
         self.num_replays = 0
+        self.num_dropped = 0  # graphs dropped for newer keys (when="idle")
 
     @property
     def num_graphs(self) -> int:
@@ -171,7 +173,8 @@ class MixedGraphs:
             (g, next_pow2(max(1, plans[g].work.shape[0])), _slots(plans[g].num_slots, tokens))
             for g in self.groups))
         if key not in self._graphs:
-            if len(self._graphs) >= self.max_graphs or self._size(key) > self._dev.numel():
+            full = len(self._graphs) >= self.max_graphs
+            if full and self.when == "step" or self._size(key) > self._dev.numel():
                 return None
             if len(self._seen) >= MAX_SEEN:
                 self._seen.clear()
@@ -187,6 +190,7 @@ class MixedGraphs:
             self._graphs[key] = self._capture(self._static_step(key))
         else:
             self._stage(batch, plans, key)
+            self._graphs[key] = self._graphs.pop(key)  # the most recently replayed last
         replay, out = self._graphs[key]
         replay()
         self.num_replays += 1
@@ -195,12 +199,19 @@ class MixedGraphs:
     def capture_pending(self) -> bool:
         """Capture the oldest due key's graph from its staged inputs (their K/V writes go to
         the scratch pages; the attention reads pages whose contents no longer matter: the
-        output is thrown away). -> whether a graph was captured (call again while so)."""
+        output is thrown away). With MAX_GRAPHS held, the least recently replayed graph is
+        dropped first (a server up for weeks keeps capturing the keys its load has now).
+        -> whether a graph was captured (call again while so)."""
         while self._pending:
             key = next(iter(self._pending))
             inputs = self._pending.pop(key)
-            if key in self._graphs or len(self._graphs) >= self.max_graphs:
+            if key in self._graphs:
                 continue
+            if len(self._graphs) >= self.max_graphs:
+                dropped = next(iter(self._graphs))
+                log.info("dropping the mixed-step graph %s (least recently replayed)", dropped)
+                del self._graphs[dropped]  # its memory goes back to the graphs' pool
+                self.num_dropped += 1
             if self._copied is not None:
                 self._copied.synchronize()
             self._host[:len(inputs)] = torch.from_numpy(inputs)

@@ -189,20 +189,42 @@ def test_a_due_key_waits_for_a_quiet_moment_and_writes_only_scratch():
     assert graphs.num_graphs == 2 and graphs.num_pending == 0
 
 
-def test_pending_keys_are_bounded_and_skip_past_the_limit(monkeypatch):
+def test_pending_keys_are_bounded(monkeypatch):
     import engine.mixed_graphs as mixed
 
     monkeypatch.setattr(mixed, "MAX_PENDING", 1)
-    graphs = make([], when="idle", max_graphs=1)
+    graphs = make([], when="idle")
     batch = mixed_batch()
     graphs.run(batch, {"full": 4, "sliding": 2})
     graphs.run(batch, {"full": 8, "sliding": 2})  # due too, but the pending list is full
     assert graphs.num_pending == 1
-    graphs.run(batch, {"full": 16, "sliding": 2})
-    assert graphs.capture_pending() is True and graphs.num_graphs == 1
-    graphs.run(batch, {"full": 8, "sliding": 2})  # due again: pending, past the limit
-    assert graphs.num_pending == 0  # the limit: not kept for capture at all
-    assert graphs.capture_pending() is False and graphs.num_graphs == 1
+    assert graphs.capture_pending() is True and graphs.capture_pending() is False
+    assert graphs.num_graphs == 1
+    graphs.run(batch, {"full": 8, "sliding": 2})  # counted again: due, pending now
+    assert graphs.num_pending == 1
+
+
+def test_past_the_limit_the_least_recently_replayed_graph_makes_room():
+    """when="idle" with MAX_GRAPHS held: a due key still waits for a quiet moment, whose
+    capture drops the graph replayed longest ago; the others stay and replay."""
+    graphs = make([], when="idle", max_graphs=2)
+    batch = mixed_batch()
+    a, b, c = ({"full": n, "sliding": 2} for n in (4, 8, 16))
+    for splits in (a, b):
+        graphs.run(batch, splits)
+        assert graphs.capture_pending() is True
+    assert graphs.run(batch, a) is not None  # a replayed last: b is the older
+    assert graphs.run(batch, c) is None and graphs.num_pending == 1  # due past the limit
+    assert graphs.capture_pending() is True
+    assert graphs.num_graphs == 2 and graphs.num_dropped == 1
+    replays = graphs.num_replays
+    assert graphs.run(batch, a) is not None and graphs.run(batch, c) is not None
+    assert graphs.num_replays == replays + 2
+    assert graphs.run(batch, b) is None  # dropped: eager, and due again at once
+    assert graphs.num_pending == 1
+    step = make([], when="step", max_graphs=1)
+    step.run(batch, a)
+    assert step.run(batch, b) is None and step.num_graphs == 1  # in the step: no room, eager
 
 
 def test_when_must_be_known(monkeypatch):
