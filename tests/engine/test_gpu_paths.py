@@ -228,7 +228,8 @@ def test_mixed_graph_captured_when_idle_replays_the_eager_bits(tiny):
     """A mixed step (decode rows beside a chunk) on real CUDA graphs: due at its second
     sighting, it runs eagerly and waits; the idle capture leaves every real K/V slot as it
     was (its runs write the scratch pages only); the replay then gives the eager step's
-    logits bit for bit (q8: a row's product has the same bits at any token count)."""
+    logits bit for bit (q8: a row's product has the same bits at any token count). Past
+    the graph limit, a capture drops the least recently replayed graph."""
     model = load_for(tiny, opts("cuda", "q8", True)).model
     runner = ModelRunner(model, 48, 16, "f16", cuda_graphs=True, max_context=256)
     assert runner.mixed is not None and runner.mixed.when == "idle"
@@ -250,3 +251,12 @@ def test_mixed_graph_captured_when_idle_replays_the_eager_bits(tiny):
     replayed = runner.forward(mixed)
     assert runner.last_replayed and not runner.last_captured
     assert torch.equal(replayed, eager)
+    # At the limit, the next due key's capture drops the graph replayed longest ago: the
+    # pool's memory goes on serving the graphs held, and the dropped key runs eagerly.
+    runner.mixed.max_graphs = 1
+    later = span_batch(runner, seqs, [(0, [13]), (1, [14]), (2, list(range(200, 240)))])
+    later_eager = runner.forward(later)
+    runner.forward(later)
+    assert runner.idle() and runner.mixed.num_dropped == 1 and runner.mixed.num_graphs == 1
+    assert torch.equal(runner.forward(later), later_eager) and runner.last_replayed
+    assert torch.equal(runner.forward(mixed), eager) and not runner.last_replayed
