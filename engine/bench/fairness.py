@@ -249,15 +249,28 @@ async def run_fairness(target: Target, factory: PromptFactory, spec: FairnessSpe
 
 
 def fairness_table(results: Sequence[dict[str, Any]]) -> str:
-    """One row per configuration."""
+    """One row per configuration; the ITL target's columns are "-" for a target that has
+    none (a peer over HTTP)."""
     headers = ["config", "solo TTFT ms", "loaded short TTFT ms", "ratio", "long TTFT ms",
-               "ITL base mean/p95/max ms", "ITL injection mean/p95/max ms"]
+               "ITL base mean/p95/max ms", "ITL injection mean/p95/max ms", "ITL target ms",
+               "over target", "slow steps"]
 
     def triple(stats: dict[str, Any]) -> str:
         return "/".join("-" if stats[k] is None else f"{stats[k]:.1f}"
                         for k in ("mean", "p95", "max"))
 
+    def share(value: float | None) -> str:
+        return "-" if value is None else f"{100 * value:.1f}%"
+
+    def slow(summary: dict[str, Any] | None) -> str:
+        if summary is None:
+            return "-"
+        paths = ", ".join(f"{n} {path}" for path, n in sorted(summary["by_path"].items()))
+        return f"{summary['count']} ({paths})" if paths else str(summary["count"])
+
     rows = [[r.get("config", "default"), r["solo_ttft_ms"], r["loaded_short_ttft_ms"],
              r["fairness_ratio"], r["long_ttft_ms"], triple(r["itl_baseline_ms"]),
-             triple(r["itl_during_injection_ms"])] for r in results]
+             triple(r["itl_during_injection_ms"]), r.get("itl_target_ms"),
+             share(r.get("itl_over_target_share")), slow(r.get("slow_steps"))]
+            for r in results]
     return format_table(headers, rows)

@@ -268,3 +268,15 @@ def test_run_reports_slow_steps_when_the_target_keeps_them():
     out = _run(SlowStepsTarget(_script()))
     assert out["slow_steps"]["count"] == 1 and out["slow_steps"]["by_path"] == {"capture": 1}
     assert out["slow_steps"]["slowest"][0]["at_ms"] == pytest.approx(200.0 - INJECT_MS)
+
+
+def test_table_shows_the_target_its_overshoot_and_slow_steps():
+    from engine.bench.fairness import fairness_table
+
+    plain = _run(ScriptedTarget(_script()))
+    slow = {**_run(SlowStepsTarget(_script())), "config": "kept",
+            "itl_target_ms": 60.0, "itl_over_target_share": 0.052}
+    lines = fairness_table([plain, slow]).splitlines()
+    assert "ITL target ms" in lines[0] and "over target" in lines[0] and "slow steps" in lines[0]
+    assert lines[2].split()[-3:] == ["-", "-", "-"]  # a target that keeps none of them
+    assert lines[3].split()[-5:] == ["60.0", "5.2%", "1", "(1", "capture)"]
