@@ -323,6 +323,12 @@ def cmd_clients(args: argparse.Namespace) -> int:
     out = asyncio.run(run())
     table = (f"light TTFT solo {out['solo_light_ttft_ms']:.0f} ms, under a heavy client "
              f"{out['loaded_light_ttft_ms']:.0f} ms: x{out['light_ttft_ratio']:.2f}")
+    itl = out["heavy_itl_during_light_ms"]
+    if itl["max"] is not None:
+        table += (f"; the heavy streams' ITL meanwhile mean {itl['mean']:.1f} ms, max "
+                  f"{itl['max']:.1f} ms")
+    if "slow_steps" in out:
+        table += f"; steps over the ITL target: {out['slow_steps']['count']}"
     _emit(out, args.json, table)
     return 0
 

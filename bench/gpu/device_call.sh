@@ -19,6 +19,9 @@
 #   capture the fairness run (cut, FAIR_ARGS) once for each AT[:WHEN] in CAPTURES (default
 #           "2 2:step off"): mixed steps' graphs due at a key's AT-th sighting (or `off`:
 #           none), captured when the engine is idle (WHEN idle, the default) or in the step
+#   busy    `mbufo bench clients` on a box that is never idle: 16 heavy streams of 1024
+#           tokens, 8 light clients arriving 0.3 s apart, q8; once for each AT[:WHEN] in
+#           CAPTURES (light TTFT against solo: what eager mixed steps cost under load)
 # DIR (default .devdata) is the kit; DRY=1 prints the commands instead of running them.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -81,15 +84,23 @@ plan() {
       fairness "fair_cut$cut" MBUFO_PREFILL_CUT=$cut || failed=1
     done
     return $failed ;;
-  capture)
+  capture|busy)
     local failed=0 item at when
     for item in ${CAPTURES:-2 2:step off}; do
       at=${item%%:*}; when=idle; [ "$item" = "$at" ] || when=${item#*:}
-      fairness "capture_${at}_$when" MBUFO_MIXED_CAPTURE_AT="$at" \
-        MBUFO_MIXED_CAPTURE_WHEN="$when" || failed=1
+      if [ "$1" = capture ]; then
+        fairness "capture_${at}_$when" MBUFO_MIXED_CAPTURE_AT="$at" \
+          MBUFO_MIXED_CAPTURE_WHEN="$when" || failed=1
+      else
+        run "busy_${at}_$when" env MBUFO_MIXED_CAPTURE_AT="$at" \
+          MBUFO_MIXED_CAPTURE_WHEN="$when" python3 -m appliance.cli.main bench clients \
+          --synthetic llama-3.1-8b:Q4_K_M --vocab "$VOCAB" --weights q8 --sessions 24 \
+          --heavy-requests 16 --heavy-tokens 1024 --light-clients 8 --light-gap-s 0.3 \
+          --json || failed=1
+      fi
     done
     return $failed ;;
-  *) echo "unknown plan $1 (tests, engine, long, attn, fair, capture)" >&2; return 2 ;;
+  *) echo "unknown plan $1 (tests, engine, long, attn, fair, capture, busy)" >&2; return 2 ;;
   esac
 }
 

@@ -11,6 +11,11 @@ Light clients arrive `light_gap_s` apart (default: twice the solo median, so the
 queue behind each other and the figure isolates the heavy client's effect). With a gap of
 0 they arrive together: on a compute-bound device their own prefills then serialize, and
 the median is >= about 2.5x solo even with no heavy client at all.
+
+Also reported: the heavy streams' inter-token gaps from the first light request's send to
+the last light request's first token (`heavy_itl_during_light_ms`: what each arrival's
+step cost the streams), and, from targets that keep them, the engine's steps over its ITL
+target during the whole run (`slow_steps`: count and count by path).
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import statistics
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from engine.bench.prompts import PromptFactory
-from engine.bench.report import ms
+from engine.bench.report import latency_ms, ms
 from engine.bench.target import Target
 
 log = logging.getLogger(__name__)
@@ -59,7 +65,9 @@ async def run_clients(target: Target, factory: PromptFactory, *, heavy_requests:
     heavy_results = await asyncio.gather(*heavy)
     loaded = [r.ttft_s for r in light]
     solo_ms, loaded_ms = statistics.median(solo) * 1e3, statistics.median(loaded) * 1e3
-    return {
+    start, end = min(r.sent for r in light), max(r.first_token_time for r in light)
+    during = [b - a for r in heavy_results for a, b in r.intervals() if b > start and a < end]
+    out = {
         "heavy_requests": heavy_requests, "light_clients": light_clients,
         "prompt_tokens": prompt_tokens, "light_gap_s": round(gap, 3),
         "solo_light_ttft_ms": round(solo_ms, 2),
@@ -67,4 +75,10 @@ async def run_clients(target: Target, factory: PromptFactory, *, heavy_requests:
         "light_ttft_ratio": round(loaded_ms / solo_ms, 3),
         "loaded_light_ttft_ms_all": [ms(t) for t in loaded],
         "heavy_ttft_ms_median": ms(statistics.median(r.ttft_s for r in heavy_results)),
+        "heavy_itl_during_light_ms": latency_ms(during),
     }
+    steps = target.slow_steps()
+    if steps is not None:
+        out["slow_steps"] = {"count": len(steps),
+                             "by_path": dict(Counter(s["path"] for s in steps))}
+    return out

@@ -21,13 +21,14 @@ def dry(*plans: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_every_plan_names_real_scripts_and_options():
-    run = dry("tests", "engine", "long", "attn", "fair", "capture", PROMPTS="8192 16384",
-              CAPTURES="2 off 8:step")
+    run = dry("tests", "engine", "long", "attn", "fair", "capture", "busy",
+              PROMPTS="8192 16384", CAPTURES="2 off 8:step")
     assert run.returncode == 0, run.stderr
     lines = dict(line.split(": ", 1) for line in run.stdout.splitlines())
     assert list(lines) == ["tests", "engine", "peer", "long8192", "long16384", "attn_decode",
                            "attn_chunk", "fair_cut0", "fair_cut1", "capture_2_idle",
-                           "capture_off_idle", "capture_8_step"]
+                           "capture_off_idle", "capture_8_step", "busy_2_idle", "busy_off_idle",
+                           "busy_8_step"]
     for name, command in lines.items():
         words = shlex.split(command)
         scripts = [w for w in words if w.endswith((".py", ".sh")) and "/" in w]
@@ -47,6 +48,7 @@ def test_every_plan_names_real_scripts_and_options():
     assert lines["fair_cut0"].startswith("env MBUFO_PREFILL_CUT=0 ")
     assert lines["capture_off_idle"].startswith("env MBUFO_MIXED_CAPTURE_AT=off ")
     assert "MBUFO_MIXED_CAPTURE_WHEN=step " in lines["capture_8_step"]
+    assert "bench clients" in lines["busy_8_step"] and "WHEN=step " in lines["busy_8_step"]
 
 
 def test_unknown_plan_and_no_plan_fail():

@@ -58,3 +58,25 @@ def test_default_gap_is_twice_the_solo_median():
 def test_cli_flag():
     args = parse_cli(["bench", "clients", "default", "--light-gap-s", "0"])
     assert args.light_gap_s == 0.0
+
+
+class KeepsSlowSteps(TimedTarget):
+    def slow_steps(self):
+        return [{"path": "eager"}, {"path": "capture"}, {"path": "eager"}]
+
+
+def test_heavy_streams_gaps_while_the_lights_arrive_and_slow_steps():
+    """Only the heavy streams' intervals that overlap the lights' window (first light sent
+    to last light's first token) count; slow steps come from a target that keeps them."""
+    script = _script([10, 10], [100, 200], heavy=0)
+    script["heavy"] = [result(0, [0.1, 0.15, 0.3, 0.7])] * 2
+    out = asyncio.run(run_clients(KeepsSlowSteps(script), asyncio.run(
+        PromptFactory.for_target(TimedTarget(dict(script)), 5)), heavy_requests=2,
+        light_clients=2, prompt_tokens=32, light_gap_s=0.0))
+    # lights sent at 0, first tokens by 0.2 s: (0.1, 0.15) and (0.15, 0.3) overlap it
+    assert out["heavy_itl_during_light_ms"] == {"mean": 100.0, "p95": 150.0, "max": 150.0}
+    assert out["slow_steps"] == {"count": 3, "by_path": {"eager": 2, "capture": 1}}
+    plain = _script([10, 10], [100, 200], heavy=1)
+    assert "slow_steps" not in asyncio.run(run_clients(
+        TimedTarget(plain), asyncio.run(PromptFactory.for_target(TimedTarget(dict(plain)), 5)),
+        heavy_requests=1, light_clients=2, prompt_tokens=32, light_gap_s=0.0))
