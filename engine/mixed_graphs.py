@@ -30,9 +30,11 @@ to the scratch pages, until the engine has had no request to serve for a moment
 request that arrives during a capture waits for that one. `when="step"` captures in the
 due step itself, with the step's own batch (its warm-up runs store the same K/V at the
 same slots). A capture runs the forward twice outside the graph, so the models with
-recurrent state stay eager (the runner's rule). Captures are limited to MAX_GRAPHS: with
-`when="idle"` a key due past that replaces the least recently replayed graph at the next
-quiet moment; with `when="step"` it runs eagerly, as do batches that fit no bucket.
+recurrent state stay eager (the runner's rule). `when="busy"` waits for a quiet moment
+too, but captures in its step a key seen BUSY_AFTER more times meanwhile (a box that is
+never idle would otherwise run it eagerly for good). Captures are limited to MAX_GRAPHS:
+a key due past that replaces the least recently replayed graph at the next quiet moment
+(`when="step"`: it runs eagerly, as do batches that fit no bucket).
 """
 
 from __future__ import annotations
@@ -60,7 +62,10 @@ MAX_GRAPHS = 48
 CAPTURE_AT = 2  # the sighting of a key that captures it (earlier ones run eagerly)
 MAX_SEEN = 4096  # keys counted before the counts start over
 MAX_PENDING = 8  # due keys waiting for a quiet moment (more: they are counted again later)
-WHEN = ("idle", "step")  # when a due key is captured
+WHEN = ("idle", "step", "busy")  # when a due key is captured
+# when="busy": the sightings past capture_at after which a key still waiting for a quiet
+# moment is captured in its step (a box that is never idle; not measured yet)
+BUSY_AFTER = 8
 MAX_WORK = 4096  # work items of a group, at most (more: the step runs eagerly)
 WORK = 6  # fields of a work item (kernels/paged_attention_plan.py)
 
@@ -81,8 +86,10 @@ def capture_at_setting() -> int | None:
 
 def capture_when_setting() -> str:
     """MBUFO_MIXED_CAPTURE_WHEN: `idle` (default: a due key's graph is captured when the
-    engine has no request to serve) or `step` (in the step that finds it due, which
-    stalls that step's streams). For A/B runs of the two."""
+    engine has no request to serve), `step` (in the step that finds it due, which
+    stalls that step's streams) or `busy` (idle, but a key seen BUSY_AFTER more times
+    while it waits is captured in its step: one stall for a key that keeps coming on a
+    box that is never idle). For A/B runs."""
     raw = os.environ.get("MBUFO_MIXED_CAPTURE_WHEN", "").strip() or WHEN[0]
     if raw not in WHEN:
         raise ValueError(f"MBUFO_MIXED_CAPTURE_WHEN must be one of {WHEN}, got {raw!r}")
@@ -181,10 +188,13 @@ class MixedGraphs:
             self._seen[key] = seen = self._seen.get(key, 0) + 1
             if seen < self.capture_at:
                 return None
-            if self.when == "idle":
+            in_step = self.when == "step" or (
+                self.when == "busy" and not full and seen >= self.capture_at + BUSY_AFTER)
+            if not in_step:
                 if key not in self._pending and len(self._pending) < MAX_PENDING:
                     self._pending[key] = self._snapshot(batch, plans, key)
                 return None
+            self._pending.pop(key, None)  # "busy": it kept coming without a quiet moment
             self._stage(batch, plans, key)
             log.info("capturing the mixed-step graph %s", key)
             self._graphs[key] = self._capture(self._static_step(key))

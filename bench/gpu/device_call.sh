@@ -18,7 +18,8 @@
 #           that both runs ask the same)
 #   capture the fairness run (cut, FAIR_ARGS) once for each AT[:WHEN] in CAPTURES (default
 #           "2 2:step off"): mixed steps' graphs due at a key's AT-th sighting (or `off`:
-#           none), captured when the engine is idle (WHEN idle, the default) or in the step
+#           none), captured when the engine is idle (WHEN idle, the default), in the step
+#           (step), or idle unless the key keeps coming (busy: in its step 8 sightings later)
 #   busy    `mbufo bench clients` on a box that is never idle: 16 heavy streams of 1024
 #           tokens, 8 light clients arriving 0.3 s apart, q8; once for each AT[:WHEN] in
 #           CAPTURES (light TTFT against solo: what eager mixed steps cost under load)

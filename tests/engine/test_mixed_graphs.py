@@ -239,3 +239,27 @@ def test_when_must_be_known(monkeypatch):
     monkeypatch.setenv("MBUFO_MIXED_CAPTURE_WHEN", "soon")
     with pytest.raises(ValueError, match="MBUFO_MIXED_CAPTURE_WHEN"):
         capture_when_setting()
+
+
+def test_busy_captures_in_the_step_a_key_that_keeps_coming_without_a_quiet_moment():
+    """when="busy": a due key waits for a quiet moment like "idle", but once it has been
+    seen BUSY_AFTER more times meanwhile, its step captures it (and it leaves the pending
+    list); at the graph limit it waits for a quiet moment instead."""
+    from engine.mixed_graphs import BUSY_AFTER
+
+    graphs = make([], capture_at=2, when="busy")
+    batch, splits = mixed_batch(), {"full": 4, "sliding": 2}
+    for _ in range(1 + BUSY_AFTER):  # the first sighting, then due and waiting
+        assert graphs.run(batch, splits) is None
+    assert graphs.num_pending == 1 and graphs._capture.captures == 0
+    assert graphs.run(batch, splits) is not None  # seen capture_at + BUSY_AFTER times
+    assert graphs._capture.captures == 1 and graphs.num_pending == 0
+    assert graphs.run(batch, splits) is not None and graphs._capture.captures == 1
+    full = make([], capture_at=1, when="busy", max_graphs=1)
+    full.run(batch, splits)
+    assert full.capture_pending() is True
+    other = {"full": 8, "sliding": 2}
+    for _ in range(2 + BUSY_AFTER):
+        assert full.run(batch, other) is None  # at the limit: never in the step
+    assert full.num_pending == 1 and full.capture_pending() is True
+    assert full.num_graphs == 1 and full.num_dropped == 1
