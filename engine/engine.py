@@ -230,7 +230,7 @@ class Engine:
                     break
             more_idle_work = self.core.idle()
             if more_idle_work:
-                self._stats = self.core.stats()  # e.g. the graphs it now holds
+                self._refresh_stats()  # e.g. the graphs it now holds
         with self._wake:
             inbox, self._inbox = self._inbox, []
         for kind, payload in inbox:

@@ -222,12 +222,9 @@ class MixedGraphs:
                 log.info("dropping the mixed-step graph %s (least recently replayed)", dropped)
                 del self._graphs[dropped]  # its memory goes back to the graphs' pool
                 self.num_dropped += 1
-            if self._copied is not None:
-                self._copied.synchronize()
+            self._wait_for_upload()
             self._host[:len(inputs)] = torch.from_numpy(inputs)
-            self._dev[:len(inputs)].copy_(self._host[:len(inputs)], non_blocking=True)
-            if self._copied is not None:
-                self._copied.record()
+            self._upload(len(inputs))
             log.info("capturing the mixed-step graph %s (engine idle)", key)
             self._graphs[key] = self._capture(self._static_step(key))
             return True
@@ -271,18 +268,25 @@ class MixedGraphs:
 
     def _stage(self, batch: ForwardBatch, plans: dict[str, AttnPlan], key: Key) -> None:
         """The batch's inputs, padded to `key`, staged and uploaded in one copy."""
-        end = self._write_host(batch, plans, key)
+        self._upload(self._write_host(batch, plans, key))
+
+    def _upload(self, end: int) -> None:
+        """The staging buffer's first `end` values to the device buffer the graphs read."""
         self._dev[:end].copy_(self._host[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+
+    def _wait_for_upload(self) -> None:
+        """Until the previous upload has left the staging buffer (it may be rewritten)."""
+        if self._copied is not None:
+            self._copied.synchronize()
 
     def _write_host(self, batch: ForwardBatch, plans: dict[str, AttnPlan], key: Key) -> int:
         """The batch's inputs, padded to `key`, written to the host staging buffer once the
         previous upload has left it. -> the staged length."""
         layout = self._layout(key)
         end = max(at + n for at, n in layout.values())
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous upload has left the staging buffer
+        self._wait_for_upload()
         host = self._host.numpy()
 
         def put(name: str, values: np.ndarray, pad: int = 0) -> None:

@@ -13,6 +13,8 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -203,8 +205,14 @@ class ModelRunner:
         assert self.mixed is not None
         lens = batch.seq_lens.numpy()[np.diff(batch.query_start.numpy()) == 1]
         splits = self._mixed_splits(int(lens.max()) if lens.size else 1)
+        return self._mixed_or_off(lambda mixed: mixed.run(batch, splits))
+
+    def _mixed_or_off(self, call: Callable[[MixedGraphs], Any]) -> Any:
+        """call(self.mixed); a failed capture in it turns mixed-step graphs off (those steps
+        then run eagerly) and gives None instead of failing its caller."""
+        assert self.mixed is not None
         try:
-            return self.mixed.run(batch, splits)
+            return call(self.mixed)
         except RuntimeError:
             log.exception("mixed-step graph capture failed: mixed steps run eagerly from now on")
             self.mixed = None
@@ -217,12 +225,7 @@ class ModelRunner:
         was done (the caller asks again while so, and no request waits)."""
         if self.mixed is None:
             return False
-        try:
-            return self.mixed.capture_pending()
-        except RuntimeError:
-            log.exception("mixed-step graph capture failed: mixed steps run eagerly from now on")
-            self.mixed = None
-            return False
+        return bool(self._mixed_or_off(lambda mixed: mixed.capture_pending()))
 
     @torch.inference_mode()
     def prepare_graphs(self, context: int = 1) -> int:
