@@ -4,13 +4,14 @@ A decode step launches a few hundred small kernels, and at batch 1 launching the
 Python costs more than running them. A captured graph launches them all in one call.
 
 Graphs are captured lazily, one per bucket of row counts (BUCKETS) and number of key
-splits per row (a power of two that covers the step's longest row, so short contexts do
-not pay for the longest one). A step whose rows are all one-token decodes and whose row
-count fits a bucket copies its inputs into static buffers (one host-to-device copy),
-padded to the bucket, and replays that bucket's graph; larger decode steps run eagerly,
-and steps with prefill replay engine/mixed_graphs.py's graphs. A padding row decodes
-token 0 at position 0 of the scratch page, a page of each group that no sequence owns
-(the runner allocates it beyond the pool), so its K/V land where no real row reads.
+splits per row (a power of two that covers any row up to the step's longest, each row
+cut by its own length, so short contexts do not pay for the longest one). A step whose
+rows are all one-token decodes and whose row count fits a bucket copies its inputs into
+static buffers (one host-to-device copy), padded to the bucket, and replays that
+bucket's graph; larger decode steps run eagerly, and steps with prefill replay
+engine/mixed_graphs.py's graphs. A padding row decodes token 0 at position 0 of the
+scratch page, a page of each group that no sequence owns (the runner allocates it beyond
+the pool), so its K/V land where no real row reads.
 
 Nothing in the captured forward synchronises with the host. The write slots and attention
 plans are made on the host from the staged rows (`DecodePlans`: the integers of
@@ -123,7 +124,7 @@ class DecodePlans(NamedTuple):
     the kernel config of decode steps (engine/layers/attention.py's attn_config)."""
 
     windows: dict[str, int | None]
-    split_keys: dict[str, int]  # the default; a step's own may differ (decode_split_keys)
+    split_keys: dict[str, int]  # the default; a step's rows' own differ (decode_split_keys)
     max_splits: dict[str, int]
     configs: dict[str, AttnConfig]
 
@@ -200,10 +201,10 @@ class DecodeGraphs:
 
     def run(self, batch: ForwardBatch, splits: Splits,
             input_ids: torch.Tensor | None = None,
-            keys: dict[str, int] | None = None) -> torch.Tensor:
+            keys: dict[str, np.ndarray] | None = None) -> torch.Tensor:
         """Logits (rows, vocab) of a batch that `fits`, from its bucket's graph for `splits`
-        (enough for its longest row, cut at `keys` key positions a split; default the
-        plans' split_keys), captured first if need be. `input_ids` (rows,) on the device
+        (enough for its longest row, each row cut at its `keys` key positions a split;
+        default the plans' split_keys), captured first if need be. `input_ids` (rows,) on the device
         replace the batch's token ids (a step launched from the sampled tokens of the one
         before it, before the host has read them)."""
         n = batch.num_rows
@@ -272,7 +273,7 @@ class DecodeGraphs:
             self._layouts[key] = layout
         return layout
 
-    def _stage_plans(self, bucket: int, splits: Splits, keys: dict[str, int] | None) -> int:
+    def _stage_plans(self, bucket: int, splits: Splits, keys: dict[str, np.ndarray] | None) -> int:
         """Plans and write slots of the staged rows 0..bucket-1 into the staging buffer
         (decode_items_host, splits of `keys` or the plans' split_keys; the slots as
         ForwardBatch.write_slots computes them). -> the end of the staged words."""
@@ -288,14 +289,25 @@ class DecodeGraphs:
         for i, g in enumerate(self.groups):
             n = splits[g]
             table = rows[:bucket, _FIXED + i * self.width:_FIXED + (i + 1) * self.width]
-            put(f"work:{g}", decode_items_host(
-                lens, self.plans.windows[g], (keys or self.plans.split_keys)[g], n))
+            put(f"work:{g}", decode_items_host(lens, self.plans.windows[g],
+                                               self._keys_of(g, keys, bucket), n))
             put(f"base:{g}", np.arange(bucket, dtype=np.int32) * n)
             put(f"splits:{g}", np.full(bucket, n, dtype=np.int32))
             put(f"table:{g}", table.astype(np.int32))
             pages = table[np.arange(bucket), pos // ps]
             put(f"slots:{g}", pages * ps + pos % ps)
         return max(at + words for at, words in layout.values())
+
+    def _keys_of(self, group: str, keys: dict[str, np.ndarray] | None,
+                 bucket: int) -> int | np.ndarray:
+        """Key positions a split of the staged rows 0..bucket-1: `keys[group]`, one for each
+        real row (the padding rows, one key each, take the plans' split_keys), or the
+        plans' split_keys for all."""
+        default = self.plans.split_keys[group]
+        if keys is None:
+            return default
+        row_keys = np.asarray(keys[group], dtype=np.int64)
+        return np.concatenate([row_keys, np.full(bucket - len(row_keys), default)])
 
     def _stage(self, batch: ForwardBatch, bucket: int) -> None:
         n, staged = batch.num_rows, self._staged
@@ -321,7 +333,8 @@ class DecodeGraphs:
         for i, g in enumerate(self.groups):
             rows[:, _FIXED + i * self.width] = self.scratch_pages[g]
 
-    def _upload(self, bucket: int, splits: Splits, keys: dict[str, int] | None = None) -> None:
+    def _upload(self, bucket: int, splits: Splits,
+                keys: dict[str, np.ndarray] | None = None) -> None:
         """The staged rows (and with plans, theirs) to the device in one copy."""
         end = bucket * self._cols
         if self.plans is not None:

@@ -10,13 +10,17 @@ The attention plans and write slots are made on the host from the batch's CPU te
 (as the eager path does; no synchronisation) and, with the tokens, positions, page tables
 and logits rows, staged in pinned memory and uploaded in one copy into the static buffers
 that the graph reads. A graph's key is what fixes its launch shapes: the token bucket, the
-logits rows and, per layer group, the number of work items and of partial-result slots
-(each rounded up to a power of two). Padding tokens take token 0 at position 0, belong to
+logits rows and, per layer group, the number of work items (the chunks' and the one-token
+rows' apart, each at least MIN_ITEMS) and of partial-result slots (each rounded up to a
+power of two). Padding tokens take token 0 at position 0, belong to
 no row and no work item, and write their K/V to the scratch page (engine/graphs.py), so
-no real row reads them; padding items cover no keys. One-token rows get a fixed number of
-key splits (the decode graphs' rule), the unused ones empty, so the merge sums the same
-terms as the eager plan (the extra terms are exact zeros): a row's logits are the eager
-step's bits on the kernels whose bits do not depend on the token count (qint, qmatmul).
+no real row reads them; padding items cover no keys. One-token rows are cut as a decode
+step cuts them (the runner's split lengths, by each row's own length) into a fixed number
+of key splits (the decode graphs' rule), the unused ones empty, and run in a launch of
+their own with the decode config, so the merge sums the same terms as the eager plan and
+a decode-only step (the extra terms are exact zeros): a row's logits are the eager step's
+bits, and a decoding row's those of a decode-only step, on the kernels whose bits do not
+depend on the token count (qint, qmatmul).
 
 A key is due for capture the second time a step has it (CAPTURE_AT): under load many
 keys come once (a burst of arrivals, a step cut by the ITL target); the first time, the
@@ -68,6 +72,7 @@ WHEN = ("idle", "step", "busy")  # when a due key is captured
 BUSY_AFTER = 8
 MAX_WORK = 4096  # work items of a group, at most (more: the step runs eagerly)
 WORK = 6  # fields of a work item (kernels/paged_attention_plan.py)
+MIN_ITEMS = 16  # work items of a kind a graph holds at least (_items)
 
 
 def capture_at_setting() -> int | None:
@@ -96,8 +101,9 @@ def capture_when_setting() -> str:
     return raw
 
 
-# One graph's shape: (token bucket, logits rows, ((group, work items, slots), ...)).
-Key = tuple[int, int, tuple[tuple[str, int, int], ...]]
+# One graph's shape: (token bucket, logits rows, ((group, work items, one-token rows'
+# work items, slots), ...)).
+Key = tuple[int, int, tuple[tuple[str, int, int, int], ...]]
 
 
 class MixedGraphs:
@@ -134,10 +140,10 @@ class MixedGraphs:
         self._layouts: dict[Key, dict[str, tuple[int, int]]] = {}
         self._pin = device.type == "cuda"
         self._device = device
-        # Staging buffers for every key within MAX_WORK items a group (graphs bind to the
-        # device buffer they were captured on, so it never changes)
+        # Staging buffers for every key within MAX_WORK items a group and kind (graphs
+        # bind to the device buffer they were captured on, so it never changes)
         size = self._size((self.buckets[-1], max_rows, tuple(
-            (g, MAX_WORK, 0) for g in self.groups)))
+            (g, MAX_WORK, MAX_WORK, 0) for g in self.groups)))
         self._host = torch.zeros(size, dtype=torch.int64, pin_memory=self._pin)
         self._dev = torch.zeros(size, dtype=torch.int64, device=device)
         self._copied = torch.cuda.Event() if self._pin else None
@@ -164,20 +170,24 @@ class MixedGraphs:
                 and batch.max_seq_len() <= self.max_context
                 and all(batch.page_tables[g].shape[1] <= self.width for g in self.groups))
 
-    def run(self, batch: ForwardBatch, splits: dict[str, int]) -> torch.Tensor | None:
+    def run(self, batch: ForwardBatch, splits: dict[str, int],
+            keys: dict[str, np.ndarray] | None = None) -> torch.Tensor | None:
         """Logits (len(logits_rows), vocab) of a host batch that `fits`, from its graph
         (captured first at the key's `capture_at`-th sighting), one-token rows with
-        `splits[group]` key splits; None when no graph takes it (the caller runs the step
-        eagerly)."""
+        `splits[group]` key splits, cut at `keys[group]` (one a row: plan_attention's
+        decode_keys; None: at the config's split_keys); None when no graph takes it (the
+        caller runs the step eagerly)."""
         plans = {g: plan_attention(batch.query_start, batch.seq_lens,
                                    group=layer.num_heads // layer.num_kv_heads,
                                    window=layer.window, config=self.configs[g], device="cpu",
-                                   decode_splits=splits[g], fill=self.fill.get(g, 0))
+                                   decode_splits=splits[g], fill=self.fill.get(g, 0),
+                                   decode_keys=None if keys is None else keys[g])
                  for g, layer in self.layers.items()}
         tokens = next(b for b in self.buckets if b >= batch.num_tokens)
         logits = next_pow2(batch.logits_rows.numel())
         key: Key = (tokens, logits, tuple(
-            (g, next_pow2(max(1, plans[g].work.shape[0])), _slots(plans[g].num_slots, tokens))
+            (g, _items(plans[g].work), _items(plans[g].decode_work),
+             _slots(plans[g].num_slots, tokens))
             for g in self.groups))
         if key not in self._graphs:
             full = len(self._graphs) >= self.max_graphs
@@ -257,9 +267,10 @@ class MixedGraphs:
         tokens, logits, groups = key
         sizes = [("ids", tokens), ("pos", tokens), ("qs", self.max_rows + 1),
                  ("lens", self.max_rows), ("logits", logits)]
-        for g, work, _ in groups:
+        for g, work, dwork, _ in groups:
             sizes += [(f"slots:{g}", tokens), (f"base:{g}", tokens), (f"splits:{g}", tokens),
-                      (f"work:{g}", work * WORK), (f"table:{g}", self.max_rows * self.width)]
+                      (f"work:{g}", work * WORK), (f"dwork:{g}", dwork * WORK),
+                      (f"table:{g}", self.max_rows * self.width)]
         out, at = {}, 0
         for name, n in sizes:
             out[name] = (at, n)
@@ -307,6 +318,8 @@ class MixedGraphs:
             put(f"base:{g}", plan.tok_base.numpy())
             put(f"splits:{g}", plan.tok_splits.numpy())
             put(f"work:{g}", plan.work.numpy().reshape(-1))  # empty items: zeros
+            if plan.decode_work is not None:
+                put(f"dwork:{g}", plan.decode_work.numpy().reshape(-1))
             at, n = layout[f"table:{g}"]
             table = host[at:at + n].reshape(self.max_rows, self.width)  # in place
             src = batch.page_tables[g].numpy()
@@ -330,10 +343,12 @@ class MixedGraphs:
                       for g in self.groups}
             pos32 = positions.to(torch.int32)
             attn = {}
-            for g, work, slots in groups:
+            for g, work, dwork, slots in groups:
                 plan = AttnPlan(view(f"work:{g}").view(work, WORK).to(torch.int32),
                                 view(f"base:{g}").to(torch.int32),
-                                view(f"splits:{g}").to(torch.int32), slots, tokens)
+                                view(f"splits:{g}").to(torch.int32), slots, tokens,
+                                view(f"dwork:{g}").view(dwork, WORK).to(torch.int32)
+                                if dwork else None)
                 attn[g] = GroupInputs(plan, tables[g].to(torch.int32), pos32, self.configs[g])
             planned = PlannedBatch(view("ids"), positions, view("qs"), view("lens"), tables,
                                    view("logits"),
@@ -342,6 +357,14 @@ class MixedGraphs:
             return self.step(planned)
 
         return step
+
+
+def _items(work: torch.Tensor | None) -> int:
+    """A graph's work items of one kind: a power of two, at least MIN_ITEMS (a chunk's
+    items and the one-token rows' are counted apart, so a few more or fewer of either
+    should not make another key; padding items cover no keys), 0 without any."""
+    n = 0 if work is None else work.shape[0]
+    return max(MIN_ITEMS, next_pow2(n)) if n else 0
 
 
 def _slots(num_slots: int, tokens: int) -> int:

@@ -36,7 +36,6 @@ from engine.layers.attention import (
     AttnLayer,
     PlannedBatch,
     attn_config,
-    decode_splits,
     group_layers,
     plan_batch,
     plan_decode,
@@ -44,12 +43,7 @@ from engine.layers.attention import (
 from engine.layers.ggml_linear import blocks_only
 from engine.mixed_graphs import MixedGraphs, capture_at_setting, capture_when_setting
 from engine.models.common import DecoderModel
-from kernels.paged_attention_plan import (
-    MIN_SPLIT_KEYS,
-    PROGRAMS_PER_SM,
-    decode_split_keys,
-    row_split_keys,
-)
+from kernels.paged_attention_plan import PROGRAMS_PER_SM, decode_split_keys
 from kernels.triton_util import next_pow2, pdl_enabled, pdl_launches
 from kernels.triton_util import num_sms as device_sms
 
@@ -108,16 +102,20 @@ class ModelRunner:
         self.kv = KVCache(model.kv_layers(), kv_pages, page_size, kv_quant, device)
         self.max_context = max_context or max(pages.values(), default=1) * page_size
         self._layers = group_layers((blk.attn for blk in model.blocks), self.kv)
-        # Key positions per split: at most the decode config's, fewer where a decode step
-        # would not fill the device's multiprocessors (decode_split_keys; none on the CPU).
-        # A step's splits are those of a row reaching the end of the longest row's split
-        # (the same with today's decode_splits, and enough with any that grows with the
-        # length): one cached dict per split, not one per length.
+        # Key positions per split of a one-token row, by its own length (decode_split_keys:
+        # fewer than the decode config's where one row would not fill the device's
+        # multiprocessors; never by the other rows, so a row's bits are the same alone or
+        # among others), and the splits a step's rows take when its longest holds n
+        # tokens (the most any row of up to n tokens takes: a running maximum), both by
+        # length up to max_context, computed once.
         self._split_keys = {g: attn_config(layer, device, decode=True).split_keys
                             for g, layer in self._layers.items()}
         self.num_sms = num_sms if num_sms is not None else (
             device_sms(device) if self.triton else 0)
-        self._max_splits = {g: self._most_splits(g, layer) for g, layer in self._layers.items()}
+        self._keys_by_len, self._splits_by_len = {}, {}
+        for g, layer in self._layers.items():
+            self._keys_by_len[g], self._splits_by_len[g] = self._split_tables(g, layer)
+        self._max_splits = {g: int(t[-1]) for g, t in self._splits_by_len.items()}
         # Work items a step's attention runs at once (its programs over the KV heads): a
         # long prefill chunk's few items are cut to reach them (plan_attention's `fill`)
         self._fill = {g: PROGRAMS_PER_SM * self.num_sms // layer.num_kv_heads
@@ -204,8 +202,10 @@ class ModelRunner:
         off (those steps then run eagerly) instead of failing the step."""
         assert self.mixed is not None
         lens = batch.seq_lens.numpy()[np.diff(batch.query_start.numpy()) == 1]
-        splits = self._mixed_splits(int(lens.max()) if lens.size else 1)
-        return self._mixed_or_off(lambda mixed: mixed.run(batch, splits))
+        # one-token rows are cut as in a decode step (plan_attention's decode_keys)
+        splits = self._splits_for(int(lens.max()) if lens.size else 1)
+        keys = self._row_keys(batch)
+        return self._mixed_or_off(lambda mixed: mixed.run(batch, splits, keys))
 
     def _mixed_or_off(self, call: Callable[[MixedGraphs], Any]) -> Any:
         """call(self.mixed); a failed capture in it turns mixed-step graphs off (those steps
@@ -235,7 +235,7 @@ class ModelRunner:
         if self.graphs is None:
             return 0
         for bucket in self.graphs.buckets:
-            for splits in self._splits_up_to(min(context, self.max_context), bucket):
+            for splits in self._splits_up_to(min(context, self.max_context)):
                 if not self._captured(bucket, splits):
                     return 0
         return 0 if self.graphs is None else self.graphs.num_graphs
@@ -310,15 +310,16 @@ class ModelRunner:
             for s in seqs:
                 s.free()
 
-    def _splits_up_to(self, context: int, rows: int) -> list[dict[str, int]]:
-        """Every distinct splits dict of decode steps of `rows` rows whose longest row has
-        at most `context` tokens, by length."""
-        # every length where a split's size or count can change
-        step = min(MIN_SPLIT_KEYS, *self._split_keys.values())
-        lengths = [*range(step, context, step), max(1, context)]
+    def _splits_up_to(self, context: int) -> list[dict[str, int]]:
+        """Every distinct splits dict of decode steps whose longest row has at most
+        `context` tokens (_splits_for changes only where a group's table does)."""
+        n = min(max(1, context), self.max_context)
+        lengths = {1}
+        for t in self._splits_by_len.values():
+            lengths.update((np.flatnonzero(np.diff(t[1:n + 1])) + 2).tolist())
         out: list[dict[str, int]] = []
-        for length in lengths:
-            splits = self._splits_for(length, self._decode_keys(rows, length))
+        for length in sorted(lengths):
+            splits = self._splits_for(length)
             if splits not in out:
                 out.append(splits)
         return out
@@ -344,58 +345,46 @@ class ModelRunner:
         if batch.is_decode_only() and batch.max_seq_len() <= self.max_context:
             return self._step.decode(on_device, *self._decode_splits(batch))
         host = batch.to(torch.device("cpu"))
-        planned = plan_batch(host, on_device, self._layers, self.page_size, self._fill)
+        planned = plan_batch(host, on_device, self._layers, self.page_size, self._fill,
+                             self._row_keys(host))
         return self.model.step_logits(planned, self.kv)
 
-    def _decode_splits(self, batch: ForwardBatch) -> tuple[dict[str, int], dict[str, int]]:
-        """A decode step's (key splits a row, key positions a split) per group."""
-        longest = batch.max_seq_len()
-        keys = self._decode_keys(batch.num_rows, longest)
-        return self._splits_for(longest, keys), keys
+    def _decode_splits(self, batch: ForwardBatch) -> tuple[dict[str, int],
+                                                          dict[str, np.ndarray]]:
+        """A decode step's (key splits a row, key positions a split of each row) per group."""
+        return self._splits_for(batch.max_seq_len()), self._row_keys(batch)
 
-    def _decode_keys(self, rows: int, longest: int) -> dict[str, int]:
-        """Key positions per split of a decode step of `rows` rows (as their power of two,
-        the graphs' bucket) whose longest holds `longest` tokens (decode_split_keys)."""
-        return {g: decode_split_keys(
-            next_pow2(max(1, rows)), min(longest, layer.window or longest),
-            layer.num_kv_heads, self.num_sms, self._split_keys[g])
-            for g, layer in self._layers.items()}
+    def _row_keys(self, batch: ForwardBatch) -> dict[str, np.ndarray]:
+        """Key positions a split of each row of a host batch as a one-token row of its
+        length (decode_split_keys, by group)."""
+        lens = np.clip(batch.seq_lens.numpy(), 1, self.max_context)
+        return {g: t[lens] for g, t in self._keys_by_len.items()}
 
-    def _most_splits(self, group: str, layer: AttnLayer) -> int:
-        """The most key splits a decode row of up to max_context tokens takes: at one row
-        (the fewest keys a split), every length where a split count can change. A mixed
-        step's one-token rows take no more (_mixed_splits: their splits are never
-        shorter at the same length)."""
-        device = torch.device(self.model.device)
-        step = min(MIN_SPLIT_KEYS, self._split_keys[group])
-        return max(decode_splits(layer, n, device, self._decode_keys(1, n)[group])
-                   for n in [*range(step, self.max_context, step), self.max_context])
+    def _split_tables(self, group: str, layer: AttnLayer) -> tuple[np.ndarray, np.ndarray]:
+        """(key positions a split, splits a step's rows take) by length 0..max_context for
+        `group`: decode_split_keys of a row's visible keys, and the running maximum of
+        the splits of a row of each length (a step's count by its longest row)."""
+        lens = np.arange(self.max_context + 1, dtype=np.int64)
+        lens[0] = 1
+        window = layer.window
+        keys = decode_split_keys(np.minimum(lens, window) if window else lens,
+                                 layer.num_kv_heads, self.num_sms, self._split_keys[group])
+        lo = np.maximum(lens - window, 0) if window else np.zeros_like(lens)
+        splits = np.maximum.accumulate((lens - 1) // keys - lo // keys + 1)
+        return keys.astype(np.int64), splits
 
-    def _mixed_splits(self, longest: int) -> dict[str, int]:
-        """Key splits per one-token row of a mixed step whose longest such row holds
-        `longest` tokens: plan_attention cuts each at the config's split_keys (the decode
-        config's too), lengthened past MAX_DECODE_SPLITS splits (row_split_keys); a
-        shorter row never takes more splits than the longest's count rounded up to a
-        power of two (both at most MAX_DECODE_SPLITS, or one more in a window)."""
-        keys = {g: row_split_keys(min(longest, layer.window or longest), self._split_keys[g])
-                for g, layer in self._layers.items()}
-        return self._splits_for(longest, keys)
-
-    def _splits_for(self, longest: int, keys: dict[str, int] | None = None) -> dict[str, int]:
-        """Key splits per decode row when the longest row holds `longest` tokens, cut at
-        `keys` (default: the decode config's split_keys): a power of two (few distinct
+    def _splits_for(self, longest: int) -> dict[str, int]:
+        """Key splits per decode row when the longest row holds `longest` tokens: the most
+        a row of up to `longest` tokens takes, rounded up to a power of two (few distinct
         graphs), at most what `max_context` needs. (Do not modify the dict: it is
         cached.)"""
-        keys = keys or self._split_keys
-        ends = tuple(-(-max(1, longest) // keys[g]) * keys[g] for g in self._layers)
-        cached = (ends, tuple(keys.values()))
-        splits = self._splits_cache.get(cached)
+        n = min(max(1, longest), self.max_context)
+        want = tuple(min(next_pow2(int(t[n])), self._max_splits[g])
+                     for g, t in self._splits_by_len.items())
+        splits = self._splits_cache.get(want)
         if splits is None:
-            device = torch.device(self.model.device)
-            splits = self._splits_cache[cached] = {
-                g: min(next_pow2(decode_splits(layer, end, device, keys[g])),
-                       self._max_splits[g])
-                for (g, layer), end in zip(self._layers.items(), ends, strict=True)}
+            splits = self._splits_cache[want] = dict(zip(self._splits_by_len, want,
+                                                        strict=True))
         return splits
 
 

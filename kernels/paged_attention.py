@@ -18,8 +18,10 @@ positions. Rows of one query block (decode, verify) have their keys cut into fix
 position-aligned splits (flash-decoding), so a long context still fills the GPU. Items
 write unnormalized partials (max, sum, acc); a second kernel merges each token's splits
 (per head, in an order fixed by their count) and applies the sinks. Nothing depends on the
-other rows, so a row's output is bit-equal whatever else is in the batch. Dots take f16
-operands, accumulate in f32.
+other rows, so a row's output is bit-equal whatever else is in the batch. A plan may also
+hold one-token rows' items apart (`decode_work`, plan_attention's `decode_keys`): they run
+in a second launch with the decode config (AttnConfig.decode), as in a decode-only step,
+into the same partial slots. Dots take f16 operands, accumulate in f32.
 """
 
 from __future__ import annotations
@@ -232,8 +234,11 @@ def _attention(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
             and (MERGE_HEADS * dim_v) % QK == 0:
         xq = empty_quant_x(num_tokens, num_heads * dim_v, q.device)
     if num_tokens:
+        decode_cfg = (AttnConfig.decode(group, dim, dim_v, backend)
+                      if plan.decode_work is not None else None)
         launch(q, (k0, k1, v0, v1), (FORMAT_IDS[k_format], FORMAT_IDS[v_format]), positions,
-               page_table, page_size, (scale, window, softcap), sinks, plan, cfg, out, xq)
+               page_table, page_size, (scale, window, softcap), sinks, plan, cfg, out, xq,
+               decode_cfg)
     if v_format in ("q8", "q4"):
         out = _rotate(out)
     return out.reshape(num_tokens, num_heads * dim_v), xq

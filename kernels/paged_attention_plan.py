@@ -14,8 +14,10 @@ plan only needs them to bound each item's key range).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from engine.errors import InvalidRequest
@@ -89,24 +91,36 @@ class AttnPlan(NamedTuple):
     tok_splits: torch.Tensor  # (T,) int32 number of splits of each token
     num_slots: int
     num_tokens: int
+    # one-token rows' items in a step with other rows, run with the decode config
+    # (AttnConfig.decode) as in a decode-only step: plan_attention's `decode_keys`
+    decode_work: torch.Tensor | None = None
 
 
-def decode_split_keys(rows: int, keys: int, kv_heads: int, num_sms: int,
-                      most: int = SPLIT_KEYS) -> int:
-    """Key positions per split of a decode step's rows (`rows`, each seeing at most `keys`
-    keys): `most`, halved down to MIN_SPLIT_KEYS while the step's work items (rows x KV
-    heads x the splits of `keys`) are fewer than a quarter of the device's `num_sms`
-    multiprocessors (0: never halved), unless `most` holds the keys in one split (no
-    merge: cut in two, 96 keys took 6.1 against 3.8 us); then row_split_keys' (at most
+def decode_split_keys(keys: int | np.ndarray, kv_heads: int, num_sms: int,
+                      most: int = SPLIT_KEYS) -> int | np.ndarray:
+    """Key positions per split of a one-token row that sees `keys` keys (an int, or an
+    array: one length a row). The row's own length decides, never the other rows of its
+    step, so a row's splits, and with them its bits, are the same alone or among others
+    (DESIGN's batch invariance). `most`, halved down to MIN_SPLIT_KEYS while the row's
+    work items (KV heads x the splits of `keys`) are fewer than a quarter of the device's
+    `num_sms` multiprocessors (0: never halved), unless `most` holds the keys in one split
+    (no merge: cut in two, 96 keys took 6.1 against 3.8 us); then row_split_keys' (at most
     MAX_DECODE_SPLITS splits). H200, Llama 3 8B, one row (bench/RESULTS.md): 577 keys 6.9
     us in 128-key splits against 8.4 in 256 and 8.0 in 64; 1024 keys 7.4 / 8.8 / 9.2; 4096
-    keys 16.2 in 128 against 14.7 in 256; 16 rows fastest in 256."""
-    if keys <= most:
-        return most
-    split = most
-    while split > MIN_SPLIT_KEYS and 4 * rows * kv_heads * -(-keys // split) < num_sms:
-        split //= 2
-    return row_split_keys(keys, split)
+    keys 16.2 in 128 against 14.7 in 256."""
+    k = np.asarray(keys, dtype=np.int64)
+    split = np.full_like(k, most)
+    while True:
+        finer = (k > most) & (split > MIN_SPLIT_KEYS) & (4 * kv_heads * -(-k // split) < num_sms)
+        if not finer.any():
+            break
+        split = np.where(finer, split // 2, split)
+    while True:  # row_split_keys
+        longer = -(-k // split) > MAX_DECODE_SPLITS
+        if not longer.any():
+            break
+        split = np.where(longer, split * 2, split)
+    return int(split) if split.ndim == 0 else split
 
 
 def row_split_keys(keys: int, split_keys: int) -> int:
@@ -136,9 +150,12 @@ def prefill_split_keys(item_keys: list[int], fill: int, least: int | None = None
 
 
 def _row_items(row: int, q0: int, num_new: int, seq_len: int, block_q: int,
-               window: int | None, split_keys: int) -> list[list[tuple[int, ...]]]:
+               window: int | None, split_keys: int,
+               decode_keys: int = 0) -> list[list[tuple[int, ...]]]:
     """The row's work items, by the tokens they write: one group for a one-block row (its
-    key splits), one a query block otherwise (one item each, all its keys)."""
+    key splits: `decode_keys` a split for a one-token row where given, else split_keys
+    lengthened by row_split_keys), one a query block otherwise (one item each, all its
+    keys)."""
     first_pos = seq_len - num_new
 
     def key_lo(pos: int) -> int:  # oldest key the query at `pos` sees
@@ -146,7 +163,10 @@ def _row_items(row: int, q0: int, num_new: int, seq_len: int, block_q: int,
 
     if num_new <= block_q:  # one query block: split the keys at aligned boundaries
         lo, hi = key_lo(first_pos), seq_len
-        split_keys = row_split_keys(hi - lo, split_keys)
+        if num_new == 1 and decode_keys:
+            split_keys = decode_keys
+        else:
+            split_keys = row_split_keys(hi - lo, split_keys)
         first, last = lo // split_keys, (hi - 1) // split_keys
         return [[(row, q0, num_new, max(lo, s * split_keys), min(hi, (s + 1) * split_keys),
                   s - first) for s in range(first, last + 1)]]
@@ -179,6 +199,7 @@ def plan_attention(
     decode_splits: int = 0,
     fill: int = 0,
     least: int | None = None,
+    decode_keys: Sequence[int] | None = None,
 ) -> AttnPlan:
     """Work items for rows (query_start (R + 1,), seq_lens (R,)); reads both on the host.
     A one-block row's keys are cut at config.split_keys (row_split_keys: at most
@@ -187,16 +208,23 @@ def plan_attention(
     captured graph's fixed plan sizes need; it must cover the row's splits. `fill` > 0:
     the items the device runs at once (its programs at once over the KV heads); a longer
     row whose few long query blocks would not fill it has them cut into key splits
-    (prefill_split_keys, at least `least` keys). The cut is the row's own: whatever else
-    is in the step, a row gets the same items (and its tokens the same bits)."""
+    (prefill_split_keys, at least `least` keys). `decode_keys` (one per row): one-token
+    rows are cut at their entry (a decode step's split of their own length) and their
+    items go to `decode_work`, for the decode config, so that such a row's items, kernel
+    and bits are a decode-only step's. The cut is the row's own: whatever else is in the
+    step, a row gets the same items (and its tokens the same bits)."""
     starts = [int(s) for s in query_start.tolist()]
     lens = [int(s) for s in seq_lens.tolist()]
     if len(starts) != len(lens) + 1 or starts[0] != 0:
         raise InvalidRequest("paged_attention: query_start must be (rows + 1,) from 0")
+    if decode_keys is not None and len(decode_keys) != len(lens):
+        raise InvalidRequest(f"paged_attention: {len(decode_keys)} decode_keys for "
+                             f"{len(lens)} rows")
     block_q = config.tokens_per_block(group)
     if block_q < 1:
         raise InvalidRequest(f"paged_attention: block_m {config.block_m} < group {group}")
     groups: list[list[tuple[int, ...]]] = []  # the items of the same tokens
+    decode_rows: list[bool] = []  # by group: a one-token row's (decode_work)
     for row, seq_len in enumerate(lens):
         num_new = starts[row + 1] - starts[row]
         if num_new < 0 or num_new > seq_len:
@@ -204,8 +232,9 @@ def plan_attention(
                                  f"and seq_len {seq_len}")
         if num_new == 0:
             continue
+        dkeys = int(decode_keys[row]) if decode_keys is not None else 0
         row_groups = _row_items(row, starts[row], num_new, seq_len, block_q, window,
-                                config.split_keys)
+                                config.split_keys, dkeys)
         if decode_splits and num_new == 1:
             items = row_groups[0]
             if len(items) > decode_splits:
@@ -217,10 +246,16 @@ def plan_attention(
                 [items[0][4] - items[0][3] for items in row_groups], fill, least)):
             row_groups = [_cut(items[0], length) for items in row_groups]
         groups += row_groups
-    work = [w for items in groups for w in items]
+        decode_rows += [num_new == 1 and dkeys > 0] * len(row_groups)
     splits = [len(items) for items in groups for _ in range(items[0][2])]
     tok_splits = torch.tensor(splits, dtype=torch.int32)
     tok_base = torch.cumsum(tok_splits, 0, dtype=torch.int32) - tok_splits
-    work_t = torch.tensor(work, dtype=torch.int32).reshape(-1, WORK_FIELDS)
-    return AttnPlan(work_t.to(device), tok_base.to(device), tok_splits.to(device),
-                    int(tok_splits.sum()), starts[-1])
+
+    def items_of(decode: bool) -> torch.Tensor:
+        work = [w for items, d in zip(groups, decode_rows, strict=True) if d == decode
+                for w in items]
+        return torch.tensor(work, dtype=torch.int32).reshape(-1, WORK_FIELDS).to(device)
+
+    return AttnPlan(items_of(False), tok_base.to(device), tok_splits.to(device),
+                    int(tok_splits.sum()), starts[-1],
+                    items_of(True) if decode_keys is not None else None)

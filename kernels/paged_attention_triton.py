@@ -213,12 +213,13 @@ def launch(q: torch.Tensor, planes: tuple[torch.Tensor, ...], formats: tuple[int
            positions: torch.Tensor, page_table: torch.Tensor, page_size: int,
            params: tuple[float, int | None, float | None], sinks: torch.Tensor | None,
            plan: AttnPlan, cfg: AttnConfig, out: torch.Tensor,
-           xq: QuantX | None = None) -> None:
+           xq: QuantX | None = None, decode_cfg: AttnConfig | None = None) -> None:
     """Both kernels (the partial one alone when every token has one split and there are no
     sinks), writing out (T, H, Dv) float32; planes are (k0, k1, v0, v1), formats the
     FORMAT_IDS of K and V, params (scale, window, softcap). Partial buffers are (slots, H)
     and (slots, H, Dv) float32. `xq` (G Dv a multiple of 256): also out quantized into it
-    by the kernel that writes out."""
+    by the kernel that writes out. The plan's decode_work, if any, runs as a second partial
+    launch with `decode_cfg` (into the same slots; one merge after both)."""
     (num_tokens, num_heads, dim), dim_v, dev = q.shape, out.shape[2], q.device
     kv_heads = planes[0].shape[1]
     scale, window, softcap = params
@@ -233,17 +234,25 @@ def launch(q: torch.Tensor, planes: tuple[torch.Tensor, ...], formats: tuple[int
                                device=dev)
     table = page_table.to(device=dev, dtype=torch.int32).contiguous()
     quant = (xq.q, xq.dx, xq.bs) if xq is not None else (out, out, out)
-    launcher(_attn_partial_kernel, dev)[(plan.work.shape[0], kv_heads)](
-        q, *planes, table, positions.to(device=dev, dtype=torch.int32), plan.work,
-        plan.tok_base, m_part, l_part, acc_part, q.stride(0), q.stride(1), table.stride(0),
-        scale * _LOG2E, float(softcap or 1.0), int(window or 0), *quant,
-        K_FMT=formats[0], V_FMT=formats[1], KVH=kv_heads, G=num_heads // kv_heads, D=dim,
-        DV=dim_v, DP=next_pow2(dim), DVP=next_pow2(dim_v), PAGE=page_size,
-        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DIRECT=direct,
-        QUANT=direct and xq is not None, num_warps=cfg.num_warps,
-        **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
-    )
+    parts = [(plan.work, cfg)]
+    if plan.decode_work is not None:
+        if decode_cfg is None:
+            raise InvalidRequest("paged_attention: a plan with decode_work needs decode_cfg")
+        parts.append((plan.decode_work, decode_cfg))
+    for work, c in parts:
+        if work.shape[0] == 0:
+            continue
+        launcher(_attn_partial_kernel, dev)[(work.shape[0], kv_heads)](
+            q, *planes, table, positions.to(device=dev, dtype=torch.int32), work,
+            plan.tok_base, m_part, l_part, acc_part, q.stride(0), q.stride(1), table.stride(0),
+            scale * _LOG2E, float(softcap or 1.0), int(window or 0), *quant,
+            K_FMT=formats[0], V_FMT=formats[1], KVH=kv_heads, G=num_heads // kv_heads, D=dim,
+            DV=dim_v, DP=next_pow2(dim), DVP=next_pow2(dim_v), PAGE=page_size,
+            HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, DIRECT=direct,
+            QUANT=direct and xq is not None, num_warps=c.num_warps,
+            **({} if c.num_stages is None else {"num_stages": c.num_stages}),
+        )
     if direct:
         return
     merge(m_part, l_part, acc_part, plan.tok_base, plan.tok_splits,

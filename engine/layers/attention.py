@@ -169,10 +169,13 @@ def _plan_key(layer: AttnLayer) -> tuple:
 
 
 def plan_batch(host: ForwardBatch, batch: ForwardBatch, layers: dict[str, AttnLayer],
-               page_size: int, fill: dict[str, int] | None = None) -> PlannedBatch:
+               page_size: int, fill: dict[str, int] | None = None,
+               decode_keys: dict[str, np.ndarray] | None = None) -> PlannedBatch:
     """Any batch (prefill, mixed, verify): plans and write slots computed on the host from
     `host` (the CPU copy of `batch`), then copied to `batch`'s device. `fill[group]`: the
-    work items the device runs at once (plan_attention: a long chunk's few are cut)."""
+    work items the device runs at once (plan_attention: a long chunk's few are cut).
+    `decode_keys[group]` (one per row): one-token rows cut as a decode step cuts them and
+    run with the decode config (plan_attention), as in a decode-only step."""
     dev = batch.input_ids.device
     positions = batch.positions.to(torch.int32)
     attn, slots = {}, {}
@@ -180,7 +183,8 @@ def plan_batch(host: ForwardBatch, batch: ForwardBatch, layers: dict[str, AttnLa
         config = attn_config(layer, dev)
         plan = plan_attention(host.query_start, host.seq_lens,
                               group=layer.num_heads // layer.num_kv_heads, window=layer.window,
-                              config=config, device=dev, fill=(fill or {}).get(group, 0))
+                              config=config, device=dev, fill=(fill or {}).get(group, 0),
+                              decode_keys=None if decode_keys is None else decode_keys[group])
         attn[group] = GroupInputs(plan, batch.page_tables[group].to(torch.int32), positions,
                                   config)
         slots[group] = host.write_slots(group, page_size).to(dev)
@@ -199,10 +203,12 @@ def decode_splits(layer: AttnLayer, max_context: int, device: torch.device,
 
 
 def plan_decode(batch: ForwardBatch, layers: dict[str, AttnLayer], page_size: int,
-                splits: dict[str, int], keys: dict[str, int] | None = None) -> PlannedBatch:
+                splits: dict[str, int],
+                keys: dict[str, int | np.ndarray] | None = None) -> PlannedBatch:
     """A decode-only batch (one new token per row, at position seq_len - 1) on the device:
     write slots and plans by device ops only, `splits[group]` work items per row of
-    `keys[group]` key positions (default: the decode config's split_keys)."""
+    `keys[group]` key positions (one for every row, or one a row: the runner's
+    decode_split_keys of each row's own length; default the decode config's split_keys)."""
     rows = batch.positions.shape[0]
     dev = batch.positions.device
     positions = batch.positions.to(torch.int32)
@@ -213,23 +219,27 @@ def plan_decode(batch: ForwardBatch, layers: dict[str, AttnLayer], page_size: in
         page = table.gather(1, (batch.positions // page_size)[:, None]).squeeze(1)
         slots[group] = page * page_size + batch.positions % page_size
         config = attn_config(layer, dev, decode=True)
-        plan = _decode_plan(batch.seq_lens, layer.window,
-                            keys[group] if keys else config.split_keys, splits[group], row_ids)
+        split_keys = keys[group] if keys else config.split_keys
+        if isinstance(split_keys, np.ndarray):
+            split_keys = torch.from_numpy(split_keys).to(device=dev, dtype=torch.int32)
+        plan = _decode_plan(batch.seq_lens, layer.window, split_keys, splits[group], row_ids)
         attn[group] = GroupInputs(plan, table.to(torch.int32), positions, config)
     return _planned(batch, attn, slots)
 
 
-def _decode_plan(seq_lens: torch.Tensor, window: int | None, split_keys: int, num_splits: int,
-                 row_ids: torch.Tensor) -> AttnPlan:
+def _decode_plan(seq_lens: torch.Tensor, window: int | None, split_keys: int | torch.Tensor,
+                 num_splits: int, row_ids: torch.Tensor) -> AttnPlan:
     """kernels/paged_attention_plan.py's items for one-token rows, padded to `num_splits`
     per row: row r's split s covers keys [max(lo, (f + s) * K), min(len, (f + s + 1) * K))
-    with lo its first visible key and f = lo // K; past the last key a range is empty."""
+    with lo its first visible key, K its split_keys (one for all rows, or (R,)) and f = lo
+    // K; past the last key a range is empty."""
     lens = seq_lens.to(torch.int32)  # (R,)
     lo = (lens - window).clamp_(min=0) if window is not None else torch.zeros_like(lens)
+    sk = split_keys[:, None] if isinstance(split_keys, torch.Tensor) else split_keys
     split = torch.arange(num_splits, dtype=torch.int32, device=lens.device)  # (S,)
-    first = (lo // split_keys)[:, None] + split[None, :]  # (R, S) aligned split index
-    key_hi = torch.minimum(lens[:, None], (first + 1) * split_keys)
-    key_lo = torch.minimum(torch.maximum(lo[:, None], first * split_keys), key_hi)
+    first = lo[:, None] // sk + split[None, :]  # (R, S) aligned split index
+    key_hi = torch.minimum(lens[:, None], (first + 1) * sk)
+    key_lo = torch.minimum(torch.maximum(lo[:, None], first * sk), key_hi)
     rows = row_ids[:, None].expand_as(key_lo)
     work = torch.stack([rows, rows, torch.ones_like(rows), key_lo, key_hi,
                         split[None, :].expand_as(key_lo)], dim=-1)  # (R, S, WORK_FIELDS)
@@ -239,17 +249,19 @@ def _decode_plan(seq_lens: torch.Tensor, window: int | None, split_keys: int, nu
                     num_rows * num_splits, num_rows)
 
 
-def decode_items_host(seq_lens: np.ndarray, window: int | None, split_keys: int,
-                      num_splits: int) -> np.ndarray:
+def decode_items_host(seq_lens: np.ndarray, window: int | None,
+                      split_keys: int | np.ndarray, num_splits: int) -> np.ndarray:
     """_decode_plan's work items on the host (numpy; the same integers): (rows * num_splits,
-    WORK_FIELDS) int32 for one-token rows of `seq_lens` tokens. The decode graphs stage
-    them with the step's inputs (engine/graphs.py), so a replay makes no plan."""
+    WORK_FIELDS) int32 for one-token rows of `seq_lens` tokens, cut at `split_keys` (one
+    for all rows, or one a row). The decode graphs stage them with the step's inputs
+    (engine/graphs.py), so a replay makes no plan."""
     lens = seq_lens.astype(np.int64)
     lo = np.maximum(lens - window, 0) if window is not None else np.zeros_like(lens)
+    sk = np.broadcast_to(np.asarray(split_keys, dtype=np.int64), lens.shape)[:, None]
     split = np.arange(num_splits, dtype=np.int64)
-    first = (lo // split_keys)[:, None] + split[None, :]
-    key_hi = np.minimum(lens[:, None], (first + 1) * split_keys)
-    key_lo = np.minimum(np.maximum(lo[:, None], first * split_keys), key_hi)
+    first = lo[:, None] // sk + split[None, :]
+    key_hi = np.minimum(lens[:, None], (first + 1) * sk)
+    key_lo = np.minimum(np.maximum(lo[:, None], first * sk), key_hi)
     rows = np.broadcast_to(np.arange(len(lens), dtype=np.int64)[:, None], key_lo.shape)
     work = np.stack([rows, rows, np.ones_like(rows), key_lo, key_hi,
                      np.broadcast_to(split[None, :], key_lo.shape)], axis=-1)

@@ -260,3 +260,39 @@ def test_mixed_graph_captured_when_idle_replays_the_eager_bits(tiny):
     assert runner.idle() and runner.mixed.num_dropped == 1 and runner.mixed.num_graphs == 1
     assert torch.equal(runner.forward(later), later_eager) and runner.last_replayed
     assert torch.equal(runner.forward(mixed), eager) and not runner.last_replayed
+
+
+@pytest.mark.parametrize("kv_quant", ["f16", "k8v4"])
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_a_decoding_row_is_bit_equal_alone_and_among_others(tiny, kv_quant, graphs):
+    """DESIGN's batch invariance on the device: a row of 300 keys decodes alone (its keys
+    in 128-key splits: one row would leave the multiprocessors idle) and then as row 0 of
+    16 (where the step's row count once chose 256-key splits), then beside a prompt's
+    chunk (a mixed step: its own launch with the decode config): the same logits, bit for
+    bit, q8 (a row's product has the same bits at any row count)."""
+    model = load_for(tiny, opts("cuda", "q8", graphs)).model
+    gen = torch.Generator().manual_seed(11)
+    lengths = [300] + torch.randint(20, 400, (15,), generator=gen).tolist()
+    prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in lengths]
+    tokens = [[int(t)] for t in torch.randint(3, 200, (3,), generator=gen)]
+    chunk = torch.randint(3, 200, (40,), generator=gen).tolist()
+    logits = {}
+    for name in ("alone", "among"):
+        runner = ModelRunner(model, 640, 16, kv_quant, cuda_graphs=graphs, max_context=1024)
+        if runner.mixed is not None:
+            runner.mixed.capture_at, runner.mixed.when = 1, "step"
+        seqs = [SeqPages(runner.pool) for _ in range(17)]
+        rows = 1 if name == "alone" else 16
+        for i in range(rows):  # each prompt on its own: the same prefill bits
+            runner.forward(span_batch(runner, seqs, [(i, prompts[i])]))
+        got = []
+        for t in tokens[:2]:
+            spans = [(0, t)] + [(i, [5 + i]) for i in range(1, rows)]
+            got.append(runner.forward(span_batch(runner, seqs, spans))[0])
+            assert runner.last_replayed == graphs
+        spans = [(0, tokens[2]), (16, chunk)] + ([(3, [9])] if rows > 1 else [])
+        got.append(runner.forward(span_batch(runner, seqs, spans))[0])
+        assert runner.last_replayed == graphs
+        logits[name] = got
+    for step, (a, b) in enumerate(zip(logits["alone"], logits["among"], strict=True)):
+        assert torch.equal(a, b), (step, float((a - b).abs().max()))

@@ -92,19 +92,25 @@ def test_prepared_graphs_cover_every_row_length(model):
 
 
 def test_split_keys_follow_the_device(model):
-    """With multiprocessors to fill (num_sms), a decode step of few rows cuts its keys
-    finer (decode_split_keys): prepare_graphs still captures every key such steps use,
+    """With multiprocessors to fill (num_sms), a short row's keys are cut finer
+    (decode_split_keys), by its own length only: a row of 300 keys takes 128-key splits
+    alone and among 8 others. prepare_graphs still captures every key such steps use,
     and a replay's staged work items are the device plan's for the same keys."""
     fake = CountingCapture()
     runner = ModelRunner(model, 300, 16, cuda_graphs=True, max_context=CONTEXT, capture=fake,
                          num_sms=64)
     # the sliding group sees 24 keys: one split at K, no merge
-    assert runner._decode_keys(1, 300) == {"full": 128, "sliding": K}
-    assert runner._decode_keys(16, 300)["full"] == K  # 16 rows fill 64 multiprocessors
+    for rows in (1, 9):
+        with decode_rows(runner, (300,) * rows) as batch:
+            keys = runner._row_keys(batch)
+            assert keys["full"].tolist() == [128] * rows
+            assert keys["sliding"].tolist() == [K] * rows
+    with decode_rows(runner, (300, 4000, 5)) as batch:  # each row its own
+        assert runner._row_keys(batch)["full"].tolist() == [128, K, K]
     runner.prepare_graphs(CONTEXT)
     captured = fake.captures
     one_row = [dict(key)["full"] for bucket, key in runner.graphs._graphs if bucket == 1]
-    assert max(one_row) > CONTEXT // K  # one-row steps split in 128 keys below 4096
+    assert max(one_row) > CONTEXT // K  # rows below 4096 keys split in 128 keys
     for lengths in ((5,), (140,), (K + 76,), (2 * K + 452,), (CONTEXT - 96,), (5, K + 76, 3),
                     (CONTEXT - 96, 7), (300,) * 9):
         with decode_rows(runner, lengths) as batch:

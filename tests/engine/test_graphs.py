@@ -133,16 +133,16 @@ def test_graph_path_matches_eager_and_pads_into_scratch(model):
 def test_long_rows_take_longer_splits_in_decode_and_mixed_steps(model, monkeypatch):
     """A long row is cut into at most MAX_DECODE_SPLITS splits (longer keys a split, its
     plan covering every key) in a decode step and, as plan_attention cuts it, in a mixed
-    step: the plans' most splits hold both."""
+    step (there as a decode step cuts it, given its split: decode_keys): the plans' most
+    splits hold both."""
     import kernels.paged_attention_plan as plan
 
     monkeypatch.setattr(plan, "MAX_DECODE_SPLITS", 1)
     runner = ModelRunner(model, PAGES, 16, "f16", max_context=PAGES * 16, num_sms=132)
-    keys = runner._decode_keys(1, 300)
+    keys = {g: int(t[300]) for g, t in runner._keys_by_len.items()}
     assert keys == {"full": 512, "sliding": 256}  # 300 keys; the window's 24
     # (a window's keys may straddle two splits)
-    assert runner._splits_for(300, keys) == {"full": 1, "sliding": 2}
-    assert runner._mixed_splits(300) == {"full": 1, "sliding": 2}  # 256 keys: 2 splits
+    assert runner._splits_for(300) == {"full": 1, "sliding": 2}  # mixed steps' too
     assert runner._max_splits == {"full": 1, "sliding": 2}
     # two programs a multiprocessor over the KV heads: what a step's plan_attention fills
     assert runner._fill == {g: 264 // layer.num_kv_heads for g, layer in runner._layers.items()}
@@ -158,8 +158,16 @@ def test_long_rows_take_longer_splits_in_decode_and_mixed_steps(model, monkeypat
     mixed = plan.plan_attention(torch.tensor([0, 1, 3]), torch.tensor([300, 40]),
                                 group=layer.num_heads // layer.num_kv_heads, window=None,
                                 config=attn_config(layer, torch.device("cpu")), device="cpu",
-                                decode_splits=runner._mixed_splits(300)["full"])
+                                decode_splits=runner._splits_for(300)["full"])
     assert mixed.work[:2, 3:5].tolist() == [[0, 300], [0, 40]]  # one split a row
+    # cut as a decode step cuts it, the one-token row's items run apart (decode_work)
+    mixed = plan.plan_attention(torch.tensor([0, 1, 3]), torch.tensor([300, 40]),
+                                group=layer.num_heads // layer.num_kv_heads, window=None,
+                                config=attn_config(layer, torch.device("cpu")), device="cpu",
+                                decode_splits=runner._splits_for(300)["full"],
+                                decode_keys=[keys["full"], keys["full"]])
+    assert mixed.decode_work[:, 3:5].tolist() == [[0, 300]]
+    assert mixed.work[:, 3:5].tolist() == [[0, 40]]
 
 
 def test_other_buckets_and_fallbacks(model):
@@ -287,7 +295,7 @@ def test_graphs_prepared_to_a_context_serve_its_rows_without_a_capture(model):
     runner = ModelRunner(model, 300, 16, "f16", cuda_graphs=True, max_context=context,
                          capture=fake)
     held = runner.prepare_graphs(context)
-    splits = {s["full"] for b in runner.graphs.buckets for s in runner._splits_up_to(context, b)}
+    splits = {s["full"] for s in runner._splits_up_to(context)}
     assert len(splits) > 2 and held == fake.captures  # several split counts, all captured
     seqs = [SeqPages(runner.pool) for _ in range(3)]
     for length in (1, 300, 700, context - 1):  # rows across the split counts

@@ -250,32 +250,40 @@ def test_plans_carry_their_config(gen):
 
 
 def test_decode_split_keys_fill_the_device():
-    """Splits are halved (to MIN_SPLIT_KEYS at least) only while a step's items are fewer
-    than a quarter of the multiprocessors: Llama 3 8B's 8 KV heads on 132 of them."""
+    """A one-token row's splits are halved (to MIN_SPLIT_KEYS at least) only while its
+    own items are fewer than a quarter of the multiprocessors: Llama 3 8B's 8 KV heads on
+    132 of them. The row's length decides alone (no other row of its step)."""
     assert MIN_SPLIT_KEYS == 128
-    assert decode_split_keys(1, 577, 8, 132) == 128  # 24 items at 256, 40 at 128
-    assert decode_split_keys(1, 1024, 8, 132) == 128  # 32 at 256
-    assert decode_split_keys(1, 4096, 8, 132) == SPLIT_KEYS  # 128 at 256
-    assert decode_split_keys(1, 96, 8, 132) == SPLIT_KEYS  # one split: no merge
-    assert decode_split_keys(1, 256, 8, 132) == SPLIT_KEYS
-    assert decode_split_keys(1, 257, 8, 132) == 128  # 16 items at 256, 24 at 128
-    assert decode_split_keys(1, 577, 8, 400) == 128  # never below MIN_SPLIT_KEYS
-    assert decode_split_keys(16, 577, 8, 132) == SPLIT_KEYS  # 384 items already
-    assert decode_split_keys(1, 577, 8, 0) == SPLIT_KEYS  # the CPU: never cut
-    assert decode_split_keys(1, 577, 8, 132, most=32) == 32  # 19 splits: not lengthened
+    assert decode_split_keys(577, 8, 132) == 128  # 24 items at 256, 40 at 128
+    assert decode_split_keys(1024, 8, 132) == 128  # 32 at 256
+    assert decode_split_keys(1025, 8, 132) == SPLIT_KEYS  # 40 at 256
+    assert decode_split_keys(4096, 8, 132) == SPLIT_KEYS  # 128 at 256
+    assert decode_split_keys(96, 8, 132) == SPLIT_KEYS  # one split: no merge
+    assert decode_split_keys(256, 8, 132) == SPLIT_KEYS
+    assert decode_split_keys(257, 8, 132) == 128  # 16 items at 256, 24 at 128
+    assert decode_split_keys(577, 8, 400) == 128  # never below MIN_SPLIT_KEYS
+    assert decode_split_keys(577, 8, 0) == SPLIT_KEYS  # the CPU: never cut
+    assert decode_split_keys(577, 8, 132, most=32) == 32  # 19 splits: not lengthened
+
+
+def test_decode_split_keys_by_row():
+    """An array of lengths gives each row the split of its length alone."""
+    lens = np.array([96, 577, 1024, 1025, 8193, 32768, 1])
+    got = decode_split_keys(lens, 8, 132)
+    assert got.tolist() == [decode_split_keys(int(n), 8, 132) for n in lens]
+    assert got.tolist() == [256, 128, 128, 256, 512, 1024, 256]
 
 
 def test_decode_split_keys_lengthen_past_max_splits():
     """A row of more than MAX_DECODE_SPLITS splits takes longer ones (doubled from `most`
-    until it fits), whatever the rows and multiprocessors; 32 splits of 256 keys stay."""
+    until it fits), whatever the multiprocessors; 32 splits of 256 keys stay."""
     assert MAX_DECODE_SPLITS == 32
-    assert decode_split_keys(1, 8192, 8, 132) == SPLIT_KEYS  # 32 splits
-    assert decode_split_keys(1, 8193, 8, 132) == 512  # 33 at 256, 17 at 512
-    assert decode_split_keys(1, 16384, 8, 132) == 512
-    assert decode_split_keys(1, 32768, 8, 132) == 1024
-    assert decode_split_keys(16, 32768, 8, 132) == 1024
-    assert decode_split_keys(1, 131072, 8, 0) == 4096  # the CPU too
-    assert decode_split_keys(1, 2048, 8, 0, most=32) == 64
+    assert decode_split_keys(8192, 8, 132) == SPLIT_KEYS  # 32 splits
+    assert decode_split_keys(8193, 8, 132) == 512  # 33 at 256, 17 at 512
+    assert decode_split_keys(16384, 8, 132) == 512
+    assert decode_split_keys(32768, 8, 132) == 1024
+    assert decode_split_keys(131072, 8, 0) == 4096  # the CPU too
+    assert decode_split_keys(2048, 8, 0, most=32) == 64
     for keys in (8193, 20000, 65537, 250_000):
-        split = decode_split_keys(1, keys, 8, 132)
+        split = decode_split_keys(keys, 8, 132)
         assert -(-keys // split) <= MAX_DECODE_SPLITS < -(-keys // (split // 2)), keys

@@ -93,21 +93,19 @@ def test_mixed_steps_replay_the_eager_bits(triton_worker, tmp_path, vocab_dir, n
         [(0, ids(1)), (1, ids(1)), (3, ids(20)), (2, ids(1))],  # mixed; row 0: 2 splits
         [(0, ids(1)), (1, ids(1)), (3, ids(20)), (2, ids(1))],  # the same key: a replay
         [(0, ids(1)), (3, ids(70)), (1, ids(1)), (2, ids(1))],  # 73 tokens: eager
-        [(0, ids(1)), (3, ids(40)), (1, ids(1)), (2, ids(1))],  # 40 at 110: bucket 64's replay
+        [(0, ids(1)), (3, ids(40)), (1, ids(1)), (2, ids(1))],  # 40 at 110: bucket 64 again
     ]
     res = triton_worker.call("test_mixed_graph_steps:graph_against_eager", str(path), steps,
                              num_sms, when)
     flags = [(replayed, graphs) for _, _, replayed, graphs, _ in res["steps"]]
-    # the last step is bucket 64's; cut, its chunk's splits take more slots than the
-    # first step's graph holds, so a third mixed graph is captured
-    cut = num_sms > 0
+    # the last step is bucket 64's, but a key of its own: its one-token rows' items run
+    # apart (the first step had none), and cut, its chunk's splits take more slots too
     if when == "step":
-        assert flags == [(True, 1), (True, 1), (True, 2), (True, 2), (False, 2),
-                         (True, 2 + cut)]
-        assert res["mixed_replays"] == 4 and res["steps"][-1][4] == 3 + cut  # + 1 decode
+        assert flags == [(True, 1), (True, 1), (True, 2), (True, 2), (False, 2), (True, 3)]
+        assert res["mixed_replays"] == 4 and res["steps"][-1][4] == 4  # + 1 decode
     else:  # a key's first step runs eagerly, its capture follows it
-        assert flags == [(False, 0), (True, 1), (False, 1), (True, 2), (False, 2), (True, 2)]
-        assert res["mixed_replays"] == 2 and res["steps"][-1][4] == 3
+        assert flags == [(False, 0), (True, 1), (False, 1), (True, 2), (False, 2), (False, 2)]
+        assert res["mixed_replays"] == 1 and res["steps"][-1][4] == 3
     # the last step's slots: row 0's 2 key splits (46 keys), rows 1 and 2 one each, the
     # chunk's 40 tokens one each uncut; cut (132 items to fill, 32 keys at least), each of
     # its query blocks' keys (to 142 and 150) in 2 splits or more
