@@ -10,22 +10,17 @@ a row's bits at any row count) with its head run a row at a time (RowHead)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as T
 from graph_fakes import FakeCapture
+from q8_llama import random_ids, write_q8_llama
 from span_batch import span_batch
 
 from engine.build import EngineOptions, load_for
 from engine.kv.pool import SeqPages
 from engine.runner import ModelRunner
-from engine.synthetic import SyntheticSpec, write_synthetic_gguf
 
 PAGES, CONTEXT = 128, 512
-TYPES = {"attn_q.weight": T.Q4_K, "attn_k.weight": T.Q4_K, "attn_v.weight": T.Q6_K,
-         "attn_output.weight": T.Q4_K, "ffn_gate.weight": T.Q4_K, "ffn_up.weight": T.Q4_K,
-         "ffn_down.weight": T.Q6_K}
 
 
 class RowHead:
@@ -75,14 +70,8 @@ def alone_and_among(path: str, steps_alone: list, steps_among: list, graphs: boo
 @pytest.mark.parametrize("graphs", [False, True])
 def test_a_decoding_row_has_the_same_bits_alone_and_among_others(triton_worker, tmp_path,
                                                                  vocab_dir, graphs):
-    spec = SyntheticSpec("llama", num_layers=1, hidden_size=256, num_heads=4, num_kv_heads=2,
-                         head_dim=64, ffn_size=512, types=TYPES, default_type=T.F32)
-    path = tmp_path / "q8.gguf"
-    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-spm.gguf", seed=23)
-    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**63))
-
-    def ids(n: int) -> list[int]:
-        return rng.integers(3, 1000, n).tolist()
+    path = write_q8_llama(tmp_path / "q8.gguf", vocab_dir, num_layers=1, seed=23)
+    ids = random_ids()
 
     # sequence 0 decodes; the others hold 20 to 100 tokens (1 to 4 splits of 32 keys)
     prompt = ids(60)

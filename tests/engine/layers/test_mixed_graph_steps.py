@@ -13,23 +13,18 @@ captures' runs must leave every real slot's K/V as it was."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as T
 from graph_fakes import FakeCapture
+from q8_llama import random_ids, write_q8_llama
 from span_batch import span_batch
 
 from engine.build import EngineOptions, load_for
 from engine.kv.pool import SeqPages
 from engine.layers.attention import plan_batch
 from engine.runner import ModelRunner
-from engine.synthetic import SyntheticSpec, write_synthetic_gguf
 
 PAGES, CONTEXT = 24, 256
-TYPES = {"attn_q.weight": T.Q4_K, "attn_k.weight": T.Q4_K, "attn_v.weight": T.Q6_K,
-         "attn_output.weight": T.Q4_K, "ffn_gate.weight": T.Q4_K, "ffn_up.weight": T.Q4_K,
-         "ffn_down.weight": T.Q6_K}
 
 
 def planes(runner: ModelRunner) -> list[torch.Tensor]:
@@ -78,14 +73,8 @@ def _steps_on_both(path: str, steps: list, num_sms: int, when: str) -> dict:
 
 @pytest.mark.parametrize(("num_sms", "when"), [(0, "step"), (132, "step"), (0, "idle")])
 def test_mixed_steps_replay_the_eager_bits(triton_worker, tmp_path, vocab_dir, num_sms, when):
-    spec = SyntheticSpec("llama", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
-                         head_dim=64, ffn_size=512, types=TYPES, default_type=T.F32)
-    path = tmp_path / "q8.gguf"
-    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-spm.gguf", seed=17)
-    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**63))
-
-    def ids(n: int) -> list[int]:
-        return rng.integers(3, 1000, n).tolist()
+    path = write_q8_llama(tmp_path / "q8.gguf", vocab_dir, num_layers=2, seed=17)
+    ids = random_ids()
 
     steps = [
         [(0, ids(40)), (1, ids(9)), (2, ids(3)), (4, ids(5))],  # prefill only: bucket 64
