@@ -233,6 +233,7 @@ def launch(q: torch.Tensor, planes: tuple[torch.Tensor, ...], formats: tuple[int
         acc_part = torch.empty(plan.num_slots, num_heads, dim_v, dtype=torch.float32,
                                device=dev)
     table = page_table.to(device=dev, dtype=torch.int32).contiguous()
+    pos32 = positions.to(device=dev, dtype=torch.int32)
     quant = (xq.q, xq.dx, xq.bs) if xq is not None else (out, out, out)
     parts = [(plan.work, cfg)]
     if plan.decode_work is not None:
@@ -243,7 +244,7 @@ def launch(q: torch.Tensor, planes: tuple[torch.Tensor, ...], formats: tuple[int
         if work.shape[0] == 0:
             continue
         launcher(_attn_partial_kernel, dev)[(work.shape[0], kv_heads)](
-            q, *planes, table, positions.to(device=dev, dtype=torch.int32), work,
+            q, *planes, table, pos32, work,
             plan.tok_base, m_part, l_part, acc_part, q.stride(0), q.stride(1), table.stride(0),
             scale * _LOG2E, float(softcap or 1.0), int(window or 0), *quant,
             K_FMT=formats[0], V_FMT=formats[1], KVH=kv_heads, G=num_heads // kv_heads, D=dim,
