@@ -22,7 +22,7 @@ T = gguf.GGMLQuantizationType
 
 @dataclass(frozen=True, slots=True)
 class SyntheticSpec:
-    architecture: str  # llama | qwen2 | qwen3 | gemma3
+    architecture: str  # llama | qwen2 | qwen3 | qwen3moe | gemma3
     num_layers: int = 2
     hidden_size: int = 64
     num_heads: int = 4
@@ -40,6 +40,10 @@ class SyntheticSpec:
     rope_freq_factors: bool = False  # write rope_freqs.weight (Llama 3.1 style)
     # general.file_type (gguf.LlamaFileType): the recipe's name, as llama.cpp labels a file
     file_type: int = gguf.LlamaFileType.MOSTLY_F16
+    # MoE (qwen3moe): experts of `expert_ffn_size` each, `experts_used` of them a token
+    num_experts: int = 0
+    experts_used: int = 0
+    expert_ffn_size: int = 0
 
 
 # (scale field byte offset, count of f16 scales) inside one block, for random-block fixing
@@ -81,13 +85,20 @@ def tensor_shapes(spec: SyntheticSpec, vocab_size: int) -> dict[str, tuple[int, 
             p + "attn_norm.weight": (h,), p + "attn_q.weight": (q, h),
             p + "attn_k.weight": (kv, h), p + "attn_v.weight": (kv, h),
             p + "attn_output.weight": (h, q), p + "ffn_norm.weight": (h,),
-            p + "ffn_gate.weight": (spec.ffn_size, h), p + "ffn_up.weight": (spec.ffn_size, h),
-            p + "ffn_down.weight": (h, spec.ffn_size),
         })
+        if spec.num_experts:
+            e, f = spec.num_experts, spec.expert_ffn_size
+            shapes.update({p + "ffn_gate_inp.weight": (e, h), p + "ffn_gate_exps.weight": (e, f, h),
+                           p + "ffn_up_exps.weight": (e, f, h),
+                           p + "ffn_down_exps.weight": (e, h, f)})
+        else:
+            shapes.update({p + "ffn_gate.weight": (spec.ffn_size, h),
+                           p + "ffn_up.weight": (spec.ffn_size, h),
+                           p + "ffn_down.weight": (h, spec.ffn_size)})
         if spec.architecture == "qwen2":
             shapes.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,),
                            p + "attn_v.bias": (kv,)})
-        if spec.architecture in ("qwen3", "gemma3"):
+        if spec.architecture in ("qwen3", "qwen3moe", "gemma3"):
             shapes.update({p + "attn_q_norm.weight": (spec.head_dim,),
                            p + "attn_k_norm.weight": (spec.head_dim,)})
         if spec.architecture == "gemma3":
@@ -114,6 +125,8 @@ def _fit_rows(qtype: int, shape: tuple[int, ...]) -> int:
 
 
 def _tensor_type(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> int:
+    if name.endswith(".ffn_gate_inp.weight"):
+        return T.F32  # llama.cpp never quantizes the router (llama-quant.cpp)
     qtype = spec.types.get(name)  # a whole name ("blk.3.attn_v.weight") first
     if qtype is None:
         for suffix, t in spec.types.items():  # whole name components: "output.weight" is
@@ -163,6 +176,10 @@ def write_synthetic_gguf(path: str | os.PathLike, spec: SyntheticSpec,
     writer.add_rope_freq_base(spec.rope_base)
     if spec.sliding_window:
         writer.add_sliding_window(spec.sliding_window)
+    if spec.num_experts:
+        writer.add_expert_count(spec.num_experts)
+        writer.add_expert_used_count(spec.experts_used)
+        writer.add_expert_feed_forward_length(spec.expert_ffn_size)
     writer.add_file_type(spec.file_type)
     vocab_size = copy_vocabulary(writer, vocab_path)
     for name, shape in tensor_shapes(spec, vocab_size).items():
@@ -173,13 +190,17 @@ def write_synthetic_gguf(path: str | os.PathLike, spec: SyntheticSpec,
             base = 0.0 if name.endswith(".bias") else 1.0
             data = (base + rng.normal(0, 0.1, size=shape)).astype(np.float32)
         elif qtype in (T.F32, T.F16, T.BF16):
-            data = rng.normal(0, 0.05, size=shape).astype(np.float32)
+            # a router 10x wider than the other matrices: its softmax picks its experts as
+            # clearly as a trained one's, so that tiny rounding differences (llama.cpp's
+            # 8-bit activations) seldom swap one
+            std = 0.5 if name.endswith(".ffn_gate_inp.weight") else 0.05
+            data = rng.normal(0, std, size=shape).astype(np.float32)
             if qtype == T.F16:
                 data = data.astype(np.float16)
             elif qtype == T.BF16:
                 data = gguf.quants.quantize(data, T.BF16)
-        else:
-            data = random_blocks(qtype, shape, rng)
+        else:  # (..., bytes a row): the writer reads the leading dims as the tensor's own
+            data = random_blocks(qtype, shape, rng).reshape(*shape[:-1], -1)
         raw_dtype = None if qtype in (T.F32, T.F16) else qtype
         writer.add_tensor(name, data, raw_dtype=raw_dtype)
     writer.write_header_to_file()

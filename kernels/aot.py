@@ -57,6 +57,7 @@ def kernel_specs(quick: bool = False) -> list[KernelSpec]:
         gated_act,
         gather_rows,
         kv_store,
+        moe,
         paged_attention,
         qgemv,
         qint,
@@ -66,7 +67,7 @@ def kernel_specs(quick: bool = False) -> list[KernelSpec]:
 
     specs = [*qgemv.aot_specs(KernelSpec), *qmatmul.aot_specs(KernelSpec),
              *paged_attention.aot_specs(KernelSpec), *qint.aot_specs(KernelSpec),
-             *qint_mma.aot_specs(KernelSpec)]
+             *qint_mma.aot_specs(KernelSpec), *moe.aot_specs(KernelSpec)]
     if not quick:  # CI builds these in tests/kernels/test_fused_aot.py (no dots to check)
         specs += [*fused_norm.aot_specs(KernelSpec), *fused_rope.aot_specs(KernelSpec),
                   *kv_store.aot_specs(KernelSpec), *gated_act.aot_specs(KernelSpec),

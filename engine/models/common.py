@@ -1,6 +1,7 @@
 """The shared decoder: embedding, N blocks of (norm, attention, norm, gated MLP), head.
 
-Families (llama, qwen2/qwen3, gemma3) differ only in ModelConfig flags and config reading;
+Families (llama, qwen2/qwen3, qwen3moe, gemma3) differ only in ModelConfig flags and config
+reading (qwen3moe's MLP is a mixture of experts: engine/layers/moe.py);
 the forward below serves every ForwardBatch row in one pass over the weights.
 """
 
@@ -17,6 +18,7 @@ from engine.kv.cache import KVCache, LayerKVSpec
 from engine.layers.activation import ACTIVATIONS
 from engine.layers.attention import AttnLayer, attend, attend_q8, attn_quant_enabled, kv_target
 from engine.layers.linear import Int8Linear, Linear
+from engine.layers.moe import MoE
 from engine.layers.norm import rms_norm
 from engine.layers.rope import Rope
 from engine.models.config import ModelConfig
@@ -53,8 +55,9 @@ class Block:
     qkv: Linear | Int8Linear  # fused q, k, v rows
     out: Linear | Int8Linear
     ffn_norm: torch.Tensor
-    gate_up: Linear | Int8Linear  # fused gate, up rows
-    down: Linear | Int8Linear
+    gate_up: Linear | Int8Linear | None  # fused gate, up rows (None: a MoE block)
+    down: Linear | Int8Linear | None
+    moe: MoE | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     post_attn_norm: torch.Tensor | None = None
@@ -83,7 +86,7 @@ class DecoderModel:
         self._act = ACTIVATIONS[cfg.activation]
         # What the block matmuls read: bf16 when all are dense bf16 layers (they round x to
         # bf16 first), so that the fused kernels write it and no cast kernel runs.
-        mats = [m for b in self.blocks for m in (b.qkv, b.gate_up, b.down)]
+        mats = [m for b in self.blocks for m in (b.qkv, b.gate_up, b.down) if m is not None]
         self._mm_dtype = torch.bfloat16 if all(
             isinstance(m, Linear) and m.weight.dtype == torch.bfloat16 for m in mats) \
             else torch.float32
@@ -103,9 +106,19 @@ class DecoderModel:
             qkv=qkv,
             out=w.linear(p + "attn_output", (cfg.hidden_size, cfg.num_heads * cfg.head_dim_v)),
             ffn_norm=w.vector(p + "ffn_norm.weight", cfg.hidden_size),
-            gate_up=w.fused([p + "ffn_gate", p + "ffn_up"], [cfg.ffn_size] * 2, cfg.hidden_size),
-            down=w.linear(p + "ffn_down", (cfg.hidden_size, cfg.ffn_size)),
+            gate_up=None,
+            down=None,
         )
+        if cfg.num_experts:
+            block.moe = w.moe(p, cfg.num_experts, cfg.ffn_size, cfg.hidden_size,
+                              lambda router, gate_up, down: MoE(
+                                  router, gate_up, down, cfg.experts_used,
+                                  cfg.expert_weights_norm, cfg.expert_weights_scale,
+                                  cfg.activation))
+        else:
+            block.gate_up = w.fused([p + "ffn_gate", p + "ffn_up"], [cfg.ffn_size] * 2,
+                                    cfg.hidden_size)
+            block.down = w.linear(p + "ffn_down", (cfg.hidden_size, cfg.ffn_size))
         if cfg.qk_norm:
             block.q_norm = w.vector(p + "attn_q_norm.weight", cfg.head_dim)
             block.k_norm = w.vector(p + "attn_k_norm.weight", cfg.head_dim)
@@ -162,6 +175,10 @@ class DecoderModel:
             if i == last and not batch.every_token():  # only the requested rows go
                 x, o = x[batch.logits_rows], o[batch.logits_rows]  # through the last MLP
             n = x.shape[0]
+            if blk.moe is not None:  # the router reads the norm in float32
+                x, h, _ = self._add_norm(x, (o, blk.post_attn_norm), blk.ffn_norm, fused)
+                pending = (blk.moe(h), blk.post_ffn_norm)
+                continue
             x, h, hq = self._add_norm(x, (o, blk.post_attn_norm), blk.ffn_norm, fused,
                                       _in_dtype(blk.gate_up, n, self._mm_dtype),
                                       _act8(blk.gate_up, fused, n))

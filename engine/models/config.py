@@ -33,6 +33,14 @@ class ModelConfig:
     embed_scale: float = 1.0  # gemma multiplies embeddings by sqrt(hidden)
     final_softcap: float | None = None
     activation: str = "silu"  # "silu" (SwiGLU) | "gelu" (GeGLU, tanh GELU)
+    # MoE (qwen3moe): every block's MLP is `num_experts` experts of ffn_size each, of which
+    # a softmax router picks `experts_used` a token; their weights are the picked
+    # probabilities, divided by their sum where `expert_weights_norm`, times
+    # `expert_weights_scale` where it is set (llama.cpp's build_moe_ffn)
+    num_experts: int = 0
+    experts_used: int = 0
+    expert_weights_norm: bool = False
+    expert_weights_scale: float | None = None
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[layer]
@@ -68,7 +76,8 @@ def read_base_config(mf: ModelFile, *, rope_neox: bool, **overrides: object) -> 
         num_kv_heads=num_kv,
         head_dim=head_dim,
         head_dim_v=mf.arch_get("attention.value_length", head_dim),
-        ffn_size=_int(mf, "feed_forward_length"),
+        ffn_size=overrides["ffn_size"] if "ffn_size" in overrides else _int(
+            mf, "feed_forward_length"),
         vocab_size=vocab,
         context_length=_int(mf, "context_length"),
         rms_eps=float(mf.arch_require("attention.layer_norm_rms_epsilon", (int, float))),

@@ -17,6 +17,7 @@ FAMILIES: dict[str, Callable[[ModelFile], ModelConfig]] = {
     "llama": llama.read_config,
     "qwen2": qwen.read_qwen2_config,
     "qwen3": qwen.read_qwen3_config,
+    "qwen3moe": qwen.read_qwen3moe_config,
     "gemma3": gemma3.read_config,
 }
 

@@ -10,16 +10,19 @@ Fusions happen here, so the forward never sees the file layout.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 
-from engine.errors import GGUFFormatError, InvalidRequest
+from engine.errors import GGUFFormatError, InvalidRequest, UnsupportedTensorType
 from engine.gguf import ModelFile
 from engine.kernel_select import use_triton
 from engine.layers.embedding import Embedding
 from engine.layers.ggml_linear import GGMLLinear
 from engine.layers.linear import Int8Linear, Linear, quantize_rows_int8
+from engine.layers.moe import DenseExperts, GroupedExperts, MoE
 from kernels.dequant import dequantize
+from kernels.moe import MOE_TYPES, row_bytes
 from kernels.gather_rows import can_gather
 
 INT8_SLICE_ROWS = 8192  # rows dequantized at a time when re-quantizing to int8
@@ -171,3 +174,50 @@ class WeightLoader:
                               torch.cat([s for _, s in loaded]), bias)
         return Linear(torch.cat([self.matrix(p + ".weight", (o, in_size))
                                  for p, o in zip(prefixes, out_sizes, strict=True)]), bias)
+
+    def moe(self, prefix: str, num_experts: int, ffn: int, hidden: int,
+            build: Callable[..., MoE]) -> MoE:
+        """A MoE block's router (`ffn_gate_inp`, float32) and its experts
+        (`ffn_{gate,up,down}_exps`): their blocks on a GPU's block layouts (gate and up as
+        one grouped product where they share a type), one dense linear an expert
+        otherwise. -> build(router, gate_up parts, down)."""
+        e = num_experts
+        router = self.load(prefix + "ffn_gate_inp.weight", (e, hidden), torch.float32)
+        gate, up, down = (prefix + f"ffn_{n}_exps.weight" for n in ("gate", "up", "down"))
+        if self.ggml:
+            parts = [self._experts(name, (e, ffn, hidden)) for name in (gate, up)]
+            if parts[0].ggml_type == parts[1].ggml_type:
+                parts = [GroupedExperts(torch.cat([p.blocks for p in parts], 1).contiguous(),
+                                        parts[0].ggml_type, (2 * ffn, hidden))]
+            return build(router, parts, self._experts(down, (e, hidden, ffn)))
+        if self.int8:
+            pairs = [self._int8_experts(n, (e, ffn, hidden)) for n in (gate, up)]
+            gate_up = [Int8Linear(torch.cat([g[0], u[0]]), torch.cat([g[1], u[1]]))
+                       for g, u in zip(*pairs, strict=True)]
+            downs = [Int8Linear(c, s) for c, s in self._int8_experts(down, (e, hidden, ffn))]
+            return build(router, [DenseExperts(gate_up)], DenseExperts(downs))
+        g = self.load(gate, (e, ffn, hidden), self.dtype)
+        u = self.load(up, (e, ffn, hidden), self.dtype)
+        d = self.load(down, (e, hidden, ffn), self.dtype)
+        return build(router, [DenseExperts([Linear(torch.cat([g[i], u[i]])) for i in range(e)])],
+                     DenseExperts([Linear(d[i]) for i in range(e)]))
+
+    def _experts(self, name: str, shape: tuple[int, int, int]) -> GroupedExperts:
+        raw, ggml_type = self.raw(name, shape)
+        e, n, k = shape
+        if ggml_type not in MOE_TYPES:
+            raise UnsupportedTensorType(f"tensor '{name}': no grouped MoE kernel for GGML "
+                                        f"type {ggml_type}")
+        if raw.numel() != e * n * row_bytes(ggml_type, k):
+            raise GGUFFormatError(f"tensor '{name}': {raw.numel()} bytes do not hold GGML "
+                                  f"type {ggml_type} of shape {shape}")
+        return GroupedExperts(raw.view(e, n, -1), ggml_type, (n, k))
+
+    def _int8_experts(self, name: str, shape: tuple[int, int, int]
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each expert's (codes, scales), re-quantized from its dequantized rows."""
+        raw, ggml_type = self.raw(name, shape)
+        e, n, k = shape
+        per_expert = raw.view(e, -1) if e else raw.view(0, 0)
+        return [quantize_rows_int8(dequantize(per_expert[i], ggml_type, (n, k), name=name))
+                for i in range(e)]

@@ -1,4 +1,5 @@
 """Each family on a tiny random GGUF, against llama.cpp (llama-cpp-python) on the same file.
+qwen3moe's experts mix types too: gate Q4_K and up Q8_0 (two grouped parts), down Q6_K.
 
 The GGUF mixes F32/F16/Q8_0/Q4_K/Q6_K tensors and carries a real vocabulary. llama.cpp
 quantizes activations to 8 bits for quantized weights, so logits agree to a tolerance,
@@ -21,7 +22,9 @@ from engine.synthetic import SyntheticSpec, write_synthetic_gguf
 T = gguf.GGMLQuantizationType
 MIXED = {"attn_q.weight": T.Q8_0, "attn_k.weight": T.Q4_K, "attn_v.weight": T.Q6_K,
          "attn_output.weight": T.Q8_0, "ffn_gate.weight": T.Q4_K, "ffn_up.weight": T.Q8_0,
-         "ffn_down.weight": T.Q6_K, "token_embd.weight": T.Q8_0}
+         "ffn_down.weight": T.Q6_K, "token_embd.weight": T.Q8_0,
+         "ffn_gate_exps.weight": T.Q4_K, "ffn_up_exps.weight": T.Q8_0,
+         "ffn_down_exps.weight": T.Q6_K}
 BASE = dict(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, ffn_size=512,
             types=MIXED, num_layers=2)
 CASES = {
@@ -30,6 +33,9 @@ CASES = {
                                        tied_embeddings=False, **BASE), "ggml-vocab-llama-bpe.gguf"),
     "qwen2": (SyntheticSpec("qwen2", **BASE), "ggml-vocab-qwen2.gguf"),
     "qwen3": (SyntheticSpec("qwen3", rope_base=1000000.0, **BASE), "ggml-vocab-qwen2.gguf"),
+    # 8 experts of 256, 2 a token: with ~80 tokens every expert gets rows
+    "qwen3moe": (SyntheticSpec("qwen3moe", rope_base=1000000.0, num_experts=8, experts_used=2,
+                               expert_ffn_size=256, **BASE), "ggml-vocab-qwen2.gguf"),
     # the architecture does not depend on the vocabulary: a small SPM one keeps this fast
     # (Gemma's own 262k vocabulary is covered by the default-model tests)
     "gemma3": (SyntheticSpec("gemma3", sliding_window=8,
@@ -96,7 +102,22 @@ def test_logits_match_llama_cpp(tiny_model):
         centred = want - want.mean(axis=-1, keepdims=True)
         rel = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(centred, axis=-1)
         assert np.isfinite(got).all()
-        assert rel.max() < limit, f"{name} n={n}: relative logits error {rel.max():.5f}"
+        if name.startswith("qwen3moe"):
+            _check_moe(name, n, rel, limit)
+        else:
+            assert rel.max() < limit, f"{name} n={n}: relative logits error {rel.max():.5f}"
+
+
+def _check_moe(name: str, n: int, rel: np.ndarray, limit: float) -> None:
+    """A router whose k-th and next experts nearly tie for a token (0.01-0.05 nats apart in
+    its logits, measured) picks either, whichever side the rounding falls: that token's
+    logits then differ by 10-20%, and the later tokens' a little through attention. So
+    95% of the positions (every one of a short prompt) must be within the limit and the
+    median half of it; a wrong formula (weights, experts, activation) misses both."""
+    within = float((rel < limit).mean())
+    assert within >= (0.95 if n > 20 else 1.0), \
+        f"{name} n={n}: only {within:.0%} of the positions within {limit}: {np.sort(rel)[-5:]}"
+    assert np.median(rel) < limit / 2, f"{name} n={n}: median error {np.median(rel):.5f}"
 
 
 @pytest.mark.parametrize("tiny_model", QUANT_CASES, indirect=True)

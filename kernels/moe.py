@@ -1,0 +1,348 @@
+"""Mixture-of-experts kernels: the softmax router and the grouped dequant-matmul.
+
+A MoE block sends each of its T tokens to `k` of E experts (qwen3moe: softmax over the
+router's logits, the top k, their probabilities normalized to sum 1). Its T * k
+(token, expert) pairs are sorted by expert (`group_tiles`), so that every expert's rows lie
+together, and cut into tiles of `block_m` rows of one expert each. `moe_matmul` then runs
+one launch for every expert's product: a program per (tile, N tile) reads its expert's
+weights in their GGML blocks (E, N, row bytes) and its rows of x, gathered through the
+sorted token list, with qmatmul's product step (kernels/qscaled.py; F32/F16/BF16 experts as
+plain tiles). The tile table is built on the device from the routing, with a fixed length
+for T (at most min(E, T k) + ceil(T k / block_m) tiles; those past the real ones run no
+loop), so the whole block is captured in a CUDA graph like any other step.
+
+Batch invariance (DESIGN.md): a row's product depends only on its expert's weights and
+its own x row: the K order (qgemv.k_plan's block_k and split_k, the splits summed in
+order in the program) and block_m depend on (type, N, K, backend) only. The router is a
+program a token (a fixed-order dot and softmax), and `combine` adds a token's k expert
+outputs in the router's order. So a token's MoE output is bit-equal whatever else is in
+the step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from engine.errors import InvalidRequest, UnsupportedTensorType
+from kernels import qscaled, qtiles
+from kernels.qgemv import default_config, ptx, x_left
+from kernels.qmatmul import SUPPORTED_TYPES, _device_info, _lut
+from kernels.qtiles import GEOMETRY, NAMES
+from kernels.triton_util import HAS_TRITON, helper, interpreter_active, jit, launcher, tl
+
+__all__ = ["FLOAT_TYPES", "MOE_TYPES", "combine", "group_tiles", "moe_matmul",
+           "moe_matmul_reference", "route", "route_reference", "router_probs"]
+
+F32, F16, BF16 = 0, 1, 30
+FLOAT_TYPES = {F32: 4, F16: 2, BF16: 2}  # ggml type -> bytes an element
+MOE_TYPES = frozenset(SUPPORTED_TYPES) | frozenset(FLOAT_TYPES)
+_ROUTER_BLOCK_K = 64
+WEIGHT_SUM_FLOOR = 6.103515625e-5  # llama.cpp clamps the picked weights' sum (f16's least)
+
+
+def kernels_run(device: torch.device) -> bool:
+    return HAS_TRITON and (device.type != "cpu" or interpreter_active())
+
+
+# ---------------------------------------------------------------- routing
+
+
+def route_reference(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
+                    scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """h (T, d), router (E, d) float32 -> (weights (T, k) float32, experts (T, k) int64):
+    softmax over h @ router.T, its k largest (in descending order), divided by their sum
+    where `normalize`, times `scale` where set (llama.cpp's build_moe_ffn)."""
+    probs = torch.softmax(h.float() @ router.float().t(), dim=-1)
+    return _pick(probs, k, normalize, scale)
+
+
+def _pick(probs: torch.Tensor, k: int, normalize: bool,
+          scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    weights, experts = torch.topk(probs, k, dim=-1, sorted=True)
+    if normalize:  # the sum in a fixed order (a row's bits whatever the row count)
+        total = weights[:, 0].clone()
+        for j in range(1, k):
+            total += weights[:, j]
+        weights = weights / total.clamp(min=WEIGHT_SUM_FLOOR)[:, None]
+    if scale is not None:
+        weights = weights * scale
+    return weights, experts
+
+
+def route(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
+          scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """route_reference's routing, the probabilities from `router_probs` (one program a
+    token) where the kernels run."""
+    if not kernels_run(h.device):
+        return route_reference(h, router, k, normalize, scale)
+    return _pick(router_probs(h, router), k, normalize, scale)
+
+
+if HAS_TRITON:
+
+    @jit(do_not_specialize=["d"])
+    def _router_kernel(x_ptr, w_ptr, out_ptr, d, E, stride_x, BLOCK_E: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+        """out[t] = softmax(router @ x[t]) over the E experts, in float32, the dot summed
+        BLOCK_K columns at a time in column order."""
+        t = tl.program_id(0)
+        e = tl.arange(0, BLOCK_E)
+        e_ok = e < E
+        acc = tl.zeros((BLOCK_E,), tl.float32)
+        for k0 in range(0, d, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < d
+            x = tl.load(x_ptr + t.to(tl.int64) * stride_x + k, mask=k_ok, other=0.0)
+            w = tl.load(w_ptr + e[:, None].to(tl.int64) * d + k[None, :],
+                        mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.sum(w * x[None, :], axis=1)
+        logits = tl.where(e_ok, acc, float("-inf"))
+        z = tl.exp(logits - tl.max(logits, axis=0))
+        tl.store(out_ptr + t.to(tl.int64) * E + e, z / tl.sum(z, axis=0), mask=e_ok)
+
+
+def router_probs(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+    """h (T, d) float32, router (E, d) float32 contiguous -> softmax(h @ router.T) (T, E)."""
+    if h.dim() != 2 or router.dim() != 2 or h.shape[1] != router.shape[1] or \
+            h.dtype != torch.float32 or router.dtype != torch.float32 or h.stride(1) != 1:
+        raise InvalidRequest(f"router_probs: h (T, d) and router (E, d) float32, got "
+                             f"{h.dtype} {tuple(h.shape)} and {router.dtype} "
+                             f"{tuple(router.shape)}")
+    (t, d), e = h.shape, router.shape[0]
+    out = torch.empty(t, e, dtype=torch.float32, device=h.device)
+    if t:
+        launcher(_router_kernel, h.device)[(t,)](
+            h, router.contiguous(), out, d, e, h.stride(0),
+            BLOCK_E=triton_next_pow2(e), BLOCK_K=_ROUTER_BLOCK_K, num_warps=4)
+    return out
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# ---------------------------------------------------------------- grouping
+
+
+def max_tiles(pairs: int, num_experts: int, block_m: int) -> int:
+    """The most tiles `pairs` (token, expert) pairs can take: each expert with rows takes
+    ceil(rows / block_m), at most min(E, pairs) + ceil(pairs / block_m) in all."""
+    return min(num_experts, pairs) + -(-pairs // block_m)
+
+
+def group_tiles(experts: torch.Tensor, num_experts: int,
+                block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """experts (T, k) int64 -> (order, tokens, tiles), all on experts' device, no host
+    synchronisation:
+    - order (T k,): the flat pair indices (t * k + j) sorted by expert, stable;
+    - tokens (T k,) int32: the token of each sorted pair (x's row it multiplies);
+    - tiles (max_tiles, 3) int32: (expert, first sorted row, end row) of each tile of at
+      most block_m rows of one expert, in expert order; the rest (-1, 0, 0)."""
+    t, k = experts.shape
+    pairs = t * k
+    flat = experts.reshape(-1)
+    sorted_experts, order = torch.sort(flat, stable=True)
+    tokens = (order // k).to(torch.int32)
+    ids = torch.arange(num_experts + 1, device=flat.device, dtype=sorted_experts.dtype)
+    starts = torch.searchsorted(sorted_experts, ids)  # (E + 1,) first row of each expert
+    counts = starts[1:] - starts[:-1]
+    per_expert = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(per_expert, 0)
+    slot = torch.arange(max_tiles(pairs, num_experts, block_m), device=flat.device)
+    owner = torch.searchsorted(tile_end, slot, right=True)  # E: past the real tiles
+    real = owner < num_experts
+    e = owner.clamp(max=num_experts - 1)
+    first = starts[e] + (slot - (tile_end[e] - per_expert[e])) * block_m
+    end = torch.minimum(first + block_m, starts[e + 1])
+    tiles = torch.stack([torch.where(real, e, -1), torch.where(real, first, 0),
+                         torch.where(real, end, 0)], 1).to(torch.int32)
+    return order, tokens, tiles
+
+
+def combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y (T k, d) in sorted order -> (T, d): each token's k expert outputs times their
+    weights, added in the router's order."""
+    t, k = weights.shape
+    rows = torch.empty_like(order)
+    rows[order] = torch.arange(order.numel(), device=order.device)
+    per_pair = y[rows].view(t, k, -1)
+    out = per_pair[:, 0] * weights[:, 0, None]
+    for j in range(1, k):
+        out = out + per_pair[:, j] * weights[:, j, None]
+    return out
+
+
+# ---------------------------------------------------------------- grouped product
+
+
+def moe_matmul_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int,
+                         shape: tuple[int, int], experts: torch.Tensor,
+                         tokens: torch.Tensor | None) -> torch.Tensor:
+    """The definition: row r of the result is x[tokens[r]] (x[r] without tokens) @
+    dequantize(expert experts[r]'s blocks).T, in x's float precision (float32 at least)."""
+    from kernels.dequant import dequantize_reference  # needs gguf; the kernels do not
+
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rows = x if tokens is None else x[tokens.long()]
+    out = torch.empty(rows.shape[0], shape[0], dtype=dtype)
+    per_expert = blocks.reshape(blocks.shape[0], -1)
+    for e in torch.unique(experts).tolist():
+        sel = (experts == e).nonzero().reshape(-1)
+        w = dequantize_reference(per_expert[e], ggml_type, tuple(shape), dtype)
+        out[sel] = rows[sel].to(dtype) @ w.t()
+    return out
+
+
+if HAS_TRITON:
+
+    @helper
+    def _float_tile(QTYPE: tl.constexpr, w_ptr, row_off, k0, BK: tl.constexpr):
+        """(BN, BK) float32 weights of an F32 / F16 / BF16 matrix's rows at byte offsets
+        row_off, columns k0 .. k0 + BK."""
+        k = k0 + tl.arange(0, BK)
+        if QTYPE == 0:
+            rows = (w_ptr + row_off).to(tl.pointer_type(tl.float32), bitcast=True)
+        elif QTYPE == 1:
+            rows = (w_ptr + row_off).to(tl.pointer_type(tl.float16), bitcast=True)
+        else:
+            rows = (w_ptr + row_off).to(tl.pointer_type(tl.bfloat16), bitcast=True)
+        return tl.load(rows[:, None] + k[None, :]).to(tl.float32)
+
+    @jit
+    def _moe_mm_kernel(
+        x_ptr, w_ptr, out_ptr, lut_ptr, tokens_ptr, tiles_ptr, N, row_bytes, expert_bytes,
+        k_per_split, splits, stride_xm, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr,
+        DOT_F64: tl.constexpr, X_LEFT: tl.constexpr, PTX: tl.constexpr = False,
+    ):
+        """out[r, n] for the rows r of tile program_id(0) (one expert's) and the N tile
+        program_id(1): the sum, in split order, of each split's own K-range sum of
+        x[tokens[r] (r without GATHER), k] * W_expert[n, k]. A tile past the real ones
+        ((-1, 0, 0) in the table) runs no loop and stores nothing."""
+        tile = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        expert = tl.load(tiles_ptr + tile * 3)
+        first = tl.load(tiles_ptr + tile * 3 + 1)
+        end = tl.load(tiles_ptr + tile * 3 + 2)
+        rows = first + tl.arange(0, BLOCK_M)
+        m_ok = rows < end
+        if GATHER:
+            rm = tl.load(tokens_ptr + rows, mask=m_ok, other=0)
+        else:
+            rm = rows
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_expert = w_ptr + tl.maximum(expert, 0).to(tl.int64) * expert_bytes
+        row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
+        total = qtiles.acc_zeros(BLOCK_M, BLOCK_N, X_LEFT)
+        live = tl.where(expert >= 0, splits, 0)
+        for v in range(0, live):
+            acc = qtiles.acc_zeros(BLOCK_M, BLOCK_N, X_LEFT)  # each split starts at 0
+            for kk in range(0, k_per_split, BLOCK_K):
+                k0 = v * k_per_split + kk
+                if QTYPE == 0 or QTYPE == 1 or QTYPE == 30:
+                    w = _float_tile(QTYPE, w_expert, row_off, k0, BLOCK_K)
+                    xt = qtiles.x_tile(x_ptr, rm, m_ok, stride_xm, k0, BLOCK_K, X_LEFT)
+                    acc = qtiles.mac(acc, xt, w, X_LEFT, DOT_F64)
+                else:
+                    acc = qscaled.step(acc, QTYPE, w_expert, row_off, k0, lut_ptr, x_ptr, rm,
+                                       m_ok, stride_xm, BLOCK_N, BLOCK_K, BLOCK_M, X_LEFT,
+                                       DOT_F64, PTX)
+            total = tl.where(v == 0, acc, total + acc)  # (p0 + p1) + p2 ..., as split sums
+        offs, mask = qtiles.out_offsets(rows, rn, m_ok & (expert >= 0), N, X_LEFT)
+        tl.store(out_ptr + offs, total, mask=mask)
+
+
+class MoEPlan:
+    """A product's launch config: qmatmul's skinny config for the type and shape (its
+    block_m is the tile height group_tiles cuts by); float types as Q8_0 tiles."""
+
+    def __init__(self, ggml_type: int, shape: tuple[int, int], device: torch.device) -> None:
+        if int(ggml_type) not in MOE_TYPES:
+            raise UnsupportedTensorType(f"MoE experts: no kernel for GGML type {ggml_type}")
+        backend, sms = _device_info(device)
+        n, k = shape
+        as_type = qtiles.Q8_0 if int(ggml_type) in FLOAT_TYPES else int(ggml_type)
+        cfg = default_config(as_type, 16, n, k, backend=backend, num_sms=sms)
+        self.ggml_type, self.shape, self.config = int(ggml_type), (n, k), cfg
+        self.x_left = x_left(as_type)
+        if k % (cfg.split_k * cfg.block_k):
+            raise InvalidRequest(f"MoE experts: {cfg} does not fit in={k}")
+
+
+@functools.lru_cache(maxsize=256)
+def plan_for(ggml_type: int, shape: tuple[int, int], device: torch.device) -> MoEPlan:
+    return MoEPlan(ggml_type, shape, device)
+
+
+def row_bytes(ggml_type: int, k: int) -> int:
+    if ggml_type in FLOAT_TYPES:
+        return k * FLOAT_TYPES[ggml_type]
+    block, size, _ = GEOMETRY[ggml_type]
+    return k // block * size
+
+
+def moe_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int],
+               tokens: torch.Tensor | None, tiles: torch.Tensor, pairs: int) -> torch.Tensor:
+    """x (rows, K) float32/bf16, blocks (E, N, row bytes) uint8 -> (pairs, N) float32:
+    sorted row r is x[tokens[r]] (x[r] where tokens is None) times its tile's expert.
+    `tiles` from group_tiles with plan_for(...).config.block_m."""
+    n, k = shape
+    num_experts = blocks.shape[0]
+    if blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[1] != n or \
+            blocks.shape[2] != row_bytes(int(ggml_type), k) or not blocks.is_contiguous():
+        raise InvalidRequest(f"moe_matmul: {NAMES.get(int(ggml_type), ggml_type)} experts "
+                             f"{shape} need contiguous uint8 blocks (E, {n}, "
+                             f"{row_bytes(int(ggml_type), k)}), got {blocks.dtype} "
+                             f"{tuple(blocks.shape)}")
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or \
+            x.dtype not in (torch.float32, torch.bfloat16):
+        raise InvalidRequest(f"moe_matmul: x must be (rows, {k}) float32/bfloat16 with "
+                             f"contiguous rows, got {x.dtype} {tuple(x.shape)}")
+    plan = plan_for(int(ggml_type), (n, k), x.device)
+    cfg = plan.config
+    out = torch.empty(pairs, n, dtype=torch.float32, device=x.device)
+    if pairs == 0 or n == 0 or num_experts == 0:
+        return out
+    if x.dtype == torch.float32 and x.device.type != "cpu":
+        x = x.to(torch.bfloat16)  # the kernel rounds x to bf16 (qmatmul_tiled says why)
+    grid = (tiles.shape[0], -(-n // cfg.block_n))
+    launcher(_moe_mm_kernel, x.device)[grid](
+        x, blocks, out, _lut(int(ggml_type), x.device), x if tokens is None else tokens,
+        tiles, n, blocks.shape[2], blocks.shape[1] * blocks.shape[2], k // cfg.split_k,
+        cfg.split_k, x.stride(0), QTYPE=int(ggml_type), BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATHER=tokens is not None,
+        DOT_F64=x.device.type == "cpu", X_LEFT=plan.x_left, PTX=ptx(x.device),
+        num_warps=cfg.num_warps,
+        **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}))
+    return out
+
+
+def aot_specs(spec: type) -> list:
+    """kernels/aot.py: the grouped product of each type (gathered x, f32) with the config
+    each backend launches at Qwen3-30B-A3B's gate|up shape, and the router."""
+    if not HAS_TRITON:
+        return []
+    sig = {"x_ptr": "*fp32", "w_ptr": "*u8", "out_ptr": "*fp32", "lut_ptr": "*fp32",
+           "tokens_ptr": "*i32", "tiles_ptr": "*i32", "N": "i32", "row_bytes": "i32",
+           "expert_bytes": "i32", "k_per_split": "i32", "splits": "i32", "stride_xm": "i32"}
+    divisible = ("x_ptr", "w_ptr", "out_ptr", "lut_ptr", "tokens_ptr", "tiles_ptr",
+                 "row_bytes", "expert_bytes", "k_per_split", "stride_xm")
+    out = []
+    for qtype in sorted(MOE_TYPES):
+        as_type = qtiles.Q8_0 if qtype in FLOAT_TYPES else qtype
+        name = NAMES.get(qtype, {F32: "F32", F16: "F16", BF16: "BF16"}.get(qtype))
+        for backend in ("hip", "cuda"):
+            cfg = default_config(as_type, 16, 1536, 2048, backend=backend)
+            consts = {"QTYPE": qtype, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                      "BLOCK_K": cfg.block_k, "GATHER": True, "DOT_F64": False,
+                      "X_LEFT": x_left(as_type), "PTX": backend == "cuda"}
+            signature = {**sig, **{k: "constexpr" for k in consts}}
+            out.append(spec(f"moe_matmul_{name}", _moe_mm_kernel, signature, consts,
+                            cfg.num_warps, True, backend, cfg.num_stages, divisible))
+    signature = {"x_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32", "d": "i32", "E": "i32",
+                 "stride_x": "i32", "BLOCK_E": "constexpr", "BLOCK_K": "constexpr"}
+    out.append(spec("moe_router", _router_kernel, signature,
+                    {"BLOCK_E": 128, "BLOCK_K": _ROUTER_BLOCK_K}, 4, False))
+    return out

@@ -1,0 +1,32 @@
+"""Test helper run in the interpreter worker: one MoE block both ways."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+from test_qmatmul import random_weight
+
+from engine.kernel_select import set_mode
+from engine.layers.moe import GroupedExperts, MoE
+
+
+def block_both_ways(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (the block's output on the kernels, on the per-expert reference) for 13 tokens."""
+    rng = np.random.default_rng(seed)
+    e, hidden, ffn = 8, 256, 256
+
+    def experts(qtype: T, n: int, k: int) -> GroupedExperts:
+        return GroupedExperts(torch.stack([random_weight(qtype, n, k, rng) for _ in range(e)]),
+                              int(qtype), (n, k))
+
+    router = torch.from_numpy(rng.standard_normal((e, hidden), dtype=np.float32)) * 0.3
+    moe = MoE(router, [experts(T.Q4_K, ffn, hidden), experts(T.Q8_0, ffn, hidden)],
+              experts(T.Q6_K, hidden, ffn), 3, True, 1.5, "silu")
+    h = torch.from_numpy(rng.standard_normal((13, hidden), dtype=np.float32))
+    set_mode("triton")
+    try:
+        grouped = moe(h)
+    finally:
+        set_mode(None)
+    return grouped, moe._per_expert(h)
