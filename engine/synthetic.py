@@ -219,6 +219,11 @@ PRESETS: dict[str, SyntheticSpec] = {
                               num_kv_heads=8, head_dim=128, ffn_size=12288,
                               context_length=40960, rope_base=1000000.0,
                               tied_embeddings=False),
+    "qwen3-30b-a3b": SyntheticSpec("qwen3moe", num_layers=48, hidden_size=2048, num_heads=32,
+                                   num_kv_heads=4, head_dim=128, ffn_size=6144,
+                                   context_length=40960, rope_base=1000000.0,
+                                   tied_embeddings=False, num_experts=128, experts_used=8,
+                                   expert_ffn_size=768),
     "gemma3-270m": SyntheticSpec("gemma3", num_layers=18, hidden_size=640, num_heads=4,
                                  num_kv_heads=1, head_dim=256, ffn_size=2048,
                                  context_length=32768, rope_base=1000000.0,
@@ -247,7 +252,8 @@ RECIPES: dict[str, dict[str, int]] = {
 # preset has them: 8-expert MoE models (attn_v and attn_k Q8_0, attn_output Q5_K) and the
 # 70B model type (its other attn_v layers Q5_K).
 MORE_BITS: dict[str, dict[str, int]] = {
-    "Q4_K_M": {"attn_v.weight": T.Q6_K, "ffn_down.weight": T.Q6_K},
+    "Q4_K_M": {"attn_v.weight": T.Q6_K, "ffn_down.weight": T.Q6_K,
+               "ffn_down_exps.weight": T.Q6_K},  # its name test is "ffn_down" in the name
 }
 
 

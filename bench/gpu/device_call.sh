@@ -23,6 +23,10 @@
 #   busy    `mbufo bench clients` on a box that is never idle: 16 heavy streams of 1024
 #           tokens, 8 light clients arriving 0.3 s apart, q8; once for each AT[:WHEN] in
 #           CAPTURES (light TTFT against solo: what eager mixed steps cost under load)
+#   moe     engine_bench on the synthetic Qwen3-30B-A3B Q4_K_M (MoE: 128 experts, 8 a
+#           token) at 1/16/64 streams and pp512, q8 + graphs
+#   moe_peer llama.cpp on that file (written here too: a fresh machine has none), its
+#           build beside the file's writing
 # DIR (default .devdata) is the kit; DRY=1 prints the commands instead of running them.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -30,6 +34,8 @@ DIR=${DIR:-.devdata}
 OUT=${OUT:-$PWD/out}
 SYN="--synthetic llama-3.1-8b:Q4_K_M --variants q8+graphs --consumers asyncio"
 VOCAB=$DIR/cache/llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-llama-bpe.gguf
+QWEN_VOCAB=${VOCAB%/*}/ggml-vocab-qwen2.gguf
+MOE=qwen3-30b-a3b:Q4_K_M
 GPU_TESTS="tests/kernels tests/engine/test_gpu_parity.py tests/engine/test_tile_tune.py
   tests/engine/test_sampler.py tests/engine/test_gpu_paths.py"
 
@@ -101,7 +107,21 @@ plan() {
       fi
     done
     return $failed ;;
-  *) echo "unknown plan $1 (tests, engine, long, attn, fair, capture, busy)" >&2; return 2 ;;
+  moe)
+    run moe python3 bench/gpu/engine_bench.py --synthetic "$MOE" --variants q8+graphs \
+      --consumers asyncio --vocab "$QWEN_VOCAB" --concurrency 1,16,64 --tokens 64 \
+      --prefill 512 --forward-context 96 --no-profile --out "$OUT/moe" ;;
+  moe_peer)
+    local writer=0
+    if [ -z "${DRY:-}" ]; then
+      python3 -c "import sys; from engine.synthetic import ensure_synthetic as e
+print(e(sys.argv[1], sys.argv[2], '/tmp'))" "$MOE" "$QWEN_VOCAB" > "$OUT/moe_file.log" 2>&1 &
+      writer=$!
+    fi
+    run moe_peer env WAIT_PID=$writer bash bench/gpu/llama_cpp_peer.sh run "$DIR/llama-src.tgz" \
+      /tmp/qwen3-30b-a3b_Q4_K_M.gguf "$OUT/moe_peer" ;;
+  *) echo "unknown plan $1 (tests, engine, long, attn, fair, capture, busy, moe, moe_peer)" >&2
+     return 2 ;;
   esac
 }
 

@@ -5,7 +5,8 @@
 #           to what a CUDA or ROCm build needs (~5 MB), for a device machine with no network
 #   there:  bash bench/gpu/llama_cpp_peer.sh run SRC.tgz MODEL.gguf OUTDIR [cuda|hip] [ARCH]
 #           builds llama-bench and llama-batched-bench (CUDA arch 90 by default; hip:
-#           ARCH e.g. gfx1151), runs them and writes OUTDIR/peer.json (llama_cpp_peer.py)
+#           ARCH e.g. gfx1151), runs them and writes OUTDIR/peer.json (llama_cpp_peer.py);
+#           WAIT_PID: a process writing MODEL meanwhile, awaited after the build
 set -euo pipefail
 VER=0.3.36
 case "${1:-}" in
@@ -29,6 +30,8 @@ run)
   cmake -S "$build/src" -B "$build/b" -G Ninja "${flags[@]}" > "$outdir/build.log" 2>&1
   cmake --build "$build/b" -j"$(nproc)" --target llama-bench llama-batched-bench >> "$outdir/build.log" 2>&1
   bin=$build/b/bin
+  # WAIT_PID: a process still writing the model (built beside it); wait for it to end
+  while [ "${WAIT_PID:-0}" != 0 ] && kill -0 "$WAIT_PID" 2>/dev/null; do sleep 2; done
   "$bin/llama-bench" -m "$model" -ngl 99 -p 512,4096 -n 128 -r 2 -o json > "$outdir/llama_bench.json"
   "$bin/llama-batched-bench" -m "$model" -ngl 99 -c 20480 -b 2048 -ub 512 -npp 128 -ntg 128 \
     -npl 1,16,64 2>&1 | grep -E '^\|' > "$outdir/llama_batched.txt"

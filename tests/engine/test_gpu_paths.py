@@ -27,11 +27,18 @@ pytestmark = pytest.mark.gpu
 T = __import__("gguf").GGMLQuantizationType
 MIXED = {"attn_q.weight": T.Q4_K, "attn_k.weight": T.Q4_K, "attn_v.weight": T.Q6_K,
          "attn_output.weight": T.Q8_0, "ffn_gate.weight": T.Q4_K, "ffn_up.weight": T.Q4_K,
-         "ffn_down.weight": T.Q6_K, "token_embd.weight": T.Q8_0}
+         "ffn_down.weight": T.Q6_K, "token_embd.weight": T.Q8_0,
+         "ffn_gate_exps.weight": T.Q4_K, "ffn_up_exps.weight": T.Q4_K,
+         "ffn_down_exps.weight": T.Q6_K}
 SPECS = {
     "llama": (SyntheticSpec("llama", hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
                             ffn_size=512, num_layers=3, types=MIXED),
               "ggml-vocab-llama-bpe.gguf"),
+    # the grouped expert kernels in every path below (graphs, mixed steps, invariance)
+    "qwen3moe": (SyntheticSpec("qwen3moe", hidden_size=256, num_heads=4, num_kv_heads=2,
+                               head_dim=64, ffn_size=512, num_layers=3, num_experts=8,
+                               experts_used=2, expert_ffn_size=256, types=MIXED),
+                 "ggml-vocab-llama-bpe.gguf"),
     "gemma3": (SyntheticSpec("gemma3", hidden_size=256, num_heads=4, num_kv_heads=1,
                              head_dim=64, ffn_size=512, num_layers=6, sliding_window=16,
                              types=MIXED), "ggml-vocab-llama-spm.gguf"),

@@ -92,3 +92,22 @@ def test_copy_rate_is_a_measured_positive_rate():
     0.1 GB/s and less than 10 TB/s."""
     rate = copy_rate_gb_s("cpu", 64 << 20, repeats=3)
     assert 0.1 < rate < 10_000
+
+
+def test_a_moe_token_reads_its_share_of_the_experts(tmp_path, vocab_dir):
+    """qwen3moe: a token reads experts_used of the E experts of each expert tensor (and the
+    router whole), counted from gguf-py's bytes."""
+    spec = SyntheticSpec("qwen3moe", hidden_size=256, num_heads=8, num_kv_heads=KV_HEADS,
+                         head_dim=HEAD_DIM, ffn_size=768, num_layers=LAYERS, num_experts=8,
+                         experts_used=3, expert_ffn_size=256,
+                         types={"ffn_gate_exps.weight": T.Q4_K, "ffn_down_exps.weight": T.Q6_K,
+                                **TYPES})
+    path = tmp_path / "moe.gguf"
+    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-spm.gguf", seed=5)
+    sizes, _ = _tensor_bytes(path)
+    table = sizes.pop("token_embd.weight")  # tied: the head is the table
+    experts = sum(v for k, v in sizes.items() if "_exps." in k)
+    want = sum(sizes.values()) - experts + experts * 3 // 8 + table
+    want += LAYERS * 96 * KV_HEADS * HEAD_DIM * 4
+    with ModelFile.open(path) as mf:
+        assert decode_read_bytes(mf, read_config(mf), 96, "f16") == want
