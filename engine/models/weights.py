@@ -22,8 +22,8 @@ from engine.layers.ggml_linear import GGMLLinear
 from engine.layers.linear import Int8Linear, Linear, quantize_rows_int8
 from engine.layers.moe import DenseExperts, GroupedExperts, MoE
 from kernels.dequant import dequantize
-from kernels.moe import MOE_TYPES, row_bytes
 from kernels.gather_rows import can_gather
+from kernels.moe import MOE_TYPES, row_bytes
 
 INT8_SLICE_ROWS = 8192  # rows dequantized at a time when re-quantizing to int8
 # Linear weights: ggml (the file's blocks, fused dequant kernels), q8 (the blocks, with Q4_K
