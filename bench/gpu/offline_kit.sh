@@ -3,12 +3,12 @@
 # GPU box with Python 3.12, torch and triton but no gguf): the few wheels it lacks and the
 # vocabulary files of the reference's sdist, under DIR (default .devdata):
 #   DIR/wheels/*.whl                                   gguf, msgspec, llguidance (cp312, x86-64)
-#   DIR/cache/llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-llama-{bpe,spm}.gguf
+#   DIR/cache/llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-{llama-bpe,llama-spm,qwen2}.gguf
 # On the GPU machine (the tree with DIR copied along):
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site DIR/wheels/*.whl
 #   export PYTHONPATH=/tmp/site:$PWD MBUFO_TEST_CACHE=$PWD/DIR/cache
 #   python3 bench/gpu/engine_bench.py --vocab $MBUFO_TEST_CACHE/llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-llama-bpe.gguf ...
-# (tests/conftest.py finds the vocabulary files under MBUFO_TEST_CACHE.) About 11 MB.
+# (tests/conftest.py finds the vocabulary files under MBUFO_TEST_CACHE.) About 17 MB.
 # `offline_kit.sh DIR --peer` also packs llama.cpp's source as DIR/llama-src.tgz (~5 MB;
 # bench/gpu/llama_cpp_peer.sh run builds and measures it there).
 set -euo pipefail
@@ -30,7 +30,7 @@ import sys
 import tarfile
 
 with tarfile.open(sys.argv[1]) as tar:
-    names = ("ggml-vocab-llama-bpe.gguf", "ggml-vocab-llama-spm.gguf")
+    names = ("ggml-vocab-llama-bpe.gguf", "ggml-vocab-llama-spm.gguf", "ggml-vocab-qwen2.gguf")
     members = [m for m in tar.getmembers()
                if "/vendor/llama.cpp/models/" in m.name and m.name.endswith(names)]
     if len(members) != len(names):

@@ -25,6 +25,7 @@ from kernels.dequant import dequantize
 from kernels.gather_rows import can_gather
 from kernels.moe import MOE_TYPES, row_bytes
 
+FLOAT_TYPES_BY_DTYPE = {torch.float32: 0, torch.bfloat16: 30}  # GGML's F32 and BF16
 INT8_SLICE_ROWS = 8192  # rows dequantized at a time when re-quantizing to int8
 # Linear weights: ggml (the file's blocks, fused dequant kernels), q8 (the blocks, with Q4_K
 # products on 8-bit activations: kernels/qint.py), bf16 (dense in `dtype`), auto (ggml on
@@ -179,8 +180,9 @@ class WeightLoader:
             build: Callable[..., MoE]) -> MoE:
         """A MoE block's router (`ffn_gate_inp`, float32) and its experts
         (`ffn_{gate,up,down}_exps`): their blocks on a GPU's block layouts (gate and up as
-        one grouped product where they share a type), one dense linear an expert
-        otherwise. -> build(router, gate_up parts, down)."""
+        one grouped product where they share a type), dense bf16 (f32) experts for the
+        same grouped kernel on a GPU's dense layouts, one dense linear an expert on the
+        CPU. -> build(router, gate_up parts, down)."""
         e = num_experts
         router = self.load(prefix + "ffn_gate_inp.weight", (e, hidden), torch.float32)
         gate, up, down = (prefix + f"ffn_{n}_exps.weight" for n in ("gate", "up", "down"))
@@ -190,6 +192,15 @@ class WeightLoader:
                 parts = [GroupedExperts(torch.cat([p.blocks for p in parts], 1).contiguous(),
                                         parts[0].ggml_type, (2 * ffn, hidden))]
             return build(router, parts, self._experts(down, (e, hidden, ffn)))
+        if use_triton(self.device):
+            # the dense layouts on a GPU: the grouped kernel over dense experts (one launch
+            # a product, captured in graphs), never a loop over the experts
+            dense = self.dtype if self.dtype == torch.float32 else torch.bfloat16
+            kind = FLOAT_TYPES_BY_DTYPE[dense]
+            gate_up = torch.cat([self.load(n, (e, ffn, hidden), dense) for n in (gate, up)], 1)
+            downs = self.load(down, (e, hidden, ffn), dense)
+            return build(router, [GroupedExperts(_bytes(gate_up), kind, (2 * ffn, hidden))],
+                         GroupedExperts(_bytes(downs), kind, (hidden, ffn)))
         if self.int8:
             pairs = [self._int8_experts(n, (e, ffn, hidden)) for n in (gate, up)]
             gate_up = [Int8Linear(torch.cat([g[0], u[0]]), torch.cat([g[1], u[1]]))
@@ -221,3 +232,8 @@ class WeightLoader:
         per_expert = raw.view(e, -1) if e else raw.view(0, 0)
         return [quantize_rows_int8(dequantize(per_expert[i], ggml_type, (n, k), name=name))
                 for i in range(e)]
+
+
+def _bytes(dense: torch.Tensor) -> torch.Tensor:
+    """(E, N, K) float -> its bytes (E, N, K * itemsize) uint8, as GroupedExperts holds them."""
+    return dense.contiguous().view(torch.uint8)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
@@ -30,3 +33,27 @@ def block_both_ways(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     finally:
         set_mode(None)
     return grouped, moe._per_expert(h)
+
+
+def model_logits(path: str, weights: str, mode: str) -> tuple[torch.Tensor, set[str]]:
+    """A prompt's last logits from a tiny model loaded on the CPU with `weights`, the
+    kernels in `mode` (triton: interpreted, as a GPU would run them), and the kinds of
+    its experts."""
+    engine_tests = str(Path(__file__).parents[1] / "engine")  # span_batch's folder
+    if engine_tests not in sys.path:
+        sys.path.insert(0, engine_tests)
+    from span_batch import span_batch
+
+    from engine.build import EngineOptions, load_for
+    from engine.kv.pool import SeqPages
+    from engine.runner import ModelRunner
+
+    set_mode(mode)
+    try:
+        model = load_for(path, EngineOptions(device="cpu", dtype="f32", weights=weights)).model
+        kinds = {type(p).__name__ for b in model.blocks for p in (*b.moe.gate_up, b.moe.down)}
+        runner = ModelRunner(model, 64, 16, "f16", cuda_graphs=False, max_context=256)
+        seq = SeqPages(runner.pool)
+        return runner.forward(span_batch(runner, [seq], [(0, list(range(100, 112)))])), kinds
+    finally:
+        set_mode(None)

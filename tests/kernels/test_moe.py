@@ -142,6 +142,34 @@ def test_moe_block_on_the_kernels_matches_the_reference_path(interp, rng):
     assert rel < 5e-2, float(rel)
 
 
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory, vocab_dir):
+    from engine.synthetic import SyntheticSpec, write_synthetic_gguf
+
+    types = {"attn_q.weight": T.Q4_K, "attn_k.weight": T.Q4_K, "attn_v.weight": T.Q6_K,
+             "attn_output.weight": T.Q4_K, "ffn_gate_exps.weight": T.Q4_K,
+             "ffn_up_exps.weight": T.Q4_K, "ffn_down_exps.weight": T.Q6_K}
+    spec = SyntheticSpec("qwen3moe", hidden_size=256, num_heads=4, num_kv_heads=2,
+                         head_dim=64, ffn_size=512, num_layers=2, num_experts=8,
+                         experts_used=2, expert_ffn_size=256, types=types, default_type=T.F32)
+    path = tmp_path_factory.mktemp("moe") / "tiny.gguf"
+    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-spm.gguf", seed=5)
+    return str(path)
+
+
+def test_the_model_on_the_kernels_matches_its_cpu_path(interp, tiny_moe):
+    """The whole tiny qwen3moe as a GPU runs it (interpreted): the q8 layout's grouped
+    block experts and the dense layout's grouped F32 experts, against the CPU path's
+    per-expert loop. Measured 0.85% (q8: 8-bit activations and bf16 x) and 0.24%."""
+    cpu, kinds = interp.call("moe_case:model_logits", tiny_moe, "auto", "torch")
+    assert kinds == {"DenseExperts"}
+    for weights, bound in (("q8", 3e-2), ("auto", 1e-2)):
+        got, kinds = interp.call("moe_case:model_logits", tiny_moe, weights, "triton")
+        assert kinds == {"GroupedExperts"}
+        rel = (got - cpu).norm() / cpu.norm()
+        assert torch.isfinite(got).all() and rel < bound, (weights, float(rel))
+
+
 def test_bad_blocks_are_refused(rng):
     from kernels.moe import moe_matmul
 
