@@ -58,6 +58,7 @@ def kernel_specs(quick: bool = False) -> list[KernelSpec]:
         gather_rows,
         kv_store,
         moe,
+        moe_route,
         paged_attention,
         qgemv,
         qint,
@@ -67,7 +68,8 @@ def kernel_specs(quick: bool = False) -> list[KernelSpec]:
 
     specs = [*qgemv.aot_specs(KernelSpec), *qmatmul.aot_specs(KernelSpec),
              *paged_attention.aot_specs(KernelSpec), *qint.aot_specs(KernelSpec),
-             *qint_mma.aot_specs(KernelSpec), *moe.aot_specs(KernelSpec)]
+             *qint_mma.aot_specs(KernelSpec), *moe.aot_specs(KernelSpec),
+             *moe_route.aot_specs(KernelSpec)]
     if not quick:  # CI builds these in tests/kernels/test_fused_aot.py (no dots to check)
         specs += [*fused_norm.aot_specs(KernelSpec), *fused_rope.aot_specs(KernelSpec),
                   *kv_store.aot_specs(KernelSpec), *gated_act.aot_specs(KernelSpec),

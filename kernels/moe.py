@@ -1,22 +1,19 @@
-"""Mixture-of-experts kernels: the softmax router and the grouped dequant-matmul.
+"""Mixture-of-experts: the grouped dequant-matmul.
 
-A MoE block sends each of its T tokens to `k` of E experts (qwen3moe: softmax over the
-router's logits, the top k, their probabilities normalized to sum 1). Its T * k
-(token, expert) pairs are sorted by expert (`group_tiles`), so that every expert's rows lie
-together, and cut into tiles of `block_m` rows of one expert each. `moe_matmul` then runs
-one launch for every expert's product: a program per (tile, N tile) reads its expert's
-weights in their GGML blocks (E, N, row bytes) and its rows of x, gathered through the
-sorted token list, with qmatmul's product step (kernels/qscaled.py; F32/F16/BF16 experts as
-plain tiles). The tile table is built on the device from the routing, with a fixed length
-for T (at most min(E, T k) + ceil(T k / block_m) tiles; those past the real ones run no
-loop), so the whole block is captured in a CUDA graph like any other step.
+A MoE block sends each of its T tokens to `k` of E experts (kernels/moe_route.py routes).
+Its T * k (token, expert) pairs are sorted by expert (moe_route.group_tiles), so that every
+expert's rows lie together, and cut into tiles of `block_m` rows of one expert each.
+`moe_matmul` then runs one launch for every expert's product: a program per (tile, N tile)
+reads its expert's weights in their GGML blocks (E, N, row bytes) and its rows of x,
+gathered through the sorted token list, with qmatmul's product step (kernels/qscaled.py;
+F32/F16/BF16 experts as plain tiles). The tile table has a fixed length for T (tiles past
+the real ones run no loop), so the whole block is captured in a CUDA graph like any other
+step.
 
 Batch invariance (DESIGN.md): a row's product depends only on its expert's weights and
 its own x row: the K order (qgemv.k_plan's block_k and split_k, the splits summed in
-order in the program) and block_m depend on (type, N, K, backend) only. The router is a
-program a token (a fixed-order dot and softmax), and `combine` adds a token's k expert
-outputs in the router's order. So a token's MoE output is bit-equal whatever else is in
-the step.
+order in the program) and block_m depend on (type, N, K, backend) only; a row's place
+among the sorted rows does not reach its bits.
 """
 
 from __future__ import annotations
@@ -30,148 +27,14 @@ from kernels import qscaled, qtiles
 from kernels.qgemv import default_config, ptx, x_left
 from kernels.qmatmul import SUPPORTED_TYPES, _device_info, _lut
 from kernels.qtiles import GEOMETRY, NAMES
-from kernels.triton_util import HAS_TRITON, helper, interpreter_active, jit, launcher, tl
+from kernels.triton_util import HAS_TRITON, helper, jit, launcher, tl
 
-__all__ = ["FLOAT_TYPES", "MOE_TYPES", "combine", "group_tiles", "moe_matmul",
-           "moe_matmul_reference", "route", "route_reference", "router_probs"]
+__all__ = ["FLOAT_TYPES", "MOE_TYPES", "moe_matmul", "moe_matmul_reference", "plan_for",
+           "row_bytes"]
 
 F32, F16, BF16 = 0, 1, 30
 FLOAT_TYPES = {F32: 4, F16: 2, BF16: 2}  # ggml type -> bytes an element
 MOE_TYPES = frozenset(SUPPORTED_TYPES) | frozenset(FLOAT_TYPES)
-_ROUTER_BLOCK_K = 64
-WEIGHT_SUM_FLOOR = 6.103515625e-5  # llama.cpp clamps the picked weights' sum (f16's least)
-
-
-def kernels_run(device: torch.device) -> bool:
-    return HAS_TRITON and (device.type != "cpu" or interpreter_active())
-
-
-# ---------------------------------------------------------------- routing
-
-
-def route_reference(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
-                    scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """h (T, d), router (E, d) float32 -> (weights (T, k) float32, experts (T, k) int64):
-    softmax over h @ router.T, its k largest (in descending order), divided by their sum
-    where `normalize`, times `scale` where set (llama.cpp's build_moe_ffn)."""
-    probs = torch.softmax(h.float() @ router.float().t(), dim=-1)
-    return _pick(probs, k, normalize, scale)
-
-
-def _pick(probs: torch.Tensor, k: int, normalize: bool,
-          scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    weights, experts = torch.topk(probs, k, dim=-1, sorted=True)
-    if normalize:  # the sum in a fixed order (a row's bits whatever the row count)
-        total = weights[:, 0].clone()
-        for j in range(1, k):
-            total += weights[:, j]
-        weights = weights / total.clamp(min=WEIGHT_SUM_FLOOR)[:, None]
-    if scale is not None:
-        weights = weights * scale
-    return weights, experts
-
-
-def route(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
-          scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """route_reference's routing, the probabilities from `router_probs` (one program a
-    token) where the kernels run."""
-    if not kernels_run(h.device):
-        return route_reference(h, router, k, normalize, scale)
-    return _pick(router_probs(h, router), k, normalize, scale)
-
-
-if HAS_TRITON:
-
-    @jit(do_not_specialize=["d"])
-    def _router_kernel(x_ptr, w_ptr, out_ptr, d, E, stride_x, BLOCK_E: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
-        """out[t] = softmax(router @ x[t]) over the E experts, in float32, the dot summed
-        BLOCK_K columns at a time in column order."""
-        t = tl.program_id(0)
-        e = tl.arange(0, BLOCK_E)
-        e_ok = e < E
-        acc = tl.zeros((BLOCK_E,), tl.float32)
-        for k0 in range(0, d, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < d
-            x = tl.load(x_ptr + t.to(tl.int64) * stride_x + k, mask=k_ok, other=0.0)
-            w = tl.load(w_ptr + e[:, None].to(tl.int64) * d + k[None, :],
-                        mask=e_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.sum(w * x[None, :], axis=1)
-        logits = tl.where(e_ok, acc, float("-inf"))
-        z = tl.exp(logits - tl.max(logits, axis=0))
-        tl.store(out_ptr + t.to(tl.int64) * E + e, z / tl.sum(z, axis=0), mask=e_ok)
-
-
-def router_probs(h: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
-    """h (T, d) float32, router (E, d) float32 contiguous -> softmax(h @ router.T) (T, E)."""
-    if h.dim() != 2 or router.dim() != 2 or h.shape[1] != router.shape[1] or \
-            h.dtype != torch.float32 or router.dtype != torch.float32 or h.stride(1) != 1:
-        raise InvalidRequest(f"router_probs: h (T, d) and router (E, d) float32, got "
-                             f"{h.dtype} {tuple(h.shape)} and {router.dtype} "
-                             f"{tuple(router.shape)}")
-    (t, d), e = h.shape, router.shape[0]
-    out = torch.empty(t, e, dtype=torch.float32, device=h.device)
-    if t:
-        launcher(_router_kernel, h.device)[(t,)](
-            h, router.contiguous(), out, d, e, h.stride(0),
-            BLOCK_E=triton_next_pow2(e), BLOCK_K=_ROUTER_BLOCK_K, num_warps=4)
-    return out
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-# ---------------------------------------------------------------- grouping
-
-
-def max_tiles(pairs: int, num_experts: int, block_m: int) -> int:
-    """The most tiles `pairs` (token, expert) pairs can take: each expert with rows takes
-    ceil(rows / block_m), at most min(E, pairs) + ceil(pairs / block_m) in all."""
-    return min(num_experts, pairs) + -(-pairs // block_m)
-
-
-def group_tiles(experts: torch.Tensor, num_experts: int,
-                block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """experts (T, k) int64 -> (order, tokens, tiles), all on experts' device, no host
-    synchronisation:
-    - order (T k,): the flat pair indices (t * k + j) sorted by expert, stable;
-    - tokens (T k,) int32: the token of each sorted pair (x's row it multiplies);
-    - tiles (max_tiles, 3) int32: (expert, first sorted row, end row) of each tile of at
-      most block_m rows of one expert, in expert order; the rest (-1, 0, 0)."""
-    t, k = experts.shape
-    pairs = t * k
-    flat = experts.reshape(-1)
-    sorted_experts, order = torch.sort(flat, stable=True)
-    tokens = (order // k).to(torch.int32)
-    ids = torch.arange(num_experts + 1, device=flat.device, dtype=sorted_experts.dtype)
-    starts = torch.searchsorted(sorted_experts, ids)  # (E + 1,) first row of each expert
-    counts = starts[1:] - starts[:-1]
-    per_expert = (counts + block_m - 1) // block_m
-    tile_end = torch.cumsum(per_expert, 0)
-    slot = torch.arange(max_tiles(pairs, num_experts, block_m), device=flat.device)
-    owner = torch.searchsorted(tile_end, slot, right=True)  # E: past the real tiles
-    real = owner < num_experts
-    e = owner.clamp(max=num_experts - 1)
-    first = starts[e] + (slot - (tile_end[e] - per_expert[e])) * block_m
-    end = torch.minimum(first + block_m, starts[e + 1])
-    tiles = torch.stack([torch.where(real, e, -1), torch.where(real, first, 0),
-                         torch.where(real, end, 0)], 1).to(torch.int32)
-    return order, tokens, tiles
-
-
-def combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """y (T k, d) in sorted order -> (T, d): each token's k expert outputs times their
-    weights, added in the router's order."""
-    t, k = weights.shape
-    rows = torch.empty_like(order)
-    rows[order] = torch.arange(order.numel(), device=order.device)
-    per_pair = y[rows].view(t, k, -1)
-    out = per_pair[:, 0] * weights[:, 0, None]
-    for j in range(1, k):
-        out = out + per_pair[:, j] * weights[:, j, None]
-    return out
 
 
 # ---------------------------------------------------------------- grouped product
@@ -321,7 +184,7 @@ def moe_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tup
 
 def aot_specs(spec: type) -> list:
     """kernels/aot.py: the grouped product of each type (gathered x, f32) with the config
-    each backend launches at Qwen3-30B-A3B's gate|up shape, and the router."""
+    each backend launches at Qwen3-30B-A3B's gate|up shape."""
     if not HAS_TRITON:
         return []
     sig = {"x_ptr": "*fp32", "w_ptr": "*u8", "out_ptr": "*fp32", "lut_ptr": "*fp32",
@@ -341,8 +204,4 @@ def aot_specs(spec: type) -> list:
             signature = {**sig, **{k: "constexpr" for k in consts}}
             out.append(spec(f"moe_matmul_{name}", _moe_mm_kernel, signature, consts,
                             cfg.num_warps, True, backend, cfg.num_stages, divisible))
-    signature = {"x_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32", "d": "i32", "E": "i32",
-                 "stride_x": "i32", "BLOCK_E": "constexpr", "BLOCK_K": "constexpr"}
-    out.append(spec("moe_router", _router_kernel, signature,
-                    {"BLOCK_E": 128, "BLOCK_K": _ROUTER_BLOCK_K}, 4, False))
     return out

@@ -4,7 +4,8 @@ a token; the block's output is their outputs weighted by the picked probabilitie
 Two layouts of the expert weights (engine/models/weights.py picks):
 - `GroupedExperts`: the file's GGML blocks, (E, N, row bytes) on the device; on the Triton
   path the whole block is a handful of launches with fixed shapes for T (router, two
-  grouped products, activation, combine: kernels/moe.py), captured in graphs like the
+  grouped products, activation, combine: kernels/moe.py, kernels/moe_route.py), captured
+  in graphs like the
   dense MLP; elsewhere each expert's blocks are dequantized per call (the reference);
 - `DenseExperts`: one dense linear an expert (the CPU layouts: f32, bf16, int8), run
   expert by expert over the tokens that picked it.
@@ -20,7 +21,8 @@ from engine.kernel_select import use_triton
 from engine.layers.activation import ACTIVATIONS
 from engine.layers.linear import Int8Linear, Linear
 from kernels.gated_act import gated_act
-from kernels.moe import combine, group_tiles, moe_matmul, plan_for, route, route_reference
+from kernels.moe import moe_matmul, plan_for
+from kernels.moe_route import combine, group_tiles, route, route_reference
 from kernels.qmatmul import qmatmul_reference
 
 __all__ = ["DenseExperts", "GroupedExperts", "MoE"]

@@ -1,7 +1,8 @@
-"""kernels/moe.py: the grouped dequant-matmul (interpreted) against gguf-py's dequantize of
-each expert @ x in float64, the tile table against its definition, the router against a
-float64 softmax, batch invariance, and the whole MoE block on the kernels against the
-per-expert reference path (engine/layers/moe.py)."""
+"""kernels/moe.py and kernels/moe_route.py: the grouped dequant-matmul (interpreted) against
+gguf-py's dequantize of each expert @ x in float64; the routing, tile table and combining
+kernels against their references, the references against their definitions; batch
+invariance; the whole MoE block and a tiny qwen3moe on the kernels against the per-expert
+reference path (engine/layers/moe.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,16 @@ from gguf.quants import dequantize as gguf_dequantize
 from test_qmatmul import random_weight
 
 from engine.errors import InvalidRequest
-from kernels.moe import FLOAT_TYPES, group_tiles, max_tiles, plan_for
+from kernels.moe import FLOAT_TYPES, plan_for
+from kernels.moe_route import (
+    combine_reference,
+    group_tiles_reference,
+    max_tiles,
+    route_reference,
+)
 
 KERNEL = "kernels.moe:moe_matmul"
+GROUP = "kernels.moe_route:group_tiles"
 QTYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0, T.MXFP4, T.IQ4_XS]
 FLOATS = [T.F32, T.F16, T.BF16]
 CPU = torch.device("cpu")
@@ -52,13 +60,17 @@ def routed(rng, t: int, k: int, e: int, skip: int | None = None) -> torch.Tensor
     return torch.tensor(np.stack([rng.choice(pool, k, replace=False) for _ in range(t)]))
 
 
-def test_group_tiles_cover_each_expert_in_order(rng):
+def test_group_tiles_cover_each_expert_in_order(interp, rng):
+    """The reference against the definition (a stable sort by expert, tiles of at most
+    block_m rows of one expert, in order, then (-1, 0, 0)); the kernel against the
+    reference, bit for bit, with many pairs (several of its pair and slot steps)."""
     e, k, block_m = 9, 3, 4
-    for t in (1, 2, 7, 20):
+    for t in (1, 2, 7, 20, 61):
         experts = routed(rng, t, k, e, skip=4)
-        order, tokens, tiles = group_tiles(experts, e, block_m)
+        rows, tokens, tiles = group_tiles_reference(experts, e, block_m)
         flat = experts.reshape(-1)
-        assert torch.equal(order, torch.sort(flat, stable=True).indices)
+        order = torch.sort(flat, stable=True).indices
+        assert torch.equal(rows.long()[order], torch.arange(t * k))
         assert torch.equal(tokens.long(), order // k)
         assert tiles.shape == (max_tiles(t * k, e, block_m), 3)
         rows_seen = []
@@ -72,6 +84,33 @@ def test_group_tiles_cover_each_expert_in_order(rng):
         assert rows_seen == list(range(t * k))  # every sorted row once, in order
         real = tiles[:, 0] >= 0
         assert not real[real.long().sum():].any()  # the real tiles come first
+        got = interp.call(GROUP, experts.to(torch.int32), e, block_m)
+        for a, b in zip(got, (rows, tokens, tiles), strict=True):
+            assert torch.equal(a, b), (t, a, b)
+
+
+def test_route_and_combine_kernels_match_their_references(interp, rng):
+    """Softmax top-k (distinct probabilities), normalized and scaled, in float32 against
+    the float64 reference; a token's routing whatever shares its call; combine's sum."""
+    h = torch.from_numpy(rng.standard_normal((11, 300), dtype=np.float32))
+    router = torch.from_numpy(rng.standard_normal((37, 300), dtype=np.float32)) * 0.2
+    for normalize, scale in ((True, None), (False, 2.5)):
+        weights, experts = interp.call("kernels.moe_route:route", h, router, 5, normalize,
+                                       scale)
+        ref_w, ref_e = route_reference(h.double(), router.double(), 5, normalize, scale)
+        assert torch.equal(experts.long(), ref_e)
+        assert torch.allclose(weights.double(), ref_w, rtol=1e-5, atol=1e-7)
+        one_w, one_e = interp.call("kernels.moe_route:route", h[4:5], router, 5, normalize,
+                                   scale)
+        assert torch.equal(one_w[0], weights[4]) and torch.equal(one_e[0], experts[4])
+    y = torch.from_numpy(rng.standard_normal((55, 1100), dtype=np.float32))
+    rows = torch.from_numpy(rng.permutation(55).astype(np.int32))
+    weights = torch.from_numpy(rng.random((11, 5), dtype=np.float32))
+    got = interp.call("kernels.moe_route:combine", y, rows, weights)
+    ref = (y.double()[rows.long()].view(11, 5, -1) * weights.double()[..., None]).sum(1)
+    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(combine_reference(y, rows, weights).double(), ref, rtol=1e-5,
+                          atol=1e-5)
 
 
 @pytest.mark.parametrize("qtype", QTYPES + FLOATS, ids=lambda q: q.name)
@@ -83,8 +122,9 @@ def test_grouped_product_matches_gguf(interp, rng, qtype):
     x = torch.from_numpy(rng.standard_normal((t, k), dtype=np.float32))
     experts = routed(rng, t, used, e, skip=2)
     block_m = plan_for(int(qtype), (n, k), CPU).config.block_m
-    order, tokens, tiles = group_tiles(experts, e, block_m)
+    rows, tokens, tiles = group_tiles_reference(experts, e, block_m)
     y = interp.call(KERNEL, x, blocks, int(qtype), (n, k), tokens, tiles, t * used)
+    order = torch.argsort(rows.long())
     sorted_experts = experts.reshape(-1)[order].numpy()
     w = values[sorted_experts]  # (pairs, N, K)
     xs = x.double().numpy()[tokens.long().numpy()]
@@ -104,29 +144,16 @@ def test_a_tokens_rows_are_bit_equal_alone_and_among_others(interp, rng, qtype):
     x = torch.from_numpy(rng.standard_normal((23, k), dtype=np.float32))
     experts = routed(rng, 23, used, e)
     block_m = plan_for(int(qtype), (n, k), CPU).config.block_m
-    _, tok1, tiles1 = group_tiles(experts[:1], e, block_m)
+    rows1, tok1, tiles1 = group_tiles_reference(experts[:1], e, block_m)
     alone = interp.call(KERNEL, x[:1], blocks, int(qtype), (n, k), tok1, tiles1, used)
-    order, tokens, tiles = group_tiles(experts, e, block_m)
+    rows, tokens, tiles = group_tiles_reference(experts, e, block_m)
     among = interp.call(KERNEL, x, blocks, int(qtype), (n, k), tokens, tiles, 23 * used)
-    rows = torch.empty_like(order)
-    rows[order] = torch.arange(order.numel())
-    for j in range(used):  # pair (0, j) sits at sorted row rows[j] among the others
-        alone_row = alone[(torch.sort(experts[0], stable=True).indices == j).nonzero()[0, 0]]
-        assert torch.equal(alone_row, among[rows[j]])
+    for j in range(used):  # pair (0, j): row rows1[j] alone, rows[j] among the others
+        assert torch.equal(alone[rows1[j]], among[rows[j]])
     # without gather: x's rows are the sorted pairs themselves
     xs = x[tokens.long()]
     direct = interp.call(KERNEL, xs, blocks, int(qtype), (n, k), None, tiles, 23 * used)
     assert torch.equal(direct, among)
-
-
-def test_router_matches_float64_softmax(interp, rng):
-    h = torch.from_numpy(rng.standard_normal((11, 200), dtype=np.float32))
-    router = torch.from_numpy(rng.standard_normal((37, 200), dtype=np.float32)) * 0.2
-    probs = interp.call("kernels.moe:router_probs", h, router)
-    ref = torch.softmax(h.double() @ router.double().t(), -1)
-    assert torch.allclose(probs.double(), ref, rtol=1e-5, atol=1e-7)
-    one = interp.call("kernels.moe:router_probs", h[4:5], router)
-    assert torch.equal(one[0], probs[4])  # a token's probabilities whatever shares its call
 
 
 def test_moe_block_on_the_kernels_matches_the_reference_path(interp, rng):
@@ -175,6 +202,6 @@ def test_bad_blocks_are_refused(rng):
 
     blocks = torch.zeros(2, 8, 100, dtype=torch.uint8)
     experts = torch.tensor([[0], [1]])
-    _, tokens, tiles = group_tiles(experts, 2, 16)
+    _, tokens, tiles = group_tiles_reference(experts, 2, 16)
     with pytest.raises(InvalidRequest, match="blocks"):
         moe_matmul(torch.zeros(2, 256), blocks, int(T.Q4_K), (8, 256), tokens, tiles, 2)
