@@ -27,6 +27,8 @@
 #           token) at 1/16/64 streams and pp512, q8 + graphs
 #   moe_peer llama.cpp on that file (written here too: a fresh machine has none), its
 #           build beside the file's writing
+#   moe_both moe with llama.cpp built beside it (nice 19, 12 jobs), then llama.cpp on
+#           the file moe wrote
 # DIR (default .devdata) is the kit; DRY=1 prints the commands instead of running them.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -120,7 +122,18 @@ print(e(sys.argv[1], sys.argv[2], '/tmp'))" "$MOE" "$QWEN_VOCAB" > "$OUT/moe_fil
     fi
     run moe_peer env WAIT_PID=$writer bash bench/gpu/llama_cpp_peer.sh run "$DIR/llama-src.tgz" \
       /tmp/qwen3-30b-a3b_Q4_K_M.gguf "$OUT/moe_peer" ;;
-  *) echo "unknown plan $1 (tests, engine, long, attn, fair, capture, busy, moe, moe_peer)" >&2
+  moe_both)
+    local build=/tmp/peer_build rc=0
+    if [ -z "${DRY:-}" ]; then
+      (JOBS=12 nice -n 19 bash bench/gpu/llama_cpp_peer.sh build "$DIR/llama-src.tgz" \
+        "$build" > "$OUT/peer_build.log" 2>&1; touch "$build/done") &
+    fi
+    plan moe || rc=1
+    run moe_peer env PEER_BUILD="$build" bash bench/gpu/llama_cpp_peer.sh run \
+      "$DIR/llama-src.tgz" /tmp/qwen3-30b-a3b_Q4_K_M.gguf "$OUT/moe_peer" || rc=1
+    return $rc ;;
+  *) echo "unknown plan $1 (tests, engine, long, attn, fair, capture, busy, moe, moe_peer," \
+       "moe_both)" >&2
      return 2 ;;
   esac
 }
