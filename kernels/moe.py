@@ -24,7 +24,7 @@ import torch
 
 from engine.errors import InvalidRequest, UnsupportedTensorType
 from kernels import qscaled, qtiles
-from kernels.qgemv import default_config, ptx, x_left
+from kernels.qgemv import QMMConfig, default_config, ptx, x_left
 from kernels.qmatmul import SUPPORTED_TYPES, _device_info, _lut
 from kernels.qtiles import GEOMETRY, NAMES
 from kernels.triton_util import HAS_TRITON, helper, jit, launcher, tl
@@ -117,9 +117,16 @@ if HAS_TRITON:
         tl.store(out_ptr + offs, total, mask=mask)
 
 
+# Rows an expert gets on average (pairs / E) from which a product takes qmatmul's tiled
+# config (64-row tiles: a prefill chunk's), below it the skinny one (16 rows at most but
+# for wgmma's x-left types: a decode step's). Both keep the K order and the matrix
+# instruction family (kernels/qgemv.py's default_config), so a row's bits do not change.
+TILED_ROWS = 24
+
+
 class MoEPlan:
-    """A product's launch config: qmatmul's skinny config for the type and shape (its
-    block_m is the tile height group_tiles cuts by); float types as Q8_0 tiles."""
+    """A product's launch configs: qmatmul's skinny and tiled ones for the type and shape
+    (their block_m is the tile height group_tiles cuts by); float types as Q8_0 tiles."""
 
     def __init__(self, ggml_type: int, shape: tuple[int, int], device: torch.device) -> None:
         if int(ggml_type) not in MOE_TYPES:
@@ -127,11 +134,17 @@ class MoEPlan:
         backend, sms = _device_info(device)
         n, k = shape
         as_type = qtiles.Q8_0 if int(ggml_type) in FLOAT_TYPES else int(ggml_type)
-        cfg = default_config(as_type, 16, n, k, backend=backend, num_sms=sms)
-        self.ggml_type, self.shape, self.config = int(ggml_type), (n, k), cfg
+        self.skinny = default_config(as_type, 16, n, k, backend=backend, num_sms=sms)
+        self.tiled = default_config(as_type, 64, n, k, backend=backend, num_sms=sms)
+        self.ggml_type, self.shape = int(ggml_type), (n, k)
         self.x_left = x_left(as_type)
-        if k % (cfg.split_k * cfg.block_k):
-            raise InvalidRequest(f"MoE experts: {cfg} does not fit in={k}")
+        for cfg in (self.skinny, self.tiled):
+            if k % (cfg.split_k * cfg.block_k) or cfg[2:4] != self.skinny[2:4]:
+                raise InvalidRequest(f"MoE experts: {cfg} does not fit in={k}")
+
+    def config(self, pairs: int, num_experts: int) -> QMMConfig:
+        """The config of a call of `pairs` rows over `num_experts` experts."""
+        return self.tiled if pairs >= TILED_ROWS * num_experts else self.skinny
 
 
 @functools.lru_cache(maxsize=256)
@@ -150,7 +163,7 @@ def moe_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tup
                tokens: torch.Tensor | None, tiles: torch.Tensor, pairs: int) -> torch.Tensor:
     """x (rows, K) float32/bf16, blocks (E, N, row bytes) uint8 -> (pairs, N) float32:
     sorted row r is x[tokens[r]] (x[r] where tokens is None) times its tile's expert.
-    `tiles` from group_tiles with plan_for(...).config.block_m."""
+    `tiles` from group_tiles with the block_m of plan_for(...).config(pairs, E)."""
     n, k = shape
     num_experts = blocks.shape[0]
     if blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[1] != n or \
@@ -164,7 +177,7 @@ def moe_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tup
         raise InvalidRequest(f"moe_matmul: x must be (rows, {k}) float32/bfloat16 with "
                              f"contiguous rows, got {x.dtype} {tuple(x.shape)}")
     plan = plan_for(int(ggml_type), (n, k), x.device)
-    cfg = plan.config
+    cfg = plan.config(pairs, num_experts)
     out = torch.empty(pairs, n, dtype=torch.float32, device=x.device)
     if pairs == 0 or n == 0 or num_experts == 0:
         return out
@@ -183,8 +196,8 @@ def moe_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tup
 
 
 def aot_specs(spec: type) -> list:
-    """kernels/aot.py: the grouped product of each type (gathered x, f32) with the config
-    each backend launches at Qwen3-30B-A3B's gate|up shape."""
+    """kernels/aot.py: the grouped product of each type (gathered x, f32) with the skinny
+    and the tiled config each backend launches at Qwen3-30B-A3B's gate|up shape."""
     if not HAS_TRITON:
         return []
     sig = {"x_ptr": "*fp32", "w_ptr": "*u8", "out_ptr": "*fp32", "lut_ptr": "*fp32",
@@ -197,11 +210,13 @@ def aot_specs(spec: type) -> list:
         as_type = qtiles.Q8_0 if qtype in FLOAT_TYPES else qtype
         name = NAMES.get(qtype, {F32: "F32", F16: "F16", BF16: "BF16"}.get(qtype))
         for backend in ("hip", "cuda"):
-            cfg = default_config(as_type, 16, 1536, 2048, backend=backend)
-            consts = {"QTYPE": qtype, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                      "BLOCK_K": cfg.block_k, "GATHER": True, "DOT_F64": False,
-                      "X_LEFT": x_left(as_type), "PTX": backend == "cuda"}
-            signature = {**sig, **{k: "constexpr" for k in consts}}
-            out.append(spec(f"moe_matmul_{name}", _moe_mm_kernel, signature, consts,
-                            cfg.num_warps, True, backend, cfg.num_stages, divisible))
+            for m, suffix in ((16, ""), (64, "_m64")):  # the skinny and the tiled config
+                cfg = default_config(as_type, m, 1536, 2048, backend=backend)
+                consts = {"QTYPE": qtype, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                          "BLOCK_K": cfg.block_k, "GATHER": True, "DOT_F64": False,
+                          "X_LEFT": x_left(as_type), "PTX": backend == "cuda"}
+                signature = {**sig, **{k: "constexpr" for k in consts}}
+                out.append(spec(f"moe_matmul_{name}{suffix}", _moe_mm_kernel, signature,
+                                consts, cfg.num_warps, True, backend, cfg.num_stages,
+                                divisible))
     return out

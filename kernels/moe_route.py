@@ -1,7 +1,8 @@
 """A MoE block's routing and its glue around the grouped products (kernels/moe.py), each
 one launch of fixed shapes for the step's T tokens (a CUDA graph captures them):
 
-- `route`: the router's logits (a program per token and 16 experts: a fixed-order dot),
+- `route`: the router's logits (a program per token and 4 experts: a fixed-order dot; one
+  token's 128 x 2048 float32 router is 1 MB, read by 32 programs),
   then per token the softmax, its k largest probabilities (descending, the lower expert
   first on a tie), divided by their sum (added in that order) where `normalize`, times
   `scale` where set: llama.cpp's build_moe_ffn for qwen3moe;
@@ -27,7 +28,7 @@ __all__ = ["combine", "combine_reference", "group_tiles", "group_tiles_reference
            "max_tiles", "route", "route_reference"]
 
 WEIGHT_SUM_FLOOR = 6.103515625e-5  # llama.cpp clamps the picked weights' sum (f16's least)
-_LOGIT_EXPERTS, _LOGIT_K = 16, 256  # a router program's experts and columns a step
+_LOGIT_EXPERTS, _LOGIT_K = 4, 512  # a router program's experts and columns a step
 _GROUP_PAIRS, _TILE_SLOTS = 64, 32  # the grouping program's pairs and tile slots a step
 _COMBINE_BLOCK = 1024
 

@@ -35,9 +35,9 @@ class GroupedExperts:
         self.blocks, self.ggml_type, self.shape = blocks, int(ggml_type), shape
         self.plan = plan_for(self.ggml_type, shape, blocks.device)
 
-    @property
-    def block_m(self) -> int:
-        return self.plan.config.block_m
+    def block_m(self, pairs: int) -> int:
+        """The tile height of a call of `pairs` rows (group_tiles cuts them so)."""
+        return self.plan.config(pairs, self.blocks.shape[0]).block_m
 
     def grouped(self, x: torch.Tensor, tokens: torch.Tensor | None, tiles: torch.Tensor,
                 pairs: int) -> torch.Tensor:
@@ -88,9 +88,10 @@ class MoE:
         tables: dict[int, tuple] = {}  # block_m -> group_tiles (types differ in tile height)
 
         def tiles(part: GroupedExperts) -> tuple:
-            if part.block_m not in tables:
-                tables[part.block_m] = group_tiles(experts, self.num_experts, part.block_m)
-            return tables[part.block_m]
+            block_m = part.block_m(pairs)
+            if block_m not in tables:
+                tables[block_m] = group_tiles(experts, self.num_experts, block_m)
+            return tables[block_m]
 
         gu = [p.grouped(h, tiles(p)[1], tiles(p)[2], pairs) for p in self.gate_up]
         gate_up = gu[0] if len(gu) == 1 else torch.cat(gu, 1)

@@ -36,8 +36,10 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-def experts_weights(qtype: T, e: int, n: int, k: int, rng) -> tuple[torch.Tensor, np.ndarray]:
-    """(E, N, row bytes) uint8 blocks and their float64 values (E, N, K)."""
+def experts_weights(qtype: T, e: int, n: int, k: int, rng,
+                    values_of: list[int] | None = None) -> tuple[torch.Tensor, np.ndarray]:
+    """(E, N, row bytes) uint8 blocks and their float64 values (E, N, K), or those of the
+    experts `values_of` only (in that order)."""
     if int(qtype) in FLOAT_TYPES:
         w = rng.standard_normal((e, n, k)).astype(np.float32)
         if qtype == T.F16:
@@ -48,9 +50,11 @@ def experts_weights(qtype: T, e: int, n: int, k: int, rng) -> tuple[torch.Tensor
             raw, values = t.view(torch.int16).numpy(), t.double().numpy()
         else:
             raw, values = w, w.astype(np.float64)
-        return torch.from_numpy(raw.view(np.uint8).reshape(e, n, -1).copy()), values
+        blocks = torch.from_numpy(raw.view(np.uint8).reshape(e, n, -1).copy())
+        return blocks, values if values_of is None else values[values_of]
     blocks = torch.stack([random_weight(qtype, n, k, rng) for _ in range(e)])
-    values = np.stack([gguf_dequantize(b.numpy(), qtype).astype(np.float64) for b in blocks])
+    values = np.stack([gguf_dequantize(blocks[i].numpy(), qtype).astype(np.float64)
+                       for i in (range(e) if values_of is None else values_of)])
     return blocks, values
 
 
@@ -116,13 +120,24 @@ def test_route_and_combine_kernels_match_their_references(interp, rng):
 @pytest.mark.parametrize("qtype", QTYPES + FLOATS, ids=lambda q: q.name)
 def test_grouped_product_matches_gguf(interp, rng, qtype):
     """Rows gathered by token, each times its expert's weights; N = 40 is no whole tile
-    and expert 2 gets no rows."""
-    e, n, k, t, used = 5, 40, 256, 7, 2
+    and expert 2 gets no rows (a decode-sized call: the skinny config)."""
+    check_grouped(interp, rng, qtype, e=5, t=7, skinny=True)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.MXFP4, T.BF16], ids=lambda q: q.name)
+def test_grouped_product_in_prefill_tiles_matches_gguf(interp, rng, qtype):
+    """40 tokens on 3 experts (27 rows an expert): the tiled config's 64-row tiles."""
+    check_grouped(interp, rng, qtype, e=3, t=40, skinny=False)
+
+
+def check_grouped(interp, rng, qtype: T, e: int, t: int, skinny: bool) -> None:
+    n, k, used = 40, 256, 2
     blocks, values = experts_weights(qtype, e, n, k, rng)
     x = torch.from_numpy(rng.standard_normal((t, k), dtype=np.float32))
-    experts = routed(rng, t, used, e, skip=2)
-    block_m = plan_for(int(qtype), (n, k), CPU).config.block_m
-    rows, tokens, tiles = group_tiles_reference(experts, e, block_m)
+    experts = routed(rng, t, used, e, skip=2 if e > 3 else None)
+    plan = plan_for(int(qtype), (n, k), CPU)
+    assert (plan.config(t * used, e) is plan.skinny) == skinny
+    rows, tokens, tiles = group_tiles_reference(experts, e, plan.config(t * used, e).block_m)
     y = interp.call(KERNEL, x, blocks, int(qtype), (n, k), tokens, tiles, t * used)
     order = torch.argsort(rows.long())
     sorted_experts = experts.reshape(-1)[order].numpy()
@@ -137,22 +152,24 @@ def test_grouped_product_matches_gguf(interp, rng, qtype):
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.MXFP4, T.BF16], ids=lambda q: q.name)
 def test_a_tokens_rows_are_bit_equal_alone_and_among_others(interp, rng, qtype):
-    """Token 0's products alone (T = 1) and as one of 23 tokens, in sorted rows that share
-    its experts' tiles with others, without gather (the down product's x)."""
-    e, n, k, used = 6, 72, 512, 3
+    """Token 0's products alone (T = 1, the skinny config) and as one of 50 tokens (the
+    tiled one), in sorted rows that share its experts' tiles with others, and without
+    gather (the down product's x)."""
+    e, n, k, used, t = 6, 72, 512, 3, 50
     blocks, _ = experts_weights(qtype, e, n, k, rng)
-    x = torch.from_numpy(rng.standard_normal((23, k), dtype=np.float32))
-    experts = routed(rng, 23, used, e)
-    block_m = plan_for(int(qtype), (n, k), CPU).config.block_m
-    rows1, tok1, tiles1 = group_tiles_reference(experts[:1], e, block_m)
+    x = torch.from_numpy(rng.standard_normal((t, k), dtype=np.float32))
+    experts = routed(rng, t, used, e)
+    plan = plan_for(int(qtype), (n, k), CPU)
+    assert plan.config(used, e) is plan.skinny and plan.config(t * used, e) is plan.tiled
+    rows1, tok1, tiles1 = group_tiles_reference(experts[:1], e, plan.skinny.block_m)
     alone = interp.call(KERNEL, x[:1], blocks, int(qtype), (n, k), tok1, tiles1, used)
-    rows, tokens, tiles = group_tiles_reference(experts, e, block_m)
-    among = interp.call(KERNEL, x, blocks, int(qtype), (n, k), tokens, tiles, 23 * used)
+    rows, tokens, tiles = group_tiles_reference(experts, e, plan.tiled.block_m)
+    among = interp.call(KERNEL, x, blocks, int(qtype), (n, k), tokens, tiles, t * used)
     for j in range(used):  # pair (0, j): row rows1[j] alone, rows[j] among the others
         assert torch.equal(alone[rows1[j]], among[rows[j]])
     # without gather: x's rows are the sorted pairs themselves
     xs = x[tokens.long()]
-    direct = interp.call(KERNEL, xs, blocks, int(qtype), (n, k), None, tiles, 23 * used)
+    direct = interp.call(KERNEL, xs, blocks, int(qtype), (n, k), None, tiles, t * used)
     assert torch.equal(direct, among)
 
 
@@ -205,3 +222,35 @@ def test_bad_blocks_are_refused(rng):
     _, tokens, tiles = group_tiles_reference(experts, 2, 16)
     with pytest.raises(InvalidRequest, match="blocks"):
         moe_matmul(torch.zeros(2, 256), blocks, int(T.Q4_K), (8, 256), tokens, tiles, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.MXFP4, T.BF16], ids=lambda q: q.name)
+def test_tiled_rows_bit_equal_on_the_device(rng, qtype):
+    """On the GPU, at Qwen3-30B-A3B's gate|up shape (128 experts of 1536 x 2048, 8 a
+    token): a token's rows alone (the skinny config) are bit-equal to its rows among 400
+    tokens (the tiled config, 64-row tiles), and within 2^-7 of float64 (gguf-py)."""
+    if not torch.cuda.is_available():
+        pytest.fail("marked gpu: run on a GPU machine with pytest -m gpu")
+    from kernels.moe import moe_matmul
+    from kernels.moe_route import group_tiles
+
+    e, n, k, used, t = 128, 1536, 2048, 8, 400
+    experts = routed(rng, t, used, e)
+    blocks, values = experts_weights(qtype, e, n, k, rng, values_of=experts[0].tolist())
+    dev = torch.device("cuda")
+    blocks, experts = blocks.to(dev), experts.to(dev)
+    x = torch.from_numpy(rng.standard_normal((t, k), dtype=np.float32)).to(dev)
+    plan = plan_for(int(qtype), (n, k), dev)
+    assert plan.config(used, e) is plan.skinny and plan.config(t * used, e) is plan.tiled
+    rows1, tok1, tiles1 = group_tiles(experts[:1], e, plan.skinny.block_m)
+    alone = moe_matmul(x[:1], blocks, int(qtype), (n, k), tok1, tiles1, used)
+    rows, tokens, tiles = group_tiles(experts, e, plan.tiled.block_m)
+    among = moe_matmul(x, blocks, int(qtype), (n, k), tokens, tiles, t * used)
+    for j in range(used):
+        assert torch.equal(alone[rows1[j].long()], among[rows[j].long()]), j
+    w = values  # token 0's experts (used, N, K)
+    xs = x[0].double().cpu().numpy()
+    ref, bound = w @ xs, np.abs(w) @ np.abs(xs)
+    got = alone[rows1.long()].double().cpu().numpy()
+    assert (np.abs(got - ref) <= 2**-7 * bound + 1e-30).all()
