@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from engine.errors import InvalidRequest
-from kernels.triton_util import HAS_TRITON, interpreter_active, jit, launcher, tl
+from kernels.triton_util import HAS_TRITON, helper, interpreter_active, jit, launcher, tl
 
 __all__ = ["combine", "combine_reference", "group_tiles", "group_tiles_reference",
            "max_tiles", "route", "route_reference"]
@@ -92,13 +92,15 @@ if HAS_TRITON:
         logits = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf"))
         z = tl.exp(logits - tl.max(logits, axis=0))
         probs = tl.where(e < E, z / tl.sum(z, axis=0), -1.0)
+        # a graph's padding token may hold any bits (NaN, inf): its picks stay in range
+        probs = tl.where(probs == probs, probs, 0.0)
         j = tl.arange(0, BLOCK_KP)
         picked = tl.zeros((BLOCK_KP,), tl.float32)
         ids = tl.zeros((BLOCK_KP,), tl.int32)
         total = 0.0
         for i in tl.static_range(K):
             best = tl.max(probs, axis=0)
-            first = tl.min(tl.where(probs == best, e, BLOCK_E), axis=0)
+            first = tl.minimum(tl.min(tl.where(probs == best, e, BLOCK_E), axis=0), E - 1)
             picked = tl.where(j == i, best, picked)
             ids = tl.where(j == i, first, ids)
             total += best
@@ -169,6 +171,13 @@ def group_tiles_reference(experts: torch.Tensor, num_experts: int,
 
 if HAS_TRITON:
 
+    @helper
+    def _expert_of(experts_ptr, p, P, E, BLOCK_E: tl.constexpr):
+        """Pair p's expert, clamped into [0, E) (every pair gets a row whatever its id);
+        BLOCK_E (no expert) past the P pairs."""
+        ex = tl.load(experts_ptr + p, mask=p < P, other=0)
+        return tl.where(p < P, tl.minimum(tl.maximum(ex, 0), E - 1), BLOCK_E)
+
     @jit(do_not_specialize=["P", "slots"])
     def _group_kernel(experts_ptr, rows_ptr, tokens_ptr, tiles_ptr, P, k, E, block_m, slots,
                       BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -179,13 +188,13 @@ if HAS_TRITON:
         counts = tl.zeros((BLOCK_E,), tl.int32)
         for p0 in range(0, P, BLOCK_P):
             p = p0 + tl.arange(0, BLOCK_P)
-            ex = tl.load(experts_ptr + p, mask=p < P, other=BLOCK_E)
+            ex = _expert_of(experts_ptr, p, P, E, BLOCK_E)
             counts += tl.sum((ex[:, None] == e[None, :]).to(tl.int32), axis=0)
         starts = tl.cumsum(counts, axis=0) - counts
         seen = tl.zeros((BLOCK_E,), tl.int32)
         for p0 in range(0, P, BLOCK_P):
             p = p0 + tl.arange(0, BLOCK_P)
-            ex = tl.load(experts_ptr + p, mask=p < P, other=BLOCK_E)
+            ex = _expert_of(experts_ptr, p, P, E, BLOCK_E)
             hot = (ex[:, None] == e[None, :]).to(tl.int32)  # (pairs, experts)
             before = tl.cumsum(hot, axis=0) - hot + (starts + seen)[None, :]
             row = tl.sum(hot * before, axis=1)

@@ -93,6 +93,28 @@ def test_group_tiles_cover_each_expert_in_order(interp, rng):
             assert torch.equal(a, b), (t, a, b)
 
 
+def test_garbage_rows_route_in_range_and_group_without_clobbering(interp, rng):
+    """A graph's padding tokens hold whatever their buffers held (NaN, inf): their picks
+    stay distinct experts in range, the other tokens' routing is untouched, and a pair
+    whose expert id is out of range still gets a row of its own (the grouping is a
+    permutation), so no real row's token is overwritten."""
+    h = torch.from_numpy(rng.standard_normal((6, 64), dtype=np.float32))
+    router = torch.from_numpy(rng.standard_normal((8, 64), dtype=np.float32))
+    clean = interp.call("kernels.moe_route:route", h, router, 3, True, None)
+    h[2], h[4, 7] = float("nan"), float("inf")
+    weights, experts = interp.call("kernels.moe_route:route", h, router, 3, True, None)
+    for t in (2, 4):
+        assert len(set(experts[t].tolist())) == 3 and 0 <= experts[t].min() <= 7
+        assert experts[t].max() <= 7
+    keep = [0, 1, 3, 5]
+    assert torch.equal(experts[keep], clean[1][keep])
+    assert torch.equal(weights[keep], clean[0][keep])
+    bad = torch.tensor([[0, 9], [-3, 2], [5, 1]], dtype=torch.int32)
+    rows, tokens, _ = interp.call(GROUP, bad, 8, 4)
+    assert sorted(rows.tolist()) == list(range(6))
+    assert sorted(tokens.tolist()) == [0, 0, 1, 1, 2, 2]
+
+
 def test_route_and_combine_kernels_match_their_references(interp, rng):
     """Softmax top-k (distinct probabilities), normalized and scaled, in float32 against
     the float64 reference; a token's routing whatever shares its call; combine's sum."""
