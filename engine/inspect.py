@@ -48,7 +48,9 @@ def inspect_model(name: str | os.PathLike, device: str = "cpu", *, sessions: int
             "kv_heads": cfg.num_kv_heads,
             "head_dim": cfg.head_dim,
             "head_dim_v": cfg.head_dim_v,
-            "ffn_size": cfg.ffn_size,
+            "ffn_size": cfg.ffn_size,  # a MoE model's: each expert's
+            "experts": cfg.num_experts or None,
+            "experts_used": cfg.experts_used or None,
             "vocab_size": cfg.vocab_size,
             "tokenizer": mf.get("tokenizer.ggml.model"),
             "tokenizer_pre": mf.get("tokenizer.ggml.pre"),

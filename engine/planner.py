@@ -104,10 +104,15 @@ def decode_read_bytes(mf: ModelFile, cfg: ModelConfig, context: int, kv_quant: s
 
 
 def prefill_working_bytes(cfg: ModelConfig, chunk: int) -> int:
-    """f32 activations of one chunk: residual, qkv, attention out, gate+up, one logits row."""
+    """f32 activations of one chunk: residual, qkv, attention out, gate+up, one logits row;
+    a MoE block's for each of a token's experts_used (expert, token) pairs: gate+up, the
+    activation and the expert's output."""
     q = cfg.num_heads * cfg.head_dim
     kv = 2 * cfg.num_kv_heads * cfg.head_dim
-    per_token = cfg.hidden_size * 3 + q * 2 + kv + cfg.ffn_size * 3
+    mlp = cfg.ffn_size * 3
+    if cfg.num_experts:
+        mlp = cfg.experts_used * (cfg.ffn_size * 3 + cfg.hidden_size) + cfg.num_experts
+    per_token = cfg.hidden_size * 3 + q * 2 + kv + mlp
     return 4 * (chunk * per_token + cfg.vocab_size)
 
 

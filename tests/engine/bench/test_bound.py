@@ -111,3 +111,25 @@ def test_a_moe_token_reads_its_share_of_the_experts(tmp_path, vocab_dir):
     want += LAYERS * 96 * KV_HEADS * HEAD_DIM * 4
     with ModelFile.open(path) as mf:
         assert decode_read_bytes(mf, read_config(mf), 96, "f16") == want
+
+
+def test_a_moe_chunk_plans_its_pairs_activations_and_inspect_names_the_experts(
+        tmp_path, vocab_dir):
+    """A MoE chunk's working memory grows with its experts_used (token, expert) pairs, not
+    one MLP (the memory plan would undercount it k times); `inspect` reports the experts."""
+    from engine.inspect import inspect_model
+    from engine.planner import prefill_working_bytes
+
+    base = dict(hidden_size=256, num_heads=8, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                ffn_size=768, num_layers=1, num_experts=8, expert_ffn_size=256)
+    sizes = {}
+    for used in (1, 4):
+        path = tmp_path / f"moe{used}.gguf"
+        write_synthetic_gguf(path, SyntheticSpec("qwen3moe", experts_used=used, **base),
+                             vocab_dir / "ggml-vocab-llama-spm.gguf", seed=5)
+        with ModelFile.open(path) as mf:
+            sizes[used] = prefill_working_bytes(read_config(mf), 100)
+        info = inspect_model(path)
+        assert (info["experts"], info["experts_used"], info["ffn_size"]) == (8, used, 256)
+    # three f32 activations of 256 and the expert's 256-wide output a pair, 100 tokens
+    assert sizes[4] - sizes[1] == 4 * 100 * 3 * (3 * 256 + 256)
