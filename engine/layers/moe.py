@@ -2,11 +2,11 @@
 a token; the block's output is their outputs weighted by the picked probabilities.
 
 Two layouts of the expert weights (engine/models/weights.py picks):
-- `GroupedExperts`: the file's GGML blocks, (E, N, row bytes) on the device; on the Triton
-  path the whole block is a handful of launches with fixed shapes for T (router, two
-  grouped products, activation, combine: kernels/moe.py, kernels/moe_route.py), captured
-  in graphs like the
-  dense MLP; elsewhere each expert's blocks are dequantized per call (the reference);
+- `GroupedExperts`: the file's GGML blocks (or dense bf16/f32 rows as F32/BF16 "blocks"),
+  (E, N, row bytes) on the device; on the Triton path the whole block is seven launches
+  of fixed shapes for T (router logits, top-k, grouping, gate|up, activation, down,
+  combine: kernels/moe.py, kernels/moe_route.py), captured in graphs like the dense MLP;
+  elsewhere each expert's blocks are dequantized per call (the reference);
 - `DenseExperts`: one dense linear an expert (the CPU layouts: f32, bf16, int8), run
   expert by expert over the tokens that picked it.
 """

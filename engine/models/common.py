@@ -110,11 +110,10 @@ class DecoderModel:
             down=None,
         )
         if cfg.num_experts:
-            block.moe = w.moe(p, cfg.num_experts, cfg.ffn_size, cfg.hidden_size,
-                              lambda router, gate_up, down: MoE(
-                                  router, gate_up, down, cfg.experts_used,
-                                  cfg.expert_weights_norm, cfg.expert_weights_scale,
-                                  cfg.activation))
+            router, gate_up, down = w.experts(p, cfg.num_experts, cfg.ffn_size,
+                                              cfg.hidden_size)
+            block.moe = MoE(router, gate_up, down, cfg.experts_used, cfg.expert_weights_norm,
+                            cfg.expert_weights_scale, cfg.activation)
         else:
             block.gate_up = w.fused([p + "ffn_gate", p + "ffn_up"], [cfg.ffn_size] * 2,
                                     cfg.hidden_size)

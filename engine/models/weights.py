@@ -10,7 +10,6 @@ Fusions happen here, so the forward never sees the file layout.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 
 import torch
 
@@ -20,7 +19,7 @@ from engine.kernel_select import use_triton
 from engine.layers.embedding import Embedding
 from engine.layers.ggml_linear import GGMLLinear
 from engine.layers.linear import Int8Linear, Linear, quantize_rows_int8
-from engine.layers.moe import DenseExperts, GroupedExperts, MoE
+from engine.layers.moe import DenseExperts, Experts, GroupedExperts
 from kernels.dequant import dequantize
 from kernels.gather_rows import can_gather
 from kernels.moe import MOE_TYPES, row_bytes
@@ -176,13 +175,13 @@ class WeightLoader:
         return Linear(torch.cat([self.matrix(p + ".weight", (o, in_size))
                                  for p, o in zip(prefixes, out_sizes, strict=True)]), bias)
 
-    def moe(self, prefix: str, num_experts: int, ffn: int, hidden: int,
-            build: Callable[..., MoE]) -> MoE:
+    def experts(self, prefix: str, num_experts: int, ffn: int, hidden: int
+                ) -> tuple[torch.Tensor, list[Experts], Experts]:
         """A MoE block's router (`ffn_gate_inp`, float32) and its experts
         (`ffn_{gate,up,down}_exps`): their blocks on a GPU's block layouts (gate and up as
         one grouped product where they share a type), dense bf16 (f32) experts for the
         same grouped kernel on a GPU's dense layouts, one dense linear an expert on the
-        CPU. -> build(router, gate_up parts, down)."""
+        CPU. -> (router, gate|up parts, down)."""
         e = num_experts
         router = self.load(prefix + "ffn_gate_inp.weight", (e, hidden), torch.float32)
         gate, up, down = (prefix + f"ffn_{n}_exps.weight" for n in ("gate", "up", "down"))
@@ -191,7 +190,7 @@ class WeightLoader:
             if parts[0].ggml_type == parts[1].ggml_type:
                 parts = [GroupedExperts(torch.cat([p.blocks for p in parts], 1).contiguous(),
                                         parts[0].ggml_type, (2 * ffn, hidden))]
-            return build(router, parts, self._experts(down, (e, hidden, ffn)))
+            return router, parts, self._experts(down, (e, hidden, ffn))
         if use_triton(self.device):
             # the dense layouts on a GPU: the grouped kernel over dense experts (one launch
             # a product, captured in graphs), never a loop over the experts
@@ -199,19 +198,19 @@ class WeightLoader:
             kind = FLOAT_TYPES_BY_DTYPE[dense]
             gate_up = torch.cat([self.load(n, (e, ffn, hidden), dense) for n in (gate, up)], 1)
             downs = self.load(down, (e, hidden, ffn), dense)
-            return build(router, [GroupedExperts(_bytes(gate_up), kind, (2 * ffn, hidden))],
-                         GroupedExperts(_bytes(downs), kind, (hidden, ffn)))
+            return (router, [GroupedExperts(_bytes(gate_up), kind, (2 * ffn, hidden))],
+                    GroupedExperts(_bytes(downs), kind, (hidden, ffn)))
         if self.int8:
             pairs = [self._int8_experts(n, (e, ffn, hidden)) for n in (gate, up)]
             gate_up = [Int8Linear(torch.cat([g[0], u[0]]), torch.cat([g[1], u[1]]))
                        for g, u in zip(*pairs, strict=True)]
             downs = [Int8Linear(c, s) for c, s in self._int8_experts(down, (e, hidden, ffn))]
-            return build(router, [DenseExperts(gate_up)], DenseExperts(downs))
+            return router, [DenseExperts(gate_up)], DenseExperts(downs)
         g = self.load(gate, (e, ffn, hidden), self.dtype)
         u = self.load(up, (e, ffn, hidden), self.dtype)
         d = self.load(down, (e, hidden, ffn), self.dtype)
-        return build(router, [DenseExperts([Linear(torch.cat([g[i], u[i]])) for i in range(e)])],
-                     DenseExperts([Linear(d[i]) for i in range(e)]))
+        return (router, [DenseExperts([Linear(torch.cat([g[i], u[i]])) for i in range(e)])],
+                DenseExperts([Linear(d[i]) for i in range(e)]))
 
     def _experts(self, name: str, shape: tuple[int, int, int]) -> GroupedExperts:
         raw, ggml_type = self.raw(name, shape)
