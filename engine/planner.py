@@ -81,9 +81,9 @@ def kv_bytes_per_session(cfg: ModelConfig, kv_quant: str, context: int, page_siz
 def decode_read_bytes(mf: ModelFile, cfg: ModelConfig, context: int, kv_quant: str) -> int:
     """The bytes one decode token of one stream reads at `context` keys, as the file holds
     them: every linear (linear_tensors) and a MoE block's experts_used of its experts, every
-    1-D tensor (norms, biases), one row of the
-    token table (when the head is not that table), and the K and V of `context` positions
-    in each layer (a sliding layer's window at most). The bandwidth bound of one stream is
+    1-D tensor (norms, biases), one row of the token table (when the head is not that
+    table), and the K and V of `context` positions in each layer (a sliding layer's window
+    at most). The bandwidth bound of one stream is
     a device's memory rate over these bytes (engine/bench/bound.py)."""
     if context < 1:
         raise ValueError(f"context must be at least 1, not {context}")
