@@ -57,6 +57,7 @@ BUILTIN_TEMPLATES: dict[str, str] = {
     "llama": LLAMA3,
     "qwen2": CHATML,
     "qwen3": CHATML,
+    "qwen3moe": CHATML,
 }
 
 
