@@ -10,7 +10,9 @@ sessions' full batch (one stream; a full box), each weight read from memory as d
 reads it (copies beyond the L2, replayed in a CUDA graph), weighs each shape by how many
 linears have it, and takes the layout fastest at one row plus the full batch whose weights
 and KV cache fit the device's free memory. Within 5% the blocks win: fewer bytes leave
-more room for sessions.
+more room for sessions. A MoE model (qwen3moe) is never given bf16: its experts, most of
+its bytes, are not among the timed linears and keep their blocks in every layout but
+an explicit `bf16`.
 
 The blocks come two ways: `ggml` (bf16 operands, the exact codes) and `q8` (the same
 blocks, Q4_K and Q6_K multiplied with 8-bit activations: kernels/qint.py). q8 is timed on the
@@ -119,6 +121,10 @@ def choose_layout(mf: ModelFile, cfg: ModelConfig, *, sessions: int, context: in
              for layout, backend in (("ggml", "gpu"), ("bf16", "cpu"))}
     plans["q8"] = plans["ggml"]
     bf16_fits = budget_bytes is None or plans["bf16"] <= budget_bytes
+    # A MoE model's experts (most of its bytes) are not among the timed linears: their
+    # bf16 copies would read 3.5x a Q4_K file's bytes a token, so its weights keep blocks.
+    moe = bool(cfg.num_experts)
+    bf16_fits = bf16_fits and not moe
     shapes = linear_shapes(mf)
     timed: dict[tuple[str, LinearShape, int], float] = {}  # ms of all of a shape's linears
     # every layout and row count of one shape in a row: its weights are made once (ggml's
@@ -140,7 +146,9 @@ def choose_layout(mf: ModelFile, cfg: ModelConfig, *, sessions: int, context: in
     layout = "bf16" if bf16_fits and score["bf16"] < (1 - TIE_MARGIN) * score[blocks] else blocks
     reason = (timings_text(cost, rows)
               + f"; scored at 1 + {full} rows ({sessions} sessions)")
-    if not bf16_fits:
+    if moe:
+        reason += "; a MoE model's experts keep their blocks (bf16 not timed)"
+    elif not bf16_fits:
         reason += (f"; bf16 weights and KV ({plans['bf16'] >> 20} MiB) exceed the "
                    f"{budget_bytes >> 20} MiB free")
     log.info("weight layout %s (%s)", layout, reason)

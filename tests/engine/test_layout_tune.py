@@ -264,3 +264,17 @@ def test_hybrid_plan_counts_a_bf16_copy_of_every_linear(with_head, tied, capsys)
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     with ModelFile.open(with_head) as mf:
         assert out["weights_bytes"] == weights_bytes(mf, read_config(mf), "hybrid")
+
+
+def test_a_moe_model_keeps_its_blocks_however_fast_bf16_times(tmp_path, vocab_dir):
+    """qwen3moe: its experts are not timed (they are not 2-D linears), so bf16 is not
+    offered even when its attention linears time fastest in it."""
+    spec = SyntheticSpec("qwen3moe", hidden_size=H, num_heads=8, num_kv_heads=2, head_dim=64,
+                         ffn_size=F, num_layers=1, num_experts=4, experts_used=2,
+                         expert_ffn_size=256, types=TYPES)
+    path = tmp_path / "moe.gguf"
+    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-bpe.gguf", seed=3)
+    measure, calls = clock({"ggml": 1.0, "bf16": 0.1, "q8": 1.0})
+    choice, _ = choose(path, measure)
+    assert choice.layout == "ggml" and "MoE" in choice.reason
+    assert not any(c[0] == "bf16" for c in calls)
