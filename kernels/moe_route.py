@@ -29,7 +29,9 @@ __all__ = ["combine", "combine_reference", "group_tiles", "group_tiles_reference
 
 WEIGHT_SUM_FLOOR = 6.103515625e-5  # llama.cpp clamps the picked weights' sum (f16's least)
 _LOGIT_EXPERTS, _LOGIT_K = 4, 512  # a router program's experts and columns a step
-_GROUP_PAIRS, _TILE_SLOTS = 64, 32  # the grouping program's pairs and tile slots a step
+# The grouping program's (pairs, experts) and (tile slots, experts) steps: 64 pairs and 32
+# slots a step at 128 experts, fewer with more experts (the same registers a step)
+_GROUP_CELLS, _SLOT_CELLS = 8192, 4096
 _COMBINE_BLOCK = 1024
 
 
@@ -236,7 +238,8 @@ def group_tiles(experts: torch.Tensor, num_experts: int,
     if pairs:
         launcher(_group_kernel, flat.device)[(1,)](
             flat, rows, tokens, tiles, pairs, k, num_experts, block_m, slots,
-            BLOCK_P=_GROUP_PAIRS, BLOCK_E=_pow2(num_experts), BLOCK_T=_TILE_SLOTS, num_warps=4)
+            BLOCK_P=max(8, _GROUP_CELLS // _pow2(num_experts)), BLOCK_E=_pow2(num_experts),
+            BLOCK_T=max(8, _SLOT_CELLS // _pow2(num_experts)), num_warps=4)
     return rows, tokens, tiles
 
 
@@ -306,7 +309,8 @@ def aot_specs(spec: type) -> list:
               "tiles_ptr": "*i32", "P": "i32", "k": "i32", "E": "i32", "block_m": "i32",
               "slots": "i32", "BLOCK_P": "constexpr", "BLOCK_E": "constexpr",
               "BLOCK_T": "constexpr"},
-             {"BLOCK_P": _GROUP_PAIRS, "BLOCK_E": 128, "BLOCK_T": _TILE_SLOTS}, 4, False),
+             {"BLOCK_P": _GROUP_CELLS // 128, "BLOCK_E": 128, "BLOCK_T": _SLOT_CELLS // 128},
+             4, False),
         spec("moe_combine", _combine_kernel,
              {"y_ptr": "*fp32", "rows_ptr": "*i32", "weights_ptr": "*fp32", "out_ptr": "*fp32",
               "D": "i32", "K": "constexpr", "BLOCK": "constexpr"},

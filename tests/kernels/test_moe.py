@@ -91,6 +91,11 @@ def test_group_tiles_cover_each_expert_in_order(interp, rng):
         got = interp.call(GROUP, experts.to(torch.int32), e, block_m)
         for a, b in zip(got, (rows, tokens, tiles), strict=True):
             assert torch.equal(a, b), (t, a, b)
+    # 300 experts (512 wide: the program's steps shrink to 16 pairs and 8 slots)
+    experts = routed(rng, 40, 4, 300)
+    got = interp.call(GROUP, experts.to(torch.int32), 300, 16)
+    for a, b in zip(got, group_tiles_reference(experts, 300, 16), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_garbage_rows_route_in_range_and_group_without_clobbering(interp, rng):
