@@ -22,7 +22,15 @@ from __future__ import annotations
 import torch
 
 from engine.errors import InvalidRequest
-from kernels.triton_util import HAS_TRITON, helper, interpreter_active, jit, launcher, tl
+from kernels.triton_util import (
+    HAS_TRITON,
+    helper,
+    interpreter_active,
+    jit,
+    launcher,
+    next_pow2,
+    tl,
+)
 
 __all__ = ["combine", "combine_reference", "group_tiles", "group_tiles_reference",
            "max_tiles", "route", "route_reference"]
@@ -37,10 +45,6 @@ _COMBINE_BLOCK = 1024
 
 def kernels_run(device: torch.device) -> bool:
     return HAS_TRITON and (device.type != "cpu" or interpreter_active())
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 # ---------------------------------------------------------------- routing
@@ -137,8 +141,8 @@ def route(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
             num_warps=4)
         launcher(_topk_kernel, h.device)[(t,)](
             logits, weights, experts, e, 1.0 if scale is None else float(scale), K=k,
-            BLOCK_E=_pow2(e), BLOCK_KP=_pow2(k), NORMALIZE=normalize, SCALE=scale is not None,
-            num_warps=4)
+            BLOCK_E=next_pow2(e), BLOCK_KP=next_pow2(k), NORMALIZE=normalize,
+            SCALE=scale is not None, num_warps=4)
     return weights, experts
 
 
@@ -236,10 +240,11 @@ def group_tiles(experts: torch.Tensor, num_experts: int,
     slots = max_tiles(pairs, num_experts, block_m)
     tiles = torch.empty(slots, 3, dtype=torch.int32, device=flat.device)
     if pairs:
+        width = next_pow2(num_experts)
         launcher(_group_kernel, flat.device)[(1,)](
             flat, rows, tokens, tiles, pairs, k, num_experts, block_m, slots,
-            BLOCK_P=max(8, _GROUP_CELLS // _pow2(num_experts)), BLOCK_E=_pow2(num_experts),
-            BLOCK_T=max(8, _SLOT_CELLS // _pow2(num_experts)), num_warps=4)
+            BLOCK_P=max(8, _GROUP_CELLS // width), BLOCK_E=width,
+            BLOCK_T=max(8, _SLOT_CELLS // width), num_warps=4)
     return rows, tokens, tiles
 
 

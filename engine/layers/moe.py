@@ -22,7 +22,7 @@ from engine.layers.activation import ACTIVATIONS
 from engine.layers.linear import Int8Linear, Linear
 from kernels.gated_act import gated_act
 from kernels.moe import moe_matmul, plan_for
-from kernels.moe_route import combine, group_tiles, route, route_reference
+from kernels.moe_route import combine, combine_reference, group_tiles, route, route_reference
 from kernels.qmatmul import qmatmul_reference
 
 __all__ = ["DenseExperts", "GroupedExperts", "MoE"]
@@ -112,7 +112,5 @@ class MoE:
             gate_up = torch.cat([p.one(e, x) for p in self.gate_up], 1)
             gate, up = gate_up.chunk(2, dim=1)
             per_pair[rows, slots] = self.down.one(e, act(gate, up)).float()
-        out = per_pair[:, 0] * weights[:, 0, None]
-        for j in range(1, self.k):  # the router's order, as combine adds them
-            out = out + per_pair[:, j] * weights[:, j, None]
-        return out
+        in_order = torch.arange(t * self.k, device=h.device)  # per_pair's rows: pair order
+        return combine_reference(per_pair.view(t * self.k, -1), in_order, weights)

@@ -22,9 +22,9 @@ from engine.layers.linear import Int8Linear, Linear, quantize_rows_int8
 from engine.layers.moe import DenseExperts, Experts, GroupedExperts
 from kernels.dequant import dequantize
 from kernels.gather_rows import can_gather
-from kernels.moe import MOE_TYPES, row_bytes
+from kernels.moe import BF16, F32, MOE_TYPES, row_bytes
 
-FLOAT_TYPES_BY_DTYPE = {torch.float32: 0, torch.bfloat16: 30}  # GGML's F32 and BF16
+FLOAT_TYPES_BY_DTYPE = {torch.float32: F32, torch.bfloat16: BF16}  # dense experts' GGML type
 INT8_SLICE_ROWS = 8192  # rows dequantized at a time when re-quantizing to int8
 # Linear weights: ggml (the file's blocks, fused dequant kernels), q8 (the blocks, with Q4_K
 # products on 8-bit activations: kernels/qint.py), bf16 (dense in `dtype`), auto (ggml on
