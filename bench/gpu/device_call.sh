@@ -129,8 +129,7 @@ print(e(sys.argv[1], sys.argv[2], '/tmp'))" "$MOE" "$QWEN_VOCAB" > "$OUT/moe_fil
         "$build" > "$OUT/peer_build.log" 2>&1; touch "$build/done") &
     fi
     plan moe || rc=1
-    run moe_peer env PEER_BUILD="$build" bash bench/gpu/llama_cpp_peer.sh run \
-      "$DIR/llama-src.tgz" /tmp/qwen3-30b-a3b_Q4_K_M.gguf "$OUT/moe_peer" || rc=1
+    PEER_BUILD="$build" plan moe_peer || rc=1  # its writer finds moe's file written
     return $rc ;;
   *) echo "unknown plan $1 (tests, engine, long, attn, fair, capture, busy, moe, moe_peer," \
        "moe_both)" >&2
