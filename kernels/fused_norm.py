@@ -21,11 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import InvalidRequest
+from kernels.moe_route import Combined, check_combined, combine_reference
 from kernels.quant_x import QK, QuantX, empty_quant_x, quant_x_reference
 from kernels.triton_util import (
     HAS_TRITON,
     await_inputs,
-    helper,
+    cast_out,
     interpreter_active,
     jit,
     launcher,
@@ -33,7 +34,7 @@ from kernels.triton_util import (
     tl,
 )
 
-__all__ = ["OUT_DTYPES", "NormOut", "add_rms_norm", "add_rms_norm_reference", "cast_out"]
+__all__ = ["OUT_DTYPES", "NormOut", "add_rms_norm", "add_rms_norm_reference"]
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -45,7 +46,7 @@ class NormOut(NamedTuple):
 
 
 def add_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                           residual: torch.Tensor | None = None,
+                           residual: torch.Tensor | Combined | None = None,
                            residual_weight: torch.Tensor | None = None,
                            out_dtype: torch.dtype = torch.float32,
                            quantize: bool = False) -> NormOut:
@@ -53,6 +54,8 @@ def add_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
     in float32 and rounded to `out_dtype` (a bf16 matmul's input: no cast kernel); with
     `quantize` y is also quantized as kernels/quant_x.py defines it."""
     x = x.float()
+    if isinstance(residual, Combined):
+        residual = combine_reference(*residual)
     if residual is not None:
         if residual_weight is not None:
             residual = F.rms_norm(residual.float(), (x.shape[-1],), residual_weight, eps)
@@ -63,33 +66,30 @@ def add_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 if HAS_TRITON:
 
-    @helper
-    def cast_out(y, ptr):
-        """float32 y -> the element type of `ptr`, rounded to nearest even. bf16 is rounded
-        on the bits: the interpreter's float32 -> bf16 conversion truncates."""
-        if ptr.dtype.element_ty == tl.bfloat16:
-            bits = y.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        return y.to(ptr.dtype.element_ty)
-
+    from kernels.moe_route import combine_rows
     from kernels.quant_x import quantize_store
 
     @jit
     def _add_rms_norm_kernel(
-        x_ptr, r_ptr, rw_ptr, w_ptr, h_ptr, y_ptr, q_ptr, dx_ptr, bs_ptr, stride_x, stride_r,
-        stride_h, stride_y, dim, eps, HAS_RESIDUAL: tl.constexpr, HAS_RES_NORM: tl.constexpr,
-        BLOCK_D: tl.constexpr, QUANT: tl.constexpr = False, PDL: tl.constexpr = False,
+        x_ptr, r_ptr, rw_ptr, w_ptr, h_ptr, y_ptr, q_ptr, dx_ptr, bs_ptr, rows_ptr, cw_ptr,
+        stride_x, stride_r, stride_h, stride_y, dim, eps, HAS_RESIDUAL: tl.constexpr,
+        HAS_RES_NORM: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr = False,
+        PDL: tl.constexpr = False, GATHER_K: tl.constexpr = 0,
     ):
         """One row: h = x + rmsnorm(r) * rw (or x + r), y = rmsnorm(h) * w; with QUANT also
-        y (as stored) quantized per 256 columns (dim a multiple of 256)."""
+        y (as stored) quantized per 256 columns (dim a multiple of 256). GATHER_K > 0: r is
+        a MoE block's Combined (r_ptr its y, rows_ptr its rows, cw_ptr its weights),
+        combined here as kernels/moe_route.py's combine sums it."""
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         ok = d < dim
         await_inputs(PDL)
         h = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
         if HAS_RESIDUAL:
-            r = tl.load(r_ptr + row * stride_r + d, mask=ok, other=0.0)
+            if GATHER_K > 0:
+                r = combine_rows(r_ptr, rows_ptr, cw_ptr, row, stride_r, d, ok, GATHER_K)
+            else:
+                r = tl.load(r_ptr + row * stride_r + d, mask=ok, other=0.0)
             if HAS_RES_NORM:
                 r_inv = tl.rsqrt(tl.sum(r * r, 0) / dim + eps)
                 r = r * r_inv * tl.load(rw_ptr + d, mask=ok, other=0.0)
@@ -116,7 +116,7 @@ def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...], device) ->
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None,
+                 residual: torch.Tensor | Combined | None = None,
                  residual_weight: torch.Tensor | None = None,
                  out_dtype: torch.dtype = torch.float32, quantize: bool = False) -> NormOut:
     """x, residual (rows, dim) float32, weights (dim,) -> NormOut(h, y[, xq]), one launch;
@@ -139,7 +139,12 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                              f"a residual weight needs a residual")
     rows, dim = x.shape
     _check("x", x, (rows, dim), x.device)
-    _check("residual", residual, (rows, dim), x.device)
+    gather = isinstance(residual, Combined)
+    if gather:
+        check_combined(residual, rows, dim)
+        _check("residual", residual.y, tuple(residual.y.shape), x.device)
+    else:
+        _check("residual", residual, (rows, dim), x.device)
     for name, w in (("weight", weight), ("residual_weight", residual_weight)):
         if w is not None and not w.is_contiguous():
             raise InvalidRequest(f"add_rms_norm: {name} must be contiguous")
@@ -149,13 +154,14 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     xq = empty_quant_x(rows, dim, x.device) if quantize else None
     if rows:
         block = max(QK, next_pow2(dim))
-        r = x if residual is None else residual
+        r = x if residual is None else residual.y if gather else residual
+        picks = residual if gather else (x, x, x)
         launcher(_add_rms_norm_kernel, x.device)[(rows,)](
             x, r, weight if residual_weight is None else residual_weight, weight, h, y,
-            *(xq or (y, y, y)), x.stride(0), r.stride(0), h.stride(0), y.stride(0), dim,
-            float(eps), HAS_RESIDUAL=residual is not None,
+            *(xq or (y, y, y)), picks[1], picks[2], x.stride(0), r.stride(0), h.stride(0),
+            y.stride(0), dim, float(eps), HAS_RESIDUAL=residual is not None,
             HAS_RES_NORM=residual_weight is not None, BLOCK_D=block, QUANT=quantize,
-            num_warps=_warps(block))
+            GATHER_K=residual.weights.shape[1] if gather else 0, num_warps=_warps(block))
     return NormOut(h, y, xq)
 
 
@@ -166,20 +172,23 @@ def _warps(block: int) -> int:
 
 def aot_specs(spec: type) -> list:
     """kernels/aot.py: Llama-8B's hidden size, with the plain, residual and Gemma-style
-    (residual norm) variants, and a bf16 y."""
+    (residual norm) variants, a bf16 y, and a MoE block's Combined residual."""
     if not HAS_TRITON:
         return []
     sig = {**{n: "*fp32" for n in ("x_ptr", "r_ptr", "rw_ptr", "w_ptr", "h_ptr", "y_ptr",
-                                   "dx_ptr")}, "q_ptr": "*i8", "bs_ptr": "*fp16",
+                                   "dx_ptr", "cw_ptr")}, "q_ptr": "*i8", "bs_ptr": "*fp16",
+           "rows_ptr": "*i32",
            **{n: "i32" for n in ("stride_x", "stride_r", "stride_h", "stride_y", "dim")},
            "eps": "fp32"}
     out = []
-    for name, res, res_norm, y_type, quant in (
-            ("", False, False, "*fp32", False), ("_add", True, False, "*fp32", False),
-            ("_add_norm", True, True, "*fp32", False), ("_add_bf16", True, False, "*bf16", False),
-            ("_add_q8", True, False, "*fp32", True)):
+    for name, res, res_norm, y_type, quant, gather in (
+            ("", False, False, "*fp32", False, 0), ("_add", True, False, "*fp32", False, 0),
+            ("_add_norm", True, True, "*fp32", False, 0),
+            ("_add_bf16", True, False, "*bf16", False, 0),
+            ("_add_q8", True, False, "*fp32", True, 0),
+            ("_add_moe", True, False, "*fp32", True, 8)):  # a MoE block's 8 picks combined
         consts = {"HAS_RESIDUAL": res, "HAS_RES_NORM": res_norm, "BLOCK_D": 4096,
-                  "QUANT": quant}
+                  "QUANT": quant, "GATHER_K": gather}
         out.append(spec(f"add_rms_norm{name}", _add_rms_norm_kernel,
                         {**sig, "y_ptr": y_type, **{k: "constexpr" for k in consts}}, consts,
                         _warps(4096), False))

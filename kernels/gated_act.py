@@ -19,6 +19,7 @@ from kernels.quant_x import QK, QuantX, empty_quant_x, quant_x_reference
 from kernels.triton_util import (
     HAS_TRITON,
     await_inputs,
+    cast_out,
     helper,
     interpreter_active,
     jit,
@@ -44,7 +45,6 @@ def gated_act_reference(gate_up: torch.Tensor, activation: str,
 
 
 if HAS_TRITON:
-    from kernels.fused_norm import cast_out
     from kernels.quant_x import quantize_store
 
     @helper

@@ -19,15 +19,18 @@ among the sorted rows does not reach its bits.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from engine.errors import InvalidRequest, UnsupportedTensorType
 from kernels import qscaled, qtiles
+from kernels.fused_norm import OUT_DTYPES
+from kernels.gated_act import ACTIVATION_IDS
 from kernels.qgemv import QMMConfig, default_config, ptx, x_left
 from kernels.qmatmul import SUPPORTED_TYPES, _device_info, _lut
 from kernels.qtiles import GEOMETRY, NAMES
-from kernels.triton_util import HAS_TRITON, helper, jit, launcher, tl
+from kernels.triton_util import HAS_TRITON, await_inputs, cast_out, helper, jit, launcher, tl
 
 __all__ = ["FLOAT_TYPES", "MOE_TYPES", "moe_matmul", "moe_matmul_reference", "plan_for",
            "row_bytes"]
@@ -59,6 +62,7 @@ def moe_matmul_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int,
 
 
 if HAS_TRITON:
+    from kernels.gated_act import gated
 
     @helper
     def _float_tile(QTYPE: tl.constexpr, w_ptr, row_off, k0, BK: tl.constexpr):
@@ -73,19 +77,44 @@ if HAS_TRITON:
             rows = (w_ptr + row_off).to(tl.pointer_type(tl.bfloat16), bitcast=True)
         return tl.load(rows[:, None] + k[None, :]).to(tl.float32)
 
+    @helper
+    def _expert_sum(QTYPE: tl.constexpr, w_expert, row_off, lut_ptr, x_ptr, rm, m_ok,
+                    stride_xm, k_start, k_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, X_LEFT: tl.constexpr, DOT_F64: tl.constexpr,
+                    PTX: tl.constexpr):
+        """One split's sum over columns k_start .. k_start + k_len of the rows at byte
+        offsets row_off, from 0, BLOCK_K columns a step in order."""
+        acc = qtiles.acc_zeros(BLOCK_M, BLOCK_N, X_LEFT)
+        for kk in range(0, k_len, BLOCK_K):
+            k0 = k_start + kk
+            if QTYPE == 0 or QTYPE == 1 or QTYPE == 30:
+                w = _float_tile(QTYPE, w_expert, row_off, k0, BLOCK_K)
+                xt = qtiles.x_tile(x_ptr, rm, m_ok, stride_xm, k0, BLOCK_K, X_LEFT)
+                acc = qtiles.mac(acc, xt, w, X_LEFT, DOT_F64)
+            else:
+                acc = qscaled.step(acc, QTYPE, w_expert, row_off, k0, lut_ptr, x_ptr, rm,
+                                   m_ok, stride_xm, BLOCK_N, BLOCK_K, BLOCK_M, X_LEFT,
+                                   DOT_F64, PTX)
+        return acc
+
     @jit
     def _moe_mm_kernel(
         x_ptr, w_ptr, out_ptr, lut_ptr, tokens_ptr, tiles_ptr, N, row_bytes, expert_bytes,
         k_per_split, splits, stride_xm, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr,
         DOT_F64: tl.constexpr, X_LEFT: tl.constexpr, PTX: tl.constexpr = False,
+        PDL: tl.constexpr = False, GATED: tl.constexpr = -1,
     ):
         """out[r, n] for the rows r of tile program_id(0) (one expert's) and the N tile
         program_id(1): the sum, in split order, of each split's own K-range sum of
         x[tokens[r] (r without GATHER), k] * W_expert[n, k]. A tile past the real ones
-        ((-1, 0, 0) in the table) runs no loop and stores nothing."""
+        ((-1, 0, 0) in the table) runs no loop and stores nothing. GATED >= 0 (an
+        activation of kernels/gated_act.py): the expert has 2 N rows, gate then up; the
+        program sums gate row n and up row N + n alike and stores act(gate) * up in out's
+        type, as gated_act would from those sums."""
         tile = tl.program_id(0)
         pid_n = tl.program_id(1)
+        await_inputs(PDL)  # every program: the tile table comes from the kernel before
         expert = tl.load(tiles_ptr + tile * 3)
         first = tl.load(tiles_ptr + tile * 3 + 1)
         end = tl.load(tiles_ptr + tile * 3 + 2)
@@ -99,22 +128,24 @@ if HAS_TRITON:
         w_expert = w_ptr + tl.maximum(expert, 0).to(tl.int64) * expert_bytes
         row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
         total = qtiles.acc_zeros(BLOCK_M, BLOCK_N, X_LEFT)
+        total_up = qtiles.acc_zeros(BLOCK_M, BLOCK_N, X_LEFT)
         live = tl.where(expert >= 0, splits, 0)
         for v in range(0, live):
-            acc = qtiles.acc_zeros(BLOCK_M, BLOCK_N, X_LEFT)  # each split starts at 0
-            for kk in range(0, k_per_split, BLOCK_K):
-                k0 = v * k_per_split + kk
-                if QTYPE == 0 or QTYPE == 1 or QTYPE == 30:
-                    w = _float_tile(QTYPE, w_expert, row_off, k0, BLOCK_K)
-                    xt = qtiles.x_tile(x_ptr, rm, m_ok, stride_xm, k0, BLOCK_K, X_LEFT)
-                    acc = qtiles.mac(acc, xt, w, X_LEFT, DOT_F64)
-                else:
-                    acc = qscaled.step(acc, QTYPE, w_expert, row_off, k0, lut_ptr, x_ptr, rm,
-                                       m_ok, stride_xm, BLOCK_N, BLOCK_K, BLOCK_M, X_LEFT,
-                                       DOT_F64, PTX)
+            acc = _expert_sum(QTYPE, w_expert, row_off, lut_ptr, x_ptr, rm, m_ok, stride_xm,
+                              v * k_per_split, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K, X_LEFT,
+                              DOT_F64, PTX)
             total = tl.where(v == 0, acc, total + acc)  # (p0 + p1) + p2 ..., as split sums
+            if GATED >= 0:
+                up = _expert_sum(QTYPE, w_expert, row_off + N * row_bytes, lut_ptr, x_ptr, rm,
+                                 m_ok, stride_xm, v * k_per_split, k_per_split, BLOCK_M,
+                                 BLOCK_N, BLOCK_K, X_LEFT, DOT_F64, PTX)
+                total_up = tl.where(v == 0, up, total_up + up)
         offs, mask = qtiles.out_offsets(rows, rn, m_ok & (expert >= 0), N, X_LEFT)
-        tl.store(out_ptr + offs, total, mask=mask)
+        if GATED >= 0:
+            tl.store(out_ptr + offs, cast_out(gated(total, total_up, GATED), out_ptr),
+                     mask=mask)
+        else:
+            tl.store(out_ptr + offs, total, mask=mask)
 
 
 # Rows an expert gets on average (pairs / E) from which a product takes qmatmul's tiled
@@ -146,6 +177,14 @@ class MoEPlan:
         """The config of a call of `pairs` rows over `num_experts` experts."""
         return self.tiled if pairs >= TILED_ROWS * num_experts else self.skinny
 
+    def gated_in_product(self, pairs: int, num_experts: int) -> bool:
+        """Whether a gate|up product of `pairs` rows runs its activation in its own launch
+        (moe_matmul's `gated`): in the skinny config (decode steps: a launch fewer a block,
+        two 16-row accumulators a program); the tiled config's 64-row tiles keep the
+        separate launch. The bits are the same either way. MBUFO_MOE_FUSED_ACT=0: never."""
+        return self.config(pairs, num_experts) is self.skinny and \
+            os.environ.get("MBUFO_MOE_FUSED_ACT", "1") != "0"
+
 
 @functools.lru_cache(maxsize=256)
 def plan_for(ggml_type: int, shape: tuple[int, int], device: torch.device) -> MoEPlan:
@@ -160,10 +199,14 @@ def row_bytes(ggml_type: int, k: int) -> int:
 
 
 def moe_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int],
-               tokens: torch.Tensor | None, tiles: torch.Tensor, pairs: int) -> torch.Tensor:
+               tokens: torch.Tensor | None, tiles: torch.Tensor, pairs: int,
+               gated: str | None = None,
+               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x (rows, K) float32/bf16, blocks (E, N, row bytes) uint8 -> (pairs, N) float32:
     sorted row r is x[tokens[r]] (x[r] where tokens is None) times its tile's expert.
-    `tiles` from group_tiles with the block_m of plan_for(...).config(pairs, E)."""
+    `tiles` from group_tiles with the block_m of plan_for(...).config(pairs, E).
+    `gated` (an activation of kernels/gated_act.py; N even: gate rows, then up rows) ->
+    (pairs, N / 2) in `out_dtype`: gated_act of the product, in the same launch."""
     n, k = shape
     num_experts = blocks.shape[0]
     if blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[1] != n or \
@@ -176,21 +219,28 @@ def moe_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tup
             x.dtype not in (torch.float32, torch.bfloat16):
         raise InvalidRequest(f"moe_matmul: x must be (rows, {k}) float32/bfloat16 with "
                              f"contiguous rows, got {x.dtype} {tuple(x.shape)}")
+    if gated is not None and (gated not in ACTIVATION_IDS or n % 2 or
+                              out_dtype not in OUT_DTYPES):
+        raise InvalidRequest(f"moe_matmul: gated needs an activation of "
+                             f"{sorted(ACTIVATION_IDS)}, an even N and an out_dtype of "
+                             f"{OUT_DTYPES}; got {gated!r}, N={n}, {out_dtype}")
     plan = plan_for(int(ggml_type), (n, k), x.device)
     cfg = plan.config(pairs, num_experts)
-    out = torch.empty(pairs, n, dtype=torch.float32, device=x.device)
+    n_out = n if gated is None else n // 2
+    out = torch.empty(pairs, n_out, dtype=torch.float32 if gated is None else out_dtype,
+                      device=x.device)
     if pairs == 0 or n == 0 or num_experts == 0:
         return out
     if x.dtype == torch.float32 and x.device.type != "cpu":
         x = x.to(torch.bfloat16)  # the kernel rounds x to bf16 (qmatmul_tiled says why)
-    grid = (tiles.shape[0], -(-n // cfg.block_n))
+    grid = (tiles.shape[0], -(-n_out // cfg.block_n))
     launcher(_moe_mm_kernel, x.device)[grid](
         x, blocks, out, _lut(int(ggml_type), x.device), x if tokens is None else tokens,
-        tiles, n, blocks.shape[2], blocks.shape[1] * blocks.shape[2], k // cfg.split_k,
+        tiles, n_out, blocks.shape[2], blocks.shape[1] * blocks.shape[2], k // cfg.split_k,
         cfg.split_k, x.stride(0), QTYPE=int(ggml_type), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATHER=tokens is not None,
         DOT_F64=x.device.type == "cpu", X_LEFT=plan.x_left, PTX=ptx(x.device),
-        num_warps=cfg.num_warps,
+        GATED=-1 if gated is None else ACTIVATION_IDS[gated], num_warps=cfg.num_warps,
         **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}))
     return out
 
@@ -214,9 +264,19 @@ def aot_specs(spec: type) -> list:
                 cfg = default_config(as_type, m, 1536, 2048, backend=backend)
                 consts = {"QTYPE": qtype, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                           "BLOCK_K": cfg.block_k, "GATHER": True, "DOT_F64": False,
-                          "X_LEFT": x_left(as_type), "PTX": backend == "cuda"}
+                          "X_LEFT": x_left(as_type), "PTX": backend == "cuda", "GATED": -1}
                 signature = {**sig, **{k: "constexpr" for k in consts}}
                 out.append(spec(f"moe_matmul_{name}{suffix}", _moe_mm_kernel, signature,
                                 consts, cfg.num_warps, True, backend, cfg.num_stages,
                                 divisible))
+                if qtype in (qtiles.Q4_K, qtiles.Q6_K) and m == 16:
+                    # gate|up as a decode graph launches it: the activation in it, bf16 out,
+                    # a programmatic dependent launch on sm_90
+                    extra = {"GATED": 0, **({"PDL": True} if backend == "cuda" else {})}
+                    out.append(spec(
+                        f"moe_matmul_{name}_gated",  # one name: both targets' builds
+                        _moe_mm_kernel, {**signature, "out_ptr": "*bf16",
+                                         **{k: "constexpr" for k in extra}},
+                        {**consts, **extra}, cfg.num_warps, True, backend, cfg.num_stages,
+                        divisible))
     return out

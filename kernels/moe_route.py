@@ -15,15 +15,30 @@ one launch of fixed shapes for the step's T tokens (a CUDA graph captures them):
 
 Each has its torch reference (`*_reference`), which the CPU path runs and the tests compare
 against. Everything a token gets depends on its own row only (batch invariance).
+
+What the engine launches (engine/layers/moe.py) is fewer: `route_group` runs route and
+group_tiles as one launch of the router's grid, whose last program of a token runs its
+top-k and whose last token groups (arrival counters, `RouteCounters`); its router programs
+also round h to bf16 for the products. The combine runs inside the next norm's launch
+(kernels/fused_norm.py takes the block's `Combined`). Every kernel here waits for its
+inputs as a programmatic dependent launch (kernels/triton_util.py) in decode graphs. The
+fused launch computes with the same helpers, so its bits are those of the separate ones
+(MBUFO_MOE_FUSED_ROUTE=0 launches those, for timing both).
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from engine.errors import InvalidRequest
 from kernels.triton_util import (
     HAS_TRITON,
+    await_inputs,
+    cast_out,
     helper,
     interpreter_active,
     jit,
@@ -32,8 +47,9 @@ from kernels.triton_util import (
     tl,
 )
 
-__all__ = ["combine", "combine_reference", "group_tiles", "group_tiles_reference",
-           "max_tiles", "route", "route_reference"]
+__all__ = ["Combined", "RouteCounters", "Routed", "check_combined", "combine",
+           "combine_reference", "fused_routing", "group_tiles", "group_tiles_reference",
+           "max_tiles", "route", "route_group", "route_reference"]
 
 WEIGHT_SUM_FLOOR = 6.103515625e-5  # llama.cpp clamps the picked weights' sum (f16's least)
 _LOGIT_EXPERTS, _LOGIT_K = 4, 512  # a router program's experts and columns a step
@@ -69,33 +85,46 @@ def route_reference(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bo
 
 if HAS_TRITON:
 
-    @jit(do_not_specialize=["d"])
-    def _router_logits_kernel(x_ptr, w_ptr, out_ptr, d, E, stride_x, BLOCK_E: tl.constexpr,
-                              BLOCK_K: tl.constexpr):
-        """out[t, e] = router[e] . x[t] for BLOCK_E experts, BLOCK_K columns a step in
-        column order, float32."""
-        t = tl.program_id(0)
-        e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    @helper
+    def _logits_part(x_ptr, w_ptr, out_ptr, xb_ptr, t, part, d, E, stride_x,
+                     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_XB: tl.constexpr):
+        """out[t, e] = router[e] . x[t] for the BLOCK_E experts of `part`, BLOCK_K columns
+        a step in column order, float32; with WRITE_XB part 0 also writes x[t] rounded to
+        bf16 (the grouped products' x) as it reads it."""
+        e = part * BLOCK_E + tl.arange(0, BLOCK_E)
         e_ok = e < E
         acc = tl.zeros((BLOCK_E,), tl.float32)
         for k0 in range(0, d, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < d
-            x = tl.load(x_ptr + t.to(tl.int64) * stride_x + k, mask=k_ok, other=0.0)
+            x = tl.load(x_ptr + t * stride_x + k, mask=k_ok, other=0.0)
+            if WRITE_XB:
+                tl.store(xb_ptr + t * d + k, cast_out(x, xb_ptr), mask=k_ok & (part == 0))
             w = tl.load(w_ptr + e[:, None].to(tl.int64) * d + k[None, :],
                         mask=e_ok[:, None] & k_ok[None, :], other=0.0)
             acc += tl.sum(w * x[None, :], axis=1)
-        tl.store(out_ptr + t.to(tl.int64) * E + e, acc, mask=e_ok)
+        tl.store(out_ptr + t * E + e, acc, mask=e_ok)
 
-    @jit
-    def _topk_kernel(logits_ptr, weights_ptr, experts_ptr, E, scale, K: tl.constexpr,
-                     BLOCK_E: tl.constexpr, BLOCK_KP: tl.constexpr, NORMALIZE: tl.constexpr,
-                     SCALE: tl.constexpr):
-        """A token's softmax over its E logits, its K largest (descending, the lower expert
-        on a tie), normalized and scaled."""
+    @jit(do_not_specialize=["d"])
+    def _router_logits_kernel(x_ptr, w_ptr, out_ptr, xb_ptr, d, E, stride_x,
+                              BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                              WRITE_XB: tl.constexpr = False, PDL: tl.constexpr = False):
+        """_logits_part for token program_id(0), experts part program_id(1)."""
         t = tl.program_id(0).to(tl.int64)
+        await_inputs(PDL)
+        _logits_part(x_ptr, w_ptr, out_ptr, xb_ptr, t, tl.program_id(1), d, E, stride_x,
+                     BLOCK_E, BLOCK_K, WRITE_XB)
+
+    @helper
+    def _topk_row(logits_ptr, weights_ptr, experts_ptr, t, E, scale, K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_KP: tl.constexpr, NORMALIZE: tl.constexpr,
+                  SCALE: tl.constexpr, FRESH: tl.constexpr):
+        """Token t's softmax over its E logits, its K largest (descending, the lower expert
+        on a tie), normalized and scaled. FRESH: the logits were written by other programs
+        of this launch (volatile loads: nothing stale from a cache)."""
         e = tl.arange(0, BLOCK_E)
-        logits = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf"))
+        logits = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf"),
+                         volatile=FRESH)
         z = tl.exp(logits - tl.max(logits, axis=0))
         probs = tl.where(e < E, z / tl.sum(z, axis=0), -1.0)
         # a graph's padding token may hold any bits (NaN, inf): its picks stay in range
@@ -118,6 +147,32 @@ if HAS_TRITON:
         tl.store(weights_ptr + t * K + j, picked, mask=j < K)
         tl.store(experts_ptr + t * K + j, ids, mask=j < K)
 
+    @jit
+    def _topk_kernel(logits_ptr, weights_ptr, experts_ptr, E, scale, K: tl.constexpr,
+                     BLOCK_E: tl.constexpr, BLOCK_KP: tl.constexpr, NORMALIZE: tl.constexpr,
+                     SCALE: tl.constexpr, PDL: tl.constexpr = False):
+        """_topk_row for token program_id(0)."""
+        t = tl.program_id(0).to(tl.int64)
+        await_inputs(PDL)
+        _topk_row(logits_ptr, weights_ptr, experts_ptr, t, E, scale, K, BLOCK_E, BLOCK_KP,
+                  NORMALIZE, SCALE, False)
+
+
+def _check_route(h: torch.Tensor, router: torch.Tensor, k: int) -> None:
+    if h.dim() != 2 or router.dim() != 2 or h.shape[1] != router.shape[1] or \
+            h.dtype != torch.float32 or router.dtype != torch.float32 or h.stride(1) != 1 \
+            or not router.is_contiguous() or not 0 < k <= router.shape[0]:
+        raise InvalidRequest(f"route: h (T, d) and router (E, d) float32 and 0 < k <= E, "
+                             f"got {h.dtype} {tuple(h.shape)}, {router.dtype} "
+                             f"{tuple(router.shape)}, k={k}")
+
+
+def _topk_args(e: int, k: int, normalize: bool, scale: float | None) -> dict:
+    """The top-k's constexprs (one set for _topk_kernel and _route_group_kernel: the same
+    bits either way)."""
+    return {"K": k, "BLOCK_E": next_pow2(e), "BLOCK_KP": next_pow2(k),
+            "NORMALIZE": normalize, "SCALE": scale is not None}
+
 
 def route(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
           scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,24 +180,25 @@ def route(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
     kernels, int64 on the reference); two launches where the kernels run."""
     if not kernels_run(h.device):
         return route_reference(h, router, k, normalize, scale)
-    if h.dim() != 2 or router.dim() != 2 or h.shape[1] != router.shape[1] or \
-            h.dtype != torch.float32 or router.dtype != torch.float32 or h.stride(1) != 1 \
-            or not router.is_contiguous() or not 0 < k <= router.shape[0]:
-        raise InvalidRequest(f"route: h (T, d) and router (E, d) float32 and 0 < k <= E, "
-                             f"got {h.dtype} {tuple(h.shape)}, {router.dtype} "
-                             f"{tuple(router.shape)}, k={k}")
+    _check_route(h, router, k)
+    return _route_launches(h, router, k, normalize, scale, None)
+
+
+def _route_launches(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
+                    scale: float | None,
+                    xb: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """route's two launches; the router's also writes h rounded to bf16 into `xb`."""
     (t, d), e = h.shape, router.shape[0]
     logits = torch.empty(t, e, dtype=torch.float32, device=h.device)
     weights = torch.empty(t, k, dtype=torch.float32, device=h.device)
     experts = torch.empty(t, k, dtype=torch.int32, device=h.device)
     if t:
         launcher(_router_logits_kernel, h.device)[(t, -(-e // _LOGIT_EXPERTS))](
-            h, router, logits, d, e, h.stride(0), BLOCK_E=_LOGIT_EXPERTS, BLOCK_K=_LOGIT_K,
-            num_warps=4)
+            h, router, logits, h if xb is None else xb, d, e, h.stride(0),
+            BLOCK_E=_LOGIT_EXPERTS, BLOCK_K=_LOGIT_K, WRITE_XB=xb is not None, num_warps=4)
         launcher(_topk_kernel, h.device)[(t,)](
-            logits, weights, experts, e, 1.0 if scale is None else float(scale), K=k,
-            BLOCK_E=next_pow2(e), BLOCK_KP=next_pow2(k), NORMALIZE=normalize,
-            SCALE=scale is not None, num_warps=4)
+            logits, weights, experts, e, 1.0 if scale is None else float(scale),
+            **_topk_args(e, k, normalize, scale), num_warps=4)
     return weights, experts
 
 
@@ -178,35 +234,44 @@ def group_tiles_reference(experts: torch.Tensor, num_experts: int,
 if HAS_TRITON:
 
     @helper
-    def _expert_of(experts_ptr, p, P, E, BLOCK_E: tl.constexpr):
+    def _expert_of(experts_ptr, p, P, E, BLOCK_E: tl.constexpr, FRESH: tl.constexpr):
         """Pair p's expert, clamped into [0, E) (every pair gets a row whatever its id);
-        BLOCK_E (no expert) past the P pairs."""
-        ex = tl.load(experts_ptr + p, mask=p < P, other=0)
+        BLOCK_E (no expert) past the P pairs. FRESH: written by other programs of this
+        launch (volatile loads)."""
+        ex = tl.load(experts_ptr + p, mask=p < P, other=0, volatile=FRESH)
         return tl.where(p < P, tl.minimum(tl.maximum(ex, 0), E - 1), BLOCK_E)
 
-    @jit(do_not_specialize=["P", "slots"])
-    def _group_kernel(experts_ptr, rows_ptr, tokens_ptr, tiles_ptr, P, k, E, block_m, slots,
-                      BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
-        """One program: the experts' pair counts, each pair's stable sorted row (its
-        expert's first row + the pairs of that expert before it), each row's token, and
-        the tile table."""
+    @helper
+    def _group_rows(experts_ptr, rows_ptr, tokens_ptr, P, k, E, BLOCK_P: tl.constexpr,
+                    BLOCK_E: tl.constexpr, FRESH: tl.constexpr):
+        """The experts' pair counts, each pair's stable sorted row (its expert's first row
+        + the pairs of that expert before it) and each row's token -> (counts, each
+        expert's first row)."""
         e = tl.arange(0, BLOCK_E)
         counts = tl.zeros((BLOCK_E,), tl.int32)
         for p0 in range(0, P, BLOCK_P):
             p = p0 + tl.arange(0, BLOCK_P)
-            ex = _expert_of(experts_ptr, p, P, E, BLOCK_E)
+            ex = _expert_of(experts_ptr, p, P, E, BLOCK_E, FRESH)
             counts += tl.sum((ex[:, None] == e[None, :]).to(tl.int32), axis=0)
         starts = tl.cumsum(counts, axis=0) - counts
         seen = tl.zeros((BLOCK_E,), tl.int32)
         for p0 in range(0, P, BLOCK_P):
             p = p0 + tl.arange(0, BLOCK_P)
-            ex = _expert_of(experts_ptr, p, P, E, BLOCK_E)
+            ex = _expert_of(experts_ptr, p, P, E, BLOCK_E, FRESH)
             hot = (ex[:, None] == e[None, :]).to(tl.int32)  # (pairs, experts)
             before = tl.cumsum(hot, axis=0) - hot + (starts + seen)[None, :]
             row = tl.sum(hot * before, axis=1)
             tl.store(rows_ptr + p, row, mask=p < P)
             tl.store(tokens_ptr + row, p // k, mask=p < P)
             seen += tl.sum(hot, axis=0)
+        return counts, starts
+
+    @helper
+    def _cut_tiles(counts, starts, tiles_ptr, E, block_m, slots, BLOCK_E: tl.constexpr,
+                   BLOCK_T: tl.constexpr):
+        """The tile table of `slots` rows: (expert, first row, end row) of at most block_m
+        rows of one expert, in expert order, then (-1, 0, 0)."""
+        e = tl.arange(0, BLOCK_E)
         per_expert = (counts + block_m - 1) // block_m
         tile_end = tl.cumsum(per_expert, axis=0)
         tile_start = tile_end - per_expert
@@ -226,6 +291,23 @@ if HAS_TRITON:
             tl.store(base + 1, tl.where(real, first, 0), mask=ok)
             tl.store(base + 2, tl.where(real, end, 0), mask=ok)
 
+    @jit(do_not_specialize=["P", "slots"])
+    def _group_kernel(experts_ptr, rows_ptr, tokens_ptr, tiles_ptr, P, k, E, block_m, slots,
+                      BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
+                      PDL: tl.constexpr = False):
+        """One program: _group_rows, then _cut_tiles."""
+        await_inputs(PDL)
+        counts, starts = _group_rows(experts_ptr, rows_ptr, tokens_ptr, P, k, E, BLOCK_P,
+                                     BLOCK_E, False)
+        _cut_tiles(counts, starts, tiles_ptr, E, block_m, slots, BLOCK_E, BLOCK_T)
+
+
+def _group_args(num_experts: int) -> dict:
+    """The grouping's constexprs (one set for _group_kernel and _route_group_kernel)."""
+    width = next_pow2(num_experts)
+    return {"BLOCK_P": max(8, _GROUP_CELLS // width), "BLOCK_E": width,
+            "BLOCK_T": max(8, _SLOT_CELLS // width)}
+
 
 def group_tiles(experts: torch.Tensor, num_experts: int,
                 block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -240,11 +322,9 @@ def group_tiles(experts: torch.Tensor, num_experts: int,
     slots = max_tiles(pairs, num_experts, block_m)
     tiles = torch.empty(slots, 3, dtype=torch.int32, device=flat.device)
     if pairs:
-        width = next_pow2(num_experts)
         launcher(_group_kernel, flat.device)[(1,)](
             flat, rows, tokens, tiles, pairs, k, num_experts, block_m, slots,
-            BLOCK_P=max(8, _GROUP_CELLS // width), BLOCK_E=width,
-            BLOCK_T=max(8, _SLOT_CELLS // width), num_warps=4)
+            **_group_args(num_experts), num_warps=4)
     return rows, tokens, tiles
 
 
@@ -263,21 +343,54 @@ def combine_reference(y: torch.Tensor, rows: torch.Tensor,
     return out
 
 
+class Combined(NamedTuple):
+    """A MoE block's output before its combine: y (T k, d) float32 in sorted rows, each
+    pair's row (T k,) int32 and the weights (T, k) float32. kernels/fused_norm.py's
+    add_rms_norm takes it as its residual and combines in the same launch."""
+
+    y: torch.Tensor
+    rows: torch.Tensor
+    weights: torch.Tensor
+
+
 if HAS_TRITON:
+
+    @helper
+    def combine_rows(y_ptr, rows_ptr, weights_ptr, t, stride_y, c, ok, K: tl.constexpr):
+        """sum_j y[rows[t K + j], c] * weights[t, j] in j order, float32 (the one sum of
+        combine and of add_rms_norm's Combined residual)."""
+        row = tl.load(rows_ptr + t * K).to(tl.int64)
+        acc = tl.load(y_ptr + row * stride_y + c, mask=ok, other=0.0) * tl.load(
+            weights_ptr + t * K)
+        for j in tl.static_range(1, K):
+            row = tl.load(rows_ptr + t * K + j).to(tl.int64)
+            acc += tl.load(y_ptr + row * stride_y + c, mask=ok, other=0.0) * tl.load(
+                weights_ptr + t * K + j)
+        return acc
 
     @jit(do_not_specialize=["D"])
     def _combine_kernel(y_ptr, rows_ptr, weights_ptr, out_ptr, D, K: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         t = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = c < D
-        row = tl.load(rows_ptr + t * K).to(tl.int64)
-        acc = tl.load(y_ptr + row * D + c, mask=ok, other=0.0) * tl.load(weights_ptr + t * K)
-        for j in tl.static_range(1, K):
-            row = tl.load(rows_ptr + t * K + j).to(tl.int64)
-            acc += tl.load(y_ptr + row * D + c, mask=ok, other=0.0) * tl.load(
-                weights_ptr + t * K + j)
+        await_inputs(PDL)
+        acc = combine_rows(y_ptr, rows_ptr, weights_ptr, t, D, c, ok, K)
         tl.store(out_ptr + t * D + c, acc, mask=ok)
+
+
+def check_combined(c: Combined, rows: int, dim: int) -> None:
+    """A Combined of `rows` tokens and `dim` columns, as the kernels read it."""
+    t, k = c.weights.shape if c.weights.dim() == 2 else (-1, 0)
+    if t != rows or c.y.dtype != torch.float32 or c.y.dim() != 2 or \
+            tuple(c.y.shape) != (t * k, dim) or not c.y.is_contiguous() or \
+            c.rows.dtype != torch.int32 or tuple(c.rows.shape) != (t * k,) or \
+            c.weights.dtype != torch.float32 or not c.weights.is_contiguous():
+        raise InvalidRequest(f"combine: y (T k, {dim}) float32, rows (T k,) int32 and "
+                             f"weights ({rows}, k) float32, contiguous; got "
+                             f"{c.y.dtype} {tuple(c.y.shape)}, {c.rows.dtype} "
+                             f"{tuple(c.rows.shape)}, {c.weights.dtype} "
+                             f"{tuple(c.weights.shape)}")
 
 
 def combine(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -286,38 +399,181 @@ def combine(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch
         return combine_reference(y, rows, weights)
     t, k = weights.shape
     d = y.shape[1]
+    weights = weights.contiguous()
+    check_combined(Combined(y, rows, weights), t, d)
     out = torch.empty(t, d, dtype=torch.float32, device=y.device)
     if t and d:
         launcher(_combine_kernel, y.device)[(t, -(-d // _COMBINE_BLOCK))](
-            y, rows, weights.contiguous(), out, d, K=k, BLOCK=_COMBINE_BLOCK, num_warps=4)
+            y, rows, weights, out, d, K=k, BLOCK=_COMBINE_BLOCK, num_warps=4)
     return out
+
+
+# ---------------------------------------------------------------- routing and grouping fused
+
+
+class Routed(NamedTuple):
+    """route_group's result: route's (weights, experts), group_tiles' (rows, tokens) and a
+    tile table for each asked block_m, and h rounded to bf16 where asked."""
+
+    weights: torch.Tensor
+    experts: torch.Tensor
+    rows: torch.Tensor
+    tokens: torch.Tensor
+    tiles: dict[int, torch.Tensor]
+    x_bf16: torch.Tensor | None
+
+
+class RouteCounters:
+    """The arrival counters of route_group's one launch: int32, zero between launches (each
+    launch sets back what it counted). Grown with T and never freed: a captured graph keeps
+    its buffer's address. One a MoE block (blocks of one model run in order, on one
+    stream)."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+
+    def get(self, tokens: int, device: torch.device) -> torch.Tensor:
+        """A zeroed buffer of at least tokens + 1 counters on `device`."""
+        for buf in reversed(self._buffers):
+            if buf.device == device and buf.numel() > tokens:
+                return buf
+        buf = torch.zeros(max(256, 2 * tokens) + 1, dtype=torch.int32, device=device)
+        self._buffers.append(buf)
+        return buf
+
+
+def fused_routing() -> bool:
+    """Whether route_group runs its one launch (the default) or route's two and a grouping
+    launch a table: MBUFO_MOE_FUSED_ROUTE=0 (for timing both)."""
+    return os.environ.get("MBUFO_MOE_FUSED_ROUTE", "1") != "0"
+
+
+if HAS_TRITON:
+
+    @jit(do_not_specialize=["d", "T", "slots_a", "slots_b"])
+    def _route_group_kernel(
+        x_ptr, w_ptr, logits_ptr, weights_ptr, experts_ptr, xb_ptr, counters_ptr, rows_ptr,
+        tokens_ptr, tiles_a_ptr, tiles_b_ptr, d, E, stride_x, T, scale, block_m_a, block_m_b,
+        slots_a, slots_b, LOGIT_E: tl.constexpr, LOGIT_K: tl.constexpr, K: tl.constexpr,
+        BLOCK_E: tl.constexpr, BLOCK_KP: tl.constexpr, NORMALIZE: tl.constexpr,
+        SCALE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
+        WRITE_XB: tl.constexpr, TWO_TABLES: tl.constexpr, PDL: tl.constexpr = False,
+    ):
+        """route, then group_tiles, in one launch of route's router grid: a program's
+        logits part (_logits_part); the last of a token's programs to finish (counted in
+        counters[1 + t]) runs its top-k (_topk_row); the last token to finish (counted in
+        counters[0]) groups every pair and cuts the tile tables (_group_rows, _cut_tiles).
+        Each counter is set back to 0 by the program it elects. A program's stores are
+        ordered before its count by a barrier of the program and the count's acq_rel
+        atomic (release), and the elected program reads after its own (acquire), with
+        volatile loads."""
+        t = tl.program_id(0).to(tl.int64)
+        await_inputs(PDL)
+        _logits_part(x_ptr, w_ptr, logits_ptr, xb_ptr, t, tl.program_id(1), d, E, stride_x,
+                     LOGIT_E, LOGIT_K, WRITE_XB)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counters_ptr + 1 + t, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(1) - 1:
+            tl.store(counters_ptr + 1 + t, 0)
+            _topk_row(logits_ptr, weights_ptr, experts_ptr, t, E, scale, K, BLOCK_E,
+                      BLOCK_KP, NORMALIZE, SCALE, True)
+            tl.debug_barrier()
+            tokens_done = tl.atomic_add(counters_ptr, 1, sem="acq_rel", scope="gpu")
+            if tokens_done == T - 1:
+                tl.store(counters_ptr, 0)
+                counts, starts = _group_rows(experts_ptr, rows_ptr, tokens_ptr, T * K, K, E,
+                                             BLOCK_P, BLOCK_E, True)
+                _cut_tiles(counts, starts, tiles_a_ptr, E, block_m_a, slots_a, BLOCK_E,
+                           BLOCK_T)
+                if TWO_TABLES:
+                    _cut_tiles(counts, starts, tiles_b_ptr, E, block_m_b, slots_b, BLOCK_E,
+                               BLOCK_T)
+
+
+def route_group(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
+                scale: float | None, block_ms: Sequence[int],
+                counters: RouteCounters | None = None, x_bf16: bool = False) -> Routed:
+    """route and group_tiles (a table for each of `block_ms`), and with `x_bf16` h rounded
+    to bf16 (as torch rounds). Where the kernels run: one launch with `counters` (at most
+    two distinct block_m, fused_routing on), else route's two launches and a grouping
+    launch a table; elsewhere the references. The same bits every way."""
+    sizes = sorted(set(block_ms))
+    e = router.shape[0]
+    if not kernels_run(h.device):
+        weights, experts = route_reference(h, router, k, normalize, scale)
+        return _grouped_after(weights, experts, e, sizes,
+                              h.to(torch.bfloat16) if x_bf16 else None)
+    _check_route(h, router, k)
+    (t, d), pairs = h.shape, h.shape[0] * k
+    xb = torch.empty(t, d, dtype=torch.bfloat16, device=h.device) if x_bf16 else None
+    if counters is None or len(sizes) > 2 or not fused_routing() or t == 0:
+        weights, experts = _route_launches(h, router, k, normalize, scale, xb)
+        return _grouped_after(weights, experts, e, sizes, xb)
+    logits = torch.empty(t, e, dtype=torch.float32, device=h.device)
+    weights = torch.empty(t, k, dtype=torch.float32, device=h.device)
+    experts = torch.empty(t, k, dtype=torch.int32, device=h.device)
+    rows = torch.empty(pairs, dtype=torch.int32, device=h.device)
+    tokens = torch.empty(pairs, dtype=torch.int32, device=h.device)
+    tiles = {m: torch.empty(max_tiles(pairs, e, m), 3, dtype=torch.int32, device=h.device)
+             for m in sizes}
+    a, b = tiles[sizes[0]], tiles[sizes[-1]]
+    launcher(_route_group_kernel, h.device)[(t, -(-e // _LOGIT_EXPERTS))](
+        h, router, logits, weights, experts, h if xb is None else xb,
+        counters.get(t, h.device), rows, tokens, a, b, d, e, h.stride(0), t,
+        1.0 if scale is None else float(scale), sizes[0], sizes[-1], a.shape[0], b.shape[0],
+        LOGIT_E=_LOGIT_EXPERTS, LOGIT_K=_LOGIT_K,
+        **{**_topk_args(e, k, normalize, scale), **_group_args(e)}, WRITE_XB=xb is not None,
+        TWO_TABLES=len(sizes) == 2, num_warps=4)
+    return Routed(weights, experts, rows, tokens, tiles, xb)
+
+
+def _grouped_after(weights: torch.Tensor, experts: torch.Tensor, num_experts: int,
+                   sizes: list[int], xb: torch.Tensor | None) -> Routed:
+    """route_group from a routing: a grouping a tile height (the rows and tokens of each
+    are the same)."""
+    tables = {m: group_tiles(experts, num_experts, m) for m in sizes}
+    rows, tokens, _ = tables[sizes[0]] if sizes else group_tiles(experts, num_experts, 1)
+    return Routed(weights, experts, rows, tokens, {m: v[2] for m, v in tables.items()}, xb)
 
 
 def aot_specs(spec: type) -> list:
     """kernels/aot.py: the routing and glue kernels at Qwen3-30B-A3B's 128 experts, 8 a
-    token."""
+    token; the fused routing also as the decode graphs launch it on sm_90 (PDL)."""
     if not HAS_TRITON:
         return []
+    topk = {"K": 8, "BLOCK_E": 128, "BLOCK_KP": 8, "NORMALIZE": True, "SCALE": False}
+    group = {"BLOCK_P": _GROUP_CELLS // 128, "BLOCK_E": 128, "BLOCK_T": _SLOT_CELLS // 128}
+    fused_sig = {**{n: "*fp32" for n in ("x_ptr", "w_ptr", "logits_ptr", "weights_ptr")},
+                 "experts_ptr": "*i32", "xb_ptr": "*bf16",
+                 **{n: "*i32" for n in ("counters_ptr", "rows_ptr", "tokens_ptr",
+                                        "tiles_a_ptr", "tiles_b_ptr")},
+                 **{n: "i32" for n in ("d", "E", "stride_x", "T")}, "scale": "fp32",
+                 **{n: "i32" for n in ("block_m_a", "block_m_b", "slots_a", "slots_b")}}
+    fused = [spec(f"moe_route_group{suffix}", _route_group_kernel,
+                  {**fused_sig, **{n: "constexpr" for n in consts}}, consts, 4, False, backend)
+             for suffix, backend, consts in (
+                 ("", None, {"LOGIT_E": _LOGIT_EXPERTS, "LOGIT_K": _LOGIT_K, **topk,
+                             "BLOCK_P": group["BLOCK_P"], "BLOCK_T": group["BLOCK_T"],
+                             "WRITE_XB": True, "TWO_TABLES": True}),
+                 ("_pdl", "cuda", {"LOGIT_E": _LOGIT_EXPERTS, "LOGIT_K": _LOGIT_K, **topk,
+                                   "BLOCK_P": group["BLOCK_P"], "BLOCK_T": group["BLOCK_T"],
+                                   "WRITE_XB": True, "TWO_TABLES": True, "PDL": True}))]
     return [
         spec("moe_router_logits", _router_logits_kernel,
-             {"x_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32", "d": "i32", "E": "i32",
-              "stride_x": "i32", "BLOCK_E": "constexpr", "BLOCK_K": "constexpr"},
-             {"BLOCK_E": _LOGIT_EXPERTS, "BLOCK_K": _LOGIT_K}, 4, False),
+             {"x_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32", "xb_ptr": "*bf16",
+              "d": "i32", "E": "i32", "stride_x": "i32", "BLOCK_E": "constexpr",
+              "BLOCK_K": "constexpr", "WRITE_XB": "constexpr"},
+             {"BLOCK_E": _LOGIT_EXPERTS, "BLOCK_K": _LOGIT_K, "WRITE_XB": True}, 4, False),
         spec("moe_topk", _topk_kernel,
              {"logits_ptr": "*fp32", "weights_ptr": "*fp32", "experts_ptr": "*i32", "E": "i32",
-              "scale": "fp32", "K": "constexpr", "BLOCK_E": "constexpr",
-              "BLOCK_KP": "constexpr", "NORMALIZE": "constexpr", "SCALE": "constexpr"},
-             {"K": 8, "BLOCK_E": 128, "BLOCK_KP": 8, "NORMALIZE": True, "SCALE": False}, 4,
-             False),
+              "scale": "fp32", **{n: "constexpr" for n in topk}}, topk, 4, False),
         spec("moe_group", _group_kernel,
              {"experts_ptr": "*i32", "rows_ptr": "*i32", "tokens_ptr": "*i32",
               "tiles_ptr": "*i32", "P": "i32", "k": "i32", "E": "i32", "block_m": "i32",
-              "slots": "i32", "BLOCK_P": "constexpr", "BLOCK_E": "constexpr",
-              "BLOCK_T": "constexpr"},
-             {"BLOCK_P": _GROUP_CELLS // 128, "BLOCK_E": 128, "BLOCK_T": _SLOT_CELLS // 128},
-             4, False),
+              "slots": "i32", **{n: "constexpr" for n in group}}, group, 4, False),
         spec("moe_combine", _combine_kernel,
              {"y_ptr": "*fp32", "rows_ptr": "*i32", "weights_ptr": "*fp32", "out_ptr": "*fp32",
               "D": "i32", "K": "constexpr", "BLOCK": "constexpr"},
              {"K": 8, "BLOCK": _COMBINE_BLOCK}, 4, False),
+        *fused,
     ]

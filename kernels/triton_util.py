@@ -59,6 +59,7 @@ except ImportError:  # the CPU torch build: kernels fall back to their reference
 __all__ = [
     "HAS_TRITON",
     "await_inputs",
+    "cast_out",
     "SMLimits",
     "carveout_active",
     "carveout_for",
@@ -137,6 +138,16 @@ if HAS_TRITON:
             else:
                 gdc_wait()
                 gdc_launch_dependents()
+
+    @_Helper
+    def cast_out(y, ptr):
+        """float32 y -> the element type of `ptr`, rounded to nearest even. bf16 is rounded
+        on the bits: the interpreter's float32 -> bf16 conversion truncates."""
+        if ptr.dtype.element_ty == tl.bfloat16:
+            bits = y.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return y.to(ptr.dtype.element_ty)
 
     @functools.lru_cache(maxsize=1)
     def _fix_scalar_index() -> None:

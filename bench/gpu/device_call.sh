@@ -29,6 +29,9 @@
 #           build beside the file's writing
 #   moe_both moe with llama.cpp built beside it (nice 19, 12 jobs), then llama.cpp on
 #           the file moe wrote
+#   moe_ab  moe at 1 and 16 streams with the MoE block's separate launches
+#           (MBUFO_MOE_FUSED_ROUTE=0 MBUFO_MOE_FUSED_ACT=0), then fused; each with the
+#           one-stream step's kernel timeline (--graph-profile 1)
 # DIR (default .devdata) is the kit; DRY=1 prints the commands instead of running them.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -113,6 +116,16 @@ plan() {
     run moe python3 bench/gpu/engine_bench.py --synthetic "$MOE" --variants q8+graphs \
       --consumers asyncio --vocab "$QWEN_VOCAB" --concurrency 1,16,64 --tokens 64 \
       --prefill 512 --forward-context 96 --no-profile --out "$OUT/moe" ;;
+  moe_ab)
+    local failed=0 fused
+    for fused in 0 1; do  # the block's seven launches, then its three (four in prefill)
+      run "moe_fused$fused" env MBUFO_MOE_FUSED_ROUTE=$fused MBUFO_MOE_FUSED_ACT=$fused \
+        python3 bench/gpu/engine_bench.py --synthetic "$MOE" --variants q8+graphs \
+        --consumers asyncio --vocab "$QWEN_VOCAB" --concurrency 1,16 --tokens 64 \
+        --prefill 512 --forward-context 96 --no-profile --graph-profile 1 \
+        --out "$OUT/moe_fused$fused" || failed=1
+    done
+    return $failed ;;
   moe_peer)
     local writer=0
     if [ -z "${DRY:-}" ]; then
@@ -132,7 +145,7 @@ print(e(sys.argv[1], sys.argv[2], '/tmp'))" "$MOE" "$QWEN_VOCAB" > "$OUT/moe_fil
     PEER_BUILD="$build" plan moe_peer || rc=1  # its writer finds moe's file written
     return $rc ;;
   *) echo "unknown plan $1 (tests, engine, long, attn, fair, capture, busy, moe, moe_peer," \
-       "moe_both)" >&2
+       "moe_both, moe_ab)" >&2
      return 2 ;;
   esac
 }

@@ -38,9 +38,9 @@ LAUNCHES = 200
 def launch(x, r, w, h, y, xq, warps: int, pdl: bool) -> None:
     kernel = launcher(fused_norm._add_rms_norm_kernel, x.device) if pdl else \
         fused_norm._add_rms_norm_kernel
-    kernel[(x.shape[0],)](x, r, w, w, h, y, *xq, x.stride(0), r.stride(0), h.stride(0),
-                          y.stride(0), DIM, 1e-5, HAS_RESIDUAL=True, HAS_RES_NORM=False,
-                          BLOCK_D=DIM, QUANT=True, num_warps=warps)
+    kernel[(x.shape[0],)](x, r, w, w, h, y, *xq, x, x, x.stride(0), r.stride(0),
+                          h.stride(0), y.stride(0), DIM, 1e-5, HAS_RESIDUAL=True,
+                          HAS_RES_NORM=False, BLOCK_D=DIM, QUANT=True, num_warps=warps)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,10 +3,12 @@ a token; the block's output is their outputs weighted by the picked probabilitie
 
 Two layouts of the expert weights (engine/models/weights.py picks):
 - `GroupedExperts`: the file's GGML blocks (or dense bf16/f32 rows as F32/BF16 "blocks"),
-  (E, N, row bytes) on the device; on the Triton path the whole block is seven launches
-  of fixed shapes for T (router logits, top-k, grouping, gate|up, activation, down,
-  combine: kernels/moe.py, kernels/moe_route.py), captured in graphs like the dense MLP;
-  elsewhere each expert's blocks are dequantized per call (the reference);
+  (E, N, row bytes) on the device; on the Triton path the whole block is three launches
+  of fixed shapes for T in a decode step (routing and grouping; gate|up with the
+  activation; down: kernels/moe.py, kernels/moe_route.py), four in a prefill chunk (the
+  activation its own), and the combine inside the next norm's launch (`deferred`),
+  captured in graphs like the dense MLP; elsewhere each expert's blocks are dequantized
+  per call (the reference);
 - `DenseExperts`: one dense linear an expert (the CPU layouts: f32, bf16, int8), run
   expert by expert over the tokens that picked it.
 """
@@ -22,7 +24,14 @@ from engine.layers.activation import ACTIVATIONS
 from engine.layers.linear import Int8Linear, Linear
 from kernels.gated_act import gated_act
 from kernels.moe import moe_matmul, plan_for
-from kernels.moe_route import combine, combine_reference, group_tiles, route, route_reference
+from kernels.moe_route import (
+    Combined,
+    RouteCounters,
+    combine,
+    combine_reference,
+    route_group,
+    route_reference,
+)
 from kernels.qmatmul import qmatmul_reference
 
 __all__ = ["DenseExperts", "GroupedExperts", "MoE"]
@@ -40,8 +49,10 @@ class GroupedExperts:
         return self.plan.config(pairs, self.blocks.shape[0]).block_m
 
     def grouped(self, x: torch.Tensor, tokens: torch.Tensor | None, tiles: torch.Tensor,
-                pairs: int) -> torch.Tensor:
-        return moe_matmul(x, self.blocks, self.ggml_type, self.shape, tokens, tiles, pairs)
+                pairs: int, gated: str | None = None,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return moe_matmul(x, self.blocks, self.ggml_type, self.shape, tokens, tiles, pairs,
+                          gated, out_dtype)
 
     def one(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """x (rows, K) @ expert e's weights.T, dequantized for this call."""
@@ -75,31 +86,43 @@ class MoE:
         self.activation = activation
         self.num_experts = self.router.shape[0]
         self.grouped = all(isinstance(p, GroupedExperts) for p in (*self.gate_up, down))
+        self.counters = RouteCounters()  # route_group's, this block's own
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        out = self.deferred(h)
+        return combine(*out) if isinstance(out, Combined) else out
+
+    def deferred(self, h: torch.Tensor) -> torch.Tensor | Combined:
+        """The block's output, or on the Triton path its Combined: the next norm
+        (kernels/fused_norm.py) combines it in its own launch."""
         if self.grouped and use_triton(h.device):
             return self._grouped(h)
         return self._per_expert(h)
 
-    def _grouped(self, h: torch.Tensor) -> torch.Tensor:
-        t = h.shape[0]
-        weights, experts = route(h, self.router, self.k, self.normalize, self.scale)
-        pairs = t * self.k
-        tables: dict[int, tuple] = {}  # block_m -> group_tiles (types differ in tile height)
-
-        def tiles(part: GroupedExperts) -> tuple:
-            block_m = part.block_m(pairs)
-            if block_m not in tables:
-                tables[block_m] = group_tiles(experts, self.num_experts, block_m)
-            return tables[block_m]
-
-        gu = [p.grouped(h, tiles(p)[1], tiles(p)[2], pairs) for p in self.gate_up]
-        gate_up = gu[0] if len(gu) == 1 else torch.cat(gu, 1)
-        # the grouped product rounds x to bf16 on a GPU: the activation writes it so
-        act = gated_act(gate_up, self.activation,
-                        torch.float32 if h.device.type == "cpu" else torch.bfloat16)
-        down = self.down.grouped(act, None, tiles(self.down)[2], pairs)
-        return combine(down, tiles(self.down)[0], weights)
+    def _grouped(self, h: torch.Tensor) -> Combined:
+        """Three or four launches: routing and grouping (kernels/moe_route.route_group,
+        which also rounds h to bf16 for the products on a GPU), gate|up with the
+        activation in it (where GroupedExperts' plan says; else a launch of its own), down.
+        The next norm combines."""
+        pairs = h.shape[0] * self.k
+        parts = [*self.gate_up, self.down]
+        heights = [p.block_m(pairs) for p in parts]
+        r = route_group(h, self.router, self.k, self.normalize, self.scale, heights,
+                        self.counters, x_bf16=h.device.type != "cpu")
+        x = h if r.x_bf16 is None else r.x_bf16
+        # the grouped product rounds x to bf16 on a GPU: the activation is written so
+        act_dtype = torch.float32 if h.device.type == "cpu" else torch.bfloat16
+        one = self.gate_up[0]
+        if len(self.gate_up) == 1 and one.plan.gated_in_product(pairs, self.num_experts):
+            act = one.grouped(x, r.tokens, r.tiles[heights[0]], pairs, self.activation,
+                              act_dtype)
+        else:
+            gu = [p.grouped(x, r.tokens, r.tiles[m], pairs)
+                  for p, m in zip(self.gate_up, heights, strict=False)]
+            act = gated_act(gu[0] if len(gu) == 1 else torch.cat(gu, 1), self.activation,
+                            act_dtype)
+        down = self.down.grouped(act, None, r.tiles[heights[-1]], pairs)
+        return Combined(down, r.rows, r.weights)
 
     def _per_expert(self, h: torch.Tensor) -> torch.Tensor:
         t = h.shape[0]

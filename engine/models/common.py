@@ -26,10 +26,12 @@ from engine.models.weights import WeightLoader
 from kernels.fused_norm import NormOut, add_rms_norm
 from kernels.fused_rope import rope_qk
 from kernels.gated_act import gated_act, gated_act_quant
+from kernels.moe_route import Combined
 from kernels.quant_x import QuantX
 
 # A block output on its way into the residual stream: (output, post-norm weight or None).
-_Residual = tuple[torch.Tensor, torch.Tensor | None]
+# (a MoE block's output may be its Combined: the fused norm kernel combines it)
+_Residual = tuple[torch.Tensor | Combined, torch.Tensor | None]
 
 
 def _act8(linear: object, fused: bool, rows: int) -> bool:
@@ -176,7 +178,7 @@ class DecoderModel:
             n = x.shape[0]
             if blk.moe is not None:  # the router reads the norm in float32
                 x, h, _ = self._add_norm(x, (o, blk.post_attn_norm), blk.ffn_norm, fused)
-                pending = (blk.moe(h), blk.post_ffn_norm)
+                pending = (blk.moe.deferred(h), blk.post_ffn_norm)
                 continue
             x, h, hq = self._add_norm(x, (o, blk.post_attn_norm), blk.ffn_norm, fused,
                                       _in_dtype(blk.gate_up, n, self._mm_dtype),

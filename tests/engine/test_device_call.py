@@ -29,8 +29,25 @@ def test_every_plan_names_real_scripts_and_options():
                            "attn_chunk", "fair_cut0", "fair_cut1", "capture_2_idle",
                            "capture_off_idle", "capture_8_step", "busy_2_idle", "busy_off_idle",
                            "busy_8_step"]
+    check_commands(lines)
+    tests = shlex.split(lines["tests"])
+    assert "gpu" in tests and all((ROOT / p).exists() for p in tests[tests.index("gpu") + 3:])
+    assert "--prompt 8192" in lines["long8192"] and "--fill 0,33" in lines["attn_chunk"]
+    assert lines["fair_cut0"].startswith("env MBUFO_PREFILL_CUT=0 ")
+    assert lines["capture_off_idle"].startswith("env MBUFO_MIXED_CAPTURE_AT=off ")
+    assert "MBUFO_MIXED_CAPTURE_WHEN=step " in lines["capture_8_step"]
+    assert "bench clients" in lines["busy_8_step"] and "WHEN=step " in lines["busy_8_step"]
+
+
+def check_commands(lines: dict[str, str]) -> None:
+    """Each command's scripts exist and its options are its script's (after `env`'s
+    settings)."""
     for name, command in lines.items():
         words = shlex.split(command)
+        if words[0] == "env":
+            words = words[1:]
+            while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+                words = words[1:]
         scripts = [w for w in words if w.endswith((".py", ".sh")) and "/" in w]
         for script in scripts:
             assert (ROOT / script).is_file(), (name, script)
@@ -42,13 +59,21 @@ def test_every_plan_names_real_scripts_and_options():
             used = {w.split("=")[0].replace("--no-", "--") for w in words[2:]
                     if w.startswith("--")}  # BooleanOptionalAction: --no-X is --X
             assert used <= declared, (name, used - declared)
-    tests = shlex.split(lines["tests"])
-    assert "gpu" in tests and all((ROOT / p).exists() for p in tests[tests.index("gpu") + 3:])
-    assert "--prompt 8192" in lines["long8192"] and "--fill 0,33" in lines["attn_chunk"]
-    assert lines["fair_cut0"].startswith("env MBUFO_PREFILL_CUT=0 ")
-    assert lines["capture_off_idle"].startswith("env MBUFO_MIXED_CAPTURE_AT=off ")
-    assert "MBUFO_MIXED_CAPTURE_WHEN=step " in lines["capture_8_step"]
-    assert "bench clients" in lines["busy_8_step"] and "WHEN=step " in lines["busy_8_step"]
+
+
+def test_moe_plans():
+    """moe at three concurrencies; moe_ab the MoE block's separate launches, then fused,
+    each with the kernel timeline; moe_peer llama.cpp on the file moe writes."""
+    run = dry("moe", "moe_ab", "moe_peer")
+    assert run.returncode == 0, run.stderr
+    lines = dict(line.split(": ", 1) for line in run.stdout.splitlines())
+    assert list(lines) == ["moe", "moe_fused0", "moe_fused1", "moe_peer"]
+    check_commands(lines)
+    assert "--concurrency 1,16,64" in lines["moe"]
+    for fused in "01":
+        line = lines[f"moe_fused{fused}"]
+        assert line.startswith(f"env MBUFO_MOE_FUSED_ROUTE={fused} MBUFO_MOE_FUSED_ACT={fused} ")
+        assert "--graph-profile 1" in line and "qwen3-30b-a3b" in line
 
 
 def test_unknown_plan_and_no_plan_fail():

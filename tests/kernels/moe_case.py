@@ -57,3 +57,17 @@ def model_logits(path: str, weights: str, mode: str) -> tuple[torch.Tensor, set[
         return runner.forward(span_batch(runner, [seq], [(0, list(range(100, 112)))])), kinds
     finally:
         set_mode(None)
+
+
+def route_group_ways(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
+                     scale: float | None, heights: list[int], x_bf16: bool) -> tuple:
+    """route_group's fused launch twice on one RouteCounters, what it left in them, and
+    the separate launches (no counters): (fused, again, left, separate)."""
+    from kernels.moe_route import RouteCounters, route_group
+
+    counters = RouteCounters()
+    fused = route_group(h, router, k, normalize, scale, heights, counters, x_bf16)
+    again = route_group(h, router, k, normalize, scale, heights, counters, x_bf16)
+    left = counters.get(h.shape[0], h.device).clone()
+    separate = route_group(h, router, k, normalize, scale, heights, None, x_bf16)
+    return fused, again, left, separate

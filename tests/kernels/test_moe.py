@@ -144,6 +144,88 @@ def test_route_and_combine_kernels_match_their_references(interp, rng):
                           atol=1e-5)
 
 
+def assert_routed_equal(a, b) -> None:
+    for name in ("weights", "experts", "rows", "tokens"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.tiles.keys() == b.tiles.keys()
+    for m in a.tiles:
+        assert torch.equal(a.tiles[m], b.tiles[m]), m
+    assert (a.x_bf16 is None) == (b.x_bf16 is None)
+    assert a.x_bf16 is None or torch.equal(a.x_bf16.view(torch.int16), b.x_bf16.view(torch.int16))
+
+
+@pytest.mark.parametrize("t, e, k, heights", [(1, 128, 8, [16, 64]), (13, 37, 5, [4]),
+                                              (61, 9, 3, [4, 16, 4]), (40, 300, 4, [16])])
+def test_fused_routing_launch_is_route_then_group(interp, rng, t, e, k, heights):
+    """route_group's one launch (arrival counters elect a token's top-k and the grouping)
+    against the separate launches bit for bit, and against the references: the float64
+    routing's picks, the grouping of those picks, h rounded to bf16 as torch rounds it.
+    Run twice on one RouteCounters: the counters are back at zero and the second launch
+    gives the same bits."""
+    d = 300
+    h = torch.from_numpy(rng.standard_normal((t, d), dtype=np.float32))
+    router = torch.from_numpy(rng.standard_normal((e, d), dtype=np.float32)) * 0.2
+    fused, again, left, separate = interp.call("moe_case:route_group_ways", h, router, k,
+                                               True, 1.5, heights, True)
+    assert not left.any(), left
+    assert_routed_equal(fused, again)
+    assert_routed_equal(fused, separate)
+    ref_w, ref_e = route_reference(h.double(), router.double(), k, True, 1.5)
+    assert torch.equal(fused.experts.long(), ref_e)
+    assert torch.allclose(fused.weights.double(), ref_w, rtol=1e-5, atol=1e-7)
+    assert sorted(fused.tiles) == sorted(set(heights))
+    for m, table in fused.tiles.items():
+        rows, tokens, tiles = group_tiles_reference(ref_e, e, m)
+        assert torch.equal(fused.rows, rows) and torch.equal(fused.tokens, tokens)
+        assert torch.equal(table, tiles), m
+    assert torch.equal(fused.x_bf16.view(torch.int16), h.to(torch.bfloat16).view(torch.int16))
+
+
+def test_fused_routing_keeps_garbage_rows_in_range(interp, rng):
+    """A padding token's NaN row through the fused launch: its picks in range, the other
+    tokens as alone, every pair a row of its own."""
+    h = torch.from_numpy(rng.standard_normal((6, 64), dtype=np.float32))
+    router = torch.from_numpy(rng.standard_normal((8, 64), dtype=np.float32))
+    clean = interp.call("moe_case:route_group_ways", h, router, 3, True, None, [4], False)[0]
+    h[2] = float("nan")
+    got = interp.call("moe_case:route_group_ways", h, router, 3, True, None, [4], False)[0]
+    assert 0 <= got.experts.min() and got.experts.max() <= 7
+    keep = [0, 1, 3, 4, 5]
+    assert torch.equal(got.experts[keep], clean.experts[keep])
+    assert sorted(got.rows.tolist()) == list(range(18))
+    assert sorted(got.tokens.tolist()) == sorted(t for t in range(6) for _ in range(3))
+
+
+@pytest.mark.parametrize("post_norm", [False, True])
+def test_the_norm_combines_a_moe_output_as_combine_does(interp, rng, post_norm):
+    """add_rms_norm with a Combined residual: the same bits as combine's launch then the
+    norm's (h, y, the 8-bit codes), and the torch reference (combine_reference, then
+    F.rms_norm) within float32 rounding."""
+    from kernels.fused_norm import add_rms_norm_reference
+    from kernels.moe_route import Combined
+
+    t, k, d = 5, 3, 512
+    x = torch.from_numpy(rng.standard_normal((t, d), dtype=np.float32))
+    y = torch.from_numpy(rng.standard_normal((t * k, d), dtype=np.float32))
+    rows = torch.from_numpy(rng.permutation(t * k).astype(np.int32))
+    weights = torch.from_numpy(rng.random((t, k), dtype=np.float32))
+    w = torch.from_numpy(rng.random(d, dtype=np.float32)) + 0.5
+    rw = torch.from_numpy(rng.random(d, dtype=np.float32)) + 0.5 if post_norm else None
+    got = interp.call("kernels.fused_norm:add_rms_norm", x, w, 1e-6,
+                      Combined(y, rows, weights), rw, torch.float32, True)
+    combined = interp.call("kernels.moe_route:combine", y, rows, weights)
+    split = interp.call("kernels.fused_norm:add_rms_norm", x, w, 1e-6, combined, rw,
+                        torch.float32, True)
+    assert torch.equal(got.h, split.h) and torch.equal(got.y, split.y)
+    assert torch.equal(got.xq.q, split.xq.q) and torch.equal(got.xq.dx, split.xq.dx)
+    ref = add_rms_norm_reference(x, w, 1e-6, Combined(y, rows, weights), rw)
+    assert torch.allclose(got.h, ref.h, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(got.y, ref.y, rtol=1e-4, atol=1e-5)
+    with pytest.raises(InvalidRequest, match="combine"):
+        interp.call("kernels.fused_norm:add_rms_norm", x, w, 1e-6,
+                    Combined(y[:-1], rows, weights))
+
+
 @pytest.mark.parametrize("qtype", QTYPES + FLOATS, ids=lambda q: q.name)
 def test_grouped_product_matches_gguf(interp, rng, qtype):
     """Rows gathered by token, each times its expert's weights; N = 40 is no whole tile
@@ -175,6 +257,39 @@ def check_grouped(interp, rng, qtype: T, e: int, t: int, skinny: bool) -> None:
     assert y.shape == (t * used, n) and torch.isfinite(y).all(), "output not fully written"
     err = np.abs(y.double().numpy() - ref)
     assert (err <= 2**-7 * bound + 1e-30).all(), float((err / bound).max())
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.BF16], ids=lambda q: q.name)
+def test_gated_product_is_the_product_then_the_activation(interp, rng, qtype):
+    """moe_matmul's `gated` (gate rows 0..F, up rows F..2F of each expert; both configs):
+    the same bits as the product's launch then gated_act's (float32 and bf16 out), and
+    silu(gate) * up of gguf-py's float64 product within the bf16 inputs' rounding."""
+    e, f, k, used = 5, 40, 256, 2
+    blocks, values = experts_weights(qtype, e, 2 * f, k, rng)
+    plan = plan_for(int(qtype), (2 * f, k), CPU)
+    for t in (3, 60):  # skinny, tiled
+        x = torch.from_numpy(rng.standard_normal((t, k), dtype=np.float32))
+        experts = routed(rng, t, used, e)
+        rows, tokens, tiles = group_tiles_reference(experts, e,
+                                                    plan.config(t * used, e).block_m)
+        args = (x, blocks, int(qtype), (2 * f, k), tokens, tiles, t * used)
+        gate_up = interp.call(KERNEL, *args)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            got = interp.call(KERNEL, *args, "silu", out_dtype)
+            split = interp.call("kernels.gated_act:gated_act", gate_up, "silu", out_dtype)
+            assert got.dtype == out_dtype and torch.equal(got, split), (t, out_dtype)
+        order = torch.argsort(rows.long())
+        w = values[experts.reshape(-1)[order].numpy()]  # (pairs, 2F, K)
+        xs = x.double().numpy()[tokens.long().numpy()]
+        gate, up = torch.from_numpy(np.einsum("pnk,pk->pn", w, xs)).chunk(2, dim=1)
+        # each sum within 2^-7 of its terms' magnitudes (check_grouped); silu' <= 1.1
+        dg, du = (2**-7 * torch.from_numpy(np.einsum("pnk,pk->pn", np.abs(w), np.abs(xs)))
+                  ).chunk(2, dim=1)
+        want = torch.nn.functional.silu(gate) * up
+        bound = 1.1 * dg * (up.abs() + du) + (gate.abs() + dg) * du + 2**-8 * want.abs()
+        assert ((got.double() - want).abs() <= bound).all()
+    with pytest.raises(InvalidRequest, match="gated"):
+        interp.call(KERNEL, *args, "relu", torch.float32)
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.MXFP4, T.BF16], ids=lambda q: q.name)
@@ -281,3 +396,36 @@ def test_tiled_rows_bit_equal_on_the_device(rng, qtype):
     ref, bound = w @ xs, np.abs(w) @ np.abs(xs)
     got = alone[rows1.long()].double().cpu().numpy()
     assert (np.abs(got - ref) <= 2**-7 * bound + 1e-30).all()
+
+
+@pytest.mark.gpu
+def test_fused_routing_on_the_device_eager_and_in_graphs(rng):
+    """On the GPU, at Qwen3-30B-A3B's router (128 experts of 2048, 8 a token): the fused
+    routing launch (arrival counters across programs; volatile reads after an acq_rel
+    count) equals the separate launches bit for bit, eager and replayed from a CUDA graph
+    (a programmatic dependent launch where the device takes it), 20 replays on fresh
+    inputs each; the counters are zero after each."""
+    if not torch.cuda.is_available():
+        pytest.fail("marked gpu: run on a GPU machine with pytest -m gpu")
+    from kernels.moe_route import RouteCounters, route_group
+
+    dev = torch.device("cuda")
+    router = torch.from_numpy(rng.standard_normal((128, 2048), dtype=np.float32)).to(dev)
+
+    def fresh(t: int) -> torch.Tensor:
+        return torch.from_numpy(rng.standard_normal((t, 2048), dtype=np.float32)).to(dev)
+
+    for t in (1, 16, 64, 512):
+        counters = RouteCounters()
+        h = fresh(t)
+        args = (router, 8, True, None, [16, 64])
+        assert_routed_equal(route_group(h, *args, counters, True),
+                            route_group(h, *args, None, True))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = route_group(h, *args, counters, True)
+        for _ in range(20):
+            h.copy_(fresh(t))
+            graph.replay()
+            assert_routed_equal(captured, route_group(h, *args, None, True))
+            assert not counters.get(t, dev).any()

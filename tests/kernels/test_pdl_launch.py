@@ -104,12 +104,14 @@ def test_pdl_needs_cuda_sm90_and_can_be_turned_off(monkeypatch):
 
 def test_every_decode_kernel_takes_pdl():
     """The kernels of a decode step all take PDL: a plain launch among them would still be
-    correct, but would cost its start-up again."""
+    correct, but would cost its start-up again (and the step waits for it in full)."""
     from kernels import (
         fused_norm,
         fused_rope,
         gated_act,
         kv_store,
+        moe,
+        moe_route,
         paged_attention_triton,
         qgemv,
         qint_gemv,
@@ -124,6 +126,11 @@ def test_every_decode_kernel_takes_pdl():
                paged_attention_triton._attn_merge_kernel, qgemv._qgemv_kernel,
                quant_x._quantize_x_kernel, qint_gemv._qint_gemv_kernel,
                qint_mm._qint_mm_kernel,
-               qmatmul._qmm_kernel, qmatmul._sum_splits_kernel]
+               qmatmul._qmm_kernel, qmatmul._sum_splits_kernel,
+               # a MoE block's (the combine runs in the norm's launch; the separate routing
+               # launches are MBUFO_MOE_FUSED_ROUTE=0's)
+               moe._moe_mm_kernel, moe_route._route_group_kernel,
+               moe_route._router_logits_kernel, moe_route._topk_kernel,
+               moe_route._group_kernel, moe_route._combine_kernel]
     for kernel in kernels:
         assert "PDL" in triton_util.compiled(kernel).arg_names, kernel
