@@ -29,8 +29,9 @@
 #           build beside the file's writing
 #   moe_both moe with llama.cpp built beside it (nice 19, 12 jobs), then llama.cpp on
 #           the file moe wrote
-#   moe_ab  moe at 1 and 16 streams with the MoE block's separate launches
-#           (MBUFO_MOE_FUSED_ROUTE=0 MBUFO_MOE_FUSED_ACT=0), then fused; each with the
+#   moe_ab  moe at 1 and 16 streams and pp512 once for each ROUTE:ACT in MOE_AB (default
+#           "0:0 1:0 1:1": MBUFO_MOE_FUSED_ROUTE and MBUFO_MOE_FUSED_ACT, the MoE block's
+#           routing and activation launched separately (0) or fused (1)), each with the
 #           one-stream step's kernel timeline (--graph-profile 1)
 # DIR (default .devdata) is the kit; DRY=1 prints the commands instead of running them.
 set -uo pipefail
@@ -117,13 +118,14 @@ plan() {
       --consumers asyncio --vocab "$QWEN_VOCAB" --concurrency 1,16,64 --tokens 64 \
       --prefill 512 --forward-context 96 --no-profile --out "$OUT/moe" ;;
   moe_ab)
-    local failed=0 fused
-    for fused in 0 1; do  # the block's seven launches, then its three (four in prefill)
-      run "moe_fused$fused" env MBUFO_MOE_FUSED_ROUTE=$fused MBUFO_MOE_FUSED_ACT=$fused \
-        python3 bench/gpu/engine_bench.py --synthetic "$MOE" --variants q8+graphs \
-        --consumers asyncio --vocab "$QWEN_VOCAB" --concurrency 1,16 --tokens 64 \
-        --prefill 512 --forward-context 96 --no-profile --graph-profile 1 \
-        --out "$OUT/moe_fused$fused" || failed=1
+    local failed=0 item route act
+    for item in ${MOE_AB:-0:0 1:0 1:1}; do  # ROUTE:ACT, each fused (1) or separate (0)
+      route=${item%%:*}; act=${item#*:}
+      run "moe_route${route}_act$act" env MBUFO_MOE_FUSED_ROUTE="$route" \
+        MBUFO_MOE_FUSED_ACT="$act" python3 bench/gpu/engine_bench.py --synthetic "$MOE" \
+        --variants q8+graphs --consumers asyncio --vocab "$QWEN_VOCAB" --concurrency 1,16 \
+        --tokens 64 --prefill 512 --forward-context 96 --no-profile --graph-profile 1 \
+        --out "$OUT/moe_route${route}_act$act" || failed=1
     done
     return $failed ;;
   moe_peer)

@@ -62,17 +62,19 @@ def check_commands(lines: dict[str, str]) -> None:
 
 
 def test_moe_plans():
-    """moe at three concurrencies; moe_ab the MoE block's separate launches, then fused,
-    each with the kernel timeline; moe_peer llama.cpp on the file moe writes."""
+    """moe at three concurrencies; moe_ab the MoE block's routing and activation launched
+    separately, then fused one and both, each with the kernel timeline; moe_peer llama.cpp
+    on the file moe writes."""
     run = dry("moe", "moe_ab", "moe_peer")
     assert run.returncode == 0, run.stderr
     lines = dict(line.split(": ", 1) for line in run.stdout.splitlines())
-    assert list(lines) == ["moe", "moe_fused0", "moe_fused1", "moe_peer"]
+    assert list(lines) == ["moe", "moe_route0_act0", "moe_route1_act0", "moe_route1_act1",
+                           "moe_peer"]
     check_commands(lines)
     assert "--concurrency 1,16,64" in lines["moe"]
-    for fused in "01":
-        line = lines[f"moe_fused{fused}"]
-        assert line.startswith(f"env MBUFO_MOE_FUSED_ROUTE={fused} MBUFO_MOE_FUSED_ACT={fused} ")
+    for route, act in ("00", "10", "11"):
+        line = lines[f"moe_route{route}_act{act}"]
+        assert line.startswith(f"env MBUFO_MOE_FUSED_ROUTE={route} MBUFO_MOE_FUSED_ACT={act} ")
         assert "--graph-profile 1" in line and "qwen3-30b-a3b" in line
 
 
