@@ -17,13 +17,16 @@ Each has its torch reference (`*_reference`), which the CPU path runs and the te
 against. Everything a token gets depends on its own row only (batch invariance).
 
 What the engine launches (engine/layers/moe.py) is fewer: `route_group` runs route and
-group_tiles as one launch of the router's grid, whose last program of a token runs its
-top-k and whose last token groups (arrival counters, `RouteCounters`); its router programs
-also round h to bf16 for the products. The combine runs inside the next norm's launch
-(kernels/fused_norm.py takes the block's `Combined`). Every kernel here waits for its
-inputs as a programmatic dependent launch (kernels/triton_util.py) in decode graphs. The
-fused launch computes with the same helpers, so its bits are those of the separate ones
-(MBUFO_MOE_FUSED_ROUTE=0 launches those, for timing both).
+group_tiles as one launch of the router's grid (up to FUSED_MAX_TOKENS tokens), whose last
+program of a token runs its top-k, whose last token of a block of tokens ranks the block's
+pairs, and whose last block places every pair (arrival counters, `RouteCounters`); its
+router programs also round h to bf16 for the products. Above FUSED_MAX_TOKENS the block
+ranking is a launch of its own after route's two (a program a block). The combine runs
+inside the next norm's launch (kernels/fused_norm.py takes the block's `Combined`). Every
+kernel here waits for its inputs as a programmatic dependent launch
+(kernels/triton_util.py) in decode graphs. The fused launches compute with the same
+helpers, so their bits are those of the separate ones (MBUFO_MOE_FUSED_ROUTE=0 launches
+those, the grouping one program, for timing both).
 """
 
 from __future__ import annotations
@@ -56,6 +59,13 @@ _LOGIT_EXPERTS, _LOGIT_K = 4, 512  # a router program's experts and columns a st
 # The grouping program's (pairs, experts) and (tile slots, experts) steps: 64 pairs and 32
 # slots a step at 128 experts, fewer with more experts (the same registers a step)
 _GROUP_CELLS, _SLOT_CELLS = 8192, 4096
+_PLACE_PAIRS = 1024  # route_group's last program places this many pairs a step
+# route_group's grouping steps: smaller than the grouping launch's, since its registers are
+# those of every program of the router's grid (the integer results are the same)
+_FUSED_CELLS, _FUSED_SLOT_CELLS = 2048, 2048
+# route_group's one launch up to this many tokens (decode steps); above it (prefill chunks)
+# route's two launches, whose router programs hold fewer registers, and the block grouping
+FUSED_MAX_TOKENS = 128
 _COMBINE_BLOCK = 1024
 
 
@@ -302,11 +312,12 @@ if HAS_TRITON:
         _cut_tiles(counts, starts, tiles_ptr, E, block_m, slots, BLOCK_E, BLOCK_T)
 
 
-def _group_args(num_experts: int) -> dict:
+def _group_args(num_experts: int, cells: int = _GROUP_CELLS,
+                slot_cells: int = _SLOT_CELLS) -> dict:
     """The grouping's constexprs (one set for _group_kernel and _route_group_kernel)."""
     width = next_pow2(num_experts)
-    return {"BLOCK_P": max(8, _GROUP_CELLS // width), "BLOCK_E": width,
-            "BLOCK_T": max(8, _SLOT_CELLS // width)}
+    return {"BLOCK_P": max(8, cells // width), "BLOCK_E": width,
+            "BLOCK_T": max(8, slot_cells // width)}
 
 
 def group_tiles(experts: torch.Tensor, num_experts: int,
@@ -424,20 +435,20 @@ class Routed(NamedTuple):
 
 
 class RouteCounters:
-    """The arrival counters of route_group's one launch: int32, zero between launches (each
-    launch sets back what it counted). Grown with T and never freed: a captured graph keeps
-    its buffer's address. One a MoE block (blocks of one model run in order, on one
-    stream)."""
+    """The arrival counters of route_group's one launch (1 + T + its token blocks): int32,
+    zero between launches (each launch sets back what it counted). Grown with T and never
+    freed: a captured graph keeps its buffer's address. One a MoE block (blocks of one model
+    run in order, on one stream)."""
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
 
-    def get(self, tokens: int, device: torch.device) -> torch.Tensor:
-        """A zeroed buffer of at least tokens + 1 counters on `device`."""
+    def get(self, count: int, device: torch.device) -> torch.Tensor:
+        """A zeroed buffer of at least `count` counters on `device`."""
         for buf in reversed(self._buffers):
-            if buf.device == device and buf.numel() > tokens:
+            if buf.device == device and buf.numel() >= count:
                 return buf
-        buf = torch.zeros(max(256, 2 * tokens) + 1, dtype=torch.int32, device=device)
+        buf = torch.zeros(max(512, 2 * count), dtype=torch.int32, device=device)
         self._buffers.append(buf)
         return buf
 
@@ -450,23 +461,93 @@ def fused_routing() -> bool:
 
 if HAS_TRITON:
 
-    @jit(do_not_specialize=["d", "T", "slots_a", "slots_b"])
+    @helper
+    def _block_ranks(experts_ptr, rows_ptr, hist_ptr, b, P, K, E, TB: tl.constexpr,
+                     BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+        """Token block b's pairs (those of tokens b TB .. b TB + TB - 1): each pair's rank
+        among the block's pairs of its expert, in pair order, into rows[p]; the block's
+        counts a expert into hist[b]. The experts come from other programs (volatile)."""
+        e = tl.arange(0, BLOCK_E)
+        seen = tl.zeros((BLOCK_E,), tl.int32)
+        first = b * TB * K
+        end = tl.minimum(P, first + TB * K)
+        for p0 in range(first, end, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            ex = _expert_of(experts_ptr, p, end, E, BLOCK_E, True)
+            hot = (ex[:, None] == e[None, :]).to(tl.int32)  # (pairs, experts)
+            before = tl.cumsum(hot, axis=0) - hot + seen[None, :]
+            tl.store(rows_ptr + p, tl.sum(hot * before, axis=1), mask=p < end)
+            seen += tl.sum(hot, axis=0)
+        tl.store(hist_ptr + b * E + e, seen, mask=e < E)
+
+    @helper
+    def _place_blocks(experts_ptr, rows_ptr, tokens_ptr, hist_ptr, blocks, P, K, E,
+                      TB: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_PP: tl.constexpr):
+        """After every block's _block_ranks: each block's first row an expert (hist[b, e]
+        becomes the expert's first row + its pairs in the blocks before b), each pair's
+        sorted row (that + its rank: group_tiles' stable order), each row's token ->
+        (counts, each expert's first row)."""
+        e = tl.arange(0, BLOCK_E)
+        e_ok = (e < E)[None, :]
+        counts = tl.zeros((BLOCK_E,), tl.int32)
+        for b0 in range(0, blocks, BLOCK_R):
+            r = b0 + tl.arange(0, BLOCK_R)
+            h = tl.load(hist_ptr + r[:, None] * E + e[None, :], mask=(r < blocks)[:, None]
+                        & e_ok, other=0, volatile=True)
+            counts += tl.sum(h, axis=0)
+        starts = tl.cumsum(counts, axis=0) - counts
+        below = starts
+        for b0 in range(0, blocks, BLOCK_R):
+            r = b0 + tl.arange(0, BLOCK_R)
+            at = hist_ptr + r[:, None] * E + e[None, :]
+            ok = (r < blocks)[:, None] & e_ok
+            h = tl.load(at, mask=ok, other=0, volatile=True)
+            tl.store(at, tl.cumsum(h, axis=0) - h + below[None, :], mask=ok)
+            below += tl.sum(h, axis=0)
+        tl.debug_barrier()  # the bases above, before any thread reads them back
+        for p0 in range(0, P, BLOCK_PP):
+            p = p0 + tl.arange(0, BLOCK_PP)
+            ok = p < P
+            ex = tl.minimum(_expert_of(experts_ptr, p, P, E, BLOCK_E, True), E - 1)
+            base = tl.load(hist_ptr + (p // K) // TB * E + ex, mask=ok, other=0, volatile=True)
+            row = base + tl.load(rows_ptr + p, mask=ok, other=0, volatile=True)
+            tl.store(rows_ptr + p, row, mask=ok)
+            tl.store(tokens_ptr + row, p // K, mask=ok)
+        return counts, starts
+
+    @helper
+    def _place_and_cut(experts_ptr, rows_ptr, tokens_ptr, hist_ptr, tiles_a_ptr, tiles_b_ptr,
+                       blocks, P, K, E, block_m_a, block_m_b, slots_a, slots_b,
+                       TB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                       BLOCK_PP: tl.constexpr, BLOCK_T: tl.constexpr,
+                       TWO_TABLES: tl.constexpr):
+        """_place_blocks, then the tile table of block_m_a (and of block_m_b)."""
+        counts, starts = _place_blocks(experts_ptr, rows_ptr, tokens_ptr, hist_ptr, blocks, P,
+                                       K, E, TB, BLOCK_P, BLOCK_E, BLOCK_PP)
+        _cut_tiles(counts, starts, tiles_a_ptr, E, block_m_a, slots_a, BLOCK_E, BLOCK_T)
+        if TWO_TABLES:
+            _cut_tiles(counts, starts, tiles_b_ptr, E, block_m_b, slots_b, BLOCK_E, BLOCK_T)
+
+    @jit(do_not_specialize=["d", "T", "blocks", "slots_a", "slots_b"])
     def _route_group_kernel(
         x_ptr, w_ptr, logits_ptr, weights_ptr, experts_ptr, xb_ptr, counters_ptr, rows_ptr,
-        tokens_ptr, tiles_a_ptr, tiles_b_ptr, d, E, stride_x, T, scale, block_m_a, block_m_b,
-        slots_a, slots_b, LOGIT_E: tl.constexpr, LOGIT_K: tl.constexpr, K: tl.constexpr,
-        BLOCK_E: tl.constexpr, BLOCK_KP: tl.constexpr, NORMALIZE: tl.constexpr,
-        SCALE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
+        tokens_ptr, hist_ptr, tiles_a_ptr, tiles_b_ptr, d, E, stride_x, T, blocks, scale,
+        block_m_a, block_m_b, slots_a, slots_b, LOGIT_E: tl.constexpr, LOGIT_K: tl.constexpr,
+        K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_KP: tl.constexpr,
+        NORMALIZE: tl.constexpr, SCALE: tl.constexpr, BLOCK_P: tl.constexpr,
+        BLOCK_T: tl.constexpr, TB: tl.constexpr, BLOCK_PP: tl.constexpr,
         WRITE_XB: tl.constexpr, TWO_TABLES: tl.constexpr, PDL: tl.constexpr = False,
     ):
-        """route, then group_tiles, in one launch of route's router grid: a program's
-        logits part (_logits_part); the last of a token's programs to finish (counted in
-        counters[1 + t]) runs its top-k (_topk_row); the last token to finish (counted in
-        counters[0]) groups every pair and cuts the tile tables (_group_rows, _cut_tiles).
-        Each counter is set back to 0 by the program it elects. A program's stores are
-        ordered before its count by a barrier of the program and the count's acq_rel
-        atomic (release), and the elected program reads after its own (acquire), with
-        volatile loads."""
+        """route, then group_tiles, in one launch of route's router grid. Each program
+        computes its logits part (_logits_part); the last of a token's programs to finish
+        (counted in counters[1 + t]) runs the token's top-k (_topk_row); the last token of
+        a block of TB tokens (counters[1 + T + b]) ranks the block's pairs
+        (_block_ranks); the last block (counters[0]) places every pair and cuts the tile
+        tables (_place_blocks, _cut_tiles). Each counter is set back to 0 by the program
+        it elects. A program's stores are ordered before its count by a barrier of the
+        program and the count's acq_rel atomic (release); the elected program reads after
+        its own (acquire), with volatile loads."""
         t = tl.program_id(0).to(tl.int64)
         await_inputs(PDL)
         _logits_part(x_ptr, w_ptr, logits_ptr, xb_ptr, t, tl.program_id(1), d, E, stride_x,
@@ -478,25 +559,61 @@ if HAS_TRITON:
             _topk_row(logits_ptr, weights_ptr, experts_ptr, t, E, scale, K, BLOCK_E,
                       BLOCK_KP, NORMALIZE, SCALE, True)
             tl.debug_barrier()
-            tokens_done = tl.atomic_add(counters_ptr, 1, sem="acq_rel", scope="gpu")
-            if tokens_done == T - 1:
-                tl.store(counters_ptr, 0)
-                counts, starts = _group_rows(experts_ptr, rows_ptr, tokens_ptr, T * K, K, E,
-                                             BLOCK_P, BLOCK_E, True)
-                _cut_tiles(counts, starts, tiles_a_ptr, E, block_m_a, slots_a, BLOCK_E,
-                           BLOCK_T)
-                if TWO_TABLES:
-                    _cut_tiles(counts, starts, tiles_b_ptr, E, block_m_b, slots_b, BLOCK_E,
-                               BLOCK_T)
+            b = t // TB
+            in_block = tl.minimum(T - b * TB, TB)
+            ranked = tl.atomic_add(counters_ptr + 1 + T + b, 1, sem="acq_rel", scope="gpu")
+            if ranked == in_block - 1:
+                tl.store(counters_ptr + 1 + T + b, 0)
+                _block_ranks(experts_ptr, rows_ptr, hist_ptr, b, T * K, K, E, TB, BLOCK_P,
+                             BLOCK_E)
+                tl.debug_barrier()
+                placed = tl.atomic_add(counters_ptr, 1, sem="acq_rel", scope="gpu")
+                if placed == blocks - 1:
+                    tl.store(counters_ptr, 0)
+                    _place_and_cut(experts_ptr, rows_ptr, tokens_ptr, hist_ptr, tiles_a_ptr,
+                                   tiles_b_ptr, blocks, T * K, K, E, block_m_a, block_m_b,
+                                   slots_a, slots_b, TB, BLOCK_P, BLOCK_E, BLOCK_PP, BLOCK_T,
+                                   TWO_TABLES)
+
+    @jit(do_not_specialize=["T", "blocks", "slots_a", "slots_b"])
+    def _group_blocks_kernel(
+        experts_ptr, counters_ptr, rows_ptr, tokens_ptr, hist_ptr, tiles_a_ptr, tiles_b_ptr, T,
+        blocks, E, block_m_a, block_m_b, slots_a, slots_b, K: tl.constexpr,
+        BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
+        TB: tl.constexpr, BLOCK_PP: tl.constexpr, TWO_TABLES: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
+        """group_tiles over a program a block of TB tokens (_block_ranks); the last block
+        to finish (counters[0], set back to 0 by it) places every pair and cuts the tables
+        (route_group's grouping for steps of many tokens, after route's launches)."""
+        b = tl.program_id(0).to(tl.int64)
+        await_inputs(PDL)
+        _block_ranks(experts_ptr, rows_ptr, hist_ptr, b, T * K, K, E, TB, BLOCK_P, BLOCK_E)
+        tl.debug_barrier()
+        placed = tl.atomic_add(counters_ptr, 1, sem="acq_rel", scope="gpu")
+        if placed == blocks - 1:
+            tl.store(counters_ptr, 0)
+            _place_and_cut(experts_ptr, rows_ptr, tokens_ptr, hist_ptr, tiles_a_ptr,
+                           tiles_b_ptr, blocks, T * K, K, E, block_m_a, block_m_b, slots_a,
+                           slots_b, TB, BLOCK_P, BLOCK_E, BLOCK_PP, BLOCK_T, TWO_TABLES)
+
+
+def _block_group_args(num_experts: int, k: int, cells: int, slot_cells: int) -> dict:
+    """A block grouping's constexprs: steps of `cells` (pairs x experts) and `slot_cells`,
+    and TB, its tokens a block: as many as fill one step of pairs."""
+    args = _group_args(num_experts, cells, slot_cells)
+    return {**args, "TB": max(1, args["BLOCK_P"] // k)}
 
 
 def route_group(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
                 scale: float | None, block_ms: Sequence[int],
                 counters: RouteCounters | None = None, x_bf16: bool = False) -> Routed:
     """route and group_tiles (a table for each of `block_ms`), and with `x_bf16` h rounded
-    to bf16 (as torch rounds). Where the kernels run: one launch with `counters` (at most
-    two distinct block_m, fused_routing on), else route's two launches and a grouping
-    launch a table; elsewhere the references. The same bits every way."""
+    to bf16 (as torch rounds). Where the kernels run, with `counters` (at most two distinct
+    block_m, fused_routing on): one launch up to FUSED_MAX_TOKENS tokens, else route's two
+    and a block grouping launch (a program a block of tokens); without: route's two
+    launches and a one-program grouping launch a table. Elsewhere the references. The
+    same bits every way."""
     sizes = sorted(set(block_ms))
     e = router.shape[0]
     if not kernels_run(h.device):
@@ -509,21 +626,34 @@ def route_group(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
     if counters is None or len(sizes) > 2 or not fused_routing() or t == 0:
         weights, experts = _route_launches(h, router, k, normalize, scale, xb)
         return _grouped_after(weights, experts, e, sizes, xb)
-    logits = torch.empty(t, e, dtype=torch.float32, device=h.device)
-    weights = torch.empty(t, k, dtype=torch.float32, device=h.device)
-    experts = torch.empty(t, k, dtype=torch.int32, device=h.device)
+    one = t <= FUSED_MAX_TOKENS
+    group = _block_group_args(e, k, *((_FUSED_CELLS, _FUSED_SLOT_CELLS) if one else
+                                      (_GROUP_CELLS, _SLOT_CELLS)))
+    blocks = -(-t // group["TB"])
     rows = torch.empty(pairs, dtype=torch.int32, device=h.device)
     tokens = torch.empty(pairs, dtype=torch.int32, device=h.device)
+    hist = torch.empty(blocks, e, dtype=torch.int32, device=h.device)
     tiles = {m: torch.empty(max_tiles(pairs, e, m), 3, dtype=torch.int32, device=h.device)
              for m in sizes}
     a, b = tiles[sizes[0]], tiles[sizes[-1]]
+    table_args = (sizes[0], sizes[-1], a.shape[0], b.shape[0])
+    consts = {"BLOCK_PP": _PLACE_PAIRS, "TWO_TABLES": len(sizes) == 2}
+    if not one:
+        weights, experts = _route_launches(h, router, k, normalize, scale, xb)
+        launcher(_group_blocks_kernel, h.device)[(blocks,)](
+            experts, counters.get(1, h.device), rows, tokens, hist, a, b, t, blocks, e,
+            *table_args, K=k, **group, **consts, num_warps=4)
+        return Routed(weights, experts, rows, tokens, tiles, xb)
+    logits = torch.empty(t, e, dtype=torch.float32, device=h.device)
+    weights = torch.empty(t, k, dtype=torch.float32, device=h.device)
+    experts = torch.empty(t, k, dtype=torch.int32, device=h.device)
     launcher(_route_group_kernel, h.device)[(t, -(-e // _LOGIT_EXPERTS))](
         h, router, logits, weights, experts, h if xb is None else xb,
-        counters.get(t, h.device), rows, tokens, a, b, d, e, h.stride(0), t,
-        1.0 if scale is None else float(scale), sizes[0], sizes[-1], a.shape[0], b.shape[0],
+        counters.get(1 + t + blocks, h.device), rows, tokens, hist, a, b, d, e, h.stride(0),
+        t, blocks, 1.0 if scale is None else float(scale), *table_args,
         LOGIT_E=_LOGIT_EXPERTS, LOGIT_K=_LOGIT_K,
-        **{**_topk_args(e, k, normalize, scale), **_group_args(e)}, WRITE_XB=xb is not None,
-        TWO_TABLES=len(sizes) == 2, num_warps=4)
+        **{**_topk_args(e, k, normalize, scale), **group}, WRITE_XB=xb is not None,
+        **consts, num_warps=4)
     return Routed(weights, experts, rows, tokens, tiles, xb)
 
 
@@ -545,19 +675,30 @@ def aot_specs(spec: type) -> list:
     group = {"BLOCK_P": _GROUP_CELLS // 128, "BLOCK_E": 128, "BLOCK_T": _SLOT_CELLS // 128}
     fused_sig = {**{n: "*fp32" for n in ("x_ptr", "w_ptr", "logits_ptr", "weights_ptr")},
                  "experts_ptr": "*i32", "xb_ptr": "*bf16",
-                 **{n: "*i32" for n in ("counters_ptr", "rows_ptr", "tokens_ptr",
+                 **{n: "*i32" for n in ("counters_ptr", "rows_ptr", "tokens_ptr", "hist_ptr",
                                         "tiles_a_ptr", "tiles_b_ptr")},
-                 **{n: "i32" for n in ("d", "E", "stride_x", "T")}, "scale": "fp32",
+                 **{n: "i32" for n in ("d", "E", "stride_x", "T", "blocks")}, "scale": "fp32",
                  **{n: "i32" for n in ("block_m_a", "block_m_b", "slots_a", "slots_b")}}
+    fused_group = _block_group_args(128, 8, _FUSED_CELLS, _FUSED_SLOT_CELLS)
+    fused_consts = {"LOGIT_E": _LOGIT_EXPERTS, "LOGIT_K": _LOGIT_K, **topk,
+                    "BLOCK_P": fused_group["BLOCK_P"], "BLOCK_T": fused_group["BLOCK_T"],
+                    "TB": fused_group["TB"], "BLOCK_PP": _PLACE_PAIRS, "WRITE_XB": True,
+                    "TWO_TABLES": True}
     fused = [spec(f"moe_route_group{suffix}", _route_group_kernel,
                   {**fused_sig, **{n: "constexpr" for n in consts}}, consts, 4, False, backend)
              for suffix, backend, consts in (
-                 ("", None, {"LOGIT_E": _LOGIT_EXPERTS, "LOGIT_K": _LOGIT_K, **topk,
-                             "BLOCK_P": group["BLOCK_P"], "BLOCK_T": group["BLOCK_T"],
-                             "WRITE_XB": True, "TWO_TABLES": True}),
-                 ("_pdl", "cuda", {"LOGIT_E": _LOGIT_EXPERTS, "LOGIT_K": _LOGIT_K, **topk,
-                                   "BLOCK_P": group["BLOCK_P"], "BLOCK_T": group["BLOCK_T"],
-                                   "WRITE_XB": True, "TWO_TABLES": True, "PDL": True}))]
+                 ("", None, fused_consts), ("_pdl", "cuda", {**fused_consts, "PDL": True}))]
+    block_group = _block_group_args(128, 8, _GROUP_CELLS, _SLOT_CELLS)
+    blocks_sig = {**{n: "*i32" for n in ("experts_ptr", "counters_ptr", "rows_ptr",
+                                         "tokens_ptr", "hist_ptr", "tiles_a_ptr",
+                                         "tiles_b_ptr")},
+                  **{n: "i32" for n in ("T", "blocks", "E", "block_m_a", "block_m_b",
+                                        "slots_a", "slots_b")}}
+    blocks_consts = {"K": 8, **block_group, "BLOCK_PP": _PLACE_PAIRS, "TWO_TABLES": True}
+    fused += [spec(f"moe_group_blocks{suffix}", _group_blocks_kernel,
+                   {**blocks_sig, **{n: "constexpr" for n in consts}}, consts, 4, False, backend)
+              for suffix, backend, consts in (("", None, blocks_consts),
+                                              ("_pdl", "cuda", {**blocks_consts, "PDL": True}))]
     return [
         spec("moe_router_logits", _router_logits_kernel,
              {"x_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32", "xb_ptr": "*bf16",

@@ -154,14 +154,18 @@ def assert_routed_equal(a, b) -> None:
     assert a.x_bf16 is None or torch.equal(a.x_bf16.view(torch.int16), b.x_bf16.view(torch.int16))
 
 
-@pytest.mark.parametrize("t, e, k, heights", [(1, 128, 8, [16, 64]), (13, 37, 5, [4]),
-                                              (61, 9, 3, [4, 16, 4]), (40, 300, 4, [16])])
+@pytest.mark.parametrize("t, e, k, heights", [(1, 128, 8, [16, 64]), (20, 128, 8, [16, 64]),
+                                              (13, 37, 5, [4]), (61, 9, 3, [4, 16, 4]),
+                                              (40, 300, 4, [16])])
 def test_fused_routing_launch_is_route_then_group(interp, rng, t, e, k, heights):
-    """route_group's one launch (arrival counters elect a token's top-k and the grouping)
-    against the separate launches bit for bit, and against the references: the float64
+    """route_group's one launch (arrival counters elect a token's top-k and the grouping),
+    and its launches for many tokens (route's two, then a program a token block), against
+    the separate launches bit for bit, and against the references: the float64
     routing's picks, the grouping of those picks, h rounded to bf16 as torch rounds it.
-    Run twice on one RouteCounters: the counters are back at zero and the second launch
-    gives the same bits."""
+    Token blocks of 8 (128 experts, 8 a token: 20 tokens in 3, the last short) and of 4
+    (300 experts, 4 a token: 10 blocks) ranked apart and placed by the last. Run twice on
+    one RouteCounters: the counters are back at zero and the second launch gives the same
+    bits."""
     d = 300
     h = torch.from_numpy(rng.standard_normal((t, d), dtype=np.float32))
     router = torch.from_numpy(rng.standard_normal((e, d), dtype=np.float32)) * 0.2
@@ -170,6 +174,11 @@ def test_fused_routing_launch_is_route_then_group(interp, rng, t, e, k, heights)
     assert not left.any(), left
     assert_routed_equal(fused, again)
     assert_routed_equal(fused, separate)
+    blocks, again, left, _ = interp.call("moe_case:route_group_ways", h, router, k, True, 1.5,
+                                         heights, True, 0)
+    assert not left.any(), left
+    assert_routed_equal(blocks, again)
+    assert_routed_equal(blocks, separate)
     ref_w, ref_e = route_reference(h.double(), router.double(), k, True, 1.5)
     assert torch.equal(fused.experts.long(), ref_e)
     assert torch.allclose(fused.weights.double(), ref_w, rtol=1e-5, atol=1e-7)

@@ -129,7 +129,7 @@ def test_every_decode_kernel_takes_pdl():
                qmatmul._qmm_kernel, qmatmul._sum_splits_kernel,
                # a MoE block's (the combine runs in the norm's launch; the separate routing
                # launches are MBUFO_MOE_FUSED_ROUTE=0's)
-               moe._moe_mm_kernel, moe_route._route_group_kernel,
+               moe._moe_mm_kernel, moe_route._route_group_kernel, moe_route._group_blocks_kernel,
                moe_route._router_logits_kernel, moe_route._topk_kernel,
                moe_route._group_kernel, moe_route._combine_kernel]
     for kernel in kernels:
