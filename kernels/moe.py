@@ -109,9 +109,10 @@ if HAS_TRITON:
         program_id(1): the sum, in split order, of each split's own K-range sum of
         x[tokens[r] (r without GATHER), k] * W_expert[n, k]. A tile past the real ones
         ((-1, 0, 0) in the table) runs no loop and stores nothing. GATED >= 0 (an
-        activation of kernels/gated_act.py): the expert has 2 N rows, gate then up; the
-        program sums gate row n and up row N + n alike and stores act(gate) * up in out's
-        type, as gated_act would from those sums."""
+        activation of kernels/gated_act.py): the expert has 2 N rows, gate then up, and a
+        program's BLOCK_N weight rows are BLOCK_N / 2 gate rows n, each beside its up row
+        N + n; it stores act(gate) * up for those n in out's type, as gated_act would from
+        the same sums (a row's sum does not depend on the rows beside it in the tile)."""
         tile = tl.program_id(0)
         pid_n = tl.program_id(1)
         await_inputs(PDL)  # every program: the tile table comes from the kernel before
@@ -124,27 +125,34 @@ if HAS_TRITON:
             rm = tl.load(tokens_ptr + rows, mask=m_ok, other=0)
         else:
             rm = rows
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if GATED >= 0:
+            half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
+            w_row = tl.where(half < N, half + (tl.arange(0, BLOCK_N) % 2) * N, 0)
+        else:
+            w_row = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            w_row = tl.where(w_row < N, w_row, 0)
         w_expert = w_ptr + tl.maximum(expert, 0).to(tl.int64) * expert_bytes
-        row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
+        row_off = w_row.to(tl.int64) * row_bytes
         total = qtiles.acc_zeros(BLOCK_M, BLOCK_N, X_LEFT)
-        total_up = qtiles.acc_zeros(BLOCK_M, BLOCK_N, X_LEFT)
         live = tl.where(expert >= 0, splits, 0)
         for v in range(0, live):
             acc = _expert_sum(QTYPE, w_expert, row_off, lut_ptr, x_ptr, rm, m_ok, stride_xm,
                               v * k_per_split, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K, X_LEFT,
                               DOT_F64, PTX)
             total = tl.where(v == 0, acc, total + acc)  # (p0 + p1) + p2 ..., as split sums
-            if GATED >= 0:
-                up = _expert_sum(QTYPE, w_expert, row_off + N * row_bytes, lut_ptr, x_ptr, rm,
-                                 m_ok, stride_xm, v * k_per_split, k_per_split, BLOCK_M,
-                                 BLOCK_N, BLOCK_K, X_LEFT, DOT_F64, PTX)
-                total_up = tl.where(v == 0, up, total_up + up)
-        offs, mask = qtiles.out_offsets(rows, rn, m_ok & (expert >= 0), N, X_LEFT)
         if GATED >= 0:
-            tl.store(out_ptr + offs, cast_out(gated(total, total_up, GATED), out_ptr),
-                     mask=mask)
+            HALF: tl.constexpr = BLOCK_N // 2
+            if X_LEFT:  # (BLOCK_M, BLOCK_N): gate, up side by side along the columns
+                gate, up = tl.split(tl.reshape(total, (BLOCK_M, HALF, 2)))
+            else:  # (BLOCK_N, BLOCK_M): along the rows
+                gate, up = tl.split(tl.permute(tl.reshape(total, (HALF, 2, BLOCK_M)),
+                                               (0, 2, 1)))
+            rn = pid_n * HALF + tl.arange(0, HALF)
+            offs, mask = qtiles.out_offsets(rows, rn, m_ok & (expert >= 0), N, X_LEFT)
+            tl.store(out_ptr + offs, cast_out(gated(gate, up, GATED), out_ptr), mask=mask)
         else:
+            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs, mask = qtiles.out_offsets(rows, rn, m_ok & (expert >= 0), N, X_LEFT)
             tl.store(out_ptr + offs, total, mask=mask)
 
 
@@ -179,9 +187,9 @@ class MoEPlan:
 
     def gated_in_product(self, pairs: int, num_experts: int) -> bool:
         """Whether a gate|up product of `pairs` rows runs its activation in its own launch
-        (moe_matmul's `gated`): in the skinny config (decode steps: a launch fewer a block,
-        two 16-row accumulators a program); the tiled config's 64-row tiles keep the
-        separate launch. The bits are the same either way. MBUFO_MOE_FUSED_ACT=0: never."""
+        (moe_matmul's `gated`): in the skinny config (decode steps: a launch fewer a
+        block); the tiled config's tiles, already at their register cap, keep the separate
+        launch. The bits are the same either way. MBUFO_MOE_FUSED_ACT=0: never."""
         return self.config(pairs, num_experts) is self.skinny and \
             os.environ.get("MBUFO_MOE_FUSED_ACT", "1") != "0"
 
@@ -233,7 +241,7 @@ def moe_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tup
         return out
     if x.dtype == torch.float32 and x.device.type != "cpu":
         x = x.to(torch.bfloat16)  # the kernel rounds x to bf16 (qmatmul_tiled says why)
-    grid = (tiles.shape[0], -(-n_out // cfg.block_n))
+    grid = (tiles.shape[0], -(-n // cfg.block_n))  # gated: block_n / 2 outputs a program
     launcher(_moe_mm_kernel, x.device)[grid](
         x, blocks, out, _lut(int(ggml_type), x.device), x if tokens is None else tokens,
         tiles, n_out, blocks.shape[2], blocks.shape[1] * blocks.shape[2], k // cfg.split_k,
