@@ -168,7 +168,7 @@ if HAS_TRITON:
 
 
 else:
-    await_inputs = None  # kernels are never defined without Triton
+    await_inputs = cast_out = None  # kernels are never defined without Triton
 
 
 def interpreter_active() -> bool:
