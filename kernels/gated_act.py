@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import InvalidRequest
+from engine.layers.activation import swiglu_oai
 from kernels.fused_norm import OUT_DTYPES
 from kernels.quant_x import QK, QuantX, empty_quant_x, quant_x_reference
 from kernels.triton_util import (
@@ -30,7 +31,7 @@ from kernels.triton_util import (
 
 __all__ = ["ACTIVATION_IDS", "gated_act", "gated_act_quant", "gated_act_reference"]
 
-ACTIVATION_IDS = {"silu": 0, "gelu": 1}
+ACTIVATION_IDS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
 _BLOCK = 1024
 
 
@@ -40,6 +41,8 @@ def gated_act_reference(gate_up: torch.Tensor, activation: str,
     if activation not in ACTIVATION_IDS:
         raise InvalidRequest(f"gated_act: unknown activation {activation!r}")
     gate, up = gate_up.float().chunk(2, dim=-1)
+    if activation == "swiglu_oai":
+        return swiglu_oai(gate, up).to(out_dtype)
     act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
     return (act * up).to(out_dtype)
 
@@ -49,12 +52,17 @@ if HAS_TRITON:
 
     @helper
     def gated(g, u, ACT: tl.constexpr):
-        """act(g) * u, ACT 0: silu, 1: gelu_tanh (gated_act_reference's definitions)."""
+        """act(g) * u, ACT 0: silu, 1: gelu_tanh, 2: swiglu_oai (gated_act_reference's
+        definitions)."""
         if ACT == 0:
             a = g / (1.0 + tl.exp(-g))
-        else:  # tanh(z) = 1 - 2 / (e^2z + 1): exact limits +-1 where e^2z over/underflows
+        elif ACT == 1:  # tanh(z) = 1 - 2 / (e^2z + 1): exact limits +-1 where e^2z over/underflows
             z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
             a = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+        else:  # gpt-oss: the gate clamped above, up clamped both ways and shifted by 1
+            g = tl.minimum(g, 7.0)
+            u = tl.minimum(tl.maximum(u, -7.0), 7.0) + 1.0
+            a = g / (1.0 + tl.exp(-1.702 * g))
         return a * u
 
     @jit

@@ -25,10 +25,20 @@ def gen() -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def expected(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+def operands(gate_up: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 (g, u) the activation multiplies: gpt-oss's clamped and shifted."""
     g, u = gate_up.double().chunk(2, dim=-1)
+    if activation == "swiglu_oai":  # ggml_swiglu_oai: alpha 1.702, limit 7
+        return torch.minimum(g, torch.tensor(7.0)), u.clamp(-7.0, 7.0) + 1
+    return g, u
+
+
+def expected(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    g, u = operands(gate_up, activation)
     if activation == "silu":
         return g / (1 + torch.exp(-g)) * u
+    if activation == "swiglu_oai":
+        return g / (1 + torch.exp(-1.702 * g)) * u
     return 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3))) * u
 
 
@@ -44,20 +54,20 @@ def assert_close32(got: torch.Tensor, gate_up: torch.Tensor, activation: str,
     1 + tanh(z) cancels for negative g in float32 (in torch as in the kernel)."""
     assert torch.isfinite(got).all(), "output not fully written"
     want = expected(gate_up, activation)
-    g, u = gate_up.double().chunk(2, dim=-1)
+    g, u = operands(gate_up, activation)
     err = (got.double() - want).abs()
     tol = rel * want.abs() + 4e-7 * (g * u).abs() + 1e-30
     assert (err <= tol).all(), float((err / tol).max())
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("activation", ["silu", "gelu", "swiglu_oai"])
 @pytest.mark.parametrize("rows,ffn,strided", [(1, 96, False), (7, 1500, True), (3, 2048, False)])
 def test_kernel_matches_float64(interp, gen, activation, rows, ffn, strided):
     gu = case(gen, rows, ffn, strided)
     assert_close32(interp.call(KERNEL, gu, activation), gu, activation)
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("activation", ["silu", "gelu", "swiglu_oai"])
 def test_kernel_bf16_output(interp, gen, activation):
     gu = case(gen, 3, 200, True)
     got = interp.call(KERNEL, gu, activation, torch.bfloat16)
@@ -65,7 +75,7 @@ def test_kernel_bf16_output(interp, gen, activation):
     assert_close32(got, gu, activation, rel=2.0**-8 + 4e-6)
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("activation", ["silu", "gelu", "swiglu_oai"])
 def test_reference_matches_float64(gen, activation):
     gu = case(gen, 5, 300, False)
     assert_close32(gated_act_reference(gu, activation), gu, activation)
