@@ -22,7 +22,7 @@ T = gguf.GGMLQuantizationType
 
 @dataclass(frozen=True, slots=True)
 class SyntheticSpec:
-    architecture: str  # llama | qwen2 | qwen3 | qwen3moe | gemma3
+    architecture: str  # llama | qwen2 | qwen3 | qwen3moe | gemma3 | gpt-oss
     num_layers: int = 2
     hidden_size: int = 64
     num_heads: int = 4
@@ -40,10 +40,13 @@ class SyntheticSpec:
     rope_freq_factors: bool = False  # write rope_freqs.weight (Llama 3.1 style)
     # general.file_type (gguf.LlamaFileType): the recipe's name, as llama.cpp labels a file
     file_type: int = gguf.LlamaFileType.MOSTLY_F16
-    # MoE (qwen3moe): experts of `expert_ffn_size` each, `experts_used` of them a token
+    # MoE (qwen3moe, gpt-oss): experts of `expert_ffn_size` each, `experts_used` a token
     num_experts: int = 0
     experts_used: int = 0
     expert_ffn_size: int = 0
+    # YaRN RoPE scaling (gpt-oss): the factor and the trained context; 0: none
+    yarn_factor: float = 0.0
+    yarn_original_context: int = 0
 
 
 # (scale field byte offset, count of f16 scales) inside one block, for random-block fixing
@@ -64,7 +67,9 @@ def random_blocks(qtype: int, shape: tuple[int, ...], rng: np.random.Generator,
     rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
     n_blocks = rows * shape[-1] // block
     raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
-    for offset, count in _SCALE_FIELDS[qtype]:
+    if qtype == T.MXFP4:  # an E8M0 exponent a block: 2^(e - 128) times codes up to 12
+        raw[:, 0] = rng.integers(119, 123, size=n_blocks) + round(np.log2(std / 0.05))
+    for offset, count in _SCALE_FIELDS.get(qtype, []):
         scales = (rng.uniform(0.2, 1.0, size=(n_blocks, count)) * std * 2 / _CODE_GAIN[qtype])
         raw[:, offset:offset + 2 * count] = scales.astype(np.float16).view(np.uint8)
     return raw.reshape(rows, shape[-1] // block * type_size)
@@ -79,13 +84,22 @@ def tensor_shapes(spec: SyntheticSpec, vocab_size: int) -> dict[str, tuple[int, 
         shapes["output.weight"] = (vocab_size, h)
     if spec.rope_freq_factors:
         shapes["rope_freqs.weight"] = (spec.head_dim // 2,)
+    oss = spec.architecture == "gpt-oss"
     for i in range(spec.num_layers):
         p = f"blk.{i}."
         shapes.update({
             p + "attn_norm.weight": (h,), p + "attn_q.weight": (q, h),
             p + "attn_k.weight": (kv, h), p + "attn_v.weight": (kv, h),
-            p + "attn_output.weight": (h, q), p + "ffn_norm.weight": (h,),
+            p + "attn_output.weight": (h, q),
+            p + ("post_attention_norm.weight" if oss else "ffn_norm.weight"): (h,),
         })
+        if oss:  # biases everywhere, a sink a head
+            e, f = spec.num_experts, spec.expert_ffn_size
+            shapes.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,),
+                           p + "attn_v.bias": (kv,), p + "attn_output.bias": (h,),
+                           p + "attn_sinks.weight": (spec.num_heads,),
+                           p + "ffn_gate_inp.bias": (e,), p + "ffn_gate_exps.bias": (e, f),
+                           p + "ffn_up_exps.bias": (e, f), p + "ffn_down_exps.bias": (e, h)})
         if spec.num_experts:
             e, f = spec.num_experts, spec.expert_ffn_size
             shapes.update({p + "ffn_gate_inp.weight": (e, h), p + "ffn_gate_exps.weight": (e, f, h),
@@ -125,8 +139,8 @@ def _fit_rows(qtype: int, shape: tuple[int, ...]) -> int:
 
 
 def _tensor_type(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> int:
-    if name.endswith(".ffn_gate_inp.weight"):
-        return T.F32  # llama.cpp never quantizes the router (llama-quant.cpp)
+    if name.endswith((".ffn_gate_inp.weight", ".bias")):
+        return T.F32  # llama.cpp never quantizes the router (llama-quant.cpp) or a bias
     qtype = spec.types.get(name)  # a whole name ("blk.3.attn_v.weight") first
     if qtype is None:
         for suffix, t in spec.types.items():  # whole name components: "output.weight" is
@@ -176,6 +190,10 @@ def write_synthetic_gguf(path: str | os.PathLike, spec: SyntheticSpec,
     writer.add_rope_freq_base(spec.rope_base)
     if spec.sliding_window:
         writer.add_sliding_window(spec.sliding_window)
+    if spec.yarn_factor:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(spec.yarn_factor)
+        writer.add_rope_scaling_orig_ctx_len(spec.yarn_original_context)
     if spec.num_experts:
         writer.add_expert_count(spec.num_experts)
         writer.add_expert_used_count(spec.experts_used)
@@ -224,6 +242,13 @@ PRESETS: dict[str, SyntheticSpec] = {
                                    context_length=40960, rope_base=1000000.0,
                                    tied_embeddings=False, num_experts=128, experts_used=8,
                                    expert_ffn_size=768),
+    # head_dim 64 beside a hidden size of 2880 (not 64 x 64); 32 experts of 2880, 4 a token
+    "gpt-oss-20b": SyntheticSpec("gpt-oss", num_layers=24, hidden_size=2880, num_heads=64,
+                                 num_kv_heads=8, head_dim=64, ffn_size=2880,
+                                 context_length=131072, rope_base=150000.0, rms_eps=1e-5,
+                                 sliding_window=128, tied_embeddings=False, num_experts=32,
+                                 experts_used=4, expert_ffn_size=2880, yarn_factor=32.0,
+                                 yarn_original_context=4096),
     "gemma3-270m": SyntheticSpec("gemma3", num_layers=18, hidden_size=640, num_heads=4,
                                  num_kv_heads=1, head_dim=256, ffn_size=2048,
                                  context_length=32768, rope_base=1000000.0,
@@ -239,12 +264,16 @@ PRESETS: dict[str, SyntheticSpec] = {
 FILE_TYPES: dict[str, int] = {"Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M,
                               "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
                               "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
-                              "BF16": gguf.LlamaFileType.MOSTLY_BF16}
+                              "BF16": gguf.LlamaFileType.MOSTLY_BF16,
+                              "MXFP4": gguf.LlamaFileType.MOSTLY_MXFP4_MOE}
 RECIPES: dict[str, dict[str, int]] = {
     "Q4_K_M": {"output.weight": T.Q6_K, ".weight": T.Q4_K},
     "Q8_0": {".weight": T.Q8_0},
     "Q6_K": {".weight": T.Q6_K},
     "BF16": {".weight": T.BF16},
+    # gpt-oss as released: MXFP4 experts, every other matrix BF16
+    "MXFP4": {"ffn_gate_exps.weight": T.MXFP4, "ffn_up_exps.weight": T.MXFP4,
+              "ffn_down_exps.weight": T.MXFP4, ".weight": T.BF16},
 }
 # Types llama.cpp gives a suffix on the layers where `more_bits_layer` holds. For Q4_K_M:
 # attn_v (its counter of attn_v tensors, which run in block order) and ffn_down (its block

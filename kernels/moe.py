@@ -99,11 +99,12 @@ if HAS_TRITON:
 
     @jit
     def _moe_mm_kernel(
-        x_ptr, w_ptr, out_ptr, lut_ptr, tokens_ptr, tiles_ptr, N, row_bytes, expert_bytes,
-        k_per_split, splits, stride_xm, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr,
-        DOT_F64: tl.constexpr, X_LEFT: tl.constexpr, PTX: tl.constexpr = False,
-        PDL: tl.constexpr = False, GATED: tl.constexpr = -1,
+        x_ptr, w_ptr, out_ptr, lut_ptr, tokens_ptr, tiles_ptr, bias_ptr, N, row_bytes,
+        expert_bytes, k_per_split, splits, stride_xm, QTYPE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GATHER: tl.constexpr, DOT_F64: tl.constexpr, X_LEFT: tl.constexpr,
+        PTX: tl.constexpr = False, PDL: tl.constexpr = False, GATED: tl.constexpr = -1,
+        HAS_BIAS: tl.constexpr = False,
     ):
         """out[r, n] for the rows r of tile program_id(0) (one expert's) and the N tile
         program_id(1): the sum, in split order, of each split's own K-range sum of
@@ -112,7 +113,9 @@ if HAS_TRITON:
         activation of kernels/gated_act.py): the expert has 2 N rows, gate then up, and a
         program's BLOCK_N weight rows are BLOCK_N / 2 gate rows n, each beside its up row
         N + n; it stores act(gate) * up for those n in out's type, as gated_act would from
-        the same sums (a row's sum does not depend on the rows beside it in the tile)."""
+        the same sums (a row's sum does not depend on the rows beside it in the tile).
+        HAS_BIAS: each weight row's sum plus its expert's bias (E, rows) float32 (gpt-oss),
+        before the activation."""
         tile = tl.program_id(0)
         pid_n = tl.program_id(1)
         await_inputs(PDL)  # every program: the tile table comes from the kernel before
@@ -140,6 +143,10 @@ if HAS_TRITON:
                               v * k_per_split, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K, X_LEFT,
                               DOT_F64, PTX)
             total = tl.where(v == 0, acc, total + acc)  # (p0 + p1) + p2 ..., as split sums
+        if HAS_BIAS:
+            rows_per_expert = expert_bytes // row_bytes
+            b = tl.load(bias_ptr + tl.maximum(expert, 0).to(tl.int64) * rows_per_expert + w_row)
+            total = total + (b[None, :] if X_LEFT else b[:, None])
         if GATED >= 0:
             HALF: tl.constexpr = BLOCK_N // 2
             if X_LEFT:  # (BLOCK_M, BLOCK_N): gate, up side by side along the columns
@@ -208,13 +215,14 @@ def row_bytes(ggml_type: int, k: int) -> int:
 
 def moe_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int],
                tokens: torch.Tensor | None, tiles: torch.Tensor, pairs: int,
-               gated: str | None = None,
-               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+               gated: str | None = None, out_dtype: torch.dtype = torch.float32,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (rows, K) float32/bf16, blocks (E, N, row bytes) uint8 -> (pairs, N) float32:
     sorted row r is x[tokens[r]] (x[r] where tokens is None) times its tile's expert.
     `tiles` from group_tiles with the block_m of plan_for(...).config(pairs, E).
     `gated` (an activation of kernels/gated_act.py; N even: gate rows, then up rows) ->
-    (pairs, N / 2) in `out_dtype`: gated_act of the product, in the same launch."""
+    (pairs, N / 2) in `out_dtype`: gated_act of the product, in the same launch. `bias`
+    (E, N) float32: each expert's, added to its rows' sums (before the activation)."""
     n, k = shape
     num_experts = blocks.shape[0]
     if blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[1] != n or \
@@ -232,6 +240,10 @@ def moe_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tup
         raise InvalidRequest(f"moe_matmul: gated needs an activation of "
                              f"{sorted(ACTIVATION_IDS)}, an even N and an out_dtype of "
                              f"{OUT_DTYPES}; got {gated!r}, N={n}, {out_dtype}")
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (
+            num_experts, n) or not bias.is_contiguous()):
+        raise InvalidRequest(f"moe_matmul: bias must be contiguous float32 ({num_experts}, "
+                             f"{n}), got {bias.dtype} {tuple(bias.shape)}")
     plan = plan_for(int(ggml_type), (n, k), x.device)
     cfg = plan.config(pairs, num_experts)
     n_out = n if gated is None else n // 2
@@ -244,11 +256,13 @@ def moe_matmul(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, shape: tup
     grid = (tiles.shape[0], -(-n // cfg.block_n))  # gated: block_n / 2 outputs a program
     launcher(_moe_mm_kernel, x.device)[grid](
         x, blocks, out, _lut(int(ggml_type), x.device), x if tokens is None else tokens,
-        tiles, n_out, blocks.shape[2], blocks.shape[1] * blocks.shape[2], k // cfg.split_k,
-        cfg.split_k, x.stride(0), QTYPE=int(ggml_type), BLOCK_M=cfg.block_m,
+        tiles, out if bias is None else bias, n_out, blocks.shape[2],
+        blocks.shape[1] * blocks.shape[2], k // cfg.split_k, cfg.split_k, x.stride(0),
+        QTYPE=int(ggml_type), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATHER=tokens is not None,
         DOT_F64=x.device.type == "cpu", X_LEFT=plan.x_left, PTX=ptx(x.device),
-        GATED=-1 if gated is None else ACTIVATION_IDS[gated], num_warps=cfg.num_warps,
+        GATED=-1 if gated is None else ACTIVATION_IDS[gated], HAS_BIAS=bias is not None,
+        num_warps=cfg.num_warps,
         **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}))
     return out
 
@@ -259,8 +273,9 @@ def aot_specs(spec: type) -> list:
     if not HAS_TRITON:
         return []
     sig = {"x_ptr": "*fp32", "w_ptr": "*u8", "out_ptr": "*fp32", "lut_ptr": "*fp32",
-           "tokens_ptr": "*i32", "tiles_ptr": "*i32", "N": "i32", "row_bytes": "i32",
-           "expert_bytes": "i32", "k_per_split": "i32", "splits": "i32", "stride_xm": "i32"}
+           "tokens_ptr": "*i32", "tiles_ptr": "*i32", "bias_ptr": "*fp32", "N": "i32",
+           "row_bytes": "i32", "expert_bytes": "i32", "k_per_split": "i32", "splits": "i32",
+           "stride_xm": "i32"}
     divisible = ("x_ptr", "w_ptr", "out_ptr", "lut_ptr", "tokens_ptr", "tiles_ptr",
                  "row_bytes", "expert_bytes", "k_per_split", "stride_xm")
     out = []
@@ -272,15 +287,18 @@ def aot_specs(spec: type) -> list:
                 cfg = default_config(as_type, m, 1536, 2048, backend=backend)
                 consts = {"QTYPE": qtype, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                           "BLOCK_K": cfg.block_k, "GATHER": True, "DOT_F64": False,
-                          "X_LEFT": x_left(as_type), "PTX": backend == "cuda", "GATED": -1}
+                          "X_LEFT": x_left(as_type), "PTX": backend == "cuda", "GATED": -1,
+                          "HAS_BIAS": False}
                 signature = {**sig, **{k: "constexpr" for k in consts}}
                 out.append(spec(f"moe_matmul_{name}{suffix}", _moe_mm_kernel, signature,
                                 consts, cfg.num_warps, True, backend, cfg.num_stages,
                                 divisible))
-                if qtype in (qtiles.Q4_K, qtiles.Q6_K) and m == 16:
+                if qtype in (qtiles.Q4_K, qtiles.Q6_K, qtiles.MXFP4) and m == 16:
                     # gate|up as a decode graph launches it: the activation in it, bf16 out,
                     # a programmatic dependent launch on sm_90
                     extra = {"GATED": 0, **({"PDL": True} if backend == "cuda" else {})}
+                    if qtype == qtiles.MXFP4:  # gpt-oss's: biased experts, its activation
+                        extra.update(GATED=2, HAS_BIAS=True)
                     out.append(spec(
                         f"moe_matmul_{name}_gated",  # one name: both targets' builds
                         _moe_mm_kernel, {**signature, "out_ptr": "*bf16",

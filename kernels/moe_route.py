@@ -77,11 +77,15 @@ def kernels_run(device: torch.device) -> bool:
 
 
 def route_reference(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
-                    scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """h (T, d), router (E, d) -> (weights (T, k) float32 (float64 for float64 h),
-    experts (T, k) int64)."""
+                    scale: float | None, bias: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """h (T, d), router (E, d), bias (E,) or None -> (weights (T, k) float32 (float64 for
+    float64 h), experts (T, k) int64)."""
     dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
-    probs = torch.softmax(h.to(dtype) @ router.to(dtype).t(), dim=-1)
+    logits = h.to(dtype) @ router.to(dtype).t()
+    if bias is not None:
+        logits = logits + bias.to(dtype)
+    probs = torch.softmax(logits, dim=-1)
     weights, experts = torch.topk(probs, k, dim=-1, sorted=True)
     if normalize:
         total = weights[:, 0].clone()
@@ -96,11 +100,12 @@ def route_reference(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bo
 if HAS_TRITON:
 
     @helper
-    def _logits_part(x_ptr, w_ptr, out_ptr, xb_ptr, t, part, d, E, stride_x,
-                     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_XB: tl.constexpr):
-        """out[t, e] = router[e] . x[t] for the BLOCK_E experts of `part`, BLOCK_K columns
-        a step in column order, float32; with WRITE_XB part 0 also writes x[t] rounded to
-        bf16 (the grouped products' x) as it reads it."""
+    def _logits_part(x_ptr, w_ptr, b_ptr, out_ptr, xb_ptr, t, part, d, E, stride_x,
+                     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_XB: tl.constexpr,
+                     HAS_BIAS: tl.constexpr):
+        """out[t, e] = router[e] . x[t] (+ bias[e] with HAS_BIAS) for the BLOCK_E experts of
+        `part`, BLOCK_K columns a step in column order, float32; with WRITE_XB part 0 also
+        writes x[t] rounded to bf16 (the grouped products' x) as it reads it."""
         e = part * BLOCK_E + tl.arange(0, BLOCK_E)
         e_ok = e < E
         acc = tl.zeros((BLOCK_E,), tl.float32)
@@ -113,17 +118,20 @@ if HAS_TRITON:
             w = tl.load(w_ptr + e[:, None].to(tl.int64) * d + k[None, :],
                         mask=e_ok[:, None] & k_ok[None, :], other=0.0)
             acc += tl.sum(w * x[None, :], axis=1)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + e, mask=e_ok, other=0.0)
         tl.store(out_ptr + t * E + e, acc, mask=e_ok)
 
     @jit(do_not_specialize=["d"])
-    def _router_logits_kernel(x_ptr, w_ptr, out_ptr, xb_ptr, d, E, stride_x,
+    def _router_logits_kernel(x_ptr, w_ptr, b_ptr, out_ptr, xb_ptr, d, E, stride_x,
                               BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                              WRITE_XB: tl.constexpr = False, PDL: tl.constexpr = False):
+                              WRITE_XB: tl.constexpr = False, PDL: tl.constexpr = False,
+                              HAS_BIAS: tl.constexpr = False):
         """_logits_part for token program_id(0), experts part program_id(1)."""
         t = tl.program_id(0).to(tl.int64)
         await_inputs(PDL)
-        _logits_part(x_ptr, w_ptr, out_ptr, xb_ptr, t, tl.program_id(1), d, E, stride_x,
-                     BLOCK_E, BLOCK_K, WRITE_XB)
+        _logits_part(x_ptr, w_ptr, b_ptr, out_ptr, xb_ptr, t, tl.program_id(1), d, E,
+                     stride_x, BLOCK_E, BLOCK_K, WRITE_XB, HAS_BIAS)
 
     @helper
     def _topk_row(logits_ptr, weights_ptr, experts_ptr, t, E, scale, K: tl.constexpr,
@@ -168,13 +176,17 @@ if HAS_TRITON:
                   NORMALIZE, SCALE, False)
 
 
-def _check_route(h: torch.Tensor, router: torch.Tensor, k: int) -> None:
+def _check_route(h: torch.Tensor, router: torch.Tensor, k: int,
+                 bias: torch.Tensor | None = None) -> None:
     if h.dim() != 2 or router.dim() != 2 or h.shape[1] != router.shape[1] or \
             h.dtype != torch.float32 or router.dtype != torch.float32 or h.stride(1) != 1 \
-            or not router.is_contiguous() or not 0 < k <= router.shape[0]:
-        raise InvalidRequest(f"route: h (T, d) and router (E, d) float32 and 0 < k <= E, "
-                             f"got {h.dtype} {tuple(h.shape)}, {router.dtype} "
-                             f"{tuple(router.shape)}, k={k}")
+            or not router.is_contiguous() or not 0 < k <= router.shape[0] or (
+                bias is not None and (bias.dtype != torch.float32 or
+                                      tuple(bias.shape) != (router.shape[0],))):
+        raise InvalidRequest(f"route: h (T, d) and router (E, d) float32, a bias (E,) "
+                             f"float32 or none, and 0 < k <= E; got {h.dtype} "
+                             f"{tuple(h.shape)}, {router.dtype} {tuple(router.shape)}, bias "
+                             f"{None if bias is None else tuple(bias.shape)}, k={k}")
 
 
 def _topk_args(e: int, k: int, normalize: bool, scale: float | None) -> dict:
@@ -185,18 +197,19 @@ def _topk_args(e: int, k: int, normalize: bool, scale: float | None) -> dict:
 
 
 def route(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
-          scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+          scale: float | None, bias: torch.Tensor | None = None,
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """route_reference's routing -> (weights (T, k) float32, experts (T, k) int32 on the
     kernels, int64 on the reference); two launches where the kernels run."""
     if not kernels_run(h.device):
-        return route_reference(h, router, k, normalize, scale)
-    _check_route(h, router, k)
-    return _route_launches(h, router, k, normalize, scale, None)
+        return route_reference(h, router, k, normalize, scale, bias)
+    _check_route(h, router, k, bias)
+    return _route_launches(h, router, k, normalize, scale, None, bias)
 
 
 def _route_launches(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
-                    scale: float | None,
-                    xb: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                    scale: float | None, xb: torch.Tensor | None,
+                    bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """route's two launches; the router's also writes h rounded to bf16 into `xb`."""
     (t, d), e = h.shape, router.shape[0]
     logits = torch.empty(t, e, dtype=torch.float32, device=h.device)
@@ -204,8 +217,9 @@ def _route_launches(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bo
     experts = torch.empty(t, k, dtype=torch.int32, device=h.device)
     if t:
         launcher(_router_logits_kernel, h.device)[(t, -(-e // _LOGIT_EXPERTS))](
-            h, router, logits, h if xb is None else xb, d, e, h.stride(0),
-            BLOCK_E=_LOGIT_EXPERTS, BLOCK_K=_LOGIT_K, WRITE_XB=xb is not None, num_warps=4)
+            h, router, router if bias is None else bias, logits, h if xb is None else xb, d, e,
+            h.stride(0), BLOCK_E=_LOGIT_EXPERTS, BLOCK_K=_LOGIT_K, WRITE_XB=xb is not None,
+            HAS_BIAS=bias is not None, num_warps=4)
         launcher(_topk_kernel, h.device)[(t,)](
             logits, weights, experts, e, 1.0 if scale is None else float(scale),
             **_topk_args(e, k, normalize, scale), num_warps=4)
@@ -531,13 +545,15 @@ if HAS_TRITON:
 
     @jit(do_not_specialize=["d", "T", "blocks", "slots_a", "slots_b"])
     def _route_group_kernel(
-        x_ptr, w_ptr, logits_ptr, weights_ptr, experts_ptr, xb_ptr, counters_ptr, rows_ptr,
-        tokens_ptr, hist_ptr, tiles_a_ptr, tiles_b_ptr, d, E, stride_x, T, blocks, scale,
+        x_ptr, w_ptr, b_ptr, logits_ptr, weights_ptr, experts_ptr, xb_ptr, counters_ptr,
+        rows_ptr, tokens_ptr, hist_ptr, tiles_a_ptr, tiles_b_ptr, d, E, stride_x, T, blocks,
+        scale,
         block_m_a, block_m_b, slots_a, slots_b, LOGIT_E: tl.constexpr, LOGIT_K: tl.constexpr,
         K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_KP: tl.constexpr,
         NORMALIZE: tl.constexpr, SCALE: tl.constexpr, BLOCK_P: tl.constexpr,
         BLOCK_T: tl.constexpr, TB: tl.constexpr, BLOCK_PP: tl.constexpr,
         WRITE_XB: tl.constexpr, TWO_TABLES: tl.constexpr, PDL: tl.constexpr = False,
+        HAS_BIAS: tl.constexpr = False,
     ):
         """route, then group_tiles, in one launch of route's router grid. Each program
         computes its logits part (_logits_part); the last of a token's programs to finish
@@ -550,8 +566,8 @@ if HAS_TRITON:
         its own (acquire), with volatile loads."""
         t = tl.program_id(0).to(tl.int64)
         await_inputs(PDL)
-        _logits_part(x_ptr, w_ptr, logits_ptr, xb_ptr, t, tl.program_id(1), d, E, stride_x,
-                     LOGIT_E, LOGIT_K, WRITE_XB)
+        _logits_part(x_ptr, w_ptr, b_ptr, logits_ptr, xb_ptr, t, tl.program_id(1), d, E,
+                     stride_x, LOGIT_E, LOGIT_K, WRITE_XB, HAS_BIAS)
         tl.debug_barrier()
         arrived = tl.atomic_add(counters_ptr + 1 + t, 1, sem="acq_rel", scope="gpu")
         if arrived == tl.num_programs(1) - 1:
@@ -607,7 +623,8 @@ def _block_group_args(num_experts: int, k: int, cells: int, slot_cells: int) -> 
 
 def route_group(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
                 scale: float | None, block_ms: Sequence[int],
-                counters: RouteCounters | None = None, x_bf16: bool = False) -> Routed:
+                counters: RouteCounters | None = None, x_bf16: bool = False,
+                bias: torch.Tensor | None = None) -> Routed:
     """route and group_tiles (a table for each of `block_ms`), and with `x_bf16` h rounded
     to bf16 (as torch rounds). Where the kernels run, with `counters` (at most two distinct
     block_m, fused_routing on): one launch up to FUSED_MAX_TOKENS tokens, else route's two
@@ -617,14 +634,14 @@ def route_group(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
     sizes = sorted(set(block_ms))
     e = router.shape[0]
     if not kernels_run(h.device):
-        weights, experts = route_reference(h, router, k, normalize, scale)
+        weights, experts = route_reference(h, router, k, normalize, scale, bias)
         return _grouped_after(weights, experts, e, sizes,
                               h.to(torch.bfloat16) if x_bf16 else None)
-    _check_route(h, router, k)
+    _check_route(h, router, k, bias)
     (t, d), pairs = h.shape, h.shape[0] * k
     xb = torch.empty(t, d, dtype=torch.bfloat16, device=h.device) if x_bf16 else None
     if counters is None or len(sizes) > 2 or not fused_routing() or t == 0:
-        weights, experts = _route_launches(h, router, k, normalize, scale, xb)
+        weights, experts = _route_launches(h, router, k, normalize, scale, xb, bias)
         return _grouped_after(weights, experts, e, sizes, xb)
     one = t <= FUSED_MAX_TOKENS
     group = _block_group_args(e, k, *((_FUSED_CELLS, _FUSED_SLOT_CELLS) if one else
@@ -639,7 +656,7 @@ def route_group(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
     table_args = (sizes[0], sizes[-1], a.shape[0], b.shape[0])
     consts = {"BLOCK_PP": _PLACE_PAIRS, "TWO_TABLES": len(sizes) == 2}
     if not one:
-        weights, experts = _route_launches(h, router, k, normalize, scale, xb)
+        weights, experts = _route_launches(h, router, k, normalize, scale, xb, bias)
         launcher(_group_blocks_kernel, h.device)[(blocks,)](
             experts, counters.get(1, h.device), rows, tokens, hist, a, b, t, blocks, e,
             *table_args, K=k, **group, **consts, num_warps=4)
@@ -648,12 +665,13 @@ def route_group(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
     weights = torch.empty(t, k, dtype=torch.float32, device=h.device)
     experts = torch.empty(t, k, dtype=torch.int32, device=h.device)
     launcher(_route_group_kernel, h.device)[(t, -(-e // _LOGIT_EXPERTS))](
-        h, router, logits, weights, experts, h if xb is None else xb,
+        h, router, router if bias is None else bias, logits, weights, experts,
+        h if xb is None else xb,
         counters.get(1 + t + blocks, h.device), rows, tokens, hist, a, b, d, e, h.stride(0),
         t, blocks, 1.0 if scale is None else float(scale), *table_args,
         LOGIT_E=_LOGIT_EXPERTS, LOGIT_K=_LOGIT_K,
         **{**_topk_args(e, k, normalize, scale), **group}, WRITE_XB=xb is not None,
-        **consts, num_warps=4)
+        HAS_BIAS=bias is not None, **consts, num_warps=4)
     return Routed(weights, experts, rows, tokens, tiles, xb)
 
 
@@ -673,7 +691,8 @@ def aot_specs(spec: type) -> list:
         return []
     topk = {"K": 8, "BLOCK_E": 128, "BLOCK_KP": 8, "NORMALIZE": True, "SCALE": False}
     group = {"BLOCK_P": _GROUP_CELLS // 128, "BLOCK_E": 128, "BLOCK_T": _SLOT_CELLS // 128}
-    fused_sig = {**{n: "*fp32" for n in ("x_ptr", "w_ptr", "logits_ptr", "weights_ptr")},
+    fused_sig = {**{n: "*fp32" for n in ("x_ptr", "w_ptr", "b_ptr", "logits_ptr",
+                                         "weights_ptr")},
                  "experts_ptr": "*i32", "xb_ptr": "*bf16",
                  **{n: "*i32" for n in ("counters_ptr", "rows_ptr", "tokens_ptr", "hist_ptr",
                                         "tiles_a_ptr", "tiles_b_ptr")},
@@ -683,7 +702,7 @@ def aot_specs(spec: type) -> list:
     fused_consts = {"LOGIT_E": _LOGIT_EXPERTS, "LOGIT_K": _LOGIT_K, **topk,
                     "BLOCK_P": fused_group["BLOCK_P"], "BLOCK_T": fused_group["BLOCK_T"],
                     "TB": fused_group["TB"], "BLOCK_PP": _PLACE_PAIRS, "WRITE_XB": True,
-                    "TWO_TABLES": True}
+                    "TWO_TABLES": True, "HAS_BIAS": False}
     fused = [spec(f"moe_route_group{suffix}", _route_group_kernel,
                   {**fused_sig, **{n: "constexpr" for n in consts}}, consts, 4, False, backend)
              for suffix, backend, consts in (
@@ -701,10 +720,12 @@ def aot_specs(spec: type) -> list:
                                               ("_pdl", "cuda", {**blocks_consts, "PDL": True}))]
     return [
         spec("moe_router_logits", _router_logits_kernel,
-             {"x_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32", "xb_ptr": "*bf16",
-              "d": "i32", "E": "i32", "stride_x": "i32", "BLOCK_E": "constexpr",
-              "BLOCK_K": "constexpr", "WRITE_XB": "constexpr"},
-             {"BLOCK_E": _LOGIT_EXPERTS, "BLOCK_K": _LOGIT_K, "WRITE_XB": True}, 4, False),
+             {"x_ptr": "*fp32", "w_ptr": "*fp32", "b_ptr": "*fp32", "out_ptr": "*fp32",
+              "xb_ptr": "*bf16", "d": "i32", "E": "i32", "stride_x": "i32",
+              "BLOCK_E": "constexpr", "BLOCK_K": "constexpr", "WRITE_XB": "constexpr",
+              "HAS_BIAS": "constexpr"},
+             {"BLOCK_E": _LOGIT_EXPERTS, "BLOCK_K": _LOGIT_K, "WRITE_XB": True,
+              "HAS_BIAS": True}, 4, False),
         spec("moe_topk", _topk_kernel,
              {"logits_ptr": "*fp32", "weights_ptr": "*fp32", "experts_ptr": "*i32", "E": "i32",
               "scale": "fp32", **{n: "constexpr" for n in topk}}, topk, 4, False),

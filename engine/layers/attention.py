@@ -26,7 +26,7 @@ import torch
 from engine.batch import ForwardBatch
 from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache
-from engine.layers.attention_cpu import attend_cpu
+from engine.layers.attention_cpu import attend_cpu, softmax_with_sinks
 from kernels.fused_rope import KVStore
 from kernels.paged_attention import (
     AttnConfig,
@@ -50,6 +50,8 @@ class AttnLayer:
     scale: float
     window: int | None  # sliding window in tokens (a query sees keys with q - k < window)
     softcap: float | None = None
+    # gpt-oss: a logit a head (H,) float32 that joins each softmax with no value behind it
+    sinks: torch.Tensor | None = None
 
 
 class GroupInputs(NamedTuple):
@@ -140,7 +142,7 @@ def attend_triton(
         positions=batch.positions if inputs is None else inputs.positions,
         page_table=batch.page_tables[group] if inputs is None else inputs.page_table,
         page_size=kv.page_size, scale=layer.scale, window=layer.window,
-        softcap=layer.softcap, plan=None if inputs is None else inputs.plan,
+        softcap=layer.softcap, sinks=layer.sinks, plan=None if inputs is None else inputs.plan,
         config=attn_config(layer, q.device) if inputs is None else inputs.config)
 
 
@@ -310,7 +312,7 @@ def attend_rows(
         if layer.window is not None:
             visible &= (q_pos[:, None] - k_pos[None, :]) < layer.window
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        probs = softmax_with_sinks(scores, layer.sinks, (layer.num_kv_heads, groups, 1, 1))
         rows = torch.einsum("hgqk,khd->qhgd", probs, values)  # (ql, KVH, G, Dv)
         out[qs:qe] = rows.reshape(qe - qs, -1)
     return out

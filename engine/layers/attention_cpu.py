@@ -89,6 +89,16 @@ def _bucket(batch: ForwardBatch, kv: KVCache, group: str, rows: list[tuple[int, 
     return _Bucket(torch.tensor([starts[r] for r, _, _ in rows]), slots, valid, width)
 
 
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None,
+                       shape: tuple[int, ...]) -> torch.Tensor:
+    """softmax over the last dim; with sinks (H,), viewed as `shape` beside the scores,
+    each head's sink logit joins the denominator (llama.cpp's attention sinks)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.to(scores.dtype).view(shape).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+
+
 def _decode_bucket(layer: AttnLayer, q: torch.Tensor, kv: KVCache,
                    bucket: _Bucket) -> torch.Tensor:
     """q (R, H, D) of one bucket's decode rows -> (R, H * Dv)."""
@@ -103,6 +113,6 @@ def _decode_bucket(layer: AttnLayer, q: torch.Tensor, kv: KVCache,
     if layer.softcap is not None:
         scores = torch.tanh(scores / layer.softcap) * layer.softcap
     scores = scores.masked_fill(~bucket.valid, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = softmax_with_sinks(scores, layer.sinks, (1, layer.num_kv_heads, groups, 1))
     rows_out = torch.matmul(probs, values.transpose(1, 2).contiguous())  # (R, KVH, G, Dv)
     return rows_out.reshape(num_rows, -1)

@@ -38,10 +38,13 @@ __all__ = ["DenseExperts", "GroupedExperts", "MoE"]
 
 
 class GroupedExperts:
-    """E experts' (N, K) weights of one GGML type: blocks (E, N, row bytes) uint8."""
+    """E experts' (N, K) weights of one GGML type: blocks (E, N, row bytes) uint8; bias
+    (E, N) float32 or None (gpt-oss's experts have one)."""
 
-    def __init__(self, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> None:
+    def __init__(self, blocks: torch.Tensor, ggml_type: int, shape: tuple[int, int],
+                 bias: torch.Tensor | None = None) -> None:
         self.blocks, self.ggml_type, self.shape = blocks, int(ggml_type), shape
+        self.bias = None if bias is None else bias.float().contiguous()
         self.plan = plan_for(self.ggml_type, shape, blocks.device)
 
     def block_m(self, pairs: int) -> int:
@@ -52,11 +55,12 @@ class GroupedExperts:
                 pairs: int, gated: str | None = None,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return moe_matmul(x, self.blocks, self.ggml_type, self.shape, tokens, tiles, pairs,
-                          gated, out_dtype)
+                          gated, out_dtype, self.bias)
 
     def one(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """x (rows, K) @ expert e's weights.T, dequantized for this call."""
-        return qmatmul_reference(x, self.blocks[e], self.ggml_type, self.shape).float()
+        """x (rows, K) @ expert e's weights.T (+ its bias), dequantized for this call."""
+        y = qmatmul_reference(x, self.blocks[e], self.ggml_type, self.shape).float()
+        return y if self.bias is None else y + self.bias[e]
 
 
 class DenseExperts:
@@ -77,10 +81,12 @@ class MoE:
 
     def __init__(self, router: torch.Tensor, gate_up: Sequence[Experts], down: Experts,
                  experts_used: int, normalize: bool, scale: float | None,
-                 activation: str) -> None:
+                 activation: str, router_bias: torch.Tensor | None = None) -> None:
         """gate_up: parts whose outputs, side by side, are each expert's gate then up rows
-        (one part where both have one GGML type)."""
+        (one part where both have one GGML type); router_bias (E,): added to the router's
+        logits (gpt-oss)."""
         self.router = router.float().contiguous()
+        self.router_bias = None if router_bias is None else router_bias.float().contiguous()
         self.gate_up, self.down = list(gate_up), down
         self.k, self.normalize, self.scale = experts_used, normalize, scale
         self.activation = activation
@@ -108,7 +114,7 @@ class MoE:
         parts = [*self.gate_up, self.down]
         heights = [p.block_m(pairs) for p in parts]
         r = route_group(h, self.router, self.k, self.normalize, self.scale, heights,
-                        self.counters, x_bf16=h.device.type != "cpu")
+                        self.counters, x_bf16=h.device.type != "cpu", bias=self.router_bias)
         x = h if r.x_bf16 is None else r.x_bf16
         # the grouped product rounds x to bf16 on a GPU: the activation is written so
         act_dtype = torch.float32 if h.device.type == "cpu" else torch.bfloat16
@@ -126,7 +132,8 @@ class MoE:
 
     def _per_expert(self, h: torch.Tensor) -> torch.Tensor:
         t = h.shape[0]
-        weights, experts = route_reference(h, self.router, self.k, self.normalize, self.scale)
+        weights, experts = route_reference(h, self.router, self.k, self.normalize, self.scale,
+                                           self.router_bias)
         per_pair = torch.zeros(t, self.k, h.shape[1], dtype=torch.float32, device=h.device)
         act = ACTIVATIONS[self.activation]
         for e in torch.unique(experts).tolist():

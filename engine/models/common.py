@@ -1,7 +1,8 @@
 """The shared decoder: embedding, N blocks of (norm, attention, norm, gated MLP), head.
 
-Families (llama, qwen2/qwen3, qwen3moe, gemma3) differ only in ModelConfig flags and config
-reading (qwen3moe's MLP is a mixture of experts: engine/layers/moe.py);
+Families (llama, qwen2/qwen3, qwen3moe, gemma3, gpt-oss) differ only in ModelConfig flags
+and config reading (qwen3moe's and gpt-oss's MLPs are mixtures of experts:
+engine/layers/moe.py; gpt-oss's attention has sinks);
 the forward below serves every ForwardBatch row in one pass over the weights.
 """
 
@@ -77,10 +78,14 @@ class DecoderModel:
         self.head = weights.head("output.weight", table, self.embedding)  # tied when absent
         factors = weights.vector("rope_freqs.weight", cfg.head_dim // 2) if weights.has(
             "rope_freqs.weight") else None
-        self.rope = Rope(cfg.head_dim, cfg.rope_base, cfg.rope_neox, cfg.rope_freq_scale, factors)
+        self.rope = Rope(cfg.head_dim, cfg.rope_base, cfg.rope_neox, cfg.rope_freq_scale, factors,
+                         cfg.rope_yarn)
         self.rope_swa = self.rope
-        if cfg.rope_base_swa is not None and cfg.swa_layers:
-            self.rope_swa = Rope(cfg.head_dim, cfg.rope_base_swa, cfg.rope_neox)
+        if cfg.rope_base_swa is not None and cfg.swa_layers and (
+                cfg.rope_base_swa, cfg.rope_freq_scale_swa, factors) != (
+                cfg.rope_base, cfg.rope_freq_scale, None):
+            self.rope_swa = Rope(cfg.head_dim, cfg.rope_base_swa, cfg.rope_neox,
+                                 cfg.rope_freq_scale_swa, yarn=cfg.rope_yarn)
         self.blocks = [self._load_block(weights, i) for i in range(cfg.num_layers)]
         self.device = weights.device
         # the hybrid layout's threshold (every linear keeps a dense copy); None otherwise
@@ -101,21 +106,23 @@ class DecoderModel:
                       [q_dim, kv_dim, v_dim], cfg.hidden_size)
         window = cfg.sliding_window if cfg.is_sliding(i) else None
         scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
+        sinks = w.vector(p + "attn_sinks.weight", cfg.num_heads) if w.has(
+            p + "attn_sinks.weight") else None  # gpt-oss
         block = Block(
             attn=AttnLayer(i, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim_v,
-                           scale, window),
+                           scale, window, sinks=sinks),
             attn_norm=w.vector(p + "attn_norm.weight", cfg.hidden_size),
             qkv=qkv,
             out=w.linear(p + "attn_output", (cfg.hidden_size, cfg.num_heads * cfg.head_dim_v)),
-            ffn_norm=w.vector(p + "ffn_norm.weight", cfg.hidden_size),
+            ffn_norm=w.vector(p + cfg.ffn_norm_tensor + ".weight", cfg.hidden_size),
             gate_up=None,
             down=None,
         )
         if cfg.num_experts:
-            router, gate_up, down = w.experts(p, cfg.num_experts, cfg.ffn_size,
-                                              cfg.hidden_size)
-            block.moe = MoE(router, gate_up, down, cfg.experts_used, cfg.expert_weights_norm,
-                            cfg.expert_weights_scale, cfg.activation)
+            m = w.experts(p, cfg.num_experts, cfg.ffn_size, cfg.hidden_size)
+            block.moe = MoE(m.router, m.gate_up, m.down, cfg.experts_used,
+                            cfg.expert_weights_norm, cfg.expert_weights_scale, cfg.activation,
+                            m.router_bias)
         else:
             block.gate_up = w.fused([p + "ffn_gate", p + "ffn_up"], [cfg.ffn_size] * 2,
                                     cfg.hidden_size)

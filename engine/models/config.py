@@ -9,6 +9,18 @@ from engine.gguf import ModelFile
 
 
 @dataclass(frozen=True, slots=True)
+class YaRN:
+    """YaRN RoPE scaling (arXiv:2309.00071) as ggml_rope_ext applies it with ext_factor 1:
+    the context the model was trained at, the ramp's bounds in rotations and the
+    magnitude factor's base (engine/layers/rope.py)."""
+
+    original_context: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attn_factor: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     architecture: str
     num_layers: int
@@ -25,6 +37,8 @@ class ModelConfig:
     rope_neox: bool
     rope_freq_scale: float = 1.0
     rope_base_swa: float | None = None
+    rope_freq_scale_swa: float = 1.0  # the sliding layers' (gpt-oss: the full layers')
+    rope_yarn: YaRN | None = None  # YaRN scaling (gpt-oss), on every layer where set
     sliding_window: int | None = None
     swa_layers: tuple[bool, ...] = ()  # per layer: True if it uses the sliding window
     attn_scale: float | None = None  # None -> 1/sqrt(head_dim)
@@ -41,6 +55,8 @@ class ModelConfig:
     experts_used: int = 0
     expert_weights_norm: bool = False
     expert_weights_scale: float | None = None
+    # the MLP's pre-norm tensor (gpt-oss names it post_attention_norm)
+    ffn_norm_tensor: str = "ffn_norm"
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[layer]
@@ -87,6 +103,29 @@ def read_base_config(mf: ModelFile, *, rope_neox: bool, **overrides: object) -> 
     )
     values.update(overrides)
     return ModelConfig(**values)  # type: ignore[arg-type]
+
+
+def read_experts(mf: ModelFile) -> tuple[int, int, int]:
+    """(expert_count, expert_used_count, each expert's feed-forward length): the last from
+    `expert_feed_forward_length`, else feed_forward_length / expert_used_count, as
+    llama.cpp falls back. Bad counts get an error that names the key."""
+    experts = mf.arch_get("expert_count", 0)
+    used = mf.arch_get("expert_used_count", 0)
+    for key, value in (("expert_count", experts), ("expert_used_count", used)):
+        if not isinstance(value, int) or value <= 0:
+            raise GGUFFormatError(f"{mf.architecture}.{key} must be a positive integer, "
+                                  f"got {value!r}")
+    if used > experts:
+        raise GGUFFormatError(f"{mf.architecture}.expert_used_count ({used}) exceeds "
+                              f"expert_count ({experts})")
+    ffn = mf.arch_get("expert_feed_forward_length")
+    if ffn is None:
+        total = mf.arch_get("feed_forward_length")
+        ffn = total // used if isinstance(total, int) else None
+    if not isinstance(ffn, int) or ffn <= 0:
+        raise GGUFFormatError(f"{mf.architecture}.expert_feed_forward_length must be a "
+                              f"positive integer, got {ffn!r}")
+    return experts, used, ffn
 
 
 def _int(mf: ModelFile, suffix: str) -> int:

@@ -8,7 +8,7 @@ import torch
 
 from engine.errors import UnsupportedArchitecture
 from engine.gguf import ModelFile
-from engine.models import gemma3, llama, qwen
+from engine.models import gemma3, gpt_oss, llama, qwen
 from engine.models.common import DecoderModel
 from engine.models.config import ModelConfig
 from engine.models.weights import WeightLoader
@@ -19,6 +19,7 @@ FAMILIES: dict[str, Callable[[ModelFile], ModelConfig]] = {
     "qwen3": qwen.read_qwen3_config,
     "qwen3moe": qwen.read_qwen3moe_config,
     "gemma3": gemma3.read_config,
+    "gpt-oss": gpt_oss.read_config,
 }
 
 

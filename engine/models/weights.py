@@ -10,6 +10,7 @@ Fusions happen here, so the forward never sees the file layout.
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -25,6 +26,17 @@ from kernels.gather_rows import can_gather
 from kernels.moe import BF16, F32, MOE_TYPES, row_bytes
 
 FLOAT_TYPES_BY_DTYPE = {torch.float32: F32, torch.bfloat16: BF16}  # dense experts' GGML type
+
+
+class MoEWeights(NamedTuple):
+    """WeightLoader.experts: a MoE block's router, its bias or None, its gate|up parts (the
+    outputs side by side are each expert's gate then up rows) and its down experts."""
+
+    router: torch.Tensor
+    router_bias: torch.Tensor | None
+    gate_up: list[Experts]
+    down: Experts
+
 INT8_SLICE_ROWS = 8192  # rows dequantized at a time when re-quantizing to int8
 # Linear weights: ggml (the file's blocks, fused dequant kernels), q8 (the blocks, with Q4_K
 # products on 8-bit activations: kernels/qint.py), bf16 (dense in `dtype`), auto (ggml on
@@ -175,22 +187,29 @@ class WeightLoader:
         return Linear(torch.cat([self.matrix(p + ".weight", (o, in_size))
                                  for p, o in zip(prefixes, out_sizes, strict=True)]), bias)
 
-    def experts(self, prefix: str, num_experts: int, ffn: int, hidden: int
-                ) -> tuple[torch.Tensor, list[Experts], Experts]:
-        """A MoE block's router (`ffn_gate_inp`, float32) and its experts
-        (`ffn_{gate,up,down}_exps`): their blocks on a GPU's block layouts (gate and up as
-        one grouped product where they share a type), dense bf16 (f32) experts for the
-        same grouped kernel on a GPU's dense layouts, one dense linear an expert on the
-        CPU. -> (router, gate|up parts, down)."""
+    def experts(self, prefix: str, num_experts: int, ffn: int, hidden: int) -> MoEWeights:
+        """A MoE block's router (`ffn_gate_inp`, float32, and its bias where the file has
+        one) and its experts (`ffn_{gate,up,down}_exps`, and their biases where the file
+        has them): their blocks on a GPU's block layouts (gate and up as one grouped
+        product where they share a type), dense bf16 (f32) experts for the same grouped
+        kernel on a GPU's dense layouts, one dense linear an expert on the CPU."""
         e = num_experts
         router = self.load(prefix + "ffn_gate_inp.weight", (e, hidden), torch.float32)
+        router_bias = self._bias(prefix + "ffn_gate_inp.bias", (e,))
         gate, up, down = (prefix + f"ffn_{n}_exps.weight" for n in ("gate", "up", "down"))
+        gb, ub = (self._bias(prefix + f"ffn_{n}_exps.bias", (e, ffn)) for n in ("gate", "up"))
+        db = self._bias(prefix + "ffn_down_exps.bias", (e, hidden))
+        gub = None if gb is None and ub is None else torch.cat(
+            [b if b is not None else torch.zeros(e, ffn, device=self.device) for b in (gb, ub)],
+            1)
         if self.ggml:
-            parts = [self._experts(name, (e, ffn, hidden)) for name in (gate, up)]
+            parts = [self._experts(name, (e, ffn, hidden), b)
+                     for name, b in ((gate, gb), (up, ub))]
             if parts[0].ggml_type == parts[1].ggml_type:
                 parts = [GroupedExperts(torch.cat([p.blocks for p in parts], 1).contiguous(),
-                                        parts[0].ggml_type, (2 * ffn, hidden))]
-            return router, parts, self._experts(down, (e, hidden, ffn))
+                                        parts[0].ggml_type, (2 * ffn, hidden), gub)]
+            return MoEWeights(router, router_bias, parts, self._experts(down, (e, hidden, ffn),
+                                                                        db))
         if use_triton(self.device):
             # the dense layouts on a GPU: the grouped kernel over dense experts (one launch
             # a product, captured in graphs), never a loop over the experts
@@ -198,21 +217,34 @@ class WeightLoader:
             kind = FLOAT_TYPES_BY_DTYPE[dense]
             gate_up = torch.cat([self.load(n, (e, ffn, hidden), dense) for n in (gate, up)], 1)
             downs = self.load(down, (e, hidden, ffn), dense)
-            return (router, [GroupedExperts(_bytes(gate_up), kind, (2 * ffn, hidden))],
-                    GroupedExperts(_bytes(downs), kind, (hidden, ffn)))
+            return MoEWeights(router, router_bias,
+                              [GroupedExperts(_bytes(gate_up), kind, (2 * ffn, hidden), gub)],
+                              GroupedExperts(_bytes(downs), kind, (hidden, ffn), db))
+
+        def row(b: torch.Tensor | None, i: int) -> torch.Tensor | None:
+            return None if b is None else b[i]
+
         if self.int8:
             pairs = [self._int8_experts(n, (e, ffn, hidden)) for n in (gate, up)]
-            gate_up = [Int8Linear(torch.cat([g[0], u[0]]), torch.cat([g[1], u[1]]))
-                       for g, u in zip(*pairs, strict=True)]
-            downs = [Int8Linear(c, s) for c, s in self._int8_experts(down, (e, hidden, ffn))]
-            return router, [DenseExperts(gate_up)], DenseExperts(downs)
+            gate_up = [Int8Linear(torch.cat([g[0], u[0]]), torch.cat([g[1], u[1]]), row(gub, i))
+                       for i, (g, u) in enumerate(zip(*pairs, strict=True))]
+            downs = [Int8Linear(c, s, row(db, i))
+                     for i, (c, s) in enumerate(self._int8_experts(down, (e, hidden, ffn)))]
+            return MoEWeights(router, router_bias, [DenseExperts(gate_up)], DenseExperts(downs))
         g = self.load(gate, (e, ffn, hidden), self.dtype)
         u = self.load(up, (e, ffn, hidden), self.dtype)
         d = self.load(down, (e, hidden, ffn), self.dtype)
-        return (router, [DenseExperts([Linear(torch.cat([g[i], u[i]])) for i in range(e)])],
-                DenseExperts([Linear(d[i]) for i in range(e)]))
+        return MoEWeights(
+            router, router_bias,
+            [DenseExperts([Linear(torch.cat([g[i], u[i]]), row(gub, i)) for i in range(e)])],
+            DenseExperts([Linear(d[i], row(db, i)) for i in range(e)]))
 
-    def _experts(self, name: str, shape: tuple[int, int, int]) -> GroupedExperts:
+    def _bias(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """A float32 bias of `shape`, or None where the file has no tensor `name`."""
+        return self.load(name, shape, torch.float32) if self.has(name) else None
+
+    def _experts(self, name: str, shape: tuple[int, int, int],
+                 bias: torch.Tensor | None = None) -> GroupedExperts:
         raw, ggml_type = self.raw(name, shape)
         e, n, k = shape
         if ggml_type not in MOE_TYPES:
@@ -221,7 +253,7 @@ class WeightLoader:
         if raw.numel() != e * n * row_bytes(ggml_type, k):
             raise GGUFFormatError(f"tensor '{name}': {raw.numel()} bytes do not hold GGML "
                                   f"type {ggml_type} of shape {shape}")
-        return GroupedExperts(raw.view(e, n, -1), ggml_type, (n, k))
+        return GroupedExperts(raw.view(e, n, -1), ggml_type, (n, k), bias)
 
     def _int8_experts(self, name: str, shape: tuple[int, int, int]
                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:

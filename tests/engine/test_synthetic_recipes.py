@@ -207,3 +207,23 @@ def test_failed_write_leaves_no_partial(tmp_path: Path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         ensure_synthetic("gemma3-270m:Q4_K_M", tmp_path / "vocab.gguf", tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_mxfp4_gpt_oss_20b_layers():
+    """gpt-oss as released: MXFP4 experts, the other matrices BF16, every bias, sink, norm
+    and the router F32; biases on q/k/v/o, the router and each expert; the MLP's norm named
+    post_attention_norm."""
+    types = _layer_types("gpt-oss-20b:MXFP4", 201088)
+    for i in range(24):
+        p = f"blk.{i}."
+        for part in ("gate", "up", "down"):
+            assert types[p + f"ffn_{part}_exps.weight"] == T.MXFP4, (i, part)
+            assert types[p + f"ffn_{part}_exps.bias"] == T.F32, (i, part)
+        for part in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            assert types[p + part + ".weight"] == T.BF16, (i, part)
+            assert types[p + part + ".bias"] == T.F32, (i, part)
+        for name in ("attn_sinks.weight", "ffn_gate_inp.weight", "ffn_gate_inp.bias",
+                     "post_attention_norm.weight", "attn_norm.weight"):
+            assert types[p + name] == T.F32, (i, name)
+        assert p + "ffn_norm.weight" not in types
+    assert types["output.weight"] == T.BF16 and types["token_embd.weight"] == T.BF16

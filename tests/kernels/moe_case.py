@@ -61,7 +61,7 @@ def model_logits(path: str, weights: str, mode: str) -> tuple[torch.Tensor, set[
 
 def route_group_ways(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
                      scale: float | None, heights: list[int], x_bf16: bool,
-                     fused_max: int | None = None) -> tuple:
+                     fused_max: int | None = None, bias: torch.Tensor | None = None) -> tuple:
     """route_group's fused launches twice on one RouteCounters, what they left in them,
     and the separate launches (no counters): (fused, again, left, separate). `fused_max`:
     FUSED_MAX_TOKENS for the call (0: route's launches and the block grouping)."""
@@ -73,10 +73,10 @@ def route_group_ways(h: torch.Tensor, router: torch.Tensor, k: int, normalize: b
         moe_route.FUSED_MAX_TOKENS = fused_max
     try:
         counters = RouteCounters()
-        fused = route_group(h, router, k, normalize, scale, heights, counters, x_bf16)
-        again = route_group(h, router, k, normalize, scale, heights, counters, x_bf16)
+        fused = route_group(h, router, k, normalize, scale, heights, counters, x_bf16, bias)
+        again = route_group(h, router, k, normalize, scale, heights, counters, x_bf16, bias)
         left = counters.get(h.shape[0], h.device).clone()
-        separate = route_group(h, router, k, normalize, scale, heights, None, x_bf16)
+        separate = route_group(h, router, k, normalize, scale, heights, None, x_bf16, bias)
     finally:
         moe_route.FUSED_MAX_TOKENS = before
     return fused, again, left, separate

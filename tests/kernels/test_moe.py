@@ -301,6 +301,50 @@ def test_gated_product_is_the_product_then_the_activation(interp, rng, qtype):
         interp.call(KERNEL, *args, "relu", torch.float32)
 
 
+@pytest.mark.parametrize("qtype", [T.MXFP4, T.Q6_K], ids=lambda q: q.name)
+def test_expert_biases_join_the_sums(interp, rng, qtype):
+    """gpt-oss's per-expert biases (E, N): each row's sum plus its expert's bias, the same
+    bits as adding it after the launch; gated: before the activation, as gated_act of the
+    biased product (both configs)."""
+    e, f, k, used = 5, 40, 256, 2
+    blocks, _ = experts_weights(qtype, e, 2 * f, k, rng)
+    bias = torch.from_numpy(rng.standard_normal((e, 2 * f), dtype=np.float32))
+    plan = plan_for(int(qtype), (2 * f, k), CPU)
+    for t in (3, 60):
+        x = torch.from_numpy(rng.standard_normal((t, k), dtype=np.float32))
+        experts = routed(rng, t, used, e)
+        rows, tokens, tiles = group_tiles_reference(experts, e,
+                                                    plan.config(t * used, e).block_m)
+        args = (x, blocks, int(qtype), (2 * f, k), tokens, tiles, t * used)
+        plain = interp.call(KERNEL, *args)
+        biased = interp.call(KERNEL, *args, None, torch.float32, bias)
+        order = torch.argsort(rows.long())
+        row_expert = experts.reshape(-1)[order]  # each sorted row's expert
+        assert torch.equal(biased, plain + bias[row_expert]), t
+        gated = interp.call(KERNEL, *args, "swiglu_oai", torch.float32, bias)
+        split = interp.call("kernels.gated_act:gated_act", biased, "swiglu_oai")
+        assert torch.equal(gated, split), t
+    with pytest.raises(InvalidRequest, match="bias"):
+        interp.call(KERNEL, *args, None, torch.float32, bias[:, :-1])
+
+
+def test_router_bias_joins_the_logits(interp, rng):
+    """The router's bias (gpt-oss) in route_group's fused and separate launches: the
+    float64 reference's picks and weights."""
+    h = torch.from_numpy(rng.standard_normal((9, 96), dtype=np.float32))
+    router = torch.from_numpy(rng.standard_normal((12, 96), dtype=np.float32)) * 0.2
+    bias = torch.from_numpy(rng.standard_normal(12, dtype=np.float32))
+    fused, _, left, separate = interp.call("moe_case:route_group_ways", h, router, 3, True,
+                                           None, [4], False, None, bias)
+    assert not left.any()
+    assert_routed_equal(fused, separate)
+    ref_w, ref_e = route_reference(h.double(), router.double(), 3, True, None, bias.double())
+    assert torch.equal(fused.experts.long(), ref_e)
+    assert torch.allclose(fused.weights.double(), ref_w, rtol=1e-5, atol=1e-7)
+    unbiased = route_reference(h.double(), router.double(), 3, True, None)[1]
+    assert not torch.equal(unbiased, ref_e)  # the bias changes picks at this scale
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.MXFP4, T.BF16], ids=lambda q: q.name)
 def test_a_tokens_rows_are_bit_equal_alone_and_among_others(interp, rng, qtype):
     """Token 0's products alone (T = 1, the skinny config) and as one of 50 tokens (the
@@ -350,6 +394,37 @@ def tiny_moe(tmp_path_factory, vocab_dir):
     path = tmp_path_factory.mktemp("moe") / "tiny.gguf"
     write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-spm.gguf", seed=5)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_oss(tmp_path_factory, vocab_dir):
+    from engine.synthetic import SyntheticSpec, write_synthetic_gguf
+
+    types = {"attn_q.weight": T.Q8_0, "attn_k.weight": T.Q4_K, "attn_v.weight": T.Q6_K,
+             "attn_output.weight": T.Q4_K, "ffn_gate_exps.weight": T.MXFP4,
+             "ffn_up_exps.weight": T.MXFP4, "ffn_down_exps.weight": T.MXFP4}
+    spec = SyntheticSpec("gpt-oss", hidden_size=256, num_heads=4, num_kv_heads=2,
+                         head_dim=64, ffn_size=512, num_layers=2, num_experts=8,
+                         experts_used=2, expert_ffn_size=256, sliding_window=4,
+                         tied_embeddings=False, yarn_factor=4.0, yarn_original_context=64,
+                         types=types, default_type=T.F32)
+    path = tmp_path_factory.mktemp("oss") / "tiny.gguf"
+    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-spm.gguf", seed=6)
+    return str(path)
+
+
+def test_gpt_oss_on_the_kernels_matches_its_cpu_path(interp, tiny_oss):
+    """The tiny gpt-oss as a GPU runs it (interpreted): the router's bias in the routing
+    launch, the MXFP4 experts' biases and clamped SwiGLU in the grouped products, the
+    sinks in the paged attention, YaRN's cos/sin, against the CPU path (per-expert dense
+    linears, the torch attention)."""
+    cpu, kinds = interp.call("moe_case:model_logits", tiny_oss, "auto", "torch")
+    assert kinds == {"DenseExperts"}
+    for weights, bound in (("q8", 3e-2), ("auto", 1e-2)):
+        got, kinds = interp.call("moe_case:model_logits", tiny_oss, weights, "triton")
+        assert kinds == {"GroupedExperts"}
+        rel = (got - cpu).norm() / cpu.norm()
+        assert torch.isfinite(got).all() and rel < bound, (weights, float(rel))
 
 
 def test_the_model_on_the_kernels_matches_its_cpu_path(interp, tiny_moe):
