@@ -39,6 +39,16 @@ SPECS = {
                                head_dim=64, ffn_size=512, num_layers=3, num_experts=8,
                                experts_used=2, expert_ffn_size=256, types=MIXED),
                  "ggml-vocab-llama-bpe.gguf"),
+    # MXFP4 experts with biases and the clamped SwiGLU, sinks, YaRN, every other layer
+    # sliding (the kernels' gpt-oss paths)
+    "gpt-oss": (SyntheticSpec("gpt-oss", hidden_size=256, num_heads=4, num_kv_heads=2,
+                              head_dim=64, ffn_size=512, num_layers=3, num_experts=8,
+                              experts_used=2, expert_ffn_size=256, sliding_window=16,
+                              tied_embeddings=False, yarn_factor=4.0, yarn_original_context=64,
+                              types={**{k: v for k, v in MIXED.items() if "exps" not in k},
+                                     **{f"ffn_{n}_exps.weight": T.MXFP4
+                                        for n in ("gate", "up", "down")}}),
+                "ggml-vocab-llama-bpe.gguf"),
     "gemma3": (SyntheticSpec("gemma3", hidden_size=256, num_heads=4, num_kv_heads=1,
                              head_dim=64, ffn_size=512, num_layers=6, sliding_window=16,
                              types=MIXED), "ggml-vocab-llama-spm.gguf"),
