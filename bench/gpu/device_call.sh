@@ -29,6 +29,8 @@
 #           build beside the file's writing
 #   moe_both moe with llama.cpp built beside it (nice 19, 12 jobs), then llama.cpp on
 #           the file moe wrote
+#   oss     engine_bench on the synthetic gpt-oss-20b (MXFP4 experts, BF16 elsewhere) at
+#           1/16/64 streams and pp512 with the one-stream timeline, then llama.cpp on it
 #   moe_ab  moe at 1 and 16 streams and pp512 once for each ROUTE:ACT in MOE_AB (default
 #           "0:0 1:0 1:1": MBUFO_MOE_FUSED_ROUTE and MBUFO_MOE_FUSED_ACT, the MoE block's
 #           routing and activation launched separately (0) or fused (1)), each with the
@@ -42,6 +44,7 @@ SYN="--synthetic llama-3.1-8b:Q4_K_M --variants q8+graphs --consumers asyncio"
 VOCAB=$DIR/cache/llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-llama-bpe.gguf
 QWEN_VOCAB=${VOCAB%/*}/ggml-vocab-qwen2.gguf
 MOE=qwen3-30b-a3b:Q4_K_M
+OSS=gpt-oss-20b:MXFP4
 GPU_TESTS="tests/kernels tests/engine/test_gpu_parity.py tests/engine/test_tile_tune.py
   tests/engine/test_sampler.py tests/engine/test_gpu_paths.py"
 
@@ -128,6 +131,12 @@ plan() {
         --out "$OUT/moe_route${route}_act$act" || failed=1
     done
     return $failed ;;
+  oss)
+    run oss python3 bench/gpu/engine_bench.py --synthetic "$OSS" --variants auto+graphs \
+      --consumers asyncio --vocab "$QWEN_VOCAB" --concurrency 1,16,64 --tokens 64 \
+      --prefill 512 --forward-context 96 --no-profile --graph-profile 1 --out "$OUT/oss" &&
+    run oss_peer bash bench/gpu/llama_cpp_peer.sh run "$DIR/llama-src.tgz" \
+      /tmp/gpt-oss-20b_MXFP4.gguf "$OUT/oss_peer" ;;
   moe_peer)
     local writer=0
     if [ -z "${DRY:-}" ]; then
@@ -147,7 +156,7 @@ print(e(sys.argv[1], sys.argv[2], '/tmp'))" "$MOE" "$QWEN_VOCAB" > "$OUT/moe_fil
     PEER_BUILD="$build" plan moe_peer || rc=1  # its writer finds moe's file written
     return $rc ;;
   *) echo "unknown plan $1 (tests, engine, long, attn, fair, capture, busy, moe, moe_peer," \
-       "moe_both, moe_ab)" >&2
+       "moe_both, moe_ab, oss)" >&2
      return 2 ;;
   esac
 }

@@ -64,12 +64,14 @@ def check_commands(lines: dict[str, str]) -> None:
 def test_moe_plans():
     """moe at three concurrencies; moe_ab the MoE block's routing and activation launched
     separately, then fused one and both, each with the kernel timeline; moe_peer llama.cpp
-    on the file moe writes."""
-    run = dry("moe", "moe_ab", "moe_peer")
+    on the file moe writes; oss the synthetic gpt-oss-20b, then llama.cpp on its file."""
+    run = dry("moe", "moe_ab", "moe_peer", "oss")
     assert run.returncode == 0, run.stderr
     lines = dict(line.split(": ", 1) for line in run.stdout.splitlines())
     assert list(lines) == ["moe", "moe_route0_act0", "moe_route1_act0", "moe_route1_act1",
-                           "moe_peer"]
+                           "moe_peer", "oss", "oss_peer"]
+    assert "gpt-oss-20b:MXFP4" in lines["oss"]
+    assert "/tmp/gpt-oss-20b_MXFP4.gguf" in lines["oss_peer"]
     check_commands(lines)
     assert "--concurrency 1,16,64" in lines["moe"]
     for route, act in ("00", "10", "11"):
