@@ -268,6 +268,19 @@ def check_grouped(interp, rng, qtype: T, e: int, t: int, skinny: bool) -> None:
     assert (err <= 2**-7 * bound + 1e-30).all(), float((err / bound).max())
 
 
+def gate_up_cases(rng, qtype: T, blocks: torch.Tensor, f: int, k: int, used: int):
+    """(T, x, experts, sorted rows, moe_matmul's args) of a gate|up product over E experts
+    of 2F rows at 3 tokens (the skinny config) and 60 (the tiled one)."""
+    e = blocks.shape[0]
+    plan = plan_for(int(qtype), (2 * f, k), CPU)
+    for t in (3, 60):
+        x = torch.from_numpy(rng.standard_normal((t, k), dtype=np.float32))
+        experts = routed(rng, t, used, e)
+        rows, tokens, tiles = group_tiles_reference(experts, e,
+                                                    plan.config(t * used, e).block_m)
+        yield t, x, experts, rows, (x, blocks, int(qtype), (2 * f, k), tokens, tiles, t * used)
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.BF16], ids=lambda q: q.name)
 def test_gated_product_is_the_product_then_the_activation(interp, rng, qtype):
     """moe_matmul's `gated` (gate rows 0..F, up rows F..2F of each expert; both configs):
@@ -275,13 +288,7 @@ def test_gated_product_is_the_product_then_the_activation(interp, rng, qtype):
     silu(gate) * up of gguf-py's float64 product within the bf16 inputs' rounding."""
     e, f, k, used = 5, 40, 256, 2
     blocks, values = experts_weights(qtype, e, 2 * f, k, rng)
-    plan = plan_for(int(qtype), (2 * f, k), CPU)
-    for t in (3, 60):  # skinny, tiled
-        x = torch.from_numpy(rng.standard_normal((t, k), dtype=np.float32))
-        experts = routed(rng, t, used, e)
-        rows, tokens, tiles = group_tiles_reference(experts, e,
-                                                    plan.config(t * used, e).block_m)
-        args = (x, blocks, int(qtype), (2 * f, k), tokens, tiles, t * used)
+    for t, x, experts, rows, args in gate_up_cases(rng, qtype, blocks, f, k, used):
         gate_up = interp.call(KERNEL, *args)
         for out_dtype in (torch.float32, torch.bfloat16):
             got = interp.call(KERNEL, *args, "silu", out_dtype)
@@ -289,7 +296,7 @@ def test_gated_product_is_the_product_then_the_activation(interp, rng, qtype):
             assert got.dtype == out_dtype and torch.equal(got, split), (t, out_dtype)
         order = torch.argsort(rows.long())
         w = values[experts.reshape(-1)[order].numpy()]  # (pairs, 2F, K)
-        xs = x.double().numpy()[tokens.long().numpy()]
+        xs = x.double().numpy()[args[4].long().numpy()]  # each sorted row's token
         gate, up = torch.from_numpy(np.einsum("pnk,pk->pn", w, xs)).chunk(2, dim=1)
         # each sum within 2^-7 of its terms' magnitudes (check_grouped); silu' <= 1.1
         dg, du = (2**-7 * torch.from_numpy(np.einsum("pnk,pk->pn", np.abs(w), np.abs(xs)))
@@ -309,13 +316,7 @@ def test_expert_biases_join_the_sums(interp, rng, qtype):
     e, f, k, used = 5, 40, 256, 2
     blocks, _ = experts_weights(qtype, e, 2 * f, k, rng)
     bias = torch.from_numpy(rng.standard_normal((e, 2 * f), dtype=np.float32))
-    plan = plan_for(int(qtype), (2 * f, k), CPU)
-    for t in (3, 60):
-        x = torch.from_numpy(rng.standard_normal((t, k), dtype=np.float32))
-        experts = routed(rng, t, used, e)
-        rows, tokens, tiles = group_tiles_reference(experts, e,
-                                                    plan.config(t * used, e).block_m)
-        args = (x, blocks, int(qtype), (2 * f, k), tokens, tiles, t * used)
+    for t, _, experts, rows, args in gate_up_cases(rng, qtype, blocks, f, k, used):
         plain = interp.call(KERNEL, *args)
         biased = interp.call(KERNEL, *args, None, torch.float32, bias)
         order = torch.argsort(rows.long())
@@ -381,56 +382,45 @@ def test_moe_block_on_the_kernels_matches_the_reference_path(interp, rng):
     assert rel < 5e-2, float(rel)
 
 
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory, vocab_dir):
+# family -> (its spec's own fields, its experts' and attention's types, the file's seed).
+# The q8 layout's 8-bit activations can flip a routing near a tie for the last token: over
+# seeds 5-8 of these shapes the q8 logits measured 0.6-11.7% from the CPU's (qwen3moe with
+# attn_q in Q8_0) and 2.2-5.0% (gpt-oss), the bf16 layout's 0.5-1.3%; the seeds below
+# route the last token clear of a tie, so a formula error (~100%) stands out.
+TINY = {
+    "qwen3moe": ({}, {"ffn_gate_exps.weight": T.Q4_K, "ffn_up_exps.weight": T.Q4_K,
+                      "ffn_down_exps.weight": T.Q6_K}, 5),
+    # biased MXFP4 experts with the clamped SwiGLU, sinks, YaRN, a sliding layer
+    "gpt-oss": ({"sliding_window": 4, "tied_embeddings": False, "yarn_factor": 4.0,
+                 "yarn_original_context": 64},
+                {"ffn_gate_exps.weight": T.MXFP4, "ffn_up_exps.weight": T.MXFP4,
+                 "ffn_down_exps.weight": T.MXFP4, "attn_q.weight": T.Q8_0}, 6),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(TINY))
+def tiny_moe(request, tmp_path_factory, vocab_dir):
     from engine.synthetic import SyntheticSpec, write_synthetic_gguf
 
+    fields, types, seed = TINY[request.param]
     types = {"attn_q.weight": T.Q4_K, "attn_k.weight": T.Q4_K, "attn_v.weight": T.Q6_K,
-             "attn_output.weight": T.Q4_K, "ffn_gate_exps.weight": T.Q4_K,
-             "ffn_up_exps.weight": T.Q4_K, "ffn_down_exps.weight": T.Q6_K}
-    spec = SyntheticSpec("qwen3moe", hidden_size=256, num_heads=4, num_kv_heads=2,
+             "attn_output.weight": T.Q4_K, **types}
+    spec = SyntheticSpec(request.param, hidden_size=256, num_heads=4, num_kv_heads=2,
                          head_dim=64, ffn_size=512, num_layers=2, num_experts=8,
-                         experts_used=2, expert_ffn_size=256, types=types, default_type=T.F32)
+                         experts_used=2, expert_ffn_size=256, types=types, default_type=T.F32,
+                         **fields)
     path = tmp_path_factory.mktemp("moe") / "tiny.gguf"
-    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-spm.gguf", seed=5)
+    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-spm.gguf", seed=seed)
     return str(path)
-
-
-@pytest.fixture(scope="module")
-def tiny_oss(tmp_path_factory, vocab_dir):
-    from engine.synthetic import SyntheticSpec, write_synthetic_gguf
-
-    types = {"attn_q.weight": T.Q8_0, "attn_k.weight": T.Q4_K, "attn_v.weight": T.Q6_K,
-             "attn_output.weight": T.Q4_K, "ffn_gate_exps.weight": T.MXFP4,
-             "ffn_up_exps.weight": T.MXFP4, "ffn_down_exps.weight": T.MXFP4}
-    spec = SyntheticSpec("gpt-oss", hidden_size=256, num_heads=4, num_kv_heads=2,
-                         head_dim=64, ffn_size=512, num_layers=2, num_experts=8,
-                         experts_used=2, expert_ffn_size=256, sliding_window=4,
-                         tied_embeddings=False, yarn_factor=4.0, yarn_original_context=64,
-                         types=types, default_type=T.F32)
-    path = tmp_path_factory.mktemp("oss") / "tiny.gguf"
-    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-spm.gguf", seed=6)
-    return str(path)
-
-
-def test_gpt_oss_on_the_kernels_matches_its_cpu_path(interp, tiny_oss):
-    """The tiny gpt-oss as a GPU runs it (interpreted): the router's bias in the routing
-    launch, the MXFP4 experts' biases and clamped SwiGLU in the grouped products, the
-    sinks in the paged attention, YaRN's cos/sin, against the CPU path (per-expert dense
-    linears, the torch attention)."""
-    cpu, kinds = interp.call("moe_case:model_logits", tiny_oss, "auto", "torch")
-    assert kinds == {"DenseExperts"}
-    for weights, bound in (("q8", 3e-2), ("auto", 1e-2)):
-        got, kinds = interp.call("moe_case:model_logits", tiny_oss, weights, "triton")
-        assert kinds == {"GroupedExperts"}
-        rel = (got - cpu).norm() / cpu.norm()
-        assert torch.isfinite(got).all() and rel < bound, (weights, float(rel))
 
 
 def test_the_model_on_the_kernels_matches_its_cpu_path(interp, tiny_moe):
-    """The whole tiny qwen3moe as a GPU runs it (interpreted): the q8 layout's grouped
+    """The whole tiny model as a GPU runs it (interpreted): the q8 layout's grouped
     block experts and the dense layout's grouped F32 experts, against the CPU path's
-    per-expert loop. Measured 0.85% (q8: 8-bit activations and bf16 x) and 0.24%."""
+    per-expert loop. qwen3moe measured 0.85% (q8: 8-bit activations and bf16 x) and
+    0.24%. gpt-oss adds the router's bias in the routing launch, the experts' biases and
+    clamped SwiGLU in the grouped products, the sinks in the paged attention and YaRN's
+    cos/sin (against the torch attention and per-expert dense linears)."""
     cpu, kinds = interp.call("moe_case:model_logits", tiny_moe, "auto", "torch")
     assert kinds == {"DenseExperts"}
     for weights, bound in (("q8", 3e-2), ("auto", 1e-2)):

@@ -1,5 +1,5 @@
 """qwen3moe files that do not hold a MoE model load with an error naming what is wrong;
-the CPU layouts (f32, bf16, int8) agree with each other on a good one."""
+the CPU layouts (f32, bf16, int8) agree with each other on a good one (and on gpt-oss's)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,14 @@ BASE = dict(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, ffn_size=
                    "ffn_down_exps.weight": T.Q6_K})
 
 
-def write(tmp_path, vocab_dir, name: str, **spec) -> str:
+# gpt-oss's own fields: its window, an untied head; MXFP4 experts with biases
+OSS = dict(sliding_window=8, tied_embeddings=False,
+           types={f"ffn_{n}_exps.weight": T.MXFP4 for n in ("gate", "up", "down")})
+
+
+def write(tmp_path, vocab_dir, name: str, arch: str = "qwen3moe", **spec) -> str:
     path = tmp_path / f"{name}.gguf"
-    write_synthetic_gguf(path, SyntheticSpec("qwen3moe", **{**BASE, **spec}),
+    write_synthetic_gguf(path, SyntheticSpec(arch, **{**BASE, **spec}),
                          vocab_dir / "ggml-vocab-llama-spm.gguf", seed=3)
     return str(path)
 
@@ -49,8 +54,11 @@ def test_an_expert_tensor_of_the_wrong_shape_is_named(tmp_path, vocab_dir):
         LLM(path, dtype="f32", context=64)
 
 
-def test_the_cpu_layouts_agree(tmp_path, vocab_dir):
-    path = write(tmp_path, vocab_dir, "good", num_experts=4, experts_used=2)
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+def test_the_cpu_layouts_agree(tmp_path, vocab_dir, arch):
+    """bf16 and int8 experts (gpt-oss's with their biases) against f32 on 25 tokens."""
+    path = write(tmp_path, vocab_dir, "good", arch, num_experts=4, experts_used=2,
+                 **(OSS if arch == "gpt-oss" else {}))
     ids = list(range(20, 45))
     f32 = LLM(path, dtype="f32", context=64).prompt_logits(ids)
     for dtype in ("bf16", "int8"):
