@@ -80,7 +80,8 @@ def kv_bytes_per_session(cfg: ModelConfig, kv_quant: str, context: int, page_siz
 
 def decode_read_bytes(mf: ModelFile, cfg: ModelConfig, context: int, kv_quant: str) -> int:
     """The bytes one decode token of one stream reads at `context` keys, as the file holds
-    them: every linear (linear_tensors) and a MoE block's experts_used of its experts, every
+    them: every linear (linear_tensors) and a MoE block's experts_used of its experts (and
+    of their biases), every
     1-D tensor (norms, biases), one row of the token table (when the head is not that
     table), and the K and V of `context` positions in each layer (a sliding layer's window
     at most). The bandwidth bound of one stream is
@@ -88,9 +89,10 @@ def decode_read_bytes(mf: ModelFile, cfg: ModelConfig, context: int, kv_quant: s
     if context < 1:
         raise ValueError(f"context must be at least 1, not {context}")
     weights = sum(t.n_bytes for t in linear_tensors(mf))
-    if cfg.num_experts:  # (E, N, K) experts: a token reads experts_used of each E
-        weights += sum(t.n_bytes for t in mf.tensors.values()
-                       if len(t.shape) == 3) * cfg.experts_used // cfg.num_experts
+    if cfg.num_experts:  # (E, N, K) experts and their (E, N) biases: experts_used of E
+        weights += sum(t.n_bytes for name, t in mf.tensors.items()
+                       if len(t.shape) == 3 or name.endswith("_exps.bias")
+                       ) * cfg.experts_used // cfg.num_experts
     vectors = sum(t.n_bytes for t in mf.tensors.values() if len(t.shape) == 1)
     table = mf.tensors.get("token_embd.weight")
     row = 0

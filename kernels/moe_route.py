@@ -547,8 +547,8 @@ if HAS_TRITON:
     def _route_group_kernel(
         x_ptr, w_ptr, b_ptr, logits_ptr, weights_ptr, experts_ptr, xb_ptr, counters_ptr,
         rows_ptr, tokens_ptr, hist_ptr, tiles_a_ptr, tiles_b_ptr, d, E, stride_x, T, blocks,
-        scale,
-        block_m_a, block_m_b, slots_a, slots_b, LOGIT_E: tl.constexpr, LOGIT_K: tl.constexpr,
+        scale, block_m_a, block_m_b, slots_a, slots_b, LOGIT_E: tl.constexpr,
+        LOGIT_K: tl.constexpr,
         K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_KP: tl.constexpr,
         NORMALIZE: tl.constexpr, SCALE: tl.constexpr, BLOCK_P: tl.constexpr,
         BLOCK_T: tl.constexpr, TB: tl.constexpr, BLOCK_PP: tl.constexpr,

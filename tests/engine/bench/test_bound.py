@@ -113,6 +113,27 @@ def test_a_moe_token_reads_its_share_of_the_experts(tmp_path, vocab_dir):
         assert decode_read_bytes(mf, read_config(mf), 96, "f16") == want
 
 
+def test_a_gpt_oss_token_reads_its_experts_share_and_its_window(tmp_path, vocab_dir):
+    """gpt-oss: experts_used of the E experts and of their (E, N) biases, every 1-D tensor
+    (sinks, the router's bias), one row of the untied table, and the sliding layers'
+    window of keys (layer 0 and 2 of 3: 8 keys; layer 1: all 96)."""
+    spec = SyntheticSpec("gpt-oss", hidden_size=256, num_heads=8, num_kv_heads=KV_HEADS,
+                         head_dim=HEAD_DIM, ffn_size=768, num_layers=LAYERS, num_experts=8,
+                         experts_used=3, expert_ffn_size=256, sliding_window=8,
+                         tied_embeddings=False,
+                         types={"ffn_gate_exps.weight": T.MXFP4, "ffn_up_exps.weight": T.MXFP4,
+                                "ffn_down_exps.weight": T.MXFP4, **TYPES})
+    path = tmp_path / "oss.gguf"
+    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-spm.gguf", seed=5)
+    sizes, rows = _tensor_bytes(path)
+    table = sizes.pop("token_embd.weight")
+    experts = sum(v for k, v in sizes.items() if "_exps." in k)
+    want = sum(sizes.values()) - experts + experts * 3 // 8 + table // rows
+    want += (8 + 96 + 8) * KV_HEADS * HEAD_DIM * 4
+    with ModelFile.open(path) as mf:
+        assert decode_read_bytes(mf, read_config(mf), 96, "f16") == want
+
+
 def test_a_moe_chunk_plans_its_pairs_activations_and_inspect_names_the_experts(
         tmp_path, vocab_dir):
     """A MoE chunk's working memory grows with its experts_used (token, expert) pairs, not
