@@ -6,10 +6,12 @@
     y  = rmsnorm(h) * weight,  rmsnorm(z) = z / sqrt(mean(z^2) + eps)
 
 The decoder keeps the residual stream `h` and feeds `y` to the next matmul, so a block's
-"x = x + f(...); y = norm(x)" pairs become one kernel each. With `quantize` the kernel also
-writes y quantized for kernels/qint.py's products (kernels/quant_x.py's bits), sparing that
-launch before each of them. Float32 in and out, one program per row (rows are
-independent, so a row's result does not depend on the batch).
+"x = x + f(...); y = norm(x)" pairs become one kernel each. A MoE block's output comes as
+its `Combined` (kernels/moe_route.py: the experts' rows and weights), summed here. With
+`quantize` the kernel also writes y quantized for kernels/qint.py's products
+(kernels/quant_x.py's bits), sparing that launch before each of them. Float32 in and out,
+one program per row (rows are independent, so a row's result does not depend on the
+batch).
 The reference is torch's F.rms_norm in float32, as engine/layers/norm.py computes it.
 """
 
