@@ -51,6 +51,9 @@ def inspect_model(name: str | os.PathLike, device: str = "cpu", *, sessions: int
             "ffn_size": cfg.ffn_size,  # a MoE model's: each expert's
             "experts": cfg.num_experts or None,
             "experts_used": cfg.experts_used or None,
+            "rope_scaling": _rope_scaling(cfg),
+            # gpt-oss: a logit a head in every attention softmax
+            "attention_sinks": "blk.0.attn_sinks.weight" in mf.tensors or None,
             "vocab_size": cfg.vocab_size,
             "tokenizer": mf.get("tokenizer.ggml.model"),
             "tokenizer_pre": mf.get("tokenizer.ggml.pre"),
@@ -63,6 +66,15 @@ def inspect_model(name: str | os.PathLike, device: str = "cpu", *, sessions: int
         if dev.type != "cpu":  # "auto" without a GPU: the file only
             info["weight_layout"] = _layout(mf, cfg, dev, device, sessions, context, kv_quant)
         return info
+
+
+def _rope_scaling(cfg) -> dict | None:
+    """YaRN's factor and trained context, or linear scaling's factor; None without."""
+    factor = round(1.0 / cfg.rope_freq_scale, 6)
+    if cfg.rope_yarn is not None:
+        return {"type": "yarn", "factor": factor,
+                "original_context": cfg.rope_yarn.original_context}
+    return {"type": "linear", "factor": factor} if cfg.rope_freq_scale != 1.0 else None
 
 
 def _layout(mf: ModelFile, cfg, dev, device: str, sessions: int, context: int,

@@ -12,6 +12,7 @@ import torch
 
 from engine.errors import GGUFFormatError
 from engine.gguf import ModelFile
+from engine.inspect import inspect_model
 from engine.layers.rope import Rope
 from engine.llm import LLM
 from engine.models.config import YaRN
@@ -67,6 +68,9 @@ def test_config_as_llama_cpp_reads_it(tmp_path, vocab_dir):
     assert (cfg.num_experts, cfg.experts_used, cfg.ffn_size) == (4, 2, 64)
     assert cfg.activation == "swiglu_oai" and cfg.ffn_norm_tensor == "post_attention_norm"
     assert cfg.expert_weights_norm and cfg.expert_weights_scale is None
+    info = inspect_model(path)
+    assert info["rope_scaling"] == {"type": "yarn", "factor": 32.0, "original_context": 4096}
+    assert info["attention_sinks"] is True and info["sliding_layers"] == 3
 
 
 @pytest.mark.parametrize("pattern,want", [(3, (True, True, False, True)),
