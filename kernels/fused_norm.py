@@ -157,11 +157,11 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if rows:
         block = max(QK, next_pow2(dim))
         r = x if residual is None else residual.y if gather else residual
-        picks = residual if gather else (x, x, x)
+        picked_rows, picked_weights = (residual.rows, residual.weights) if gather else (x, x)
         launcher(_add_rms_norm_kernel, x.device)[(rows,)](
             x, r, weight if residual_weight is None else residual_weight, weight, h, y,
-            *(xq or (y, y, y)), picks[1], picks[2], x.stride(0), r.stride(0), h.stride(0),
-            y.stride(0), dim, float(eps), HAS_RESIDUAL=residual is not None,
+            *(xq or (y, y, y)), picked_rows, picked_weights, x.stride(0), r.stride(0),
+            h.stride(0), y.stride(0), dim, float(eps), HAS_RESIDUAL=residual is not None,
             HAS_RES_NORM=residual_weight is not None, BLOCK_D=block, QUANT=quantize,
             GATHER_K=residual.weights.shape[1] if gather else 0, num_warps=_warps(block))
     return NormOut(h, y, xq)

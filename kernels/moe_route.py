@@ -632,6 +632,8 @@ def route_group(h: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
     launches and a one-program grouping launch a table. Elsewhere the references. The
     same bits every way."""
     sizes = sorted(set(block_ms))
+    if not sizes:
+        raise InvalidRequest("route_group: at least one tile height (block_m) is needed")
     e = router.shape[0]
     if not kernels_run(h.device):
         weights, experts = route_reference(h, router, k, normalize, scale, bias)
@@ -680,7 +682,7 @@ def _grouped_after(weights: torch.Tensor, experts: torch.Tensor, num_experts: in
     """route_group from a routing: a grouping a tile height (the rows and tokens of each
     are the same)."""
     tables = {m: group_tiles(experts, num_experts, m) for m in sizes}
-    rows, tokens, _ = tables[sizes[0]] if sizes else group_tiles(experts, num_experts, 1)
+    rows, tokens, _ = tables[sizes[0]]
     return Routed(weights, experts, rows, tokens, {m: v[2] for m, v in tables.items()}, xb)
 
 

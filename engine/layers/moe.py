@@ -124,7 +124,7 @@ class MoE:
                               act_dtype)
         else:
             gu = [p.grouped(x, r.tokens, r.tiles[m], pairs)
-                  for p, m in zip(self.gate_up, heights, strict=False)]
+                  for p, m in zip(self.gate_up, heights[:-1], strict=True)]
             act = gated_act(gu[0] if len(gu) == 1 else torch.cat(gu, 1), self.activation,
                             act_dtype)
         down = self.down.grouped(act, None, r.tiles[heights[-1]], pairs)
