@@ -39,6 +39,7 @@ class Message(Struct):
     name: Name | None = None
     tool_calls: Annotated[list[dict[str, Any]], Meta(max_length=256)] | None = None
     tool_call_id: Name | None = None
+    reasoning_content: Text | None = None  # an earlier reply's reasoning, sent back
 
     def __post_init__(self) -> None:
         # OpenAI's API: only an assistant message may leave its content out (a tool call)
@@ -47,9 +48,11 @@ class Message(Struct):
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": self.role, "content": self.content}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
             if (value := getattr(self, key)) is not None:
                 out[key] = value
+        if self.reasoning_content is not None:
+            out["thinking"] = self.reasoning_content  # what harmony templates read
         return out
 
 
@@ -101,6 +104,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: Annotated[list[dict[str, Any]], Meta(max_length=256)] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # "auto": reasoning and tool calls split out of the reply (replies.py); "none": raw text
+    reasoning_format: Literal["auto", "none"] = "auto"
     chat_template_kwargs: dict[str, Any] | None = None
 
 

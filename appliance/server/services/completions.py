@@ -21,6 +21,7 @@ from appliance.server.errors import BadRequest, Unsupported
 from appliance.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from appliance.server.services.formats import CHAT, TEXT
 from appliance.server.services.generation import Choice, GenerationService, Job
+from appliance.server.services.replies import reply_parser_factory
 from engine.sampler import validate_params
 from engine.sampling_params import SamplingParams
 from engine.scheduler.request import Request
@@ -43,7 +44,8 @@ class CompletionService:
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens == 0:
             raise BadRequest("max_tokens must be at least 1", param="max_tokens")
-        prompt = await asyncio.to_thread(chat_prompt, handle, body)
+        offers_tools = _offers_tools(body)
+        prompt, text = await asyncio.to_thread(chat_prompt, handle, body, offers_tools)
         _check_context(handle, [prompt], max_tokens, "messages")
         top = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
@@ -54,6 +56,9 @@ class CompletionService:
         job.logprobs = top
         job.include_usage = bool(body.stream and body.stream_options
                                  and body.stream_options.include_usage)
+        job.reply_parser = reply_parser_factory(
+            handle.chat_template.source, text, tools=offers_tools,
+            parse=body.reasoning_format == "auto")
         return await self.generation.run(job, CHAT, receive, body.stream)
 
     async def text(self, principal: Principal, body: CompletionRequest,
@@ -92,18 +97,32 @@ class CompletionService:
 _RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
-def chat_prompt(handle: Any, body: ChatCompletionRequest) -> tuple[int, ...]:
+def _offers_tools(body: ChatCompletionRequest) -> bool:
+    """Whether the model is shown the request's tools (and its calls are parsed)."""
+    choice = body.tool_choice
+    if choice is None or choice == "auto":
+        return bool(body.tools)
+    if choice == "none":
+        return False
+    raise Unsupported("tool_choice must be \"auto\" or \"none\": this server cannot force a "
+                      "tool call", param="tool_choice")
+
+
+def chat_prompt(handle: Any, body: ChatCompletionRequest, offers_tools: bool = True
+                ) -> tuple[tuple[int, ...], str]:
+    """The prompt's token ids and its text."""
     extra = body.chat_template_kwargs or {}
     if reserved := sorted(_RESERVED & extra.keys()):
         raise BadRequest(f"chat_template_kwargs may not set {', '.join(reserved)}",
                          param="chat_template_kwargs")
+    tools = body.tools if offers_tools else None
     text = handle.chat_template.render([m.to_dict() for m in body.messages],
-                                       add_generation_prompt=True, tools=body.tools, **extra)
+                                       add_generation_prompt=True, tools=tools, **extra)
     tok = handle.tokenizer
     ids = tok.encode(text, add_special=False, parse_special=True)
     if tok.add_bos and tok.bos_id is not None and ids[:1] != [tok.bos_id]:
         ids.insert(0, tok.bos_id)  # the template did not write BOS; the model wants it
-    return tuple(ids)
+    return tuple(ids), text
 
 
 def text_prompts(handle: Any, prompt: str | list[Any]) -> list[tuple[tuple[int, ...], str]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from appliance.server.services.generation import Choice, Format, Job
+from appliance.server.services.replies import Parts
 from engine.scheduler.request import OutputChunk
 
 
@@ -59,18 +60,30 @@ class ChatFormat(Format):
         return {"id": job.id, "object": obj, "created": job.created, "model": job.model,
                 "system_fingerprint": None}
 
-    def event(self, job: Job, choice: Choice, chunk: OutputChunk) -> dict[str, Any]:
-        delta: dict[str, Any] = {}
-        if choice.num_events == 0:
-            delta["role"] = "assistant"
-        if chunk.text or choice.num_events == 0:
-            delta["content"] = chunk.text
+    def event(self, job: Job, choice: Choice, chunk: OutputChunk) -> dict[str, Any] | None:
+        parts = _reply_parts(job, choice, chunk)
         logprobs = None
         if job.logprobs is not None and chunk.logprobs is not None:
             logprobs = chat_logprobs(job, chunk.logprobs)
+        is_first = choice.num_events == 0
+        if not (is_first or parts or logprobs or chunk.finish_reason):
+            return None  # markup held back until the next chunk decides it
+        delta: dict[str, Any] = {}
+        if is_first:
+            delta["role"] = "assistant"
+        if parts.reasoning:
+            delta["reasoning_content"] = parts.reasoning
+        if parts.content or is_first:
+            delta["content"] = parts.content
+        if parts.tool_calls:
+            first = choice.num_tool_calls
+            delta["tool_calls"] = [{"index": first + i, **call.to_dict()}
+                                   for i, call in enumerate(parts.tool_calls)]
+            choice.num_tool_calls += len(parts.tool_calls)
         out = self._head(job, "chat.completion.chunk")
         out["choices"] = [{"index": choice.index, "delta": delta, "logprobs": logprobs,
-                           "finish_reason": chunk.finish_reason}]
+                           "finish_reason": _finish(chunk.finish_reason,
+                                                    choice.num_tool_calls)}]
         if job.include_usage:
             out["usage"] = None
         return out
@@ -83,13 +96,51 @@ class ChatFormat(Format):
 
     def response(self, job: Job) -> dict[str, Any]:
         out = self._head(job, "chat.completion")
-        out["choices"] = [{
-            "index": c.index,
-            "message": {"role": "assistant", "content": "".join(c.text), "refusal": None},
-            "logprobs": chat_logprobs(job, c.logprobs) if job.logprobs is not None else None,
-            "finish_reason": c.finish_reason} for c in job.choices]
+        choices = []
+        for c in job.choices:
+            parts = _whole_reply(job, c)
+            choices.append({
+                "index": c.index, "message": _message(parts),
+                "logprobs": chat_logprobs(job, c.logprobs) if job.logprobs is not None else None,
+                "finish_reason": _finish(c.finish_reason, len(parts.tool_calls))})
+        out["choices"] = choices
         out["usage"] = job.usage()
         return out
+
+
+def _reply_parts(job: Job, choice: Choice, chunk: OutputChunk) -> Parts:
+    """What the chunk settles of the choice's reply (all of it at the reply's end)."""
+    if job.reply_parser is None:
+        return Parts(content=chunk.text)
+    if choice.reply is None:
+        choice.reply = job.reply_parser()
+    parts = choice.reply.feed(chunk.text)
+    if chunk.finish_reason is not None:
+        parts.add(choice.reply.finish())
+    return parts
+
+
+def _whole_reply(job: Job, choice: Choice) -> Parts:
+    text = "".join(choice.text)
+    if job.reply_parser is None:
+        return Parts(content=text)
+    parser = job.reply_parser()
+    return parser.feed(text).add(parser.finish())
+
+
+def _message(parts: Parts) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": parts.content, "refusal": None}
+    if parts.reasoning:
+        message["reasoning_content"] = parts.reasoning
+    if parts.tool_calls:
+        message["tool_calls"] = [call.to_dict() for call in parts.tool_calls]
+        message["content"] = parts.content or None  # OpenAI's: null beside tool calls
+    return message
+
+
+def _finish(reason: str | None, num_tool_calls: int) -> str | None:
+    """A reply that ends by itself after calling tools ends with "tool_calls"."""
+    return "tool_calls" if reason == "stop" and num_tool_calls else reason
 
 
 class TextFormat(Format):

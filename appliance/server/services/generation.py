@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,8 @@ class Choice:
     first_token_at: float | None = None
     last_token_at: float | None = None
     num_events: int = 0
+    reply: Any = None  # the chat reply's parser (replies.py), made at its first chunk
+    num_tool_calls: int = 0  # streamed so far
 
 
 @dataclass(slots=True)
@@ -73,6 +75,7 @@ class Job:
     logprobs: int | None = None  # top entries per token; None: no logprobs
     echo: list[str] | None = None  # per prompt (text completions)
     include_usage: bool = False
+    reply_parser: Callable[[], Any] | None = None  # chat: splits reasoning and tool calls
     created: int = field(default_factory=lambda: int(time.time()))
     start: float = field(default_factory=time.perf_counter)
     is_finished: bool = False
@@ -92,9 +95,10 @@ class Job:
 
 
 class Format:
-    """Shapes a job's chunks into OpenAI JSON (services/formats.py implements it)."""
+    """Shapes a job's chunks into OpenAI JSON (services/formats.py implements it). `event`
+    returns None where a chunk settles nothing to send (a chat reply's held-back markup)."""
 
-    def event(self, job: Job, choice: Choice, chunk: OutputChunk) -> dict[str, Any]: ...
+    def event(self, job: Job, choice: Choice, chunk: OutputChunk) -> dict[str, Any] | None: ...
     def usage_event(self, job: Job) -> dict[str, Any]: ...
     def response(self, job: Job) -> dict[str, Any]: ...
 
@@ -179,8 +183,9 @@ class GenerationService:
             async for index, chunk in streams:
                 choice = job.choices[index]
                 self._feed(job, choice, chunk)
-                yield sse(fmt.event(job, choice, chunk))
-                choice.num_events += 1
+                if (event := fmt.event(job, choice, chunk)) is not None:
+                    yield sse(event)
+                    choice.num_events += 1
             if job.include_usage:
                 yield sse(fmt.usage_event(job))
             yield DONE

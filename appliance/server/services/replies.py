@@ -1,0 +1,346 @@
+"""An assistant's reply split into reasoning, content and tool calls.
+
+Models write their reasoning and their tool calls into the text they generate, each
+family in its own markup:
+- think tags (Qwen3, DeepSeek-R1, QwQ): `<think>reasoning</think>content`. A template
+  that opens `<think>` in its generation prompt starts the reply inside the reasoning.
+- Hermes tool calls (Qwen 2.5 / 3, Hermes): `<tool_call>{"name": ..., "arguments":
+  {...}}</tool_call>`, one block a call.
+- Llama 3.1 tool calls: the whole reply is `{"name": ..., "parameters": {...}}`, after an
+  optional `<|python_tag|>`.
+- OpenAI's harmony (gpt-oss): messages of a header and a body,
+  `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...`;
+  a tool call is a commentary message to `functions.NAME`, its body the arguments.
+
+A parser is fed the reply's text as it streams and returns what is settled. Text that may
+still be the start of a marker is held back until the next piece decides it, and so is
+whitespace that a marker would drop (the blank lines around `</think>`). Nothing is lost:
+markup that does not parse (a tool call whose JSON is broken, a harmony header without
+its message) comes out as content, verbatim. A reply fed in any split gives the same
+parts as the reply fed whole.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+H_START, H_CHANNEL, H_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
+H_ENDS = ("<|end|>", "<|call|>", "<|return|>", H_START)
+MAX_HEADER_CHARS = 1024  # a harmony header longer than this is not a header
+
+
+@dataclass(slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI's API carries it
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(slots=True)
+class Parts:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning or self.tool_calls)
+
+    def add(self, other: Parts) -> Parts:
+        self.content += other.content
+        self.reasoning += other.reasoning
+        self.tool_calls += other.tool_calls
+        return self
+
+
+class ReplyParser(Protocol):
+    """Fed a reply's text in order; `finish` once, after the last piece."""
+
+    def feed(self, text: str) -> Parts: ...
+    def finish(self) -> Parts: ...
+
+
+class PlainReply:
+    def feed(self, text: str) -> Parts:
+        return Parts(content=text)
+
+    def finish(self) -> Parts:
+        return Parts()
+
+
+def held_prefix(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that begins one of `markers`."""
+    best = 0
+    for m in markers:
+        for n in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:n]):
+                best = n
+                break
+    return best
+
+
+def first_marker(text: str, markers: tuple[str, ...]) -> tuple[int, str] | None:
+    found = [(at, m) for m in markers if (at := text.find(m)) >= 0]
+    return min(found) if found else None
+
+
+class _Sink:
+    """One destination (content or reasoning) that drops the whitespace a marker touches:
+    at the start of a part and before the marker that ends it."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.is_fresh = True  # nothing emitted since the last marker
+        self.held = ""  # trailing whitespace: emitted once more text follows
+
+    def put(self, text: str, out: Parts) -> None:
+        if self.is_fresh:
+            text = text.lstrip()
+        if not text:
+            return
+        body = text.rstrip()
+        if body:
+            self._emit(self.held + body, out)
+            self.held, self.is_fresh = "", False
+        self.held += text[len(body):]
+
+    def close(self, out: Parts, keep_tail: bool = False) -> None:
+        if keep_tail and self.held:
+            self._emit(self.held, out)
+        self.held, self.is_fresh = "", True
+
+    def _emit(self, text: str, out: Parts) -> None:
+        if self.kind == "content":
+            out.content += text
+        else:
+            out.reasoning += text
+
+
+class TaggedReply:
+    """Think tags and Hermes tool calls (either may be off)."""
+
+    def __init__(self, *, think: bool, tools: bool, in_reasoning: bool = False) -> None:
+        self._opens = (((THINK_OPEN,) if think else ()) + ((TOOL_OPEN,) if tools else ()))
+        self._mode = "reasoning" if in_reasoning else "content"
+        self._sinks = {"content": _Sink("content"), "reasoning": _Sink("reasoning")}
+        self._buf = ""
+
+    def _markers(self) -> tuple[str, ...]:
+        return {"content": self._opens, "reasoning": (THINK_CLOSE,),
+                "tool": (TOOL_CLOSE,)}[self._mode]
+
+    def feed(self, text: str) -> Parts:
+        out = Parts()
+        self._buf += text
+        while (hit := first_marker(self._buf, self._markers())) is not None:
+            at, marker = hit
+            before, self._buf = self._buf[:at], self._buf[at + len(marker):]
+            self._end_part(before, out, marker)
+        if self._mode != "tool":
+            cut = len(self._buf) - held_prefix(self._buf, self._markers())
+            self._sinks[self._mode].put(self._buf[:cut], out)
+            self._buf = self._buf[cut:]
+        return out
+
+    def finish(self) -> Parts:
+        out = Parts()
+        if self._mode == "tool":
+            self._end_call(self._buf, "", out)  # a call cut off before its closing tag
+        else:
+            self._sinks[self._mode].put(self._buf, out)
+        self._buf = ""
+        for sink in self._sinks.values():
+            sink.close(out, keep_tail=sink.kind == "content")
+        return out
+
+    def _end_part(self, text: str, out: Parts, marker: str) -> None:
+        if self._mode == "tool":
+            self._end_call(text, TOOL_CLOSE, out)
+            self._mode = "content"
+            return
+        sink = self._sinks[self._mode]
+        sink.put(text, out)
+        if marker != TOOL_OPEN:  # a call's whitespace goes only once the call parses
+            sink.close(out)
+        self._mode = {THINK_OPEN: "reasoning", TOOL_OPEN: "tool"}.get(marker, "content")
+
+    def _end_call(self, text: str, close: str, out: Parts) -> None:
+        sink = self._sinks["content"]
+        call = parse_tool_json(text)
+        if call is not None:
+            out.tool_calls.append(call)
+            sink.close(out)
+        else:  # not a call after all: the text as the model wrote it
+            sink.put(TOOL_OPEN + text + close, out)
+
+
+class JsonToolReply:
+    """Llama 3.1's tool calls: a reply that is one JSON object with a name and parameters.
+    A reply that starts like one is held until it ends; any other streams as content."""
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._is_plain = False
+
+    def feed(self, text: str) -> Parts:
+        if self._is_plain:
+            return Parts(content=text)
+        self._buf += text
+        head = self._buf.lstrip()
+        if head.startswith(("{", PYTHON_TAG)) or (head and PYTHON_TAG.startswith(head)):
+            return Parts()
+        if not head:
+            return Parts()
+        self._is_plain = True
+        text, self._buf = self._buf, ""
+        return Parts(content=text)
+
+    def finish(self) -> Parts:
+        text, self._buf = self._buf, ""
+        body = text.strip()
+        if body.startswith(PYTHON_TAG):
+            body = body[len(PYTHON_TAG):]
+        calls = [parse_tool_json(part) for part in _split_calls(body)] if body else []
+        if calls and all(c is not None for c in calls):
+            return Parts(tool_calls=[c for c in calls if c is not None])
+        return Parts(content=text)
+
+
+def _split_calls(body: str) -> list[str]:
+    """Llama 3.x writes parallel calls as JSON objects separated by `;` (or newlines)."""
+    decoder, parts, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            _, end = decoder.raw_decode(body, at)
+        except ValueError:
+            return [body]
+        parts.append(body[at:end])
+        at = end
+        while at < len(body) and body[at] in " \t\r\n;":
+            at += 1
+    return parts
+
+
+def parse_tool_json(text: str) -> ToolCall | None:
+    """`{"name": ..., "arguments" | "parameters": {...}}` -> a call; None if it is not one."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            json.loads(args)
+        except ValueError:
+            return None
+        return ToolCall(obj["name"], args)
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+_RECIPIENT = re.compile(r"\bto=(\S+?)(?=<\||\s|$)")
+_CHANNEL = re.compile(re.escape(H_CHANNEL) + r"\s*(\w+)")
+
+
+class HarmonyReply:
+    """gpt-oss's harmony messages: analysis -> reasoning, final and commentary -> content,
+    a message to `functions.NAME` -> a tool call. The reply starts with a header (the
+    prompt ends with `<|start|>assistant`)."""
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._route: str | None = None  # None: reading a header; else where the body goes
+        self._tool_name = ""
+        self._sinks = {"content": _Sink("content"), "reasoning": _Sink("reasoning")}
+
+    def feed(self, text: str) -> Parts:
+        out = Parts()
+        self._buf += text
+        while True:
+            if self._route is None:
+                at = self._buf.find(H_MESSAGE)
+                if at < 0:
+                    if len(self._buf) > MAX_HEADER_CHARS:  # not harmony: keep it as text
+                        self._route = "content"
+                        continue
+                    break
+                self._route, self._tool_name = route_header(self._buf[:at])
+                self._buf = self._buf[at + len(H_MESSAGE):]
+                continue
+            hit = first_marker(self._buf, H_ENDS)
+            if hit is None:
+                break
+            at, marker = hit
+            body = self._buf[:at]
+            self._buf = self._buf[at + (0 if marker == H_START else len(marker)):]
+            self._end_body(body, out)
+        if self._route in ("content", "reasoning"):
+            keep = held_prefix(self._buf, H_ENDS)
+            cut = len(self._buf) - keep
+            self._sinks[self._route].put(self._buf[:cut], out)
+            self._buf = self._buf[cut:]
+        return out
+
+    def finish(self) -> Parts:
+        out = Parts()
+        if self._route is None:
+            rest = self._buf.strip()
+            if rest and rest not in (H_START + "assistant", H_START):
+                self._sinks["content"].put(self._buf, out)  # not a header after all
+        else:
+            self._end_body(self._buf, out, keep_tail=True)
+        self._buf = ""
+        for sink in self._sinks.values():
+            sink.close(out, keep_tail=sink.kind == "content")
+        return out
+
+    def _end_body(self, body: str, out: Parts, keep_tail: bool = False) -> None:
+        if self._route == "tool":
+            out.tool_calls.append(ToolCall(self._tool_name, body.strip() or "{}"))
+        elif self._route is not None:
+            sink = self._sinks[self._route]
+            sink.put(body, out)
+            sink.close(out, keep_tail=keep_tail and sink.kind == "content")
+        self._route, self._tool_name = None, ""
+
+
+def route_header(header: str) -> tuple[str, str]:
+    """(route, tool name) of a harmony header such as `<|start|>assistant<|channel|>
+    commentary to=functions.get_weather <|constrain|>json`."""
+    recipient = m.group(1) if (m := _RECIPIENT.search(header)) else ""
+    if recipient.startswith("functions.") and len(recipient) > len("functions."):
+        return "tool", recipient[len("functions."):]
+    channel = m.group(1) if (m := _CHANNEL.search(header)) else ""
+    return ("reasoning" if channel == "analysis" else "content"), ""
+
+
+def reply_parser_factory(template: str, prompt: str, *, tools: bool,
+                         parse: bool = True) -> Callable[[], ReplyParser]:
+    """What splits a reply of a model with this chat template source, after this rendered
+    prompt. tools: the request offers tools (and allows calls)."""
+    if not parse:
+        return PlainReply
+    if H_CHANNEL in template and H_MESSAGE in template:
+        return HarmonyReply
+    think = THINK_OPEN in template and THINK_CLOSE in template
+    hermes = tools and TOOL_OPEN in template
+    if think or hermes:
+        in_reasoning = think and prompt.rstrip().endswith(THINK_OPEN)
+        return lambda: TaggedReply(think=think, tools=hermes, in_reasoning=in_reasoning)
+    if tools and (PYTHON_TAG in template or '"parameters"' in template):
+        return JsonToolReply
+    return PlainReply
