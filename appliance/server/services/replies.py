@@ -223,7 +223,7 @@ def _split_calls(body: str) -> list[str]:
     while at < len(body):
         try:
             _, end = decoder.raw_decode(body, at)
-        except ValueError:
+        except (ValueError, RecursionError):
             return [body]
         parts.append(body[at:end])
         at = end
@@ -232,21 +232,25 @@ def _split_calls(body: str) -> list[str]:
     return parts
 
 
+def is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
 def parse_tool_json(text: str) -> ToolCall | None:
     """`{"name": ..., "arguments" | "parameters": {...}}` -> a call; None if it is not one."""
     try:
         obj = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
-        try:
-            json.loads(args)
-        except ValueError:
-            return None
-        return ToolCall(obj["name"], args)
+        return ToolCall(obj["name"], args) if is_json(args) else None
     if not isinstance(args, dict):
         return None
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
@@ -265,6 +269,7 @@ class HarmonyReply:
         self._buf = ""
         self._route: str | None = None  # None: reading a header; else where the body goes
         self._tool_name = ""
+        self._header = ""  # a call's header as written: content again if the call is not one
         self._sinks = {"content": _Sink("content"), "reasoning": _Sink("reasoning")}
 
     def feed(self, text: str) -> Parts:
@@ -278,7 +283,8 @@ class HarmonyReply:
                         self._route = "content"
                         continue
                     break
-                self._route, self._tool_name = route_header(self._buf[:at])
+                self._header = self._buf[:at + len(H_MESSAGE)]
+                self._route, self._tool_name = route_header(self._header)
                 self._buf = self._buf[at + len(H_MESSAGE):]
                 continue
             hit = first_marker(self._buf, H_ENDS)
@@ -310,7 +316,13 @@ class HarmonyReply:
 
     def _end_body(self, body: str, out: Parts, keep_tail: bool = False) -> None:
         if self._route == "tool":
-            out.tool_calls.append(ToolCall(self._tool_name, body.strip() or "{}"))
+            args = body.strip() or "{}"
+            if is_json(args):
+                out.tool_calls.append(ToolCall(self._tool_name, args))
+            else:  # cut short, or not JSON: the message as written
+                sink = self._sinks["content"]
+                sink.put(self._header + body, out)
+                sink.close(out, keep_tail=keep_tail)
         elif self._route is not None:
             sink = self._sinks[self._route]
             sink.put(body, out)

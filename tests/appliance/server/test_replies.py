@@ -108,6 +108,9 @@ def test_harmony_channels_and_a_tool_call():
     text = (' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}'
             "<|call|>")
     assert parse_every_way(HarmonyReply, text) == ("", "", [("get_weather", {"city": "Oslo"})])
+    # a call cut short (max_tokens) is the message as written
+    text = '<|channel|>commentary to=functions.get_weather json<|message|>{"city": "Os'
+    assert parse_every_way(HarmonyReply, text) == (text, "", [])
     # a preamble on the commentary channel is content
     text = "<|channel|>commentary<|message|>Checking.<|end|>"
     assert parse_every_way(HarmonyReply, text) == ("Checking.", "", [])
@@ -128,6 +131,8 @@ def test_llama_json_tool_calls():
     assert parse_every_way(JsonToolReply, two) == (
         "", "", [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Lyon"})])
     assert parse_every_way(JsonToolReply, '{"a": 1} is JSON') == ('{"a": 1} is JSON', "", [])
+    deep = "[" * 5000  # past the JSON decoder's recursion limit: text, not an error
+    assert run(JsonToolReply, ["{" + deep]) == ("{" + deep, "", [])
     # plain text streams at once, not at the end
     parser = JsonToolReply()
     assert parser.feed(" Sunny").content == " Sunny"
