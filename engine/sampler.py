@@ -39,6 +39,7 @@ __all__ = [
 ]
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias, either sign
 _UNIFORM_BLOCK = 32
 
 
@@ -70,6 +71,10 @@ def validate_params(params: SamplingParams) -> None:
     for ok, rule in checks:
         if not ok:
             raise InvalidRequest(f"sampling parameter out of range: need {rule}, got {params}")
+    for token_id, bias in params.logit_bias:
+        if not (math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS):
+            raise InvalidRequest(f"logit_bias of token {token_id} is {bias}: need "
+                                 f"-{MAX_LOGIT_BIAS:g} <= bias <= {MAX_LOGIT_BIAS:g}")
 
 
 @dataclass(slots=True)
@@ -85,6 +90,7 @@ class SamplerState:
     uniforms: list[float] = field(default_factory=list)  # drawn ahead, consumed from the end
     num_output_tokens: int = 0
     table_row: tuple[float, ...] = ()  # its parameter table row (_T.._PRES), built once
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias: ids, values (float64)
     is_plain_greedy: bool = False  # greedy, no penalties, no grammar: the raw logits' argmax
     # no penalties, no grammar: a draw depends on the logits and the uniform stream only,
     # not on the tokens before it, so the device can feed it to the next step
@@ -115,8 +121,16 @@ class SamplerState:
         if state.has_penalties:
             # float32 holds counts exactly up to 2**24 and has atomic adds everywhere.
             state.output_counts = torch.zeros(vocab_size, dtype=torch.float32)
+        if params.logit_bias:
+            ids = [t for t, _ in params.logit_bias]
+            if not all(0 <= t < vocab_size for t in ids):
+                raise InvalidRequest(f"logit_bias token ids must lie in [0, {vocab_size})")
+            state.bias = (torch.tensor(ids, dtype=torch.long),
+                          torch.tensor([b for _, b in params.logit_bias], dtype=torch.float64))
+        # a bias is the same every step: a draw still depends on nothing before it
         state.is_stateless = not state.has_penalties and params.grammar is None
-        state.is_plain_greedy = params.is_greedy and state.is_stateless
+        state.is_plain_greedy = (params.is_greedy and state.is_stateless
+                                 and state.bias is None)
         return state
 
     @property
@@ -220,6 +234,7 @@ class Sampler:
         table = _param_table(states, uniforms, logits.device)
         x = logits.to(torch.float64, copy=True)
         _apply_penalties(x, table, states)
+        _apply_bias(x, states)
         _apply_grammar(x, states)
         return x, table
 
@@ -304,6 +319,14 @@ def _apply_penalties(x: torch.Tensor, table: torch.Tensor, states: Sequence[Samp
         x.copy_(sub)
     else:
         x.index_copy_(0, rows.index, sub)
+
+
+def _apply_bias(x: torch.Tensor, states: Sequence[SamplerState]) -> None:
+    for i, state in enumerate(states):
+        if state.bias is not None:
+            if state.bias[0].device != x.device:  # moved once, kept on the device
+                state.bias = (state.bias[0].to(x.device), state.bias[1].to(x.device))
+            x[i].index_add_(0, *state.bias)
 
 
 def _apply_grammar(x: torch.Tensor, states: Sequence[SamplerState]) -> None:

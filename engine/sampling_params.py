@@ -39,6 +39,9 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     grammar: Grammar | None = None
+    # (token id, bias) pairs added to the logits before every draw (OpenAI's logit_bias:
+    # +-100 allows or bans a token); logprobs still come from the raw logits
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def is_greedy(self) -> bool:

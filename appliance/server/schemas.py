@@ -91,7 +91,7 @@ class SamplingFields(Struct, kw_only=True):
     stop_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=64)] | None = None
     n: Annotated[int, Meta(ge=1, le=16)] = 1
     ignore_eos: bool = False
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: Annotated[dict[str, Any], Meta(max_length=1 << 16)] | None = None
     user: Annotated[str, Meta(max_length=1024)] | None = None
 
 

@@ -178,6 +178,36 @@ def test_logprobs_are_raw_log_softmax(k):
         np.testing.assert_allclose([v for _, v in lp.top], ref[[t for t, _ in lp.top]], atol=1e-5)
 
 
+def test_logit_bias_after_penalties_in_every_path():
+    """The bias moves the distribution (reference: penalties, then the bias), forces and bans
+    tokens in greedy rows, the plain-greedy fast path's included, and leaves logprobs raw."""
+    rng = np.random.default_rng(9)
+    bias = ((3, 5.0), (17, -100.0), (60, 2.5))
+    params = SamplingParams(temperature=0.9, top_k=20, presence_penalty=0.5, logit_bias=bias,
+                            logprobs=2, seed=4)
+    state, outputs, sampler = SamplerState.create(params, [1, 2], VOCAB), [], Sampler()
+    for _ in range(4):
+        row = random_logits(rng)
+        row[17] = 50.0  # banned: never drawn however likely
+        ref = reference_probs(row, params, [1, 2], outputs)
+        got = sampler.probs(torch.from_numpy(row[None]), [state])[0].numpy()
+        np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-14)
+        out = sampler.sample(torch.from_numpy(row[None]), [state])
+        assert out.token_ids[0] != 17 and out.logprobs[0].top[0][0] == 17  # raw logprobs
+        outputs.append(out.token_ids[0])
+    logits = torch.from_numpy(np.stack([random_logits(rng) for _ in range(3)]))
+    greedy = [SamplingParams(temperature=0.0, logit_bias=((5, 100.0),)),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logit_bias=((int(logits[2].argmax()), -100.0),))]
+    states = [SamplerState.create(p, [], VOCAB) for p in greedy]
+    tokens = sampler.sample(logits, states).token_ids
+    assert tokens[0] == 5 and tokens[1] == int(logits[1].argmax())
+    assert tokens[2] == int(logits[2].topk(2).indices[1])
+    only = SamplerState.create(greedy[0], [], VOCAB)  # alone: the plain-greedy batch path
+    assert not only.is_plain_greedy and only.is_stateless
+    assert sampler.sample(logits[:1], [only]).token_ids == [5]
+
+
 class SetGrammar:
     def __init__(self, allowed):
         self.allowed, self.accepted = set(allowed), []
@@ -228,7 +258,9 @@ def test_record_false_leaves_state_alone():
 @pytest.mark.parametrize("bad", [
     dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=1.1),
     dict(repetition_penalty=0.0), dict(presence_penalty=2.5), dict(frequency_penalty=-3.0),
-    dict(logprobs=21), dict(temperature=float("nan")),
+    dict(logprobs=21), dict(temperature=float("nan")), dict(logit_bias=((1, 100.5),)),
+    dict(logit_bias=((1, float("nan")),)), dict(logit_bias=((VOCAB, 1.0),)),
+    dict(logit_bias=((-1, 1.0),)),
 ])
 def test_out_of_range_params_rejected(bad):
     with pytest.raises(InvalidRequest):
@@ -251,7 +283,8 @@ def test_device_rows_match_cpu_rows():
     vocab = 50_000
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, logprobs=5),
               SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4),
-              SamplingParams(top_k=40, min_p=0.05, presence_penalty=0.7, seed=2),
+              SamplingParams(top_k=40, min_p=0.05, presence_penalty=0.7, seed=2,
+                             logit_bias=((7, 3.0), (11, -100.0))),
               SamplingParams(temperature=1.2, seed=3, grammar=SetGrammar(range(0, vocab, 3)))]
     runs = {}
     for device in ("cpu", "cuda"):

@@ -40,7 +40,6 @@ class CompletionService:
                    receive: Any) -> Response:
         handle = self.router.get(body.model)
         check_model_allowed(principal, handle.name)
-        _reject_unsupported(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens == 0:
             raise BadRequest("max_tokens must be at least 1", param="max_tokens")
@@ -50,7 +49,7 @@ class CompletionService:
         top = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-        params = _sampling(body, max_tokens, top)
+        params = _sampling(body, max_tokens, top, handle.vocab_size)
         grammar = await _grammar_factory(handle, body)
         job = _job("chat", handle, principal, [prompt], params, body.n, grammar)
         job.logprobs = top
@@ -65,7 +64,6 @@ class CompletionService:
                    receive: Any) -> Response:
         handle = self.router.get(body.model)
         check_model_allowed(principal, handle.name)
-        _reject_unsupported(body)
         if body.suffix:
             raise Unsupported("suffix (insertion) is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
@@ -83,8 +81,8 @@ class CompletionService:
                              f"choices", param="prompt")
         ids = [p for p, _ in prompts]
         _check_context(handle, ids, max_tokens or None, "prompt")
-        job = _job("text", handle, principal, ids, _sampling(body, max_tokens, body.logprobs),
-                   body.n, None)
+        params = _sampling(body, max_tokens, body.logprobs, handle.vocab_size)
+        job = _job("text", handle, principal, ids, params, body.n, None)
         job.logprobs = body.logprobs
         job.echo = [text for _, text in prompts] if body.echo else None
         job.include_usage = bool(body.stream and body.stream_options
@@ -150,9 +148,21 @@ def text_prompts(handle: Any, prompt: str | list[Any]) -> list[tuple[tuple[int, 
                      param="prompt")
 
 
-def _reject_unsupported(body: SamplingFields) -> None:
-    if body.logit_bias:
-        raise Unsupported("logit_bias is not supported", param="logit_bias")
+def _logit_bias(body: SamplingFields, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs; ids in the vocabulary, biases in
+    [-100, 100] (the sampler checks the range)."""
+    out: dict[int, float] = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not (key.isascii() and key.isdigit()) or not 0 <= int(key) < vocab_size:
+            raise BadRequest(f"logit_bias keys must be token ids in [0, {vocab_size}), got "
+                             f"{key[:32]!r}", param="logit_bias")
+        if type(value) not in (int, float):
+            raise BadRequest(f"logit_bias values must be numbers, got {value!r:.32}",
+                             param="logit_bias")
+        if int(key) in out:
+            raise BadRequest(f"logit_bias names token {int(key)} twice", param="logit_bias")
+        out[int(key)] = float(value)
+    return tuple(out.items())
 
 
 def _check_context(handle: Any, prompts: list[tuple[int, ...]], max_tokens: int | None,
@@ -169,8 +179,8 @@ def _check_context(handle: Any, prompts: list[tuple[int, ...]], max_tokens: int 
                 code="context_length_exceeded", param=param)
 
 
-def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None
-              ) -> SamplingParams:
+def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
+              vocab_size: int) -> SamplingParams:
     stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else []
     params = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -181,7 +191,8 @@ def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None
         frequency_penalty=body.frequency_penalty or 0.0,
         seed=body.seed, max_tokens=max_tokens or None,
         stop=tuple(s for s in stop if s), stop_token_ids=tuple(body.stop_token_ids or ()),
-        ignore_eos=body.ignore_eos, logprobs=logprobs)
+        ignore_eos=body.ignore_eos, logprobs=logprobs,
+        logit_bias=_logit_bias(body, vocab_size))
     validate_params(params)  # InvalidRequest -> 400
     return params
 

@@ -209,7 +209,10 @@ async def test_errors_are_openai_shaped(harness):
     assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
     assert "256" in err["message"] and f"{n + 10} tokens ({n} in the messages" in err["message"]
     for extra in ({"temperature": -1}, {"top_p": 0}, {"n": 0}, {"max_tokens": -1},
-                  {"top_logprobs": 3}, {"logit_bias": {"5": 10}}):
+                  {"top_logprobs": 3}, {"logit_bias": {"5": 101}},
+                  {"logit_bias": {"-5": 1}}, {"logit_bias": {"x": 1}},
+                  {"logit_bias": {"5": "1"}}, {"logit_bias": {"5": 1, "05": 2}},
+                  {"logit_bias": {str(harness.state.router.get(None).vocab_size): 1}}):
         resp = await harness.http.post("/v1/chat/completions", headers=harness.auth(),
                                        json={"messages": MESSAGES, **extra})
         assert_openai_error(resp, 400)
@@ -223,6 +226,24 @@ async def test_errors_are_openai_shaped(harness):
     resp = await harness.http.post("/v1/completions", headers=harness.auth(),
                                    content=b" " * (harness.state.settings.max_body_bytes + 1))
     assert_openai_error(resp, 413)
+
+
+async def test_logit_bias_forces_and_bans_tokens(harness):
+    client = harness.openai()
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0.8, seed=3,
+                  logprobs=True)
+    forced = await client.chat.completions.create(**kwargs, logit_bias={"450": 100})
+    pieces = harness.state.router.get(None).tokenizer.pieces()
+    assert [c.bytes for c in forced.choices[0].logprobs.content] == [list(pieces[450])] * 6
+    plain = await client.chat.completions.create(**{**kwargs, "temperature": 0})
+    first = plain.choices[0].logprobs.content[0].bytes
+    banned_id = next(i for i, p in enumerate(pieces) if list(p) == first)
+    banned = await client.chat.completions.create(**{**kwargs, "temperature": 0},
+                                                  logit_bias={str(banned_id): -100})
+    assert banned.choices[0].logprobs.content[0].bytes != first
+    text = await client.completions.create(model="tiny", prompt="Hello", max_tokens=3,
+                                           logit_bias={"450": 100}, temperature=1.0)
+    assert text.choices[0].text == pieces[450].decode() * 3
 
 
 async def test_unknown_fields_are_ignored_and_logged(harness, caplog):
