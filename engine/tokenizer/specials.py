@@ -83,6 +83,25 @@ def token_id(metadata: Mapping[str, Any], key: str, num_tokens: int) -> int | No
     return tid if 0 <= tid < num_tokens else None
 
 
+def fim_token_ids(metadata: Mapping[str, Any], ids: Mapping[str, int],
+                  num_tokens: int) -> dict[str, tuple[int, bool]]:
+    """The fill-in-the-middle tokens a vocabulary has: kind ("fim_pre", "fim_suf", "fim_mid",
+    "fim_pad", "fim_rep", "fim_sep") -> (token id, whether found by its text rather than a
+    GGUF key), as llama.cpp finds them."""
+    out = {}
+    for kind, candidates in _FIM_TEXTS.items():
+        fim_id = next((i for k in _FIM_KEYS[kind]
+                       if (i := token_id(metadata, k, num_tokens)) is not None), None)
+        by_text = fim_id is None
+        if fim_id is None:
+            # llama.cpp takes the first candidate in its hash map's order; vocabularies
+            # have one of them, and taking the first in list order is the same then.
+            fim_id = next((ids[t] for t in candidates if t in ids), None)
+        if fim_id is not None:
+            out[kind] = (fim_id, by_text)
+    return out
+
+
 def apply_text_rules(
     metadata: Mapping[str, Any], texts: list[str], attrs: list[int],
     eos_id: int | None, ids: dict[str, int],
@@ -95,16 +114,10 @@ def apply_text_rules(
     def mark_control(tid: int) -> None:
         attrs[tid] |= Attr.CONTROL
 
-    for kind, candidates in _FIM_TEXTS.items():
-        fim_id = next((i for k in _FIM_KEYS[kind]
-                       if (i := token_id(metadata, k, n)) is not None), None)
-        if fim_id is None:
-            # llama.cpp takes the first candidate in its hash map's order; vocabularies
-            # have one of them, and taking the first in list order is the same then.
-            fim_id = next((ids[t] for t in candidates if t in ids), None)
-            if fim_id is not None:
-                mark_control(fim_id)
-        if fim_id is not None and kind in ("fim_pad", "fim_rep", "fim_sep"):
+    for kind, (fim_id, by_text) in fim_token_ids(metadata, ids, n).items():
+        if by_text:
+            mark_control(fim_id)
+        if kind in ("fim_pad", "fim_rep", "fim_sep"):
             eog.add(fim_id)
     for text in _EOG_TEXTS:
         if (tid := ids.get(text)) is not None:

@@ -41,6 +41,7 @@ class Tokenizer:
         self.bos_id: int | None = vocab.bos_id
         self.eos_id: int | None = vocab.eos_id
         self.eog_ids: frozenset[int] = vocab.eog_ids
+        self.fim_ids: dict[str, int] = vocab.fim_ids
         self.add_bos: bool = vocab.add_bos
         self.add_eos: bool = vocab.add_eos
         self._newline_words = vocab.pre is not None and vocab.pre.spm_style

@@ -32,6 +32,7 @@ from engine.tokenizer.specials import (
     Attr,
     apply_strip_rules,
     apply_text_rules,
+    fim_token_ids,
     token_attrs,
     token_id,
 )
@@ -55,6 +56,7 @@ class Vocab:
     bos_id: int | None
     eos_id: int | None
     eog_ids: frozenset[int]
+    fim_ids: dict[str, int]  # fill-in-the-middle tokens by kind ("fim_pre", "fim_suf" ...)
     add_bos: bool
     add_eos: bool
     add_space_prefix: bool
@@ -114,6 +116,7 @@ def parse_vocab(metadata: Mapping[str, Any]) -> Vocab:
         kind="spm" if model == "llama" else "bpe", texts=texts, ids=ids,
         scores=np.zeros(num_tokens, np.float32) if scores is None else scores,
         attrs=attrs, merges=merges, pre=pre, bos_id=bos_id, eos_id=eos_id, eog_ids=eog_ids,
+        fim_ids={k: i for k, (i, _) in fim_token_ids(metadata, ids, num_tokens).items()},
         add_bos=add_bos, add_eos=add_eos, add_space_prefix=add_space_prefix,
         clean_spaces=clean_spaces,
     )

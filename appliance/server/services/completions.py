@@ -64,8 +64,6 @@ class CompletionService:
                    receive: Any) -> Response:
         handle = self.router.get(body.model)
         check_model_allowed(principal, handle.name)
-        if body.suffix:
-            raise Unsupported("suffix (insertion) is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise Unsupported("best_of other than n is not supported", param="best_of")
         if body.echo and body.logprobs is not None:
@@ -75,7 +73,10 @@ class CompletionService:
         if max_tokens == 0 and not body.echo:
             raise BadRequest("max_tokens must be at least 1 (0 only with echo)",
                              param="max_tokens")
-        prompts = await asyncio.to_thread(text_prompts, handle, body.prompt)
+        if body.suffix:
+            prompts = await asyncio.to_thread(infill_prompts, handle, body.prompt, body.suffix)
+        else:
+            prompts = await asyncio.to_thread(text_prompts, handle, body.prompt)
         if len(prompts) * body.n > MAX_CHOICES:
             raise BadRequest(f"{len(prompts)} prompts x n={body.n} exceed {MAX_CHOICES} "
                              f"choices", param="prompt")
@@ -146,6 +147,27 @@ def text_prompts(handle: Any, prompt: str | list[Any]) -> list[tuple[tuple[int, 
         return [from_ids(p) for p in prompt]
     raise BadRequest("prompt must be a string, a list of token ids, or a list of either",
                      param="prompt")
+
+
+def infill_prompts(handle: Any, prompt: str | list[Any], suffix: str
+                   ) -> list[tuple[tuple[int, ...], str]]:
+    """Fill-in-the-middle: (token ids, text) per prefix, as llama.cpp's infill builds them:
+    [BOS] FIM_PRE prefix FIM_SUF suffix FIM_MID, the texts' specials not parsed."""
+    tok = handle.tokenizer
+    fim = tok.fim_ids
+    if not {"fim_pre", "fim_suf", "fim_mid"} <= fim.keys():
+        raise Unsupported("suffix needs a model with fill-in-the-middle tokens; this one has "
+                          "none", param="suffix")
+    texts = [prompt] if isinstance(prompt, str) else prompt
+    if not all(isinstance(t, str) for t in texts):
+        raise BadRequest("suffix needs the prompt as text (a string or a list of strings)",
+                         param="prompt")
+    tail = [fim["fim_suf"], *tok.encode(suffix, add_special=False, parse_special=False),
+            fim["fim_mid"]]
+    head = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
+    return [(tuple(head + [fim["fim_pre"]]
+                   + tok.encode(t, add_special=False, parse_special=False) + tail), t)
+            for t in texts]
 
 
 def _logit_bias(body: SamplingFields, vocab_size: int) -> tuple[tuple[int, float], ...]:

@@ -101,3 +101,17 @@ def test_special_token_id(name: str, vocab_case: Callable) -> None:
         assert case.ref.tokenize(text, False, True) == [tid], text
     assert case.ours.special_token_id("hello") is None
     assert case.ours.special_token_id("not a token at all \u2603") is None
+
+
+@pytest.mark.parametrize("name", [*PARITY_VOCABS, "deepseek-coder", "gemma-4"])
+def test_fill_in_the_middle_tokens(name: str, vocab_case: Callable) -> None:
+    """The FIM tokens (what /v1/completions' `suffix` builds its prompt from) are the ones
+    llama.cpp's loader finds, and absent where it finds none."""
+    import llama_cpp
+
+    case = vocab_case(name)
+    ref = {kind: tid for kind in ("pre", "suf", "mid", "pad", "rep", "sep")
+           if (tid := getattr(llama_cpp, f"llama_vocab_fim_{kind}")(case.ref.vocab)) >= 0}
+    assert case.ours.fim_ids == {f"fim_{k}": t for k, t in ref.items()}
+    if name == "deepseek-coder":  # the test files of Qwen keep no added tokens
+        assert {"fim_pre", "fim_suf", "fim_mid"} <= case.ours.fim_ids.keys()
