@@ -24,7 +24,7 @@ from engine.batch import ForwardBatch, pad_tables, to_device
 from engine.errors import ContextOverflow, InvalidRequest, OutOfKVPages
 from engine.kv.pool import RECURRENT, KVPool
 from engine.kv.radix import RadixCache
-from engine.sampler import Sampler, SamplerState
+from engine.sampler import Sampler, SamplerState, token_logprobs
 from engine.scheduler.plan import (
     ClientQueueStats,
     EngineStats,
@@ -223,9 +223,14 @@ class EngineCore:
         offset = 0
         for row in plan.rows:
             num = row.num_logits  # before committing: it depends on num_computed
+            seq = row.seq
             if row.kind is RowKind.PREFILL:
-                row.seq.num_computed += row.num_new_tokens
-            if num:
+                if num and seq.prompt_logprobs is not None:
+                    _prompt_logprobs(seq, logits[offset:offset + num], seq.num_computed)
+                seq.num_computed += row.num_new_tokens
+                if seq.num_computed == seq.num_tokens:  # the chunk completes it: sample
+                    pending.append([row, offset + num - 1, 0])
+            elif num:
                 pending.append([row, offset, 0])
             offset += num
         while pending:
@@ -327,6 +332,19 @@ def _session_stats(seq: Sequence) -> SessionStats:
                         seq.num_preemptions)
 
 
+def _prompt_logprobs(seq: Sequence, logits: torch.Tensor, start: int) -> None:
+    """Record the logprobs of the prompt tokens that `logits` (the chunk's rows, positions
+    start ...) predict: row j, at position start + j, predicts prompt token start + j + 1."""
+    assert seq.prompt_logprobs is not None and seq.sampler.params.prompt_logprobs is not None
+    num = min(logits.shape[0], seq.num_prompt - 1 - start)
+    if num <= 0:
+        return
+    targets = seq.token_ids[start + 1:start + 1 + num]
+    k = seq.sampler.params.prompt_logprobs
+    for j, entry in enumerate(token_logprobs(logits[:num], targets, k)):
+        seq.prompt_logprobs[start + 1 + j] = entry
+
+
 def build_batch(plan: StepPlan, groups: list[str]) -> ForwardBatch:
     """One ForwardBatch for the plan's rows: each row's new tokens from its first
     uncomputed position, its page table per group, and the logits rows it needs."""
@@ -346,7 +364,7 @@ def build_batch(plan: StepPlan, groups: list[str]) -> ForwardBatch:
         if row.kind is RowKind.PREFILL:
             count = row.num_new_tokens
             ids += seq.token_ids[start:start + count]
-            num_logits[i] = start + count == len(seq.token_ids)  # the chunk completes it
+            num_logits[i] = row.num_logits  # its last token if it completes the sequence
         else:  # the last sampled token, then the drafts; every one needs its logits
             ids.append(seq.token_ids[-1])
             ids += row.draft_ids

@@ -67,6 +67,8 @@ def validate_params(params: SamplingParams) -> None:
         (-2.0 <= params.frequency_penalty <= 2.0, "-2 <= frequency_penalty <= 2"),
         (params.logprobs is None or 0 <= params.logprobs <= MAX_LOGPROBS,
          f"0 <= logprobs <= {MAX_LOGPROBS}"),
+        (params.prompt_logprobs is None or 0 <= params.prompt_logprobs <= MAX_LOGPROBS,
+         f"0 <= prompt_logprobs <= {MAX_LOGPROBS}"),
     ]
     for ok, rule in checks:
         if not ok:
@@ -346,6 +348,19 @@ def _filtered_weights(
     """filtered_weights with its (rows, 1) columns of the parameter table (rows, 8)."""
     columns = (table[:, c : c + 1] for c in (_T, _K, _P, _MIN_P))
     return filtered_weights(x, *columns, params)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprobs]:
+    """Each row's log-softmax (of the raw logits, float32) at its token and its top k, in
+    one device->host copy: what the sampler reports for a sampled token."""
+    ids = to_device(torch.tensor(token_ids, dtype=torch.long), logits.device)
+    lp = torch.log_softmax(logits.to(torch.float32), dim=-1)  # (rows, vocab)
+    top_vals, top_ids = lp.topk(k, dim=-1)  # (rows, k)
+    packed = torch.cat([t.double() for t in (lp.gather(-1, ids[:, None]), top_ids, top_vals)],
+                       dim=-1).cpu().tolist()
+    return [TokenLogprobs(t, row[0], tuple(zip(map(int, row[1:1 + k]), row[1 + k:],
+                                                strict=True)))
+            for t, row in zip(token_ids, packed, strict=True)]
 
 
 def _to_host(

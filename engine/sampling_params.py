@@ -42,6 +42,9 @@ class SamplingParams:
     # (token id, bias) pairs added to the logits before every draw (OpenAI's logit_bias:
     # +-100 allows or bans a token); logprobs still come from the raw logits
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # logprobs of the prompt's tokens (each given the ones before it), with this many top
+    # alternatives; None: not computed. Its prefill skips the prefix cache.
+    prompt_logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:

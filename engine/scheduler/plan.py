@@ -37,8 +37,11 @@ class Row:
     @property
     def num_logits(self) -> int:
         """Logits rows it needs: every token of a verify row, the last token of a decode
-        row or of a prefill chunk that completes the sequence's tokens, else none."""
+        row or of a prefill chunk that completes the sequence's tokens, else none; every
+        token of a chunk whose prompt logprobs are wanted (the chunk's last ones)."""
         if self.kind is RowKind.PREFILL:
+            if self.seq.prompt_logprobs is not None and self.start < self.seq.num_prompt - 1:
+                return self.num_new_tokens
             return int(self.start + self.num_new_tokens == self.seq.num_tokens)
         return self.num_new_tokens
 

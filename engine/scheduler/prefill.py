@@ -108,7 +108,7 @@ class PrefillPacker:
         """Tokens of `seq` this step can take beside `load`: the budget left, cut by the
         ITL target while streams decode (with none to keep smooth, the full budget), and
         the reason when a first-token burst takes the whole prompt past that cut."""
-        room = self.budget - load.tokens
+        room = min(self.budget - load.tokens, seq.max_chunk)
         if is_streaming:
             whole = min(room, seq.num_uncomputed)
             room, why = self.itl.chunk_limit(plan.num_decode_tokens, room, seq.num_computed,

@@ -27,3 +27,6 @@ class OutputChunk:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which
+    # has no context), in the chunk of the first sampled token
+    prompt_logprobs: tuple | None = None

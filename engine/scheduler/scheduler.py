@@ -163,7 +163,8 @@ class Scheduler:
                 return
             if seq.pages is None:
                 seq.pages = SeqPages(self.pool)
-            if self.radix is not None:
+            # a prompt's logprobs need every position's logits: nothing comes from the cache
+            if self.radix is not None and seq.prompt_logprobs is None:
                 match = self.radix.match(seq.token_ids)
                 if match.num_tokens:
                     seq.pages.attach(match.pages, match.num_tokens)

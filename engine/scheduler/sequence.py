@@ -21,6 +21,9 @@ from engine.scheduler.request import OutputChunk, Request
 from engine.stop import StopChecker
 
 ITL_SAMPLES = 64  # inter-token gaps kept per sequence for the dashboard
+# Prefill chunk of a sequence that wants its prompt's logprobs: every token of a chunk
+# needs its logits, (chunk, vocab) floats (128 x 262144: 134 MB)
+PROMPT_LOGPROBS_CHUNK = 128
 
 
 class Detokenizer(Protocol):
@@ -70,6 +73,12 @@ class Sequence:
         self._out_ids: list[int] = []
         self._out_text: list[str] = []
         self._out_logprobs: list[TokenLogprobs | None] = []
+        # SamplingParams.prompt_logprobs: entry p for prompt token p (set by position, so a
+        # recompute after preemption overwrites, never appends)
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        if request.sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * self.num_prompt
+        self._is_prompt_sent = False
 
     @property
     def request_id(self) -> str:
@@ -86,6 +95,11 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def max_chunk(self) -> int:
+        """The most tokens of this sequence one prefill step may take."""
+        return PROMPT_LOGPROBS_CHUNK if self.prompt_logprobs is not None else 1 << 62
 
     @property
     def num_remaining(self) -> int:
@@ -139,6 +153,9 @@ class Sequence:
     def take_output(self) -> OutputChunk:
         """The tokens and text gathered since the last call, as one chunk."""
         want_logprobs = self.request.sampling.logprobs is not None
+        prompt = None
+        if self.prompt_logprobs is not None and not self._is_prompt_sent:
+            prompt, self._is_prompt_sent = tuple(self.prompt_logprobs), True
         chunk = OutputChunk(
             request_id=self.request.id,
             token_ids=tuple(self._out_ids),
@@ -148,6 +165,7 @@ class Sequence:
             prompt_tokens=self.num_prompt,
             cached_tokens=self.num_cached,
             completion_tokens=self.num_output,
+            prompt_logprobs=prompt,
         )
         self._out_ids, self._out_text, self._out_logprobs = [], [], []
         return chunk

@@ -113,6 +113,34 @@ def test_logprobs_are_the_model_distribution() -> None:
         context.append(lp.token_id)
 
 
+def test_prompt_logprobs_cover_every_prompt_token() -> None:
+    """Each prompt token's logprob given the ones before it (the fake model's distribution
+    at the position before), over several chunks, beside a decoding stream, for a prompt
+    the prefix cache holds: it is computed again, and the output is what it was."""
+    core, _ = make_core(prefill_chunk=8)
+    prompt = prompt_of(5, 30)
+    core.add(req("warm", prompt, greedy(3)))
+    warm = run_all(core)
+    core.add(req("beside", prompt_of(6, 5), greedy(40)))
+    core.step()
+    core.add(req("lp", prompt, greedy(3, prompt_logprobs=2)))
+    out = run_all(core)
+    assert tokens_of(out["lp"]) == tokens_of(warm["warm"])
+    core.add(req("again", prompt, greedy(3)))
+    assert run_all(core)["again"][-1].cached_tokens > 0  # the cache holds the prompt...
+    assert out["lp"][-1].cached_tokens == 0  # ...which the logprobs' prefill did not use
+    firsts = [c for c in out["lp"] if c.prompt_logprobs is not None]
+    assert len(firsts) == 1 and firsts[0] is out["lp"][0]
+    entries = firsts[0].prompt_logprobs
+    assert len(entries) == len(prompt) and entries[0] is None
+    for p in range(1, len(prompt)):
+        ref = torch.log_softmax(logits_of(hash_of_context(prompt[:p], {})).double(), -1)
+        assert entries[p].token_id == prompt[p]
+        assert entries[p].logprob == pytest.approx(float(ref[prompt[p]]), abs=1e-5)
+        assert [t for t, _ in entries[p].top] == ref.topk(2).indices.tolist()
+    assert all(c.prompt_logprobs is None for c in out["beside"])
+
+
 @pytest.mark.parametrize("when", ["waiting", "mid_prefill", "decoding"])
 def test_abort_frees_all_pages(when: str) -> None:
     core, _ = make_core(num_pages=64, max_sessions=1, prefill_chunk=8)

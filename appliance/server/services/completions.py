@@ -66,9 +66,6 @@ class CompletionService:
         check_model_allowed(principal, handle.name)
         if body.best_of is not None and body.best_of != body.n:
             raise Unsupported("best_of other than n is not supported", param="best_of")
-        if body.echo and body.logprobs is not None:
-            raise Unsupported("echo with logprobs needs prompt logprobs, which this server "
-                              "does not compute", param="logprobs")
         max_tokens = TEXT_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         if max_tokens == 0 and not body.echo:
             raise BadRequest("max_tokens must be at least 1 (0 only with echo)",
@@ -82,13 +79,20 @@ class CompletionService:
                              f"choices", param="prompt")
         ids = [p for p, _ in prompts]
         _check_context(handle, ids, max_tokens or None, "prompt")
-        params = _sampling(body, max_tokens, body.logprobs, handle.vocab_size)
+        # echo with logprobs: the prompt's too; with max_tokens 0 only the prompt's (the one
+        # token the engine must sample is dropped from the answer)
+        scored = body.echo and body.logprobs is not None
+        params = _sampling(body, max_tokens or (1 if scored else 0), body.logprobs,
+                           handle.vocab_size)
+        if scored:
+            params = replace(params, prompt_logprobs=body.logprobs)
         job = _job("text", handle, principal, ids, params, body.n, None)
         job.logprobs = body.logprobs
+        job.is_prompt_only = scored and max_tokens == 0
         job.echo = [text for _, text in prompts] if body.echo else None
         job.include_usage = bool(body.stream and body.stream_options
                                  and body.stream_options.include_usage)
-        if max_tokens == 0:  # echo only: nothing to generate
+        if max_tokens == 0 and not scored:  # echo only: nothing to generate
             return Response(TEXT.response(_echo_only(job)))
         return await self.generation.run(job, TEXT, receive, body.stream)
 

@@ -36,22 +36,36 @@ def chat_logprobs(job: Job, entries: Any) -> dict[str, Any]:
     return {"content": content, "refusal": None}
 
 
-def text_logprobs(job: Job, entries: Any, offset: int) -> dict[str, Any]:
+def text_logprobs(job: Job, entries: Any, offset: int,
+                  prompt: tuple[tuple[int, ...], tuple] | None = None) -> dict[str, Any]:
+    """OpenAI's completion logprobs of `entries` (sampled tokens), their text offsets from
+    `offset`; with `prompt` (ids, their entries: echo) the prompt's tokens first, from
+    offset 0, its first token (no context) with null logprobs."""
     pieces = job.handle.tokenizer.pieces()
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                             "text_offset": []}
-    for entry in entries:
-        if entry is None:
-            continue
-        text, _ = _token(pieces, entry.token_id)
+
+    def add(token_id: int, logprob: float | None, top: Any, at: int) -> int:
+        text, _ = _token(pieces, token_id)
         out["tokens"].append(text)
-        out["token_logprobs"].append(entry.logprob)
-        top: dict[str, float] = {}
-        for token_id, logprob in entry.top[:job.logprobs or 0]:
-            top.setdefault(_token(pieces, token_id)[0], logprob)
-        out["top_logprobs"].append(top)
-        out["text_offset"].append(offset)
-        offset += len(text)
+        out["token_logprobs"].append(logprob)
+        tops: dict[str, float] | None = None
+        if top is not None:
+            tops = {}
+            for tid, value in top[:job.logprobs or 0]:
+                tops.setdefault(_token(pieces, tid)[0], value)
+        out["top_logprobs"].append(tops)
+        out["text_offset"].append(at)
+        return at + len(text)
+
+    if prompt is not None:
+        at = 0
+        for token_id, entry in zip(*prompt, strict=True):
+            at = add(token_id, None if entry is None else entry.logprob,
+                     None if entry is None else entry.top, at)
+    for entry in entries:
+        if entry is not None:
+            offset = add(entry.token_id, entry.logprob, entry.top, offset)
     return out
 
 
@@ -151,12 +165,20 @@ class TextFormat(Format):
     def _echo(self, job: Job, choice: Choice) -> str:
         return job.echo[choice.prompt_index] if job.echo is not None else ""
 
+    def _prompt(self, job: Job, choice: Choice) -> tuple[tuple[int, ...], tuple] | None:
+        """The echoed prompt's ids and logprob entries, where logprobs are asked for."""
+        if job.echo is None or choice.prompt_logprobs is None:
+            return None
+        return job.prompts[choice.prompt_index], choice.prompt_logprobs
+
     def event(self, job: Job, choice: Choice, chunk: OutputChunk) -> dict[str, Any]:
-        prefix = self._echo(job, choice) if choice.num_events == 0 else ""
+        is_first = choice.num_events == 0
+        prefix = self._echo(job, choice) if is_first else ""
         logprobs = None
         if job.logprobs is not None and chunk.logprobs is not None:
             done = len("".join(choice.text)) - len(chunk.text)  # text before this chunk
-            logprobs = text_logprobs(job, chunk.logprobs, done + len(self._echo(job, choice)))
+            logprobs = text_logprobs(job, chunk.logprobs, done + len(self._echo(job, choice)),
+                                     self._prompt(job, choice) if is_first else None)
         out = self._head(job)
         out["choices"] = [{"index": choice.index, "text": prefix + chunk.text,
                            "logprobs": logprobs, "finish_reason": chunk.finish_reason}]
@@ -177,7 +199,7 @@ class TextFormat(Format):
             echo = self._echo(job, c)
             logprobs = None
             if job.logprobs is not None:
-                logprobs = text_logprobs(job, c.logprobs, len(echo))
+                logprobs = text_logprobs(job, c.logprobs, len(echo), self._prompt(job, c))
             choices.append({"index": c.index, "text": echo + "".join(c.text),
                             "logprobs": logprobs, "finish_reason": c.finish_reason})
         out["choices"] = choices

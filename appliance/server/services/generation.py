@@ -16,7 +16,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -59,6 +59,7 @@ class Choice:
     first_token_at: float | None = None
     last_token_at: float | None = None
     num_events: int = 0
+    prompt_logprobs: tuple | None = None  # the prompt's, from the first chunk (echo)
     reply: Any = None  # the chat reply's parser (replies.py), made at its first chunk
     num_tool_calls: int = 0  # streamed so far
 
@@ -75,6 +76,7 @@ class Job:
     logprobs: int | None = None  # top entries per token; None: no logprobs
     echo: list[str] | None = None  # per prompt (text completions)
     include_usage: bool = False
+    is_prompt_only: bool = False  # echo + logprobs at max_tokens 0: no sampled token shown
     reply_parser: Callable[[], Any] | None = None  # chat: splits reasoning and tool calls
     created: int = field(default_factory=lambda: int(time.time()))
     start: float = field(default_factory=time.perf_counter)
@@ -182,7 +184,7 @@ class GenerationService:
         try:
             async for index, chunk in streams:
                 choice = job.choices[index]
-                self._feed(job, choice, chunk)
+                chunk = self._feed(job, choice, chunk)
                 if (event := fmt.event(job, choice, chunk)) is not None:
                     yield sse(event)
                     choice.num_events += 1
@@ -199,9 +201,12 @@ class GenerationService:
         finally:
             self.finish(job, streams, status)
 
-    def _feed(self, job: Job, choice: Choice, chunk: OutputChunk) -> None:
+    def _feed(self, job: Job, choice: Choice, chunk: OutputChunk) -> OutputChunk:
+        """Record the chunk on its choice; returns it as the answer shows it."""
         if chunk.finish_reason == "abort":
             raise self._aborted(job)
+        if job.is_prompt_only:  # the token sampled after the prompt is not part of it
+            chunk = replace(chunk, token_ids=(), text="", logprobs=(), completion_tokens=0)
         now = time.perf_counter()
         num = len(chunk.token_ids)
         labels = (job.model, job.principal.key_id)
@@ -223,6 +228,9 @@ class GenerationService:
         choice.cached_tokens = chunk.cached_tokens
         choice.completion_tokens = chunk.completion_tokens
         choice.finish_reason = chunk.finish_reason
+        if chunk.prompt_logprobs is not None:
+            choice.prompt_logprobs = chunk.prompt_logprobs
+        return chunk
 
     def _aborted(self, job: Job) -> ApiError:
         if self.is_draining:

@@ -57,7 +57,7 @@ CHAT_BODIES: list[bytes] = [
 TEXT_BODIES: list[bytes] = [
     b'{"prompt": null}', b'{"prompt": []}', b'{"prompt": [1, "a"]}', b'{"prompt": [[1], "a"]}',
     b'{"prompt": [-1]}', b'{"prompt": [99999999]}', b'{"prompt": [1.5]}', b'{"prompt": [true]}',
-    b'{"prompt": {"a": 1}}', b'{"prompt": "x", "echo": true, "logprobs": 1}',
+    b'{"prompt": {"a": 1}}', b'{"prompt": "x", "echo": true, "logprobs": 21}',
     b'{"prompt": "x", "suffix": "y"}', b'{"prompt": "x", "best_of": 3}',
     b'{"prompt": "x", "logprobs": 99}', b'{"prompt": "x", "max_tokens": 0}',
     b'{"prompt": ["a", "b", "c", "d", "e"], "n": 16}',

@@ -127,6 +127,38 @@ async def test_text_completions(harness):
     assert default.usage.completion_tokens == 16  # OpenAI's default max_tokens
 
 
+async def test_echo_logprobs_score_the_prompt(harness, reference):
+    """echo + logprobs (how evaluation harnesses score a text): every prompt token's logprob
+    given the ones before it, against float64 log-softmax of the teacher-forced logits;
+    max_tokens 0 scores the prompt alone. The server's prefill chunk (64) is shorter than
+    the prompt, and the prompt is in the prefix cache from the first request."""
+    client = harness.openai()
+    tok = harness.state.router.get(None).tokenizer
+    text = "The quick brown fox jumps over the lazy dog. " * 8
+    ids = tok.encode(text, add_special=True, parse_special=True)
+    assert len(ids) > 64
+    logp = torch.log_softmax(reference.prompt_logits(ids).double(), dim=-1)  # (n, vocab)
+    await client.completions.create(model="tiny", prompt=text, max_tokens=2)  # cache it
+    for max_tokens, stream in ((0, False), (2, False), (2, True)):
+        kwargs = dict(model="tiny", prompt=text, max_tokens=max_tokens, temperature=0,
+                      echo=True, logprobs=3)
+        if stream:
+            chunks = [c async for c in await client.completions.create(**kwargs, stream=True)]
+            lp, out = chunks[0].choices[0].logprobs, "".join(c.choices[0].text for c in chunks)
+        else:
+            resp = await client.completions.create(**kwargs)
+            lp, out = resp.choices[0].logprobs, resp.choices[0].text
+            assert resp.usage.completion_tokens == max_tokens
+        assert out.startswith(text) and (max_tokens or out == text)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for p in range(1, len(ids)):
+            assert lp.token_logprobs[p] == pytest.approx(float(logp[p - 1, ids[p]]), abs=2e-3)
+            assert len(lp.top_logprobs[p]) <= 3
+            best = max(lp.top_logprobs[p].values())
+            assert best == pytest.approx(float(logp[p - 1].max()), abs=2e-3)
+        assert len(lp.tokens) == len(ids) + (max_tokens if not stream else 1)
+
+
 async def test_extensions_top_k_min_p_are_applied(harness):
     client = harness.openai()
     kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=8)
