@@ -22,6 +22,7 @@ from appliance.server.schemas import ChatCompletionRequest, CompletionRequest, S
 from appliance.server.services.formats import CHAT, TEXT
 from appliance.server.services.generation import Choice, GenerationService, Job
 from appliance.server.services.replies import reply_parser_factory
+from appliance.server.services.tool_choice import forced_call_grammar, forced_tool
 from engine.sampler import validate_params
 from engine.sampling_params import SamplingParams
 from engine.scheduler.request import Request
@@ -43,14 +44,15 @@ class CompletionService:
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens == 0:
             raise BadRequest("max_tokens must be at least 1", param="max_tokens")
-        offers_tools = _offers_tools(body)
+        forced = forced_tool(body.tool_choice, body.tools)  # before any work: 400s first
+        offers_tools = bool(body.tools) and body.tool_choice != "none"
         prompt, text = await asyncio.to_thread(chat_prompt, handle, body, offers_tools)
         _check_context(handle, [prompt], max_tokens, "messages")
         top = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         params = _sampling(body, max_tokens, top, handle.vocab_size)
-        grammar = await _grammar_factory(handle, body)
+        grammar = await _grammar_factory(handle, body, forced)
         job = _job("chat", handle, principal, [prompt], params, body.n, grammar)
         job.logprobs = top
         job.include_usage = bool(body.stream and body.stream_options
@@ -98,17 +100,6 @@ class CompletionService:
 
 
 _RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
-
-
-def _offers_tools(body: ChatCompletionRequest) -> bool:
-    """Whether the model is shown the request's tools (and its calls are parsed)."""
-    choice = body.tool_choice
-    if choice is None or choice == "auto":
-        return bool(body.tools)
-    if choice == "none":
-        return False
-    raise Unsupported("tool_choice must be \"auto\" or \"none\": this server cannot force a "
-                      "tool call", param="tool_choice")
 
 
 def chat_prompt(handle: Any, body: ChatCompletionRequest, offers_tools: bool = True
@@ -223,14 +214,24 @@ def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None
     return params
 
 
-async def _grammar_factory(handle: Any, body: ChatCompletionRequest) -> Any:
-    """None, or a callable making one fresh grammar per choice (the state is per sequence)."""
+async def _grammar_factory(handle: Any, body: ChatCompletionRequest,
+                           forced: str | None) -> Any:
+    """None, or a callable making one fresh grammar per choice (the state is per sequence):
+    the response_format's, or the forced tool call's (tool_choice.py)."""
     fmt = body.response_format
-    if fmt is None or fmt.type == "text":
+    has_format = fmt is not None and fmt.type != "text"
+    if forced is not None and has_format:
+        raise BadRequest("a required tool call and a response_format cannot both shape the "
+                         "reply", param="tool_choice")
+    if not has_format and forced is None:
         return None
     from engine.grammar import JsonGrammar, grammar_tokenizer, json_schema_grammar
 
-    if fmt.type == "json_schema":
+    if forced is not None:
+        assert body.tools is not None  # forced_tool refuses a call without tools
+        text = forced_call_grammar(handle.chat_template.source, handle.tokenizer, body.tools,
+                                   forced)
+    elif fmt.type == "json_schema":
         if fmt.json_schema is None or fmt.json_schema.schema is None:
             raise BadRequest("response_format json_schema needs json_schema.schema",
                              param="response_format")

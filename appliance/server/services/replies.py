@@ -340,19 +340,32 @@ def route_header(header: str) -> tuple[str, str]:
     return ("reasoning" if channel == "analysis" else "content"), ""
 
 
+def tool_markup(template: str) -> str | None:
+    """How a model with this chat template source writes tool calls: "harmony", "hermes"
+    (`<tool_call>` blocks), "llama_json" (a JSON object with "parameters"), or None."""
+    if H_CHANNEL in template and H_MESSAGE in template:
+        return "harmony"
+    if TOOL_OPEN in template:
+        return "hermes"
+    if PYTHON_TAG in template or '"parameters"' in template:
+        return "llama_json"
+    return None
+
+
 def reply_parser_factory(template: str, prompt: str, *, tools: bool,
                          parse: bool = True) -> Callable[[], ReplyParser]:
     """What splits a reply of a model with this chat template source, after this rendered
     prompt. tools: the request offers tools (and allows calls)."""
     if not parse:
         return PlainReply
-    if H_CHANNEL in template and H_MESSAGE in template:
+    markup = tool_markup(template)
+    if markup == "harmony":
         return HarmonyReply
     think = THINK_OPEN in template and THINK_CLOSE in template
-    hermes = tools and TOOL_OPEN in template
+    hermes = tools and markup == "hermes"
     if think or hermes:
         in_reasoning = think and prompt.rstrip().endswith(THINK_OPEN)
         return lambda: TaggedReply(think=think, tools=hermes, in_reasoning=in_reasoning)
-    if tools and (PYTHON_TAG in template or '"parameters"' in template):
+    if tools and markup == "llama_json":
         return JsonToolReply
     return PlainReply

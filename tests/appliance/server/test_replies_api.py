@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-import openai
 import pytest
 from server_harness import assert_openai_error, start_harness
 
@@ -143,14 +142,77 @@ async def test_raw_reply_and_tool_choice(harness, scripted):
     assert "get_weather" not in prompt
     assert none.message.tool_calls is None and "<tool_call>" in none.message.content
     assert none.message.reasoning_content == "They want the weather."
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        resp = await harness.http.post("/v1/chat/completions", headers=harness.auth(), json={
-            "messages": ASK, "tools": TOOLS, "tool_choice": choice})
-        err = assert_openai_error(resp, 400)
-        assert err["param"] == "tool_choice"
     resp = await harness.http.post("/v1/chat/completions", headers=harness.auth(), json={
         "messages": ASK, "reasoning_format": "deepseek"})
     assert_openai_error(resp, 400)
+
+
+# bounded strings: a random-weight model would write an unbounded one until max_tokens
+FORCED_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "additionalProperties": False,
+                   "properties": {"city": {"type": "string", "maxLength": 12}}}}},
+                {"type": "function", "function": {
+    "name": "set_alarm", "description": "Set an alarm",
+    "parameters": {"type": "object", "required": ["hour", "label"],
+                   "additionalProperties": False, "properties": {
+        "hour": {"type": "integer", "minimum": 0, "maximum": 23},
+        "label": {"$ref": "#/$defs/Label"}},
+                   "$defs": {"Label": {"type": "string", "maxLength": 12}}}}}]
+
+
+@pytest.mark.parametrize("template", ["qwen3", "llama-3.1", "gpt-oss"])
+async def test_required_and_named_tool_calls_are_forced(harness, monkeypatch, llama_vendor,
+                                                        template):
+    """The random-weight model must call a tool when tool_choice says so: a grammar writes
+    the call in the template's own markup, and the reply parses back to a call whose
+    arguments meet the function's schema."""
+    source = (llama_vendor / "models" / "templates" / "openai-gpt-oss-120b.jinja").read_text() \
+        if template == "gpt-oss" else (TEMPLATES / f"{template}.jinja").read_text()
+    loaded = harness.state.router.get(None).engine.loaded
+    monkeypatch.setattr(loaded, "chat_template",
+                        ChatTemplate(source, bos_token="<s>", eos_token="</s>"))
+    client = harness.openai()
+    kwargs = dict(model="tiny", messages=ASK, tools=FORCED_TOOLS, max_tokens=120, seed=1,
+                  temperature=1.0)
+    named = {"type": "function", "function": {"name": "set_alarm"}}
+    for choice, names in (("required", {"get_weather", "set_alarm"}), (named, {"set_alarm"})):
+        for stream in (False, True):
+            if stream:
+                _, _, calls, finish = await streamed(client, **kwargs, tool_choice=choice)
+                calls = [(n, a) for _, n, a in calls]
+            else:
+                resp = (await client.chat.completions.create(**kwargs, tool_choice=choice)
+                        ).choices[0]
+                calls = [(c.function.name, c.function.arguments)
+                         for c in resp.message.tool_calls or ()]
+                finish = resp.finish_reason
+            assert finish == "tool_calls" and len(calls) == 1, (choice, stream, calls)
+            name, arguments = calls[0]
+            args = json.loads(arguments)
+            assert name in names
+            if name == "set_alarm":
+                assert set(args) == {"hour", "label"} and 0 <= args["hour"] <= 23
+                assert isinstance(args["label"], str) and len(args["label"]) <= 12
+            else:
+                assert set(args) <= {"city"}
+
+
+async def test_tool_choice_errors(harness):
+    bad = [({"tool_choice": "required"}, "tool_choice"),  # no tools
+           ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+           ({"tools": TOOLS, "tool_choice": {"type": "function",
+                                             "function": {"name": "nope"}}}, "tool_choice"),
+           ({"tools": [{"type": "function", "function": {"name": "a b"}}],
+             "tool_choice": "required"}, "tools"),
+           ({"tools": TOOLS, "tool_choice": "required",
+             "response_format": {"type": "json_object"}}, "tool_choice"),
+           # the tiny model's built-in Llama 3 template has no tool-call format
+           ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice")]
+    for extra, param in bad:
+        resp = await harness.http.post("/v1/chat/completions", headers=harness.auth(),
+                                       json={"messages": ASK, **extra})
+        assert assert_openai_error(resp, 400)["param"] == param, extra
 
 
 async def test_plain_models_stream_as_before(harness, scripted):
@@ -162,5 +224,3 @@ async def test_plain_models_stream_as_before(harness, scripted):
              ).choices[0]
     assert whole.message.content == engine.reply and whole.finish_reason == "stop"
     assert getattr(whole.message, "reasoning_content", None) is None
-    with pytest.raises(openai.BadRequestError):
-        await client.chat.completions.create(model="tiny", messages=ASK, tool_choice="required")

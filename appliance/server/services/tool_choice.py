@@ -1,0 +1,116 @@
+"""tool_choice "required" or a named function: a grammar that makes the reply one call.
+
+The call is written in the model's own markup, the one its chat template teaches and
+replies.py parses back:
+- Hermes / Qwen: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`;
+- Llama 3.1: `{"name": ..., "parameters": {...}}`;
+- harmony (gpt-oss): `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`
+  and the arguments; the end of the message (`<|call|>`) is an end-of-generation token,
+  which the grammar allows once the arguments are complete.
+
+The arguments follow the function's `parameters` JSON schema. A marker the vocabulary
+holds as one token is that token (`<[id]>` in llguidance's grammar syntax), as the model
+was trained to write it; otherwise its text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from appliance.server.errors import BadRequest, Unsupported
+from appliance.server.services.replies import tool_markup
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's function names (and dots)
+MAX_SCHEMA_CHARS = 1 << 18
+# compact JSON, as engine/grammar.py's response formats: with free whitespace a small model
+# can loop on spaces and newlines
+_COMPACT = {"x-guidance": {"whitespace_flexible": False}}
+
+
+def forced_tool(tool_choice: Any, tools: list[dict[str, Any]] | None) -> str | None:
+    """None: the model may answer as it likes; "": it must call one of `tools`; a name: it
+    must call that function. Refuses what OpenAI's API does not define."""
+    if tool_choice is None or tool_choice in ("auto", "none"):
+        return None
+    if tool_choice == "required":
+        name = ""
+    elif (isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
+          and isinstance(tool_choice.get("function"), dict)
+          and isinstance(tool_choice["function"].get("name"), str)):
+        name = tool_choice["function"]["name"]
+    else:
+        raise BadRequest('tool_choice must be "auto", "none", "required" or {"type": '
+                         '"function", "function": {"name": ...}}', param="tool_choice")
+    if not tools:
+        raise BadRequest("tool_choice asks for a call but the request has no tools",
+                         param="tool_choice")
+    if name and name not in {f["name"] for f in _functions(tools)}:
+        raise BadRequest(f"tool_choice names {name[:64]!r}, which is not among the tools",
+                         param="tool_choice")
+    return name
+
+
+def forced_call_grammar(template: str, tokenizer: Any, tools: list[dict[str, Any]],
+                        name: str) -> str:
+    """llguidance grammar text for one call of `name` ("": any of the tools)."""
+    functions = [f for f in _functions(tools) if not name or f["name"] == name]
+    markup = tool_markup(template)
+    if markup is None:
+        raise Unsupported("this model's chat template has no tool-call format, so a call "
+                          "cannot be required", param="tool_choice")
+
+    def marker(text: str) -> str:
+        tid = tokenizer.special_token_id(text)
+        return f"<[{tid}]>" if tid is not None else json.dumps(text)
+
+    calls = []
+    for f in functions:
+        params = _schema(f)
+        if markup == "harmony":
+            calls.append(f'{marker("<|channel|>")} "commentary to=functions.{f["name"]} " '
+                         f'{marker("<|constrain|>")} "json" {marker("<|message|>")} '
+                         f'%json {json.dumps({**params, **_COMPACT})}')
+            continue
+        key = "parameters" if markup == "llama_json" else "arguments"
+        # "#/$defs/..." references point at the root: the definitions move up with them
+        defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
+        inner = {k: v for k, v in params.items() if k not in defs}
+        schema = json.dumps({"type": "object", "properties": {
+            "name": {"const": f["name"]}, key: inner},
+            "required": ["name", key], "additionalProperties": False, **defs, **_COMPACT})
+        if markup == "llama_json":
+            calls.append(f"%json {schema}")
+        else:
+            calls.append(f'{marker("<tool_call>")} "\\n" %json {schema} "\\n" '
+                         f'{marker("</tool_call>")}')
+    rules = "\n".join(f"call{i}: {c}" for i, c in enumerate(calls))
+    return ("%llguidance {}\nstart: " + " | ".join(f"call{i}" for i in range(len(calls)))
+            + "\n" + rules + "\n")
+
+
+def _functions(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    out = []
+    for tool in tools or ():
+        f = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(f, dict) or tool.get("type", "function") != "function" or \
+                not isinstance(f.get("name"), str):
+            raise BadRequest('each tool must be {"type": "function", "function": {"name": '
+                             '...}}', param="tools")
+        if not _NAME.fullmatch(f["name"]):
+            raise BadRequest(f"tool name {f['name'][:64]!r}: letters, digits, _ . - only, "
+                             f"at most 64", param="tools")
+        out.append(f)
+    return out
+
+
+def _schema(function: dict[str, Any]) -> dict[str, Any]:
+    params = function.get("parameters", {"type": "object"})
+    if not isinstance(params, dict):
+        raise BadRequest(f"the parameters of {function['name']} must be a JSON schema object",
+                         param="tools")
+    if len(json.dumps(params)) > MAX_SCHEMA_CHARS:
+        raise BadRequest(f"the parameters of {function['name']} exceed {MAX_SCHEMA_CHARS} "
+                         f"characters", param="tools")
+    return params or {"type": "object"}
