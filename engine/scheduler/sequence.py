@@ -73,12 +73,12 @@ class Sequence:
         self._out_ids: list[int] = []
         self._out_text: list[str] = []
         self._out_logprobs: list[TokenLogprobs | None] = []
-        # SamplingParams.prompt_logprobs: entry p for prompt token p (set by position, so a
-        # recompute after preemption overwrites, never appends)
+        # SamplingParams.prompt_logprobs: entry p for prompt token p, set by position (a
+        # recompute after preemption before they were sent overwrites, never appends);
+        # None once sent, so a later recompute computes no more of them
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         if request.sampling.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * self.num_prompt
-        self._is_prompt_sent = False
 
     @property
     def request_id(self) -> str:
@@ -154,8 +154,8 @@ class Sequence:
         """The tokens and text gathered since the last call, as one chunk."""
         want_logprobs = self.request.sampling.logprobs is not None
         prompt = None
-        if self.prompt_logprobs is not None and not self._is_prompt_sent:
-            prompt, self._is_prompt_sent = tuple(self.prompt_logprobs), True
+        if self.prompt_logprobs is not None:  # with the first token (or the end)
+            prompt, self.prompt_logprobs = tuple(self.prompt_logprobs), None
         chunk = OutputChunk(
             request_id=self.request.id,
             token_ids=tuple(self._out_ids),

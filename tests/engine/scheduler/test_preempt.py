@@ -4,6 +4,7 @@ resident is preempted and recomputed later; no request fails and no output chang
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from sched_fakes import greedy, make_core, prompt_of, reference_tokens, req, run_all, tokens_of
@@ -134,4 +135,27 @@ def test_random_pressure_with_aborts_and_sliding_windows(seed: int) -> None:
             assert out[rid][-1].finish_reason == "abort" and got == expect[:len(got)]
         else:
             assert got == expect and out[rid][-1].finish_reason == "length"
+    assert _idle(core)
+
+
+def test_prompt_logprobs_survive_preemption() -> None:
+    """Requests that want their prompt's logprobs, in a pool that runs out: each gets its
+    prompt's entries once, with its first token, equal to the fake model's distribution,
+    and its tokens are what a solo run gives."""
+    import torch
+    from sched_fakes import hash_of_context, logits_of
+
+    core, _ = make_core(num_pages=24, page_size=4, max_sessions=4, prefill_chunk=8)
+    prompts = {f"r{i}": prompt_of(200 + i, 10 + 5 * i) for i in range(4)}
+    for i, (rid, p) in enumerate(prompts.items()):
+        core.add(req(rid, p, replace(_sampled(40, seed=i), prompt_logprobs=1)))
+    out = run_all(core)
+    assert core.scheduler.num_preemptions > 0
+    for i, (rid, p) in enumerate(prompts.items()):
+        assert tokens_of(out[rid]) == reference_tokens(p, _sampled(40, seed=i), 40)
+        sent = [c.prompt_logprobs for c in out[rid] if c.prompt_logprobs is not None]
+        assert len(sent) == 1 and out[rid][0].prompt_logprobs is sent[0]
+        for pos in range(1, len(p)):
+            ref = torch.log_softmax(logits_of(hash_of_context(p[:pos], {})).double(), -1)
+            assert sent[0][pos].logprob == pytest.approx(float(ref[p[pos]]), abs=1e-5)
     assert _idle(core)
