@@ -29,8 +29,8 @@ from kernels.triton_util import (
     HAS_TRITON,
     await_inputs,
     cast_out,
-    interpreter_active,
     jit,
+    kernels_run,
     launcher,
     next_pow2,
     tl,
@@ -131,7 +131,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if quantize and x.shape[-1] % QK:
         raise InvalidRequest(f"add_rms_norm: quantize needs a multiple of {QK} columns, "
                              f"got {x.shape[-1]}")
-    if not (HAS_TRITON and (x.device.type != "cpu" or interpreter_active())):
+    if not kernels_run(x.device):
         return add_rms_norm_reference(x, weight, eps, residual, residual_weight, out_dtype,
                                       quantize)
     if out_dtype not in OUT_DTYPES:

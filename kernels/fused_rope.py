@@ -31,8 +31,8 @@ from kernels.triton_util import (
     HAS_TRITON,
     await_inputs,
     helper,
-    interpreter_active,
     jit,
+    kernels_run,
     launcher,
     next_pow2,
     tl,
@@ -203,7 +203,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
     One launch on a GPU (or on the CPU when the interpreter is active), else the references.
     """
-    if not (HAS_TRITON and (q.device.type != "cpu" or interpreter_active())):
+    if not kernels_run(q.device):
         q_out, k_out = rope_qk_reference(q, k, cos, sin, neox, q_weight, k_weight, eps)
         if store is not None:
             kv_store(k_out, *store)
@@ -244,7 +244,7 @@ def rope_cos_sin(positions: torch.Tensor,
     """rope_cos_sin_reference's cos, sin (T, 1, d/2) float32 (views into one (T, 2, d/2)
     buffer) of positions with any stride, one launch on a GPU (or on the CPU when the
     interpreter is active), else the reference."""
-    if not (HAS_TRITON and (positions.device.type != "cpu" or interpreter_active())):
+    if not kernels_run(positions.device):
         return rope_cos_sin_reference(positions, inv_freq)
     if positions.dim() != 1 or positions.dtype.is_floating_point or inv_freq.dim() != 1 or \
             inv_freq.dtype != torch.float32 or inv_freq.device != positions.device:

@@ -22,8 +22,8 @@ from kernels.triton_util import (
     await_inputs,
     cast_out,
     helper,
-    interpreter_active,
     jit,
+    kernels_run,
     launcher,
     release_first,
     tl,
@@ -108,7 +108,7 @@ def _gated_act(gate_up: torch.Tensor, activation: str, out_dtype: torch.dtype,
     if quantize and gate_up.shape[-1] % (2 * QK):
         raise InvalidRequest(f"gated_act: quantize needs F a multiple of {QK}, got "
                              f"{gate_up.shape[-1] // 2}")
-    if not (HAS_TRITON and (gate_up.device.type != "cpu" or interpreter_active())):
+    if not kernels_run(gate_up.device):
         out = gated_act_reference(gate_up, activation, out_dtype)
         return out, quant_x_reference(out) if quantize else None
     if activation not in ACTIVATION_IDS or out_dtype not in OUT_DTYPES:

@@ -29,8 +29,8 @@ from kernels.triton_util import (
     HAS_TRITON,
     await_inputs,
     helper,
-    interpreter_active,
     jit,
+    kernels_run,
     launcher,
     next_pow2,
     tl,
@@ -185,7 +185,7 @@ def kv_store(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
     """Store k (n, kv_heads, dk) and v (n, kv_heads, dv) float32 (any row and head strides)
     at `slots` (n,) of the planes, in place: one launch on a GPU (or on the CPU when the
     interpreter is active), else the reference. Slots must be distinct (as a step's are)."""
-    if not (HAS_TRITON and (k.device.type != "cpu" or interpreter_active())):
+    if not kernels_run(k.device):
         kv_store_reference(k, v, slots, k_planes, v_planes, k_format, v_format)
         return
     planes, consts = store_args(k, v, slots, k_planes, v_planes, k_format, v_format)

@@ -43,8 +43,8 @@ from kernels.triton_util import (
     await_inputs,
     cast_out,
     helper,
-    interpreter_active,
     jit,
+    kernels_run,
     launcher,
     next_pow2,
     tl,
@@ -67,10 +67,6 @@ _FUSED_CELLS, _FUSED_SLOT_CELLS = 2048, 2048
 # route's two launches, whose router programs hold fewer registers, and the block grouping
 FUSED_MAX_TOKENS = 128
 _COMBINE_BLOCK = 1024
-
-
-def kernels_run(device: torch.device) -> bool:
-    return HAS_TRITON and (device.type != "cpu" or interpreter_active())
 
 
 # ---------------------------------------------------------------- routing

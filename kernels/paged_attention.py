@@ -35,7 +35,7 @@ from engine.errors import InvalidRequest
 from kernels.paged_attention_plan import FORMAT_IDS, AttnConfig, AttnPlan, plan_attention
 from kernels.paged_attention_triton import MERGE_HEADS, aot_specs, launch
 from kernels.quant_x import QK, QuantX, empty_quant_x
-from kernels.triton_util import HAS_TRITON, interpreter_active
+from kernels.triton_util import kernels_run
 
 # aot_specs: kernels/aot.py collects every module's specs from here.
 __all__ = ["AttnConfig", "AttnPlan", "aot_specs", "paged_attention", "paged_attention_q8",
@@ -202,7 +202,7 @@ def _attention(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
                         "missing or unknown")
     query_start, seq_lens, positions, page_table, page_size, scale, window, softcap, sinks = (
         kwargs[k] for k in names)
-    if not (HAS_TRITON and (q.device.type != "cpu" or interpreter_active())):
+    if not kernels_run(q.device):
         return paged_attention_reference(q, k_planes, v_planes, k_format, v_format,
                                          **kwargs).float(), None
     if q.dim() != 3 or q.stride(-1) != 1 or not q.dtype.is_floating_point:

@@ -44,8 +44,8 @@ from kernels.qtiles import GEOMETRY, IQ4_XS, MXFP4, NAMES
 from kernels.triton_util import (
     HAS_TRITON,
     await_inputs,
-    interpreter_active,
     jit,
+    kernels_run,
     launcher,
     tl,
     triton,
@@ -235,7 +235,7 @@ def qmatmul(
 
     Runs the kernels on a GPU (or on the CPU under TRITON_INTERPRET=1), else the reference.
     """
-    if HAS_TRITON and (x.device.type != "cpu" or interpreter_active()):
+    if kernels_run(x.device):
         return qmatmul_triton(x, blocks, ggml_type, shape, config)
     _check(x, blocks, ggml_type, shape)
     return qmatmul_reference(x, blocks, ggml_type, shape)

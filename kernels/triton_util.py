@@ -171,6 +171,12 @@ else:
     await_inputs = cast_out = None  # kernels are never defined without Triton
 
 
+def kernels_run(device: torch.device) -> bool:
+    """Whether a kernel launches for tensors on `device`: with Triton, on a GPU, or on the
+    CPU under the interpreter (tests); otherwise the caller runs its torch reference."""
+    return HAS_TRITON and (device.type != "cpu" or interpreter_active())
+
+
 def interpreter_active() -> bool:
     """True when Triton was imported for its interpreter (TRITON_INTERPRET=1 at import).
 

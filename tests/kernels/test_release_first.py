@@ -46,7 +46,7 @@ def test_launches_pass_it_where_named(monkeypatch, setting):
     monkeypatch.setenv("MBUFO_PDL_RELEASE_FIRST", setting)
     monkeypatch.setattr(quant_x, "launcher", launch)
     monkeypatch.setattr(gated_act, "launcher", launch)
-    monkeypatch.setattr(gated_act, "interpreter_active", lambda: True)
+    monkeypatch.setattr(gated_act, "kernels_run", lambda device: True)
     x = torch.zeros(1, 512)
     quant_x.quantize_x(x)
     gated_act.gated_act_quant(torch.zeros(1, 1024), "silu")
