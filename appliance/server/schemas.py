@@ -106,6 +106,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     parallel_tool_calls: bool | None = None
     # "auto": reasoning and tool calls split out of the reply (replies.py); "none": raw text
     reasoning_format: Literal["auto", "none"] = "auto"
+    # OpenAI's; reaches the chat template as `reasoning_effort` (gpt-oss: "Reasoning: low")
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

@@ -109,6 +109,8 @@ def chat_prompt(handle: Any, body: ChatCompletionRequest, offers_tools: bool = T
     if reserved := sorted(_RESERVED & extra.keys()):
         raise BadRequest(f"chat_template_kwargs may not set {', '.join(reserved)}",
                          param="chat_template_kwargs")
+    if body.reasoning_effort is not None:  # chat_template_kwargs', when both, wins
+        extra = {"reasoning_effort": body.reasoning_effort, **extra}
     tools = body.tools if offers_tools else None
     text = handle.chat_template.render([m.to_dict() for m in body.messages],
                                        add_generation_prompt=True, tools=tools, **extra)

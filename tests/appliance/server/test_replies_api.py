@@ -127,6 +127,23 @@ async def test_reasoning_and_tool_calls_streamed_and_whole(harness, scripted, ll
     assert (again.message.content, again.finish_reason) == ("Sunny.", "stop")
 
 
+async def test_reasoning_effort_reaches_the_template(harness, scripted, llama_vendor):
+    template = (llama_vendor / "models" / "templates" / "openai-gpt-oss-120b.jinja").read_text()
+    engine = scripted(template, "<|channel|>final<|message|>ok")
+    client = harness.openai()
+    tok = harness.state.router.get(None).tokenizer
+    for effort, kwargs, want in ((None, {}, "Reasoning: medium"),
+                                 ("low", {}, "Reasoning: low"),
+                                 ("high", {"reasoning_effort": "low"}, "Reasoning: low")):
+        extra = {"chat_template_kwargs": kwargs} if kwargs else {}
+        if effort:
+            extra["reasoning_effort"] = effort
+        resp = await client.chat.completions.create(model="tiny", messages=ASK, max_tokens=8,
+                                                    extra_body=extra)
+        assert resp.choices[0].message.content == "ok"
+        assert want in tok.decode(list(engine.prompts[-1]))
+
+
 async def test_raw_reply_and_tool_choice(harness, scripted):
     engine = scripted((TEMPLATES / "qwen3.jinja").read_text(), QWEN_REPLY)
     client = harness.openai()
