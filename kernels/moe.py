@@ -78,13 +78,12 @@ if HAS_TRITON:
         return tl.load(rows[:, None] + k[None, :]).to(tl.float32)
 
     @helper
-    def _expert_sum(QTYPE: tl.constexpr, w_expert, row_off, lut_ptr, x_ptr, rm, m_ok,
+    def _expert_sum(acc, QTYPE: tl.constexpr, w_expert, row_off, lut_ptr, x_ptr, rm, m_ok,
                     stride_xm, k_start, k_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, X_LEFT: tl.constexpr, DOT_F64: tl.constexpr,
                     PTX: tl.constexpr):
-        """One split's sum over columns k_start .. k_start + k_len of the rows at byte
-        offsets row_off, from 0, BLOCK_K columns a step in order."""
-        acc = qtiles.acc_zeros(BLOCK_M, BLOCK_N, X_LEFT)
+        """acc plus the products over columns k_start .. k_start + k_len of the rows at
+        byte offsets row_off, BLOCK_K columns a step in order."""
         for kk in range(0, k_len, BLOCK_K):
             k0 = k_start + kk
             if QTYPE == 0 or QTYPE == 1 or QTYPE == 30:
@@ -107,8 +106,10 @@ if HAS_TRITON:
         HAS_BIAS: tl.constexpr = False,
     ):
         """out[r, n] for the rows r of tile program_id(0) (one expert's) and the N tile
-        program_id(1): the sum, in split order, of each split's own K-range sum of
-        x[tokens[r] (r without GATHER), k] * W_expert[n, k]. A tile past the real ones
+        program_id(1): the sum of x[tokens[r] (r without GATHER), k] * W_expert[n, k],
+        BLOCK_K columns a step in K order (split after split, into one accumulator: one
+        partial sum fewer held than split sums added at the end, which gfx1151's 256
+        VGPRs a lane could not hold for MXFP4). A tile past the real ones
         ((-1, 0, 0) in the table) runs no loop and stores nothing. GATED >= 0 (an
         activation of kernels/gated_act.py): the expert has 2 N rows, gate then up, and a
         program's BLOCK_N weight rows are BLOCK_N / 2 gate rows n, each beside its up row
@@ -139,10 +140,9 @@ if HAS_TRITON:
         total = qtiles.acc_zeros(BLOCK_M, BLOCK_N, X_LEFT)
         live = tl.where(expert >= 0, splits, 0)
         for v in range(0, live):
-            acc = _expert_sum(QTYPE, w_expert, row_off, lut_ptr, x_ptr, rm, m_ok, stride_xm,
-                              v * k_per_split, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K, X_LEFT,
-                              DOT_F64, PTX)
-            total = tl.where(v == 0, acc, total + acc)  # (p0 + p1) + p2 ..., as split sums
+            total = _expert_sum(total, QTYPE, w_expert, row_off, lut_ptr, x_ptr, rm, m_ok,
+                                stride_xm, v * k_per_split, k_per_split, BLOCK_M, BLOCK_N,
+                                BLOCK_K, X_LEFT, DOT_F64, PTX)
         if HAS_BIAS:
             rows_per_expert = expert_bytes // row_bytes
             b = tl.load(bias_ptr + tl.maximum(expert, 0).to(tl.int64) * rows_per_expert + w_row)
@@ -170,6 +170,24 @@ if HAS_TRITON:
 TILED_ROWS = 24
 
 
+def moe_configs(as_type: int, n: int, k: int, backend: str, num_sms: int = 0
+                ) -> tuple[QMMConfig, QMMConfig]:
+    """(skinny, tiled): qmatmul's configs for the type and shape, but on gfx1151 (256 VGPRs
+    a lane) 64-column steps for the 32-column block types and 32-row N tiles for Q6_K's
+    skinny config: the grouped product's gathered rows and per-tile expert take the
+    registers that the dense product's configs leave, and those builds spilled 20-88 VGPRs
+    (`python -m kernels.aot`). Both configs keep one K order (block_k, split_k)."""
+    skinny = default_config(as_type, 16, n, k, backend=backend, num_sms=num_sms)
+    tiled = default_config(as_type, 64, n, k, backend=backend, num_sms=num_sms)
+    if backend != "hip":
+        return skinny, tiled
+    if GEOMETRY[as_type][2] <= 32 and skinny.block_k > 64:
+        skinny, tiled = skinny._replace(block_k=64), tiled._replace(block_k=64)
+    if as_type == qtiles.Q6_K:
+        skinny = skinny._replace(block_n=32)
+    return skinny, tiled
+
+
 class MoEPlan:
     """A product's launch configs: qmatmul's skinny and tiled ones for the type and shape
     (their block_m is the tile height group_tiles cuts by); float types as Q8_0 tiles."""
@@ -180,8 +198,7 @@ class MoEPlan:
         backend, sms = _device_info(device)
         n, k = shape
         as_type = qtiles.Q8_0 if int(ggml_type) in FLOAT_TYPES else int(ggml_type)
-        self.skinny = default_config(as_type, 16, n, k, backend=backend, num_sms=sms)
-        self.tiled = default_config(as_type, 64, n, k, backend=backend, num_sms=sms)
+        self.skinny, self.tiled = moe_configs(as_type, n, k, backend, sms)
         self.ggml_type, self.shape = int(ggml_type), (n, k)
         self.x_left = x_left(as_type)
         for cfg in (self.skinny, self.tiled):
@@ -284,7 +301,7 @@ def aot_specs(spec: type) -> list:
         name = NAMES.get(qtype, {F32: "F32", F16: "F16", BF16: "BF16"}.get(qtype))
         for backend in ("hip", "cuda"):
             for m, suffix in ((16, ""), (64, "_m64")):  # the skinny and the tiled config
-                cfg = default_config(as_type, m, 1536, 2048, backend=backend)
+                cfg = moe_configs(as_type, 1536, 2048, backend)[m == 64]
                 consts = {"QTYPE": qtype, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                           "BLOCK_K": cfg.block_k, "GATHER": True, "DOT_F64": False,
                           "X_LEFT": x_left(as_type), "PTX": backend == "cuda", "GATED": -1,

@@ -97,6 +97,17 @@ def test_qint_builds_spill_nothing(report):
             assert cuda["regs"] <= qint.Q4K_ONE_ROW_REGS, (name, cuda)
 
 
+def test_moe_products_spill_nothing_on_the_appliances_chip(report):
+    """Every grouped MoE product (each type, skinny and tiled, gated) keeps its values in
+    registers on gfx1151 at the configs moe.MoEPlan launches there (a spill goes through
+    scratch memory on every K step; MXFP4's, gpt-oss's experts, spilled 76-88 VGPRs)."""
+    names = [name for name in report if name.startswith("moe_matmul_")]
+    assert {"moe_matmul_MXFP4", "moe_matmul_MXFP4_gated", "moe_matmul_Q6_K_gated",
+            "moe_matmul_Q4_K_m64"} <= set(names), names
+    for name in names:
+        assert report[name]["hip:gfx1151"]["vgpr_spills"] == 0, (name, report[name])
+
+
 def test_pdl_builds_wait_for_their_inputs(report):
     """The sm_90 builds made as programmatic dependent launches (PDL set) wait for the
     previous kernel (griddepcontrol.wait); the others do not; no gfx1151 build sets it."""
