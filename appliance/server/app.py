@@ -11,6 +11,7 @@ from litestar.datastructures import State
 from appliance.server.controllers.admin import AdminController
 from appliance.server.controllers.openai import OpenAIController
 from appliance.server.controllers.system import health, metrics
+from appliance.server.controllers.tokens import TokensController
 from appliance.server.errors import exception_hook
 from appliance.server.middleware import security_headers
 from appliance.server.state import ServerState
@@ -35,7 +36,7 @@ def create_app(server: ServerState, *, start_models: bool = True) -> Litestar:
             server.metrics.queue.start()
 
     return Litestar(
-        route_handlers=[OpenAIController, AdminController, health, metrics],
+        route_handlers=[OpenAIController, TokensController, AdminController, health, metrics],
         exception_handlers={Exception: exception_hook},
         before_send=[security_headers],
         cors_config=cors,

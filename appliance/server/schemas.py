@@ -120,6 +120,24 @@ class CompletionRequest(SamplingFields, kw_only=True):
     best_of: Annotated[int, Meta(ge=1, le=16)] | None = None
 
 
+class TokenizeRequest(Struct, kw_only=True):
+    """vLLM's /tokenize: a text, or chat messages rendered by the model's template."""
+
+    model: Name | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[Message], Meta(min_length=1, max_length=4096)] | None = None
+    add_special_tokens: bool = True  # a text's BOS (the template writes a chat's own)
+    add_generation_prompt: bool = True
+    tools: Annotated[list[dict[str, Any]], Meta(max_length=256)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    model: Name | None = None
+    tokens: TokenIds
+
+
 class ModelRef(Struct):
     name: Annotated[str, Meta(min_length=1, max_length=4096)]
     sessions: Annotated[int, Meta(ge=1, le=4096)] | None = None

@@ -102,9 +102,9 @@ class CompletionService:
 _RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
-def chat_prompt(handle: Any, body: ChatCompletionRequest, offers_tools: bool = True
-                ) -> tuple[tuple[int, ...], str]:
-    """The prompt's token ids and its text."""
+def chat_prompt(handle: Any, body: Any, offers_tools: bool = True,
+                add_generation_prompt: bool = True) -> tuple[tuple[int, ...], str]:
+    """The prompt's token ids and its text (body: a chat request, or a /tokenize one)."""
     extra = body.chat_template_kwargs or {}
     if reserved := sorted(_RESERVED & extra.keys()):
         raise BadRequest(f"chat_template_kwargs may not set {', '.join(reserved)}",
@@ -113,7 +113,8 @@ def chat_prompt(handle: Any, body: ChatCompletionRequest, offers_tools: bool = T
         extra = {"reasoning_effort": body.reasoning_effort, **extra}
     tools = body.tools if offers_tools else None
     text = handle.chat_template.render([m.to_dict() for m in body.messages],
-                                       add_generation_prompt=True, tools=tools, **extra)
+                                       add_generation_prompt=add_generation_prompt,
+                                       tools=tools, **extra)
     tok = handle.tokenizer
     ids = tok.encode(text, add_special=False, parse_special=True)
     if tok.add_bos and tok.bos_id is not None and ids[:1] != [tok.bos_id]:

@@ -159,6 +159,36 @@ async def test_echo_logprobs_score_the_prompt(harness, reference):
         assert len(lp.tokens) == len(ids) + (max_tokens if not stream else 1)
 
 
+async def test_tokenize_and_detokenize(harness):
+    """/tokenize counts what a request would send: a text as /v1/completions encodes it, messages
+    as the chat endpoint renders them (its usage.prompt_tokens); /detokenize inverts it."""
+    client, tok = harness.openai(), harness.state.router.get(None).tokenizer
+    text = "Hello <s> world"
+    resp = await harness.http.post("/tokenize", headers=harness.auth(), json={"prompt": text})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["tokens"] == tok.encode(text, add_special=True, parse_special=True)
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 256
+    resp = await harness.http.post("/tokenize", headers=harness.auth(), json={
+        "prompt": text, "add_special_tokens": False})
+    assert resp.json()["tokens"] == tok.encode(text, add_special=False, parse_special=True)
+    chat = await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1)
+    resp = await harness.http.post("/tokenize", headers=harness.auth(),
+                                   json={"messages": MESSAGES, "model": "tiny"})
+    assert resp.json()["tokens"] == _prompt_ids(harness, MESSAGES)
+    assert resp.json()["count"] == chat.usage.prompt_tokens
+    resp = await harness.http.post("/detokenize", headers=harness.auth(),
+                                   json={"tokens": body["tokens"]})
+    assert resp.json() == {"prompt": tok.decode(body["tokens"])}
+    for path, bad in (("/tokenize", {}), ("/tokenize", {"prompt": "a", "messages": MESSAGES}),
+                      ("/detokenize", {"tokens": [tok.vocab_size]}),
+                      ("/detokenize", {"tokens": [-1]}), ("/tokenize", {"prompt": 5})):
+        resp = await harness.http.post(path, headers=harness.auth(), json=bad)
+        assert_openai_error(resp, 400)
+    resp = await harness.http.post("/tokenize", json={"prompt": "a"})
+    assert_openai_error(resp, 401)
+
+
 async def test_extensions_top_k_min_p_are_applied(harness):
     client = harness.openai()
     kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=8)
