@@ -8,6 +8,8 @@ family in its own markup:
   {...}}</tool_call>`, one block a call.
 - Llama 3.1 tool calls: the whole reply is `{"name": ..., "parameters": {...}}`, after an
   optional `<|python_tag|>`.
+- Mistral tool calls: `[TOOL_CALLS]` and a JSON list of calls (Mistral Nemo), or
+  `[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}` a call (Mistral Small 3.2, Devstral);
 - OpenAI's harmony (gpt-oss): messages of a header and a body,
   `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...`;
   a tool call is a commentary message to `functions.NAME`, its body the arguments.
@@ -32,6 +34,7 @@ from typing import Any, Protocol
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+M_CALLS, M_ARGS, M_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 H_START, H_CHANNEL, H_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 H_ENDS = ("<|end|>", "<|call|>", "<|return|>", H_START)
 MAX_HEADER_CHARS = 1024  # a harmony header longer than this is not a header
@@ -185,6 +188,78 @@ class TaggedReply:
             sink.put(TOOL_OPEN + text + close, out)
 
 
+def mistral_call_id() -> str:
+    """Mistral's templates refuse a call id that is not 9 letters and digits."""
+    return uuid.uuid4().hex[:9]
+
+
+class MistralReply:
+    """Content streams until the first `[TOOL_CALLS]`; from it the reply is held and
+    parsed at its end (the calls end the reply)."""
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._in_calls = False
+        self._sink = _Sink("content")
+
+    def feed(self, text: str) -> Parts:
+        out = Parts()
+        self._buf += text
+        if self._in_calls:
+            return out
+        at = self._buf.find(M_CALLS)
+        if at >= 0:
+            self._sink.put(self._buf[:at], out)
+            self._buf, self._in_calls = self._buf[at:], True
+            return out
+        cut = len(self._buf) - held_prefix(self._buf, (M_CALLS,))
+        self._sink.put(self._buf[:cut], out)
+        self._buf = self._buf[cut:]
+        return out
+
+    def finish(self) -> Parts:
+        out = Parts()
+        calls = parse_mistral_calls(self._buf) if self._in_calls else None
+        if calls:
+            out.tool_calls += calls
+            self._sink.close(out)
+        else:  # no calls, or calls that do not parse: the text as written
+            self._sink.put(self._buf, out)
+            self._sink.close(out, keep_tail=True)
+        self._buf = ""
+        return out
+
+
+def parse_mistral_calls(text: str) -> list[ToolCall] | None:
+    """The calls of `[TOOL_CALLS]...` in either Mistral form; None if any does not parse."""
+    parts = text.split(M_CALLS)[1:]
+    if len(parts) == 1 and parts[0].lstrip().startswith("["):  # Nemo: a JSON list
+        try:
+            items = json.loads(parts[0])
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(items, list) or not items:
+            return None
+        calls = [parse_tool_json(json.dumps(item)) if isinstance(item, dict) else None
+                 for item in items]
+        if any(c is None for c in calls):
+            return None
+        for call, item in zip(calls, items, strict=True):
+            assert call is not None
+            given = item.get("id")
+            call.id = given if isinstance(given, str) and given.isalnum() else mistral_call_id()
+        return [c for c in calls if c is not None]
+    out = []
+    for part in parts:
+        head, sep, args = part.partition(M_ARGS)
+        name, _, call_id = head.partition(M_CALL_ID)
+        name, args, call_id = name.strip(), args.strip(), call_id.strip()
+        if not sep or not _CALL_NAME.fullmatch(name) or not is_json(args):
+            return None
+        out.append(ToolCall(name, args, call_id if call_id.isalnum() else mistral_call_id()))
+    return out or None
+
+
 class JsonToolReply:
     """Llama 3.1's tool calls: a reply that is one JSON object with a name and parameters.
     A reply that starts like one is held until it ends; any other streams as content."""
@@ -256,6 +331,7 @@ def parse_tool_json(text: str) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+_CALL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _RECIPIENT = re.compile(r"\bto=(\S+?)(?=<\||\s|$)")
 _CHANNEL = re.compile(re.escape(H_CHANNEL) + r"\s*(\w+)")
 
@@ -341,10 +417,14 @@ def route_header(header: str) -> tuple[str, str]:
 
 
 def tool_markup(template: str) -> str | None:
-    """How a model with this chat template source writes tool calls: "harmony", "hermes"
-    (`<tool_call>` blocks), "llama_json" (a JSON object with "parameters"), or None."""
+    """How a model with this chat template source writes tool calls: "harmony",
+    "mistral_args" (`[TOOL_CALLS]NAME[ARGS]{...}`), "mistral_json" (`[TOOL_CALLS][{...}]`),
+    "hermes" (`<tool_call>` blocks), "llama_json" (a JSON object with "parameters"), or
+    None."""
     if H_CHANNEL in template and H_MESSAGE in template:
         return "harmony"
+    if M_CALLS in template:
+        return "mistral_args" if M_ARGS in template else "mistral_json"
     if TOOL_OPEN in template:
         return "hermes"
     if PYTHON_TAG in template or '"parameters"' in template:
@@ -368,4 +448,6 @@ def reply_parser_factory(template: str, prompt: str, *, tools: bool,
         return lambda: TaggedReply(think=think, tools=hermes, in_reasoning=in_reasoning)
     if tools and markup == "llama_json":
         return JsonToolReply
+    if tools and markup in ("mistral_args", "mistral_json"):
+        return MistralReply
     return PlainReply

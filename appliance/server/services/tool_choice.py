@@ -4,6 +4,7 @@ The call is written in the model's own markup, the one its chat template teaches
 replies.py parses back:
 - Hermes / Qwen: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`;
 - Llama 3.1: `{"name": ..., "parameters": {...}}`;
+- Mistral: `[TOOL_CALLS]NAME[ARGS]{...}`, or `[TOOL_CALLS][{"name": ..., "arguments": ...}]`;
 - harmony (gpt-oss): `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`
   and the arguments; the end of the message (`<|call|>`) is an end-of-generation token,
   which the grammar allows once the arguments are complete.
@@ -73,6 +74,10 @@ def forced_call_grammar(template: str, tokenizer: Any, tools: list[dict[str, Any
                          f'{marker("<|constrain|>")} "json" {marker("<|message|>")} '
                          f'%json {json.dumps({**params, **_COMPACT})}')
             continue
+        if markup == "mistral_args":
+            calls.append(f'{marker("[TOOL_CALLS]")} "{f["name"]}" {marker("[ARGS]")} '
+                         f'%json {json.dumps({**params, **_COMPACT})}')
+            continue
         key = "parameters" if markup == "llama_json" else "arguments"
         # "#/$defs/..." references point at the root: the definitions move up with them
         defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
@@ -82,6 +87,8 @@ def forced_call_grammar(template: str, tokenizer: Any, tools: list[dict[str, Any
             "required": ["name", key], "additionalProperties": False, **defs, **_COMPACT})
         if markup == "llama_json":
             calls.append(f"%json {schema}")
+        elif markup == "mistral_json":
+            calls.append(f'{marker("[TOOL_CALLS]")} "[" %json {schema} "]"')
         else:
             calls.append(f'{marker("<tool_call>")} "\\n" %json {schema} "\\n" '
                          f'{marker("</tool_call>")}')

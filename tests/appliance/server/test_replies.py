@@ -16,6 +16,7 @@ import pytest
 from appliance.server.services.replies import (
     HarmonyReply,
     JsonToolReply,
+    MistralReply,
     PlainReply,
     TaggedReply,
     reply_parser_factory,
@@ -138,14 +139,32 @@ def test_llama_json_tool_calls():
     assert parser.feed(" Sunny").content == " Sunny"
 
 
+def test_mistral_tool_calls():
+    text = ('Let me check. [TOOL_CALLS]get_weather[CALL_ID]abcDEF123[ARGS]{"city": "Paris"}'
+            '[TOOL_CALLS]get_weather[ARGS]{"city": "Lyon"}')
+    assert parse_every_way(MistralReply, text) == (
+        "Let me check.", "",
+        [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Lyon"})])
+    parser = MistralReply()
+    parser.feed(text)
+    ids = [c.id for c in parser.finish().tool_calls]
+    assert ids[0] == "abcDEF123" and len(ids[1]) == 9 and ids[1].isalnum()  # as templates need
+    nemo = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}, "id": "x1"}]'
+    assert parse_every_way(MistralReply, nemo) == ("", "", [("get_weather", {"city": "Rome"})])
+    for bad in ('[TOOL_CALLS]get weather[ARGS]{}', '[TOOL_CALLS]f[ARGS]{"a": ',
+                '[TOOL_CALLS][{"arguments": {}}]', 'a [TOOL_CALLS]f'):
+        assert parse_every_way(MistralReply, bad) == (bad, "", [])
+    assert parse_every_way(MistralReply, "No calls [TOOL") == ("No calls [TOOL", "", [])
+
+
 def template_reply_text(template: ChatTemplate, start: str, end: str) -> str:
     """The assistant turn a template renders for a tool call: between the last `start`
     and the `end` after it."""
     messages = [{"role": "user", "content": "Weather in Paris?"},
                 {"role": "assistant", "content": "", "tool_calls": [{
-                    "id": "call1", "type": "function",
+                    "id": "abcDEF123", "type": "function",  # Mistral's: 9 letters and digits
                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-                {"role": "tool", "tool_call_id": "call1", "content": "sunny"}]
+                {"role": "tool", "tool_call_id": "abcDEF123", "content": "sunny"}]
     text = template.render(messages, add_generation_prompt=False, tools=TOOLS)
     at = text.index("Paris?")
     body = text[text.index(start, at) + len(start):]
@@ -159,6 +178,9 @@ def template_reply_text(template: ChatTemplate, start: str, end: str) -> str:
     ("openai-gpt-oss-120b", "<|start|>assistant", "<|call|>", HarmonyReply),
     ("meta-llama-Llama-3.1-8B-Instruct", "<|start_header_id|>assistant<|end_header_id|>\n\n",
      "<|eot_id|>", JsonToolReply),
+    ("Mistral-Small-3.2-24B-Instruct-2506", "[/INST]", "</s>", MistralReply),
+    ("unsloth-mistral-Devstral-Small-2507", "[/INST]", "</s>", MistralReply),
+    ("mistralai-Mistral-Nemo-Instruct-2407", "[/INST]", "</s>", MistralReply),
 ])
 def test_a_templates_own_tool_call_parses_back(llama_vendor, name, start, end, kind):
     source = (llama_vendor / "models" / "templates" / f"{name}.jinja").read_text()

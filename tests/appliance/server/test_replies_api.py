@@ -178,14 +178,23 @@ FORCED_TOOLS = [{"type": "function", "function": {
                    "$defs": {"Label": {"type": "string", "maxLength": 12}}}}}]
 
 
-@pytest.mark.parametrize("template", ["qwen3", "llama-3.1", "gpt-oss"])
+LLAMA_CPP_TEMPLATES = {"gpt-oss": "openai-gpt-oss-120b",
+                       "mistral-small-3.2": "Mistral-Small-3.2-24B-Instruct-2506",
+                       "mistral-nemo": "mistralai-Mistral-Nemo-Instruct-2407"}
+
+
+@pytest.mark.parametrize("template", ["qwen3", "llama-3.1", *LLAMA_CPP_TEMPLATES])
 async def test_required_and_named_tool_calls_are_forced(harness, monkeypatch, llama_vendor,
                                                         template):
     """The random-weight model must call a tool when tool_choice says so: a grammar writes
     the call in the template's own markup, and the reply parses back to a call whose
-    arguments meet the function's schema."""
-    source = (llama_vendor / "models" / "templates" / "openai-gpt-oss-120b.jinja").read_text() \
-        if template == "gpt-oss" else (TEMPLATES / f"{template}.jinja").read_text()
+    arguments meet the function's schema; the call sent back renders (Mistral's templates
+    refuse ids that are not 9 letters and digits)."""
+    if template in LLAMA_CPP_TEMPLATES:
+        path = llama_vendor / "models" / "templates" / f"{LLAMA_CPP_TEMPLATES[template]}.jinja"
+    else:
+        path = TEMPLATES / f"{template}.jinja"
+    source = path.read_text()
     loaded = harness.state.router.get(None).engine.loaded
     monkeypatch.setattr(loaded, "chat_template",
                         ChatTemplate(source, bos_token="<s>", eos_token="</s>"))
@@ -213,6 +222,11 @@ async def test_required_and_named_tool_calls_are_forced(harness, monkeypatch, ll
                 assert isinstance(args["label"], str) and len(args["label"]) <= 12
             else:
                 assert set(args) <= {"city"}
+    history = [*ASK, resp.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": resp.message.tool_calls[0].id, "content": "ok"}]
+    again = await client.chat.completions.create(**{**kwargs, "messages": history},
+                                                 tool_choice="none")
+    assert again.choices[0].finish_reason in ("stop", "length")
 
 
 async def test_tool_choice_errors(harness):
