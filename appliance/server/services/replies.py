@@ -99,8 +99,9 @@ def first_marker(text: str, markers: tuple[str, ...]) -> tuple[int, str] | None:
 
 
 class _Sink:
-    """One destination (content or reasoning) that drops the whitespace a marker touches:
-    at the start of a part and before the marker that ends it."""
+    """One destination (content or reasoning) that drops the blank space a marker touches:
+    the line breaks at the start of a part (not its indentation: a reply may begin with
+    code) and the whitespace before the marker that ends it."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -109,7 +110,7 @@ class _Sink:
 
     def put(self, text: str, out: Parts) -> None:
         if self.is_fresh:
-            text = text.lstrip()
+            text = text.lstrip("\r\n")
         if not text:
             return
         body = text.rstrip()

@@ -90,6 +90,14 @@ def test_broken_markup_comes_out_verbatim():
     assert parse_every_way(make, "<tool_call>\n{\"na") == ("<tool_call>\n{\"na", "", [])
 
 
+def test_indentation_after_a_marker_is_kept():
+    make = tagged(think=True, tools=False)
+    text = "<think>\nCode.\n</think>\n\n    return 4\n"
+    assert parse_every_way(make, text) == ("    return 4\n", "Code.", [])
+    assert parse_every_way(HarmonyReply, "<|channel|>final<|message|>  x = 1") == (
+        "  x = 1", "", [])
+
+
 def test_think_tags_are_text_when_the_template_has_none():
     make = tagged(think=False, tools=True)
     text = "<think>x</think> y"
