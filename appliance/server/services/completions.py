@@ -58,7 +58,7 @@ class CompletionService:
         job.include_usage = bool(body.stream and body.stream_options
                                  and body.stream_options.include_usage)
         job.reply_parser = reply_parser_factory(
-            handle.chat_template.source, text, tools=offers_tools,
+            handle.chat_template.source, text, tools=body.tools if offers_tools else None,
             parse=body.reasoning_format == "auto")
         return await self.generation.run(job, CHAT, receive, body.stream)
 

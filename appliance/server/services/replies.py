@@ -5,7 +5,9 @@ family in its own markup:
 - think tags (Qwen3, DeepSeek-R1, QwQ): `<think>reasoning</think>content`. A template
   that opens `<think>` in its generation prompt starts the reply inside the reasoning.
 - Hermes tool calls (Qwen 2.5 / 3, Hermes): `<tool_call>{"name": ..., "arguments":
-  {...}}</tool_call>`, one block a call.
+  {...}}</tool_call>`, one block a call; Qwen3-Coder's XML in the same block,
+  `<function=NAME><parameter=KEY>value</parameter></function>`, each value read by the
+  type its parameter's schema gives (text for strings, JSON otherwise).
 - Llama 3.1 tool calls: the whole reply is `{"name": ..., "parameters": {...}}`, after an
   optional `<|python_tag|>`.
 - Mistral tool calls: `[TOOL_CALLS]` and a JSON list of calls (Mistral Nemo), or
@@ -134,8 +136,11 @@ class _Sink:
 class TaggedReply:
     """Think tags and Hermes tool calls (either may be off)."""
 
-    def __init__(self, *, think: bool, tools: bool, in_reasoning: bool = False) -> None:
+    def __init__(self, *, think: bool, tools: bool, in_reasoning: bool = False,
+                 schemas: dict[str, Any] | None = None) -> None:
+        """schemas: the offered functions' parameter schemas by name (XML values' types)."""
         self._opens = (((THINK_OPEN,) if think else ()) + ((TOOL_OPEN,) if tools else ()))
+        self._schemas = schemas or {}
         self._mode = "reasoning" if in_reasoning else "content"
         self._sinks = {"content": _Sink("content"), "reasoning": _Sink("reasoning")}
         self._buf = ""
@@ -181,12 +186,51 @@ class TaggedReply:
 
     def _end_call(self, text: str, close: str, out: Parts) -> None:
         sink = self._sinks["content"]
-        call = parse_tool_json(text)
+        call = parse_tool_json(text) or parse_xml_call(text, self._schemas)
         if call is not None:
             out.tool_calls.append(call)
             sink.close(out)
         else:  # not a call after all: the text as the model wrote it
             sink.put(TOOL_OPEN + text + close, out)
+
+
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?(.*?)</function>\s*\Z", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def parse_xml_call(text: str, schemas: dict[str, Any]) -> ToolCall | None:
+    """Qwen3-Coder's `<function=NAME><parameter=KEY>\nvalue\n</parameter>...</function>`;
+    None unless the text is exactly that."""
+    m = _XML_FUNCTION.match(text)
+    if m is None or not _CALL_NAME.fullmatch(name := m.group(1).strip()):
+        return None
+    schema = schemas.get(name)
+    props = schema.get("properties", {}) if isinstance(schema, dict) else {}
+    args: dict[str, Any] = {}
+    body, at = m.group(2), 0
+    for p in _XML_PARAMETER.finditer(body):
+        if body[at:p.start()].strip():
+            return None
+        args[p.group(1).strip()] = _xml_value(p.group(2), props.get(p.group(1).strip()))
+        at = p.end()
+    if body[at:].strip():
+        return None
+    return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def _xml_value(raw: str, schema: Any) -> Any:
+    """A parameter's text as its schema's type: strings as written, booleans also as
+    Python spells them (the template writes `value | string`), the rest as JSON; text that
+    does not parse stays text."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if kind == "string":
+        return raw
+    if kind == "boolean" and raw.strip() in ("True", "False", "true", "false"):
+        return raw.strip().lower() == "true"
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return raw
 
 
 def mistral_call_id() -> str:
@@ -420,12 +464,14 @@ def route_header(header: str) -> tuple[str, str]:
 def tool_markup(template: str) -> str | None:
     """How a model with this chat template source writes tool calls: "harmony",
     "mistral_args" (`[TOOL_CALLS]NAME[ARGS]{...}`), "mistral_json" (`[TOOL_CALLS][{...}]`),
-    "hermes" (`<tool_call>` blocks), "llama_json" (a JSON object with "parameters"), or
-    None."""
+    "qwen3_xml" (`<tool_call><function=NAME>` blocks), "hermes" (`<tool_call>` JSON
+    blocks), "llama_json" (a JSON object with "parameters"), or None."""
     if H_CHANNEL in template and H_MESSAGE in template:
         return "harmony"
     if M_CALLS in template:
         return "mistral_args" if M_ARGS in template else "mistral_json"
+    if TOOL_OPEN in template and "<function=" in template:
+        return "qwen3_xml"
     if TOOL_OPEN in template:
         return "hermes"
     if PYTHON_TAG in template or '"parameters"' in template:
@@ -433,20 +479,24 @@ def tool_markup(template: str) -> str | None:
     return None
 
 
-def reply_parser_factory(template: str, prompt: str, *, tools: bool,
+def reply_parser_factory(template: str, prompt: str, *, tools: list[dict[str, Any]] | None,
                          parse: bool = True) -> Callable[[], ReplyParser]:
     """What splits a reply of a model with this chat template source, after this rendered
-    prompt. tools: the request offers tools (and allows calls)."""
+    prompt. tools: those the request offers (None or empty: no calls are parsed)."""
     if not parse:
         return PlainReply
     markup = tool_markup(template)
     if markup == "harmony":
         return HarmonyReply
     think = THINK_OPEN in template and THINK_CLOSE in template
-    hermes = tools and markup == "hermes"
+    hermes = bool(tools) and markup in ("hermes", "qwen3_xml")
     if think or hermes:
         in_reasoning = think and prompt.rstrip().endswith(THINK_OPEN)
-        return lambda: TaggedReply(think=think, tools=hermes, in_reasoning=in_reasoning)
+        schemas = {f["name"]: f.get("parameters") for t in tools or ()
+                   if isinstance(t, dict) and isinstance(f := t.get("function"), dict)
+                   and isinstance(f.get("name"), str)}
+        return lambda: TaggedReply(think=think, tools=hermes, in_reasoning=in_reasoning,
+                                   schemas=schemas)
     if tools and markup == "llama_json":
         return JsonToolReply
     if tools and markup in ("mistral_args", "mistral_json"):

@@ -58,9 +58,11 @@ def forced_call_grammar(template: str, tokenizer: Any, tools: list[dict[str, Any
     """llguidance grammar text for one call of `name` ("": any of the tools)."""
     functions = [f for f in _functions(tools) if not name or f["name"] == name]
     markup = tool_markup(template)
-    if markup is None:
-        raise Unsupported("this model's chat template has no tool-call format, so a call "
-                          "cannot be required", param="tool_choice")
+    if markup is None or markup == "qwen3_xml":
+        what = "no tool-call format" if markup is None else "a tool-call format (XML " \
+            "parameters) that no grammar here writes"
+        raise Unsupported(f"this model's chat template has {what}, so a call cannot be "
+                          f"required", param="tool_choice")
 
     def marker(text: str) -> str:
         tid = tokenizer.special_token_id(text)

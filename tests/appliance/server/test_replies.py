@@ -147,6 +147,24 @@ def test_llama_json_tool_calls():
     assert parser.feed(" Sunny").content == " Sunny"
 
 
+def test_qwen3_coder_xml_tool_calls():
+    """Values read by their parameter's schema type: text, integers, booleans as the
+    template writes them (Python's True), objects as JSON; no schema: JSON, else text."""
+    schemas = {"f": {"type": "object", "properties": {
+        "s": {"type": "string"}, "n": {"type": "integer"}, "b": {"type": "boolean"},
+        "o": {"type": "object"}}}}
+    make = tagged(think=True, tools=True, schemas=schemas)
+    text = ("<think>\nx\n</think>\n\nOk.\n<tool_call>\n<function=f>\n<parameter=s>\n42\n"
+            "</parameter>\n<parameter=n>\n42\n</parameter>\n<parameter=b>\nTrue\n"
+            "</parameter>\n<parameter=o>\n{\"a\": [1]}\n</parameter>\n<parameter=free>\n"
+            "two\nlines\n</parameter>\n</function>\n</tool_call>")
+    assert parse_every_way(make, text) == ("Ok.", "x", [("f", {
+        "s": "42", "n": 42, "b": True, "o": {"a": [1]}, "free": "two\nlines"})])
+    bad = ("<tool_call>\n<function=f>\nstray<parameter=s>\n1\n</parameter>\n</function>\n"
+           "</tool_call>")
+    assert parse_every_way(make, bad) == (bad, "", [])
+
+
 def test_mistral_tool_calls():
     text = ('Let me check. [TOOL_CALLS]get_weather[CALL_ID]abcDEF123[ARGS]{"city": "Paris"}'
             '[TOOL_CALLS]get_weather[ARGS]{"city": "Lyon"}')
@@ -189,12 +207,13 @@ def template_reply_text(template: ChatTemplate, start: str, end: str) -> str:
     ("Mistral-Small-3.2-24B-Instruct-2506", "[/INST]", "</s>", MistralReply),
     ("unsloth-mistral-Devstral-Small-2507", "[/INST]", "</s>", MistralReply),
     ("mistralai-Mistral-Nemo-Instruct-2407", "[/INST]", "</s>", MistralReply),
+    ("Qwen3-Coder", "<|im_start|>assistant\n", "<|im_end|>", TaggedReply),
 ])
 def test_a_templates_own_tool_call_parses_back(llama_vendor, name, start, end, kind):
     source = (llama_vendor / "models" / "templates" / f"{name}.jinja").read_text()
     template = ChatTemplate(source, bos_token="<s>", eos_token="</s>")
     prompt = template.render([{"role": "user", "content": "Hi"}], tools=TOOLS)
-    make = reply_parser_factory(source, prompt, tools=True)
+    make = reply_parser_factory(source, prompt, tools=TOOLS)
     assert isinstance(make(), kind)
     reply = template_reply_text(template, start, end)
     assert run(make, [reply]) == ("", "", [("get_weather", {"city": "Paris"})]), reply
@@ -206,21 +225,39 @@ def test_think_templates_start_where_their_prompt_leaves_off(llama_vendor, name,
     source = (llama_vendor / "models" / "templates" / f"{name}.jinja").read_text()
     template = ChatTemplate(source, bos_token="<s>", eos_token="</s>")
     prompt = template.render([{"role": "user", "content": "Hi"}])
-    make = reply_parser_factory(source, prompt, tools=False)
+    make = reply_parser_factory(source, prompt, tools=None)
     reply = "Hmm.\n</think>\n\nHi!" if in_reasoning else "<think>\nHmm.\n</think>\n\nHi!"
     assert run(make, [reply]) == ("Hi!", "Hmm.", [])
     # Qwen3 without thinking: the template closes an empty think block in the prompt
     if name.startswith("Qwen"):
         prompt = template.render([{"role": "user", "content": "Hi"}], enable_thinking=False)
         assert prompt.endswith("</think>\n\n")
-        assert run(reply_parser_factory(source, prompt, tools=False), ["Hi!"]) == ("Hi!", "", [])
+        assert run(reply_parser_factory(source, prompt, tools=None), ["Hi!"]) == ("Hi!", "", [])
 
 
 def test_plain_families_and_the_switches(llama_vendor):
     gemma = (llama_vendor / "models" / "templates" / "google-gemma-2-2b-it.jinja").read_text()
-    assert reply_parser_factory(gemma, "", tools=True) is PlainReply
+    assert reply_parser_factory(gemma, "", tools=TOOLS) is PlainReply
     qwen = (llama_vendor / "models" / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
-    assert reply_parser_factory(qwen, "", tools=True, parse=False) is PlainReply
+    assert reply_parser_factory(qwen, "", tools=TOOLS, parse=False) is PlainReply
     # no tools offered: a <tool_call> the model writes anyway stays content
     text = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
-    assert run(reply_parser_factory(qwen, "", tools=False), [text]) == (text, "", [])
+    assert run(reply_parser_factory(qwen, "", tools=None), [text]) == (text, "", [])
+
+
+def test_forced_calls_need_a_format_a_grammar_writes(llama_vendor):
+    from appliance.server.errors import ApiError
+    from appliance.server.services.tool_choice import forced_call_grammar
+
+    class Vocab:
+        def special_token_id(self, text):
+            return None
+
+    for name in ("Qwen3-Coder", "google-gemma-2-2b-it"):  # XML parameters; no format
+        source = (llama_vendor / "models" / "templates" / f"{name}.jinja").read_text()
+        with pytest.raises(ApiError) as exc:
+            forced_call_grammar(source, Vocab(), TOOLS, "")
+        assert exc.value.status == 400 and exc.value.param == "tool_choice"
+    qwen = (llama_vendor / "models" / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
+    grammar = forced_call_grammar(qwen, Vocab(), TOOLS, "get_weather")
+    assert '"<tool_call>"' in grammar and '"get_weather"' in grammar
