@@ -80,3 +80,24 @@ def route_group_ways(h: torch.Tensor, router: torch.Tensor, k: int, normalize: b
     finally:
         moe_route.FUSED_MAX_TOKENS = before
     return fused, again, left, separate
+
+
+def hip_grouped(x: torch.Tensor, blocks: torch.Tensor, qtype: int, shape: tuple[int, int],
+                experts: torch.Tensor, gated: str | None = None,
+                out_dtype: torch.dtype = torch.float32):
+    """moe_matmul at the configs gfx1151 launches (kernels.moe.moe_configs' hip branch),
+    interpreted: -> (output, sorted rows' order, tokens, (block_m, block_n, block_k))."""
+    import kernels.moe as moe
+    from kernels.moe_route import group_tiles_reference
+
+    device_info, moe._device_info = moe._device_info, lambda device: ("hip", 40)
+    moe.plan_for.cache_clear()
+    try:
+        pairs = experts.numel()
+        cfg = moe.plan_for(qtype, shape, x.device).config(pairs, blocks.shape[0])
+        rows, tokens, tiles = group_tiles_reference(experts, blocks.shape[0], cfg.block_m)
+        y = moe.moe_matmul(x, blocks, qtype, shape, tokens, tiles, pairs, gated, out_dtype)
+        return y, rows, tokens, (cfg.block_m, cfg.block_n, cfg.block_k)
+    finally:
+        moe._device_info = device_info
+        moe.plan_for.cache_clear()

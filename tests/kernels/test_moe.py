@@ -308,6 +308,36 @@ def test_gated_product_is_the_product_then_the_activation(interp, rng, qtype):
         interp.call(KERNEL, *args, "relu", torch.float32)
 
 
+@pytest.mark.parametrize("qtype", [T.MXFP4, T.Q6_K, T.Q5_0], ids=lambda q: q.name)
+def test_the_appliance_chips_configs_match_gguf(interp, rng, qtype):
+    """gfx1151's own configs (64-column K steps for the 32-column block types, 32-row N
+    tiles for Q6_K's skinny one), interpreted: the float64 product within the bf16
+    inputs' rounding at 3 tokens (skinny) and 60 (tiled), and the gated launch's bits
+    equal to the product then the activation."""
+    e, f, k, used = 4, 48, 256, 2
+    blocks, values = experts_weights(qtype, e, 2 * f, k, rng)
+    seen = set()
+    for t in (3, 60):
+        x = torch.from_numpy(rng.standard_normal((t, k), dtype=np.float32))
+        experts = routed(rng, t, used, e)
+        y, rows, tokens, cfg = interp.call("moe_case:hip_grouped", x, blocks, int(qtype),
+                                           (2 * f, k), experts)
+        seen.add(cfg)
+        order = torch.argsort(rows.long())
+        w = values[experts.reshape(-1)[order].numpy()]
+        xs = x.double().numpy()[tokens.long().numpy()]
+        ref, bound = (np.einsum("pnk,pk->pn", a, b) for a, b in ((w, xs), (abs(w), abs(xs))))
+        assert (np.abs(y.double().numpy() - ref) <= 2**-7 * bound + 1e-30).all(), (t, cfg)
+        gated, *_ = interp.call("moe_case:hip_grouped", x, blocks, int(qtype), (2 * f, k),
+                                experts, "silu", torch.bfloat16)
+        split = interp.call("kernels.gated_act:gated_act", y, "silu", torch.bfloat16)
+        assert torch.equal(gated, split), (t, cfg)
+    want_k = 128 if qtype == T.Q6_K else 64
+    assert {c[2] for c in seen} == {want_k} and len(seen) == 2, seen
+    if qtype == T.Q6_K:
+        assert min(c[1] for c in seen) == 32, seen
+
+
 @pytest.mark.parametrize("qtype", [T.MXFP4, T.Q6_K], ids=lambda q: q.name)
 def test_expert_biases_join_the_sums(interp, rng, qtype):
     """gpt-oss's per-expert biases (E, N): each row's sum plus its expert's bias, the same
