@@ -4,6 +4,8 @@ One thread per loaded model steps the core; callers talk to it through a thread-
 and per-request sinks, so HTTP work can never stall a step. `submit` is an async iterator
 for the server; `stream` is its blocking twin for the CLI and benchmarks. A caller that
 stops iterating (a disconnect) aborts its request: the core frees its pages next step.
+An embedding model's jobs (engine/embed.py, `embed`) run on the same thread, one input a
+turn between steps.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+import torch
+
 from engine.core import EngineCore
-from engine.errors import EngineError
+from engine.embed import EmbedJob, pooled
+from engine.errors import EngineError, InvalidRequest, OutOfKVPages
 from engine.scheduler.request import OutputChunk, Request
 
 log = logging.getLogger(__name__)
@@ -146,6 +151,7 @@ class Engine:
         self._stats: Any = None
         self._stats_due = 0.0  # time.monotonic() after which the next step refreshes it
         self._stats_seqs = -1  # live sequences at the last refresh
+        self._embed_jobs: deque[EmbedJob] = deque()  # loop thread only
         self.error: BaseException | None = None
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -206,6 +212,30 @@ class Engine:
             if not finished:
                 self.abort(request.id)
 
+    async def embed(self, inputs: list[list[int]]) -> list[torch.Tensor]:
+        """The pooled output-norm states (hidden,) float32 of each input, in order (an
+        embedding model's: loaded.config.pooling); raises InvalidRequest for a model that
+        pools nothing, EngineError when the engine stops or fails first."""
+        pooling = getattr(getattr(self.loaded, "config", None), "pooling", None)
+        if pooling is None:
+            raise InvalidRequest(f"the model '{self.name}' is not an embedding model (its "
+                                 f"GGUF sets no pooling_type)")
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future[list[torch.Tensor]] = loop.create_future()
+
+        def done(out: list[torch.Tensor] | BaseException) -> None:
+            def settle() -> None:
+                if result.done():
+                    return
+                if isinstance(out, BaseException):
+                    result.set_exception(out)
+                else:
+                    result.set_result(out)
+            loop.call_soon_threadsafe(settle)
+
+        self._post("embed", EmbedJob([list(ids) for ids in inputs], done))
+        return await result
+
     def stats(self) -> Any:
         """The core's EngineStats (safe to read from any thread): as of the last step when
         sequences came or went, or the engine went idle; otherwise at most STATS_INTERVAL_S
@@ -243,10 +273,13 @@ class Engine:
                     sink(exc)
             elif kind == "abort":
                 self.core.abort(payload)
+            elif kind == "embed":
+                self._embed_jobs.append(payload)
 
     def _quiet(self) -> bool:
         """No request posted or in the core (the loop would sleep); under `_wake`."""
-        return self._running and not self._inbox and not self.core.has_work()
+        return self._running and not self._inbox and not self.core.has_work() and \
+            not self._embed_jobs
 
     def _deliver(self, chunks: list[OutputChunk]) -> None:
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, OutputChunk]]] = {}
@@ -269,6 +302,29 @@ class Engine:
         if woken:
             self._handback.run(woken, HANDBACK_BASE_S + HANDBACK_PER_READER_S * len(woken))
 
+    def _embed_one(self) -> None:
+        """One input of the first embedding job, between steps (a long one chunk by chunk
+        in this turn). With no pages free now it waits for a later turn while requests run
+        (they give pages back), else fails."""
+        job = self._embed_jobs[0]
+        ids = job.inputs[len(job.vectors)]
+        try:
+            job.vectors.append(pooled(self.core.runner, ids, self.loaded.config.pooling,
+                                      self.core.config.prefill_chunk))
+        except OutOfKVPages as exc:
+            if self.core.has_work():
+                return
+            self._embed_jobs.popleft()
+            job.done(exc)
+            return
+        except EngineError as exc:
+            self._embed_jobs.popleft()
+            job.done(exc)
+            return
+        if len(job.vectors) == len(job.inputs):
+            self._embed_jobs.popleft()
+            job.done(job.vectors)
+
     def _refresh_stats(self) -> None:
         now, num_seqs = time.monotonic(), len(self.core.scheduler.seqs)
         if now >= self._stats_due or num_seqs != self._stats_seqs or not self.core.has_work():
@@ -281,6 +337,8 @@ class Engine:
                 self._drain_inbox()
                 if not self._running:
                     break
+                if self._embed_jobs:
+                    self._embed_one()
                 if self.core.has_work():
                     chunks = self.core.step()
                     # a step that ends a request refreshes stats before its chunks go out:
@@ -298,6 +356,9 @@ class Engine:
             for sink in self._sinks.values():
                 sink(failure)
             self._sinks.clear()
+            for job in self._embed_jobs:
+                job.done(failure)
+            self._embed_jobs.clear()
             self._running = False
             return
         for request_id in list(self._sinks):
@@ -310,6 +371,9 @@ class Engine:
         for sink in [*self._sinks.values(), *(p[1] for k, p in late if k == "add")]:
             sink(stopped)
         self._sinks.clear()
+        for job in [*self._embed_jobs, *(p for k, p in late if k == "embed")]:
+            job.done(stopped)
+        self._embed_jobs.clear()
 
 
 def _checked(item: OutputChunk | BaseException) -> OutputChunk:

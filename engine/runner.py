@@ -337,6 +337,17 @@ class ModelRunner:
             return False
 
     @torch.inference_mode()
+    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+        """(len(batch.logits_rows), hidden) float32 after the output norm: what an embedding
+        model pools (eager: no graph holds this output)."""
+        on_device = batch.to(self.model.device)
+        if self.triton:
+            host = batch.to(torch.device("cpu"))
+            on_device = plan_batch(host, on_device, self._layers, self.page_size, self._fill,
+                                   self._row_keys(host))
+        return self.model.forward(on_device, self.kv)
+
+    @torch.inference_mode()
     def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         """The same logits without graphs (graph replays are checked against this)."""
         on_device = batch.to(self.model.device)

@@ -47,6 +47,8 @@ class SyntheticSpec:
     # YaRN RoPE scaling (gpt-oss): the factor and the trained context; 0: none
     yarn_factor: float = 0.0
     yarn_original_context: int = 0
+    # an embedding model's pooling (`<arch>.pooling_type`, gguf.PoolingType); 0: none
+    pooling_type: int = 0
 
 
 # (scale field byte offset, count of f16 scales) inside one block, for random-block fixing
@@ -198,6 +200,8 @@ def write_synthetic_gguf(path: str | os.PathLike, spec: SyntheticSpec,
         writer.add_expert_count(spec.num_experts)
         writer.add_expert_used_count(spec.experts_used)
         writer.add_expert_feed_forward_length(spec.expert_ffn_size)
+    if spec.pooling_type:
+        writer.add_pooling_type(gguf.PoolingType(spec.pooling_type))
     writer.add_file_type(spec.file_type)
     vocab_size = copy_vocabulary(writer, vocab_path)
     for name, shape in tensor_shapes(spec, vocab_size).items():

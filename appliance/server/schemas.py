@@ -120,6 +120,16 @@ class CompletionRequest(SamplingFields, kw_only=True):
     best_of: Annotated[int, Meta(ge=1, le=16)] | None = None
 
 
+class EmbeddingRequest(Struct, kw_only=True):
+    model: Name | None = None
+    # a text, texts, token ids, or lists of token ids (msgspec allows one array type:
+    # services/embeddings.py checks the items)
+    input: Text | Annotated[list[Any], Meta(min_length=1, max_length=2048)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Meta(ge=1, le=1 << 16)] | None = None
+    user: Annotated[str, Meta(max_length=1024)] | None = None
+
+
 class TokenizeRequest(Struct, kw_only=True):
     """vLLM's /tokenize: a text, or chat messages rendered by the model's template."""
 

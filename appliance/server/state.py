@@ -18,6 +18,7 @@ from appliance.server.router import ModelRouter
 from appliance.server.services.access import AccessService
 from appliance.server.services.admin import AdminService
 from appliance.server.services.completions import CompletionService
+from appliance.server.services.embeddings import EmbeddingService
 from appliance.server.services.generation import GenerationService
 from appliance.settings import Settings
 from engine.errors import EngineError
@@ -40,6 +41,7 @@ class ServerState:
     access: AccessService = field(init=False)
     generation: GenerationService = field(init=False)
     completions: CompletionService = field(init=False)
+    embeddings: EmbeddingService = field(init=False)
     admin: AdminService = field(init=False)
     is_closed: bool = False
     startup_error: str | None = None  # why a configured model did not load at start
@@ -50,6 +52,7 @@ class ServerState:
         self.access = AccessService(self.keys, self.settings.no_auth)
         self.generation = GenerationService(self.router, self.limiter, self.metrics)
         self.completions = CompletionService(self.router, self.generation)
+        self.embeddings = EmbeddingService(self.router, self.generation, self.limiter)
         self.admin = AdminService(self.router, self.registry, self.keys, self.usage)
 
     async def start(self) -> None:

@@ -57,6 +57,9 @@ class ModelConfig:
     expert_weights_scale: float | None = None
     # the MLP's pre-norm tensor (gpt-oss names it post_attention_norm)
     ffn_norm_tensor: str = "ffn_norm"
+    # an embedding model's pooling of the output norm's states (`<arch>.pooling_type`, as
+    # llama.cpp numbers it: 1 mean, 2 cls, 3 last); None: a generator only
+    pooling: str | None = None
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[layer]
@@ -64,6 +67,9 @@ class ModelConfig:
     @property
     def num_sliding_layers(self) -> int:
         return sum(self.swa_layers)
+
+
+POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's LLAMA_POOLING_TYPE_*
 
 
 def read_base_config(mf: ModelFile, *, rope_neox: bool, **overrides: object) -> ModelConfig:
@@ -100,6 +106,7 @@ def read_base_config(mf: ModelFile, *, rope_neox: bool, **overrides: object) -> 
         rope_base=float(mf.arch_get("rope.freq_base", 10000.0)),
         rope_neox=rope_neox,
         rope_freq_scale=freq_scale,
+        pooling=POOLING_TYPES.get(mf.arch_get("pooling_type", 0)),
     )
     values.update(overrides)
     return ModelConfig(**values)  # type: ignore[arg-type]

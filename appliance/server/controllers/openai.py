@@ -12,7 +12,13 @@ from msgspec import Struct
 from appliance.auth import check_model_allowed
 from appliance.server.controllers.deps import Caller, Server, provide_principal, provide_server
 from appliance.server.errors import Unsupported
-from appliance.server.schemas import ChatCompletionRequest, CompletionRequest, Name, decode_body
+from appliance.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    Name,
+    decode_body,
+)
 
 
 class ModelOnly(Struct):
@@ -52,8 +58,9 @@ class OpenAIController(Controller):
 
     @post("/embeddings", status_code=200)
     async def embeddings(self, request: Request, server: Server,
-                         principal: Caller) -> Response:
-        return await _unsupported(request, server, principal, "embeddings")
+                         principal: Caller) -> dict[str, Any]:
+        body = decode_body(await request.body(), EmbeddingRequest)
+        return await server.embeddings.create(principal, body, request.receive)
 
     @post("/rerank", status_code=200)
     async def rerank(self, request: Request, server: Server,
@@ -68,7 +75,7 @@ def _model_card(handle: Any) -> dict[str, Any]:
 
 async def _unsupported(request: Request, server: Server, principal: Caller,
                        what: str) -> Response:
-    """Every model served today is a decoder: say so in an OpenAI error body (400)."""
+    """No model served today reranks: say so in an OpenAI error body (400)."""
     body = decode_body(await request.body(), ModelOnly)
     handle = server.router.get(body.model)
     check_model_allowed(principal, handle.name)

@@ -1,0 +1,68 @@
+"""Embeddings (engine/embed.py) against llama.cpp's: a tiny qwen3 file (Qwen3-Embedding's
+family) that pools the last token, and a llama one that pools the mean, written with
+`<arch>.pooling_type`; llama-cpp-python embeds the same texts (its own tokens, which ours
+must equal) from the same files."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import llama_cpp
+import pytest
+import torch
+
+from engine.build import EngineOptions, build_engine
+from engine.errors import InvalidRequest
+from engine.synthetic import SyntheticSpec, write_synthetic_gguf
+
+TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 9, "x"]
+CASES = {"last": ("qwen3", "ggml-vocab-qwen2.gguf", 3),
+         "mean": ("llama", "ggml-vocab-llama-spm.gguf", 1)}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def embed_file(request, tmp_path_factory, vocab_dir):
+    arch, vocab, pooling = CASES[request.param]
+    path = tmp_path_factory.mktemp("embed") / f"{arch}.gguf"
+    write_synthetic_gguf(path, SyntheticSpec(arch, context_length=512, pooling_type=pooling,
+                                             default_type=0), vocab_dir / vocab, seed=4)
+    return request.param, path
+
+
+def test_pooled_states_match_llama_cpp(embed_file):
+    pooling, path = embed_file
+    logging.getLogger("llama-cpp-python").setLevel(logging.CRITICAL)
+    ref = llama_cpp.Llama(model_path=str(path), embedding=True, n_ctx=512, n_batch=512,
+                          verbose=False)
+    engine = build_engine(path, EngineOptions(dtype="f32", sessions=2, context=512,
+                                              prefill_chunk=64))
+    assert engine.loaded.config.pooling == pooling
+    tok = engine.loaded.tokenizer
+    ids = [tok.encode(t, add_special=True, parse_special=False) for t in TEXTS]
+    assert ids == [ref.tokenize(t.encode()) for t in TEXTS]
+    assert len(ids[1]) > 64  # more than one prefill chunk
+    try:
+        ours = asyncio.run(engine.embed(ids))
+    finally:
+        engine.stop()
+    for got, text in zip(ours, TEXTS, strict=True):
+        want = torch.tensor(ref.embed(text), dtype=torch.float64)
+        assert got.shape == want.shape
+        cos = torch.nn.functional.cosine_similarity(got.double(), want, dim=0)
+        assert cos > 0.9999, (text[:20], float(cos))
+        assert torch.allclose(got.double(), want, rtol=1e-3, atol=1e-3 * want.abs().max())
+    assert engine.core.pool.groups and all(
+        p.num_free == p.num_pages for p in engine.core.pool.groups.values())  # pages back
+
+
+def test_a_generator_has_no_embeddings(tmp_path, vocab_dir):
+    path = tmp_path / "gen.gguf"
+    write_synthetic_gguf(path, SyntheticSpec("llama", context_length=256),
+                         vocab_dir / "ggml-vocab-llama-spm.gguf")
+    engine = build_engine(path, EngineOptions(dtype="f32", sessions=1, context=256))
+    try:
+        with pytest.raises(InvalidRequest, match="not an embedding model"):
+            asyncio.run(engine.embed([[1, 2]]))
+    finally:
+        engine.stop()
