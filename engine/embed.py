@@ -2,10 +2,11 @@
 (`<arch>.pooling_type`: mean, cls or last), as llama.cpp pools them (Qwen3-Embedding: the
 last token's).
 
-A job is a list of token-id inputs. The engine's loop thread runs one input a turn between
-its steps (engine.Engine.embed), in chunks of at most the prefill chunk, through pages of
-the sequences' pool that go back as soon as the input is done; no page enters the prefix
-cache. An input runs alone, so its vector does not depend on what else is served.
+A job is a list of token-id inputs. The engine's loop thread runs one chunk of at most the
+prefill chunk a turn between its steps (engine.Engine.embed), so a long input never
+freezes the model's streams, through pages of the sequences' pool that go back as soon
+as the input is done; no page enters the prefix cache. An input runs alone, so its vector
+does not depend on what else is served.
 """
 
 from __future__ import annotations
@@ -28,39 +29,48 @@ class EmbedJob:
     inputs: list[list[int]]
     done: Callable[[list[torch.Tensor] | BaseException], None]  # called once, any thread
     vectors: list[torch.Tensor] = field(default_factory=list)  # (hidden,) float32, CPU
+    run: PoolingRun | None = None  # the input under way
 
 
-def pooled(runner: Any, ids: list[int], pooling: str, chunk: int) -> torch.Tensor:
-    """(hidden,) float32 on the CPU: the pooled output-norm states of `ids`, not
-    normalized. Raises OutOfKVPages when the pool has no room for the input now."""
-    if pooling not in POOLINGS:
-        raise InvalidRequest(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-    if not ids:
-        raise InvalidRequest("an input has no tokens")
-    seq = SeqPages(runner.pool)
-    total: torch.Tensor | None = None
-    try:
-        for lo in range(0, len(ids), chunk):
-            part = ids[lo:lo + chunk]
-            seq.ensure(lo + len(part))
-            tables = {g: [seq.table(g)] for g in runner.pool.groups}
-            rows = None  # the chunk's last token
-            if pooling == "mean":
-                rows = list(range(len(part)))
-            elif pooling == "cls":
-                rows = [0]
-            h = runner.hidden_states(ForwardBatch.build([(part, lo)], tables, rows))
-            if pooling == "mean":
-                part_sum = h.double().sum(dim=0)
-                total = part_sum if total is None else total + part_sum
-            elif pooling == "cls":  # causal: the first token's state sees no other
-                total = h[0].double()
-                break
-            else:
-                total = h[-1].double()
-    finally:
-        seq.free()
-    assert total is not None
-    if pooling == "mean":
-        total = total / len(ids)
-    return total.float().cpu()
+class PoolingRun:
+    """One input's pooling, a chunk a `step` (so the engine's steps go on between)."""
+
+    def __init__(self, runner: Any, ids: list[int], pooling: str, chunk: int) -> None:
+        if pooling not in POOLINGS:
+            raise InvalidRequest(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        if not ids:
+            raise InvalidRequest("an input has no tokens")
+        self.runner, self.ids, self.pooling, self.chunk = runner, ids, pooling, chunk
+        self.seq = SeqPages(runner.pool)
+        self.pos = 0
+        self.total: torch.Tensor | None = None  # float64: the sum (mean) or the state
+
+    def step(self) -> torch.Tensor | None:
+        """Run the next chunk; -> (hidden,) float32 on the CPU, not normalized, after the
+        last (its pages freed), else None. OutOfKVPages: no page free now (retry later)."""
+        lo, pooling = self.pos, self.pooling
+        part = self.ids[lo:lo + self.chunk]
+        self.seq.ensure(lo + len(part))
+        tables = {g: [self.seq.table(g)] for g in self.runner.pool.groups}
+        rows = None  # the chunk's last token
+        if pooling == "mean":
+            rows = list(range(len(part)))
+        elif pooling == "cls":
+            rows = [0]
+        h = self.runner.hidden_states(ForwardBatch.build([(part, lo)], tables, rows))
+        self.pos += len(part)
+        if pooling == "mean":
+            part_sum = h.double().sum(dim=0)
+            self.total = part_sum if self.total is None else self.total + part_sum
+        else:
+            self.total = h[0 if pooling == "cls" else -1].double()
+        # cls: causal, so the first token's state sees no later one
+        if self.pos < len(self.ids) and pooling != "cls":
+            return None
+        self.close()
+        assert self.total is not None
+        out = self.total / len(self.ids) if pooling == "mean" else self.total
+        return out.float().cpu()
+
+    def close(self) -> None:
+        self.seq.free()

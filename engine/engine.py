@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from engine.core import EngineCore
-from engine.embed import EmbedJob, pooled
+from engine.embed import EmbedJob, PoolingRun
 from engine.errors import EngineError, InvalidRequest, OutOfKVPages
 from engine.scheduler.request import OutputChunk, Request
 
@@ -303,27 +303,36 @@ class Engine:
             self._handback.run(woken, HANDBACK_BASE_S + HANDBACK_PER_READER_S * len(woken))
 
     def _embed_one(self) -> None:
-        """One input of the first embedding job, between steps (a long one chunk by chunk
-        in this turn). With no pages free now it waits for a later turn while requests run
-        (they give pages back), else fails."""
+        """One chunk of the first embedding job's current input, between steps. With no
+        page free now it waits for a later turn while requests run (they give pages back),
+        else fails."""
         job = self._embed_jobs[0]
-        ids = job.inputs[len(job.vectors)]
         try:
-            job.vectors.append(pooled(self.core.runner, ids, self.loaded.config.pooling,
-                                      self.core.config.prefill_chunk))
+            if job.run is None:
+                job.run = PoolingRun(self.core.runner, job.inputs[len(job.vectors)],
+                                     self.loaded.config.pooling, self.core.config.prefill_chunk)
+            vector = job.run.step()
         except OutOfKVPages as exc:
             if self.core.has_work():
                 return
-            self._embed_jobs.popleft()
-            job.done(exc)
+            self._end_embed(exc)
             return
         except EngineError as exc:
-            self._embed_jobs.popleft()
-            job.done(exc)
+            self._end_embed(exc)
             return
+        if vector is None:
+            return
+        job.run = None
+        job.vectors.append(vector)
         if len(job.vectors) == len(job.inputs):
             self._embed_jobs.popleft()
             job.done(job.vectors)
+
+    def _end_embed(self, result: BaseException) -> None:
+        job = self._embed_jobs.popleft()
+        if job.run is not None:
+            job.run.close()
+        job.done(result)
 
     def _refresh_stats(self) -> None:
         now, num_seqs = time.monotonic(), len(self.core.scheduler.seqs)
@@ -356,9 +365,8 @@ class Engine:
             for sink in self._sinks.values():
                 sink(failure)
             self._sinks.clear()
-            for job in self._embed_jobs:
-                job.done(failure)
-            self._embed_jobs.clear()
+            while self._embed_jobs:
+                self._end_embed(failure)
             self._running = False
             return
         for request_id in list(self._sinks):
@@ -371,9 +379,9 @@ class Engine:
         for sink in [*self._sinks.values(), *(p[1] for k, p in late if k == "add")]:
             sink(stopped)
         self._sinks.clear()
-        for job in [*self._embed_jobs, *(p for k, p in late if k == "embed")]:
-            job.done(stopped)
-        self._embed_jobs.clear()
+        self._embed_jobs.extend(p for k, p in late if k == "embed")
+        while self._embed_jobs:
+            self._end_embed(stopped)
 
 
 def _checked(item: OutputChunk | BaseException) -> OutputChunk:

@@ -66,3 +66,40 @@ def test_a_generator_has_no_embeddings(tmp_path, vocab_dir):
             asyncio.run(engine.embed([[1, 2]]))
     finally:
         engine.stop()
+
+
+def test_a_long_input_lets_the_streams_step_between_its_chunks(embed_file):
+    """A 5-chunk input beside a decoding stream: the engine takes a generation step
+    between every two of its chunks, and both finish."""
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler.request import Request
+
+    _, path = embed_file
+    engine = build_engine(path, EngineOptions(dtype="f32", sessions=2, context=512,
+                                              prefill_chunk=64))
+    steps_at: list[int] = []
+    hidden = engine.core.runner.hidden_states
+
+    def counting(batch):
+        steps_at.append(engine.core.num_steps)
+        return hidden(batch)
+
+    engine.core.runner.hidden_states = counting
+
+    async def both():
+        async def stream():
+            params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+            return [c async for c in engine.submit(Request("gen", (1, 2, 3), params))]
+
+        gen = asyncio.create_task(stream())
+        await asyncio.sleep(0.05)  # the stream is decoding
+        vectors = await engine.embed([list(range(5, 305))])
+        return await gen, vectors
+
+    try:
+        chunks, vectors = asyncio.run(both())
+    finally:
+        engine.stop()
+    assert len(steps_at) == 5 and len(vectors) == 1
+    assert all(b > a for a, b in zip(steps_at, steps_at[1:], strict=False)), steps_at
+    assert sum(len(c.token_ids) for c in chunks) == 400
