@@ -103,3 +103,22 @@ def test_a_long_input_lets_the_streams_step_between_its_chunks(embed_file):
     assert len(steps_at) == 5 and len(vectors) == 1
     assert all(b > a for a, b in zip(steps_at, steps_at[1:], strict=False)), steps_at
     assert sum(len(c.token_ids) for c in chunks) == 400
+
+
+@pytest.mark.gpu
+def test_the_device_pools_what_the_cpu_pools(embed_file):
+    """The Triton path's states (every weight layout the GPU picks) against the CPU's."""
+    _, path = embed_file
+    ids = [list(range(5, 305)), [7, 8, 9]]
+    vectors = {}
+    for device in ("cpu", "cuda"):
+        engine = build_engine(path, EngineOptions(dtype="f32" if device == "cpu" else "auto",
+                                                  device=device, sessions=2, context=512,
+                                                  prefill_chunk=64))
+        try:
+            vectors[device] = asyncio.run(engine.embed(ids))
+        finally:
+            engine.stop()
+    for cpu, gpu in zip(vectors["cpu"], vectors["cuda"], strict=True):
+        cos = torch.nn.functional.cosine_similarity(cpu.double(), gpu.double(), dim=0)
+        assert cos > 0.999, float(cos)
