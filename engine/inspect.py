@@ -54,6 +54,8 @@ def inspect_model(name: str | os.PathLike, device: str = "cpu", *, sessions: int
             "rope_scaling": _rope_scaling(cfg),
             # gpt-oss: a logit a head in every attention softmax
             "attention_sinks": "blk.0.attn_sinks.weight" in mf.tensors or None,
+            # an embedding model's pooling (/v1/embeddings): mean, cls or last
+            "pooling": cfg.pooling,
             "vocab_size": cfg.vocab_size,
             "tokenizer": mf.get("tokenizer.ggml.model"),
             "tokenizer_pre": mf.get("tokenizer.ggml.pre"),

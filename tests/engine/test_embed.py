@@ -38,6 +38,9 @@ def test_pooled_states_match_llama_cpp(embed_file):
     engine = build_engine(path, EngineOptions(dtype="f32", sessions=2, context=512,
                                               prefill_chunk=64))
     assert engine.loaded.config.pooling == pooling
+    from engine.inspect import inspect_model
+
+    assert inspect_model(path)["pooling"] == pooling
     tok = engine.loaded.tokenizer
     ids = [tok.encode(t, add_special=True, parse_special=False) for t in TEXTS]
     assert ids == [ref.tokenize(t.encode()) for t in TEXTS]
