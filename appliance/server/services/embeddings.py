@@ -41,6 +41,9 @@ class EmbeddingService:
                              param="dimensions")
         if self.generation.is_draining:
             raise Unavailable("the server is shutting down", code="shutting_down")
+        if handle.is_unloading:
+            raise Unavailable(f"the model '{handle.name}' is being unloaded",
+                              code="model_unloading")
         inputs = await asyncio.to_thread(_token_ids, handle, body.input)
         total = sum(len(ids) for ids in inputs)
         self.limiter.check_request(principal, total)
