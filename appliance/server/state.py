@@ -52,7 +52,8 @@ class ServerState:
         self.access = AccessService(self.keys, self.settings.no_auth)
         self.generation = GenerationService(self.router, self.limiter, self.metrics)
         self.completions = CompletionService(self.router, self.generation)
-        self.embeddings = EmbeddingService(self.router, self.generation, self.limiter)
+        self.embeddings = EmbeddingService(self.router, self.generation, self.limiter,
+                                           self.metrics)
         self.admin = AdminService(self.router, self.registry, self.keys, self.usage)
 
     async def start(self) -> None:

@@ -22,10 +22,11 @@ from appliance.server.services.streams import until_disconnect
 
 
 class EmbeddingService:
-    def __init__(self, router: Any, generation: Any, limiter: Any) -> None:
+    def __init__(self, router: Any, generation: Any, limiter: Any, metrics: Any) -> None:
         self.router = router
         self.generation = generation  # its draining flag
         self.limiter = limiter
+        self.metrics = metrics
 
     async def create(self, principal: Principal, body: EmbeddingRequest,
                      receive: Any) -> dict[str, Any]:
@@ -55,6 +56,10 @@ class EmbeddingService:
         finally:
             handle.num_in_flight -= 1
             self.limiter.record(principal, handle.name, total, 0, 0, status)
+            labels = (handle.name, principal.key_id)
+            self.metrics.prompt_tokens.labels(*labels).inc(total)
+            self.metrics.requests.labels(*labels, "embedding" if status == "ok" else status
+                                         ).inc()
         data = [{"object": "embedding", "index": i,
                  "embedding": _encode(_unit(v, body.dimensions), body.encoding_format)}
                 for i, v in enumerate(vectors)]

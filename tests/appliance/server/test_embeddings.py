@@ -66,6 +66,8 @@ async def test_embeddings_match_llama_cpp(harness, reference):
     full = np.asarray(resp.data[0].embedding)
     assert np.allclose(short.data[0].embedding, full[:16] / np.linalg.norm(full[:16]),
                        atol=1e-6)
+    metrics = (await harness.http.get("/metrics")).text
+    assert 'mbufo:request_success_total{finished_reason="embedding",' in metrics
 
 
 async def test_embedding_errors(harness):
