@@ -126,6 +126,40 @@ def json_schema_grammar(schema: dict[str, Any] | None) -> str:
         raise InvalidRequest(f"invalid JSON schema: {exc}") from exc
 
 
+# A thinking model's reasoning before what a grammar asks for (its template's <think> tags):
+# "none" (the prompt closed it: Qwen3 without thinking), "optional" (the model may open a
+# block first), "open" (the prompt opened it: DeepSeek-R1); the reasoning is free text up
+# to "</think>", then blank space
+THINK_MODES = ("none", "optional", "open")
+_THINK_RULES = ('think_block: "<think>" think /[ \\n]*/\n'
+                'think[stop="</think>"]: /(.|\\n)*/\n')
+
+
+def lark_grammar(body: str, rules: str = "", thinking: str = "none") -> str:
+    """llguidance grammar text whose start is the rule expression `body` (with `rules`),
+    after the reasoning `thinking` allows."""
+    if thinking not in THINK_MODES:
+        raise InvalidRequest(f"thinking must be one of {THINK_MODES}, got {thinking!r}")
+    start = {"none": body, "optional": f"think_block? ({body})",
+             "open": f"think /[ \\n]*/ ({body})"}[thinking]
+    return f"%llguidance {{}}\nstart: {start}\n{rules}" + (
+        _THINK_RULES if thinking != "none" else "")
+
+
+def json_body(schema: dict[str, Any] | None) -> str:
+    """The `%json {...}` expression of a schema (None: any object), compact as
+    json_schema_grammar's."""
+    schema = {"type": "object"} if schema is None else schema
+    try:
+        text = json.dumps({"x-guidance": {"whitespace_flexible": False}, **schema})
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InvalidRequest(f"the JSON schema cannot be serialized: {exc}") from exc
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise InvalidRequest(f"the JSON schema has {len(text)} characters; at most "
+                             f"{MAX_SCHEMA_CHARS} are accepted")
+    return f"%json {text}"
+
+
 class JsonGrammar:
     """One sequence's matcher; implements engine.sampling_params.Grammar."""
 

@@ -21,7 +21,7 @@ from appliance.server.errors import BadRequest, Unsupported
 from appliance.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from appliance.server.services.formats import CHAT, TEXT
 from appliance.server.services.generation import Choice, GenerationService, Job
-from appliance.server.services.replies import reply_parser_factory
+from appliance.server.services.replies import reply_parser_factory, thinking_mode
 from appliance.server.services.tool_choice import forced_call_grammar, forced_tool
 from engine.sampler import validate_params
 from engine.sampling_params import SamplingParams
@@ -52,7 +52,8 @@ class CompletionService:
         if body.top_logprobs is not None and not body.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         params = _sampling(body, max_tokens, top, handle.vocab_size)
-        grammar = await _grammar_factory(handle, body, forced)
+        grammar = await _grammar_factory(
+            handle, body, forced, thinking_mode(handle.chat_template.source, text))
         job = _job("chat", handle, principal, [prompt], params, body.n, grammar)
         job.logprobs = top
         job.include_usage = bool(body.stream and body.stream_options
@@ -218,9 +219,10 @@ def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None
 
 
 async def _grammar_factory(handle: Any, body: ChatCompletionRequest,
-                           forced: str | None) -> Any:
+                           forced: str | None, thinking: str) -> Any:
     """None, or a callable making one fresh grammar per choice (the state is per sequence):
-    the response_format's, or the forced tool call's (tool_choice.py)."""
+    the response_format's, or the forced tool call's (tool_choice.py), either after the
+    reasoning a thinking model may write first (`thinking`: replies.thinking_mode)."""
     fmt = body.response_format
     has_format = fmt is not None and fmt.type != "text"
     if forced is not None and has_format:
@@ -228,19 +230,28 @@ async def _grammar_factory(handle: Any, body: ChatCompletionRequest,
                          "reply", param="tool_choice")
     if not has_format and forced is None:
         return None
-    from engine.grammar import JsonGrammar, grammar_tokenizer, json_schema_grammar
+    from engine.grammar import (
+        JsonGrammar,
+        grammar_tokenizer,
+        json_body,
+        json_schema_grammar,
+        lark_grammar,
+    )
 
     if forced is not None:
         assert body.tools is not None  # forced_tool refuses a call without tools
         text = forced_call_grammar(handle.chat_template.source, handle.tokenizer, body.tools,
-                                   forced)
-    elif fmt.type == "json_schema":
-        if fmt.json_schema is None or fmt.json_schema.schema is None:
-            raise BadRequest("response_format json_schema needs json_schema.schema",
-                             param="response_format")
-        text = json_schema_grammar(fmt.json_schema.schema)
+                                   forced, thinking)
     else:
-        text = json_schema_grammar(None)
+        assert fmt is not None
+        schema = None
+        if fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema is None:
+                raise BadRequest("response_format json_schema needs json_schema.schema",
+                                 param="response_format")
+            schema = fmt.json_schema.schema
+        text = json_schema_grammar(schema) if thinking == "none" else \
+            lark_grammar(json_body(schema), "", thinking)
     gtok = await asyncio.to_thread(grammar_tokenizer, handle.tokenizer)
     await asyncio.to_thread(JsonGrammar, gtok, text)  # validates the schema once
 

@@ -461,6 +461,19 @@ def route_header(header: str) -> tuple[str, str]:
     return ("reasoning" if channel == "analysis" else "content"), ""
 
 
+def thinking_mode(template: str, prompt: str) -> str:
+    """Whether a reply may begin with reasoning that a grammar must let through
+    (engine/grammar.py's THINK_MODES): "open" where the prompt ends inside `<think>`,
+    "none" where it closed the block (Qwen3 without thinking) or the template has no think
+    tags, else "optional"."""
+    if not (THINK_OPEN in template and THINK_CLOSE in template):
+        return "none"
+    tail = prompt.rstrip()
+    if tail.endswith(THINK_OPEN):
+        return "open"
+    return "none" if tail.endswith(THINK_CLOSE) else "optional"
+
+
 def tool_markup(template: str) -> str | None:
     """How a model with this chat template source writes tool calls: "harmony",
     "mistral_args" (`[TOOL_CALLS]NAME[ARGS]{...}`), "mistral_json" (`[TOOL_CALLS][{...}]`),

@@ -22,6 +22,7 @@ from typing import Any
 
 from appliance.server.errors import BadRequest, Unsupported
 from appliance.server.services.replies import tool_markup
+from engine.grammar import lark_grammar
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's function names (and dots)
 MAX_SCHEMA_CHARS = 1 << 18
@@ -54,8 +55,9 @@ def forced_tool(tool_choice: Any, tools: list[dict[str, Any]] | None) -> str | N
 
 
 def forced_call_grammar(template: str, tokenizer: Any, tools: list[dict[str, Any]],
-                        name: str) -> str:
-    """llguidance grammar text for one call of `name` ("": any of the tools)."""
+                        name: str, thinking: str = "none") -> str:
+    """llguidance grammar text for one call of `name` ("": any of the tools), after the
+    reasoning `thinking` allows (engine/grammar.py's THINK_MODES)."""
     functions = [f for f in _functions(tools) if not name or f["name"] == name]
     markup = tool_markup(template)
     if markup is None or markup == "qwen3_xml":
@@ -94,9 +96,8 @@ def forced_call_grammar(template: str, tokenizer: Any, tools: list[dict[str, Any
         else:
             calls.append(f'{marker("<tool_call>")} "\\n" %json {schema} "\\n" '
                          f'{marker("</tool_call>")}')
-    rules = "\n".join(f"call{i}: {c}" for i, c in enumerate(calls))
-    return ("%llguidance {}\nstart: " + " | ".join(f"call{i}" for i in range(len(calls)))
-            + "\n" + rules + "\n")
+    rules = "".join(f"call{i}: {c}\n" for i, c in enumerate(calls))
+    return lark_grammar(" | ".join(f"call{i}" for i in range(len(calls))), rules, thinking)
 
 
 def _functions(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:

@@ -261,3 +261,41 @@ def test_forced_calls_need_a_format_a_grammar_writes(llama_vendor):
     qwen = (llama_vendor / "models" / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
     grammar = forced_call_grammar(qwen, Vocab(), TOOLS, "get_weather")
     assert '"<tool_call>"' in grammar and '"get_weather"' in grammar
+
+
+@pytest.mark.parametrize("prompt_end, mode", [("<|im_start|>assistant\n", "optional"),
+                                              ("<think>\n\n</think>\n\n", "none"),
+                                              ("<|Assistant|><think>\n", "open")])
+def test_grammars_let_a_thinking_model_reason_first(llama_vendor, vocab_dir, prompt_end, mode):
+    """A forced call or a JSON format after the reasoning the prompt leaves room for: a
+    block the model may open (Qwen3), none (thinking off), or one the prompt opened
+    (DeepSeek-R1); checked by llguidance's matcher on whole replies."""
+    import sys
+    from pathlib import Path
+
+    import llguidance
+
+    from appliance.server.services.replies import thinking_mode
+    from appliance.server.services.tool_choice import forced_call_grammar
+    from engine.grammar import grammar_tokenizer, json_body, lark_grammar
+    from engine.tokenizer import Tokenizer
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "engine" / "tokenizer"))
+    from tokenizer_meta import read_tokenizer_metadata
+
+    qwen = (llama_vendor / "models" / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
+    assert thinking_mode(qwen, "..." + prompt_end) == mode
+    tok = Tokenizer.from_metadata(read_tokenizer_metadata(vocab_dir / "ggml-vocab-qwen2.gguf"))
+    gtok = grammar_tokenizer(tok)
+    call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'
+    reasoning = "<think>\nThe user wants {json} and </thin.\n</think>\n\n"
+    if mode == "open":
+        reasoning = reasoning[len("<think>"):]
+    grammars = {call: forced_call_grammar(qwen, tok, TOOLS, "", mode),
+                '{"a":1}': lark_grammar(json_body({"type": "object"}), "", mode)}
+    for answer, grammar in grammars.items():
+        for reply, ok in ((answer, mode != "open"), (reasoning + answer, mode != "none"),
+                          ("Sure: " + answer, False)):
+            m = llguidance.LLMatcher(gtok.ll, grammar, log_level=0)
+            ids = tok.encode(reply, add_special=False, parse_special=False)
+            assert (all(m.consume_token(t) for t in ids) and m.is_accepting()) == ok, reply
