@@ -173,7 +173,7 @@ class Engine:
     # ---- caller side -----------------------------------------------------------------
     def _post(self, kind: str, payload: Any) -> None:
         with self._wake:
-            if kind == "add" and not self._running:  # checked under the loop's lock
+            if kind in ("add", "embed") and not self._running:  # under the loop's lock
                 raise EngineError(f"engine '{self.name}' is not running")
             self._inbox.append((kind, payload))
             self._wake.notify()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.build import EngineOptions, build_engine
-from engine.errors import InvalidRequest
+from engine.errors import EngineError, InvalidRequest
 from engine.synthetic import SyntheticSpec, write_synthetic_gguf
 
 TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog. " * 9, "x"]
@@ -49,6 +49,8 @@ def test_pooled_states_match_llama_cpp(embed_file):
         ours = asyncio.run(engine.embed(ids))
     finally:
         engine.stop()
+    with pytest.raises(EngineError, match="not running"):  # a stopped engine answers at once
+        asyncio.run(engine.embed(ids))
     for got, text in zip(ours, TEXTS, strict=True):
         want = torch.tensor(ref.embed(text), dtype=torch.float64)
         assert got.shape == want.shape
