@@ -62,6 +62,21 @@ TEXT_BODIES: list[bytes] = [
     b'{"prompt": "x", "logprobs": 99}', b'{"prompt": "x", "max_tokens": 0}',
     b'{"prompt": ["a", "b", "c", "d", "e"], "n": 16}',
 ]
+OTHER_BODIES: list[tuple[str, bytes]] = [  # the endpoints beside the completions
+    ("/v1/embeddings", b'{"input": null}'), ("/v1/embeddings", b'{"input": [[1], "a"]}'),
+    ("/v1/embeddings", b'{"input": "x", "dimensions": 0}'),
+    ("/v1/embeddings", ('{"input": ' + _nested(5_000) + "}").encode()),
+    ("/tokenize", b'{}'), ("/tokenize", b'{"prompt": "a", "messages": []}'),
+    ("/tokenize", b'{"messages": [{"role": "user", "content": "x"}], "tools": 5}'),
+    ("/detokenize", b'{"tokens": [99999999]}'), ("/detokenize", b'{"tokens": "abc"}'),
+    ("/v1/chat/completions", _chat(tool_choice="maybe", tools=[])),
+    ("/v1/chat/completions", _chat(tool_choice={"type": "function"})),
+    ("/v1/chat/completions", _chat(tools=[{"type": "function", "function": {"name": "a b"}}],
+                                   tool_choice="required")),
+    ("/v1/chat/completions", _chat(reasoning_effort="extreme")),
+    ("/v1/chat/completions", _chat(reasoning_format="xml")),
+    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"1": "high"}}'),
+]
 ADMIN_BODIES: list[tuple[str, bytes]] = [
     ("/admin/api/models/load", b'{"name": ""}'), ("/admin/api/models/load", b'{"name": 5}'),
     ("/admin/api/models/load", b'{"name": "/etc/passwd"}'),
@@ -97,7 +112,7 @@ async def _send(harness, path: str, body: bytes, status_range=(400, 499)) -> Non
 async def test_hostile_bodies_get_4xx_and_the_server_keeps_serving(harness):
     cases = [("/v1/chat/completions", b) for b in CHAT_BODIES]
     cases += [("/v1/completions", b) for b in TEXT_BODIES + CHAT_BODIES[:12]]
-    cases += ADMIN_BODIES
+    cases += ADMIN_BODIES + OTHER_BODIES
     cases.append(("/v1/chat/completions", _chat(messages=[{"role": "user",
                                                             "content": "x" * MAX_BODY}])))
     assert len(cases) >= 60
