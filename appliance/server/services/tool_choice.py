@@ -5,6 +5,7 @@ replies.py parses back:
 - Hermes / Qwen: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`;
 - Llama 3.1: `{"name": ..., "parameters": {...}}`;
 - Mistral: `[TOOL_CALLS]NAME[ARGS]{...}`, or `[TOOL_CALLS][{"name": ..., "arguments": ...}]`;
+- Qwen3-Coder: `<tool_call>\n<function=NAME>\n<parameter=KEY>\nvalue\n</parameter>...`;
 - harmony (gpt-oss): `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`
   and the arguments; the end of the message (`<|call|>`) is an end-of-generation token,
   which the grammar allows once the arguments are complete.
@@ -60,19 +61,22 @@ def forced_call_grammar(template: str, tokenizer: Any, tools: list[dict[str, Any
     reasoning `thinking` allows (engine/grammar.py's THINK_MODES)."""
     functions = [f for f in _functions(tools) if not name or f["name"] == name]
     markup = tool_markup(template)
-    if markup is None or markup == "qwen3_xml":
-        what = "no tool-call format" if markup is None else "a tool-call format (XML " \
-            "parameters) that no grammar here writes"
-        raise Unsupported(f"this model's chat template has {what}, so a call cannot be "
-                          f"required", param="tool_choice")
+    if markup is None:
+        raise Unsupported("this model's chat template has no tool-call format, so a call "
+                          "cannot be required", param="tool_choice")
 
     def marker(text: str) -> str:
         tid = tokenizer.special_token_id(text)
         return f"<[{tid}]>" if tid is not None else json.dumps(text)
 
-    calls = []
-    for f in functions:
+    calls, extra = [], []
+    for i, f in enumerate(functions):
         params = _schema(f)
+        if markup == "qwen3_xml":
+            body, rules = _xml_call(i, f["name"], params)
+            calls.append(f'{marker("<tool_call>")} {body} {marker("</tool_call>")}')
+            extra += rules
+            continue
         if markup == "harmony":
             calls.append(f'{marker("<|channel|>")} "commentary to=functions.{f["name"]} " '
                          f'{marker("<|constrain|>")} "json" {marker("<|message|>")} '
@@ -96,8 +100,41 @@ def forced_call_grammar(template: str, tokenizer: Any, tools: list[dict[str, Any
         else:
             calls.append(f'{marker("<tool_call>")} "\\n" %json {schema} "\\n" '
                          f'{marker("</tool_call>")}')
-    rules = "".join(f"call{i}: {c}\n" for i, c in enumerate(calls))
+    rules = "".join(f"call{i}: {c}\n" for i, c in enumerate(calls)) + "".join(extra)
     return lark_grammar(" | ".join(f"call{i}" for i in range(len(calls))), rules, thinking)
+
+
+def _xml_call(i: int, name: str, params: dict[str, Any]) -> tuple[str, list[str]]:
+    r"""Qwen3-Coder's `\n<function=NAME>\n<parameter=KEY>\nvalue\n</parameter>\n...
+    </function>\n` (what its template renders), every declared parameter in order (the
+    optional ones may be left out): a text parameter as free text up to its closing tag
+    (one of its `enum` where it has one), any other as JSON of its schema."""
+    props = params.get("properties") or {}
+    if not isinstance(props, dict):
+        raise BadRequest(f"the parameters of {name} must list their properties as an object",
+                         param="tools")
+    required = set(params.get("required") or ())
+    close = json.dumps("\n</parameter>\n")  # every literal as a JSON string: lark's escapes
+    parts, rules = [], []
+    for j, (key, schema) in enumerate(props.items()):
+        if not _NAME.fullmatch(key):
+            raise BadRequest(f"parameter {key[:64]!r} of {name}: letters, digits, _ . - "
+                             f"only", param="tools")
+        schema = schema if isinstance(schema, dict) else {}
+        head = json.dumps(f"<parameter={key}>\n")
+        if schema.get("type") == "string" and isinstance(schema.get("enum"), list):
+            value = "(" + " | ".join(json.dumps(str(v)) for v in schema["enum"]) + ")"
+            part = f"{head} {value} {close}"
+        elif schema.get("type") == "string":  # free text; its stop string is the close
+            rules.append(f"text{i}_{j}[stop={close}]: /(.|\\n)*/\n")
+            part = f"{head} text{i}_{j}"
+        else:
+            part = f"{head} %json {json.dumps({**schema, **_COMPACT})} {close}"
+        rules.append(f"param{i}_{j}: {part}\n")
+        parts.append(f"param{i}_{j}" + ("" if key in required else "?"))
+    body = " ".join([json.dumps(f"\n<function={name}>\n"), *parts,
+                     json.dumps("</function>\n")])
+    return body, rules
 
 
 def _functions(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:

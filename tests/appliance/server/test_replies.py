@@ -253,11 +253,10 @@ def test_forced_calls_need_a_format_a_grammar_writes(llama_vendor):
         def special_token_id(self, text):
             return None
 
-    for name in ("Qwen3-Coder", "google-gemma-2-2b-it"):  # XML parameters; no format
-        source = (llama_vendor / "models" / "templates" / f"{name}.jinja").read_text()
-        with pytest.raises(ApiError) as exc:
-            forced_call_grammar(source, Vocab(), TOOLS, "")
-        assert exc.value.status == 400 and exc.value.param == "tool_choice"
+    gemma = (llama_vendor / "models" / "templates" / "google-gemma-2-2b-it.jinja").read_text()
+    with pytest.raises(ApiError) as exc:  # no tool-call format
+        forced_call_grammar(gemma, Vocab(), TOOLS, "")
+    assert exc.value.status == 400 and exc.value.param == "tool_choice"
     qwen = (llama_vendor / "models" / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
     grammar = forced_call_grammar(qwen, Vocab(), TOOLS, "get_weather")
     assert '"<tool_call>"' in grammar and '"get_weather"' in grammar
@@ -299,3 +298,44 @@ def test_grammars_let_a_thinking_model_reason_first(llama_vendor, vocab_dir, pro
             m = llguidance.LLMatcher(gtok.ll, grammar, log_level=0)
             ids = tok.encode(reply, add_special=False, parse_special=False)
             assert (all(m.consume_token(t) for t in ids) and m.is_accepting()) == ok, reply
+
+
+def test_a_forced_qwen3_coder_call_is_what_its_template_renders(llama_vendor, vocab_dir):
+    """The XML grammar accepts the call Qwen3-Coder's own template writes (text, integer
+    and enum parameters, an optional one left out) and refuses an undeclared parameter."""
+    import sys
+    from pathlib import Path
+
+    import llguidance
+
+    from appliance.server.services.tool_choice import forced_call_grammar
+    from engine.grammar import grammar_tokenizer
+    from engine.tokenizer import Tokenizer
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "engine" / "tokenizer"))
+    from tokenizer_meta import read_tokenizer_metadata
+
+    tools = [{"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "required": ["city", "nights"], "properties": {
+            "city": {"type": "string"}, "nights": {"type": "integer"},
+            "room": {"type": "string", "enum": ["single", "double"]},
+            "note": {"type": "string"}}}}}]
+    source = (llama_vendor / "models" / "templates" / "Qwen3-Coder.jinja").read_text()
+    template = ChatTemplate(source, bos_token="<s>", eos_token="</s>")
+    args = {"city": "New\nYork </param", "nights": 3, "room": "double"}
+    text = template.render([{"role": "user", "content": "Book"}, {
+        "role": "assistant", "content": "", "tool_calls": [{
+            "id": "c1", "type": "function",
+            "function": {"name": "book", "arguments": json.dumps(args)}}]}],
+        add_generation_prompt=False, tools=tools)
+    reply = text[text.rindex("<tool_call>"):text.rindex("</tool_call>") + len("</tool_call>")]
+    tok = Tokenizer.from_metadata(read_tokenizer_metadata(vocab_dir / "ggml-vocab-qwen2.gguf"))
+    grammar = forced_call_grammar(source, tok, tools, "book")
+    gtok = grammar_tokenizer(tok)
+    for candidate, ok in ((reply, True), (reply.replace("<parameter=room>",
+                                                        "<parameter=view>"), False)):
+        m = llguidance.LLMatcher(gtok.ll, grammar, log_level=0)
+        ids = tok.encode(candidate, add_special=False, parse_special=False)
+        assert (all(m.consume_token(t) for t in ids) and m.is_accepting()) == ok, candidate
+    make = reply_parser_factory(source, "", tools=tools)
+    assert run(make, [reply]) == ("", "", [("book", args)])

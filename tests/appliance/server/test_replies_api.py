@@ -257,3 +257,34 @@ async def test_plain_models_stream_as_before(harness, scripted):
              ).choices[0]
     assert whole.message.content == engine.reply and whole.finish_reason == "stop"
     assert getattr(whole.message, "reasoning_content", None) is None
+
+
+async def test_a_forced_qwen3_coder_call(harness, monkeypatch, llama_vendor):
+    """Qwen3-Coder's XML call forced on the random-weight model (enum and integer
+    parameters: a text one would run to max_tokens on random weights); it parses back to
+    arguments of the declared types."""
+    source = (llama_vendor / "models" / "templates" / "Qwen3-Coder.jinja").read_text()
+    loaded = harness.state.router.get(None).engine.loaded
+    monkeypatch.setattr(loaded, "chat_template",
+                        ChatTemplate(source, bos_token="<s>", eos_token="</s>"))
+    tools = [{"type": "function", "function": {"name": "set_alarm", "parameters": {
+        "type": "object", "required": ["hour"], "properties": {
+            "hour": {"type": "integer", "minimum": 0, "maximum": 23},
+            "sound": {"type": "string", "enum": ["bell", "chime"]},
+            "snooze": {"type": "boolean"}}}}}]
+    client = harness.openai()
+    for stream in (False, True):
+        kwargs = dict(model="tiny", messages=ASK, tools=tools, max_tokens=80, seed=2,
+                      temperature=1.0, tool_choice="required")
+        if stream:
+            _, _, calls, finish = await streamed(client, **kwargs)
+            calls = [(n, a) for _, n, a in calls]
+        else:
+            resp = (await client.chat.completions.create(**kwargs)).choices[0]
+            calls = [(c.function.name, c.function.arguments) for c in resp.message.tool_calls]
+            finish = resp.finish_reason
+        assert finish == "tool_calls" and len(calls) == 1 and calls[0][0] == "set_alarm"
+        args = json.loads(calls[0][1])
+        assert set(args) <= {"hour", "sound", "snooze"} and 0 <= args["hour"] <= 23
+        assert args.get("sound", "bell") in ("bell", "chime")
+        assert isinstance(args.get("snooze", False), bool)
