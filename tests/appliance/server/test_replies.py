@@ -262,58 +262,60 @@ def test_forced_calls_need_a_format_a_grammar_writes(llama_vendor):
     assert '"<tool_call>"' in grammar and '"get_weather"' in grammar
 
 
-@pytest.mark.parametrize("prompt_end, mode", [("<|im_start|>assistant\n", "optional"),
-                                              ("<think>\n\n</think>\n\n", "none"),
-                                              ("<|Assistant|><think>\n", "open")])
-def test_grammars_let_a_thinking_model_reason_first(llama_vendor, vocab_dir, prompt_end, mode):
-    """A forced call or a JSON format after the reasoning the prompt leaves room for: a
-    block the model may open (Qwen3), none (thinking off), or one the prompt opened
-    (DeepSeek-R1); checked by llguidance's matcher on whole replies."""
+@pytest.fixture(scope="module")
+def qwen_vocab(vocab_dir):
+    """Qwen's tokenizer (llama.cpp's test vocabulary)."""
     import sys
     from pathlib import Path
 
-    import llguidance
-
-    from appliance.server.services.replies import thinking_mode
-    from appliance.server.services.tool_choice import forced_call_grammar
-    from engine.grammar import grammar_tokenizer, json_body, lark_grammar
     from engine.tokenizer import Tokenizer
 
     sys.path.insert(0, str(Path(__file__).parents[2] / "engine" / "tokenizer"))
     from tokenizer_meta import read_tokenizer_metadata
 
+    return Tokenizer.from_metadata(read_tokenizer_metadata(vocab_dir / "ggml-vocab-qwen2.gguf"))
+
+
+def accepts(tok, grammar: str, reply: str) -> bool:
+    """Whether llguidance's matcher takes the whole reply, token by token, and ends there."""
+    import llguidance
+
+    from engine.grammar import grammar_tokenizer
+
+    m = llguidance.LLMatcher(grammar_tokenizer(tok).ll, grammar, log_level=0)
+    ids = tok.encode(reply, add_special=False, parse_special=False)
+    return all(m.consume_token(t) for t in ids) and m.is_accepting()
+
+
+@pytest.mark.parametrize("prompt_end, mode", [("<|im_start|>assistant\n", "optional"),
+                                              ("<think>\n\n</think>\n\n", "none"),
+                                              ("<|Assistant|><think>\n", "open")])
+def test_grammars_let_a_thinking_model_reason_first(llama_vendor, qwen_vocab, prompt_end, mode):
+    """A forced call or a JSON format after the reasoning the prompt leaves room for: a
+    block the model may open (Qwen3), none (thinking off), or one the prompt opened
+    (DeepSeek-R1); checked by llguidance's matcher on whole replies."""
+    from appliance.server.services.replies import thinking_mode
+    from appliance.server.services.tool_choice import forced_call_grammar
+    from engine.grammar import json_body, lark_grammar
+
     qwen = (llama_vendor / "models" / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
     assert thinking_mode(qwen, "..." + prompt_end) == mode
-    tok = Tokenizer.from_metadata(read_tokenizer_metadata(vocab_dir / "ggml-vocab-qwen2.gguf"))
-    gtok = grammar_tokenizer(tok)
     call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'
     reasoning = "<think>\nThe user wants {json} and </thin.\n</think>\n\n"
     if mode == "open":
         reasoning = reasoning[len("<think>"):]
-    grammars = {call: forced_call_grammar(qwen, tok, TOOLS, "", mode),
+    grammars = {call: forced_call_grammar(qwen, qwen_vocab, TOOLS, "", mode),
                 '{"a":1}': lark_grammar(json_body({"type": "object"}), "", mode)}
     for answer, grammar in grammars.items():
         for reply, ok in ((answer, mode != "open"), (reasoning + answer, mode != "none"),
                           ("Sure: " + answer, False)):
-            m = llguidance.LLMatcher(gtok.ll, grammar, log_level=0)
-            ids = tok.encode(reply, add_special=False, parse_special=False)
-            assert (all(m.consume_token(t) for t in ids) and m.is_accepting()) == ok, reply
+            assert accepts(qwen_vocab, grammar, reply) == ok, reply
 
 
-def test_a_forced_qwen3_coder_call_is_what_its_template_renders(llama_vendor, vocab_dir):
+def test_a_forced_qwen3_coder_call_is_what_its_template_renders(llama_vendor, qwen_vocab):
     """The XML grammar accepts the call Qwen3-Coder's own template writes (text, integer
     and enum parameters, an optional one left out) and refuses an undeclared parameter."""
-    import sys
-    from pathlib import Path
-
-    import llguidance
-
     from appliance.server.services.tool_choice import forced_call_grammar
-    from engine.grammar import grammar_tokenizer
-    from engine.tokenizer import Tokenizer
-
-    sys.path.insert(0, str(Path(__file__).parents[2] / "engine" / "tokenizer"))
-    from tokenizer_meta import read_tokenizer_metadata
 
     tools = [{"type": "function", "function": {"name": "book", "parameters": {
         "type": "object", "required": ["city", "nights"], "properties": {
@@ -329,13 +331,9 @@ def test_a_forced_qwen3_coder_call_is_what_its_template_renders(llama_vendor, vo
             "function": {"name": "book", "arguments": json.dumps(args)}}]}],
         add_generation_prompt=False, tools=tools)
     reply = text[text.rindex("<tool_call>"):text.rindex("</tool_call>") + len("</tool_call>")]
-    tok = Tokenizer.from_metadata(read_tokenizer_metadata(vocab_dir / "ggml-vocab-qwen2.gguf"))
-    grammar = forced_call_grammar(source, tok, tools, "book")
-    gtok = grammar_tokenizer(tok)
-    for candidate, ok in ((reply, True), (reply.replace("<parameter=room>",
-                                                        "<parameter=view>"), False)):
-        m = llguidance.LLMatcher(gtok.ll, grammar, log_level=0)
-        ids = tok.encode(candidate, add_special=False, parse_special=False)
-        assert (all(m.consume_token(t) for t in ids) and m.is_accepting()) == ok, candidate
+    grammar = forced_call_grammar(source, qwen_vocab, tools, "book")
+    assert accepts(qwen_vocab, grammar, reply)
+    assert not accepts(qwen_vocab, grammar, reply.replace("<parameter=room>",
+                                                           "<parameter=view>"))
     make = reply_parser_factory(source, "", tools=tools)
     assert run(make, [reply]) == ("", "", [("book", args)])
