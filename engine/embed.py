@@ -4,9 +4,10 @@ last token's).
 
 A job is a list of token-id inputs. The engine's loop thread runs one chunk of at most the
 prefill chunk a turn between its steps (engine.Engine.embed), so a long input never
-freezes the model's streams, through pages of the sequences' pool that go back as soon
-as the input is done; no page enters the prefix cache. An input runs alone, so its vector
-does not depend on what else is served.
+freezes the model's streams, and takes the waiting clients' inputs in turn (`next_job`),
+so one client's thousand documents do not hold back another's query. An input's pages
+come from the sequences' pool and go back as soon as it is done; none enters the prefix
+cache. An input runs alone, so its vector does not depend on what else is served.
 """
 
 from __future__ import annotations
@@ -28,8 +29,22 @@ POOLINGS = ("mean", "cls", "last")
 class EmbedJob:
     inputs: list[list[int]]
     done: Callable[[list[torch.Tensor] | BaseException], None]  # called once, any thread
+    client_id: str = "local"  # whose: the loop takes clients' inputs in turn
     vectors: list[torch.Tensor] = field(default_factory=list)  # (hidden,) float32, CPU
     run: PoolingRun | None = None  # the input under way
+
+
+def next_job(jobs: list[EmbedJob], last_client: str | None) -> int:
+    """The index of the job whose next input runs: the one under way, else the first job
+    of the first client after `last_client` in order of their first jobs (round robin)."""
+    for i, job in enumerate(jobs):
+        if job.run is not None:
+            return i
+    clients = list(dict.fromkeys(job.client_id for job in jobs))
+    if last_client in clients:
+        at = clients.index(last_client) + 1
+        clients = clients[at:] + clients[:at]
+    return next(i for i, job in enumerate(jobs) if job.client_id == clients[0])
 
 
 class PoolingRun:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from engine.core import EngineCore
-from engine.embed import EmbedJob, PoolingRun
+from engine.embed import EmbedJob, PoolingRun, next_job
 from engine.errors import EngineError, InvalidRequest, OutOfKVPages
 from engine.scheduler.request import OutputChunk, Request
 
@@ -151,7 +151,8 @@ class Engine:
         self._stats: Any = None
         self._stats_due = 0.0  # time.monotonic() after which the next step refreshes it
         self._stats_seqs = -1  # live sequences at the last refresh
-        self._embed_jobs: deque[EmbedJob] = deque()  # loop thread only
+        self._embed_jobs: list[EmbedJob] = []  # loop thread only, in arrival order
+        self._embed_client: str | None = None  # whose input ran last
         self.error: BaseException | None = None
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -212,10 +213,12 @@ class Engine:
             if not finished:
                 self.abort(request.id)
 
-    async def embed(self, inputs: list[list[int]]) -> list[torch.Tensor]:
+    async def embed(self, inputs: list[list[int]], client_id: str = "local"
+                    ) -> list[torch.Tensor]:
         """The pooled output-norm states (hidden,) float32 of each input, in order (an
-        embedding model's: loaded.config.pooling); raises InvalidRequest for a model that
-        pools nothing, EngineError when the engine stops or fails first."""
+        embedding model's: loaded.config.pooling); clients' inputs run in turn. Raises
+        InvalidRequest for a model that pools nothing, EngineError when the engine stops or
+        fails first."""
         pooling = getattr(getattr(self.loaded, "config", None), "pooling", None)
         if pooling is None:
             raise InvalidRequest(f"the model '{self.name}' is not an embedding model (its "
@@ -233,7 +236,7 @@ class Engine:
                     result.set_result(out)
             loop.call_soon_threadsafe(settle)
 
-        self._post("embed", EmbedJob([list(ids) for ids in inputs], done))
+        self._post("embed", EmbedJob([list(ids) for ids in inputs], done, client_id))
         return await result
 
     def stats(self) -> Any:
@@ -303,33 +306,35 @@ class Engine:
             self._handback.run(woken, HANDBACK_BASE_S + HANDBACK_PER_READER_S * len(woken))
 
     def _embed_one(self) -> None:
-        """One chunk of the first embedding job's current input, between steps. With no
-        page free now it waits for a later turn while requests run (they give pages back),
-        else fails."""
-        job = self._embed_jobs[0]
+        """One chunk of an embedding input, between steps: the input under way, else the
+        next client's next input (engine/embed.py's next_job). With no page free now it
+        waits for a later turn while requests run (they give pages back), else fails."""
+        index = next_job(self._embed_jobs, self._embed_client)
+        job = self._embed_jobs[index]
         try:
             if job.run is None:
                 job.run = PoolingRun(self.core.runner, job.inputs[len(job.vectors)],
                                      self.loaded.config.pooling, self.core.config.prefill_chunk)
+                self._embed_client = job.client_id
             vector = job.run.step()
         except OutOfKVPages as exc:
             if self.core.has_work():
                 return
-            self._end_embed(exc)
+            self._end_embed(index, exc)
             return
         except EngineError as exc:
-            self._end_embed(exc)
+            self._end_embed(index, exc)
             return
         if vector is None:
             return
         job.run = None
         job.vectors.append(vector)
         if len(job.vectors) == len(job.inputs):
-            self._embed_jobs.popleft()
+            del self._embed_jobs[index]
             job.done(job.vectors)
 
-    def _end_embed(self, result: BaseException) -> None:
-        job = self._embed_jobs.popleft()
+    def _end_embed(self, index: int, result: BaseException) -> None:
+        job = self._embed_jobs.pop(index)
         if job.run is not None:
             job.run.close()
         job.done(result)
@@ -366,7 +371,7 @@ class Engine:
                 sink(failure)
             self._sinks.clear()
             while self._embed_jobs:
-                self._end_embed(failure)
+                self._end_embed(0, failure)
             self._running = False
             return
         for request_id in list(self._sinks):
@@ -381,7 +386,7 @@ class Engine:
         self._sinks.clear()
         self._embed_jobs.extend(p for k, p in late if k == "embed")
         while self._embed_jobs:
-            self._end_embed(stopped)
+            self._end_embed(0, stopped)
 
 
 def _checked(item: OutputChunk | BaseException) -> OutputChunk:

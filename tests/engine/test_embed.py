@@ -127,3 +127,44 @@ def test_the_device_pools_what_the_cpu_pools(embed_file):
     for cpu, gpu in zip(vectors["cpu"], vectors["cuda"], strict=True):
         cos = torch.nn.functional.cosine_similarity(cpu.double(), gpu.double(), dim=0)
         assert cos > 0.999, float(cos)
+
+
+def test_clients_take_turns_input_by_input():
+    from engine.embed import EmbedJob, next_job
+
+    def job(client, running=False):
+        j = EmbedJob([[1]], lambda out: None, client)
+        j.run = object() if running else None
+        return j
+
+    jobs = [job("a"), job("a"), job("b"), job("c")]
+    assert [next_job(jobs, last) for last in (None, "a", "b", "c", "gone")] == [0, 2, 3, 0, 0]
+    jobs[1].run = object()  # an input under way finishes first
+    assert next_job(jobs, "a") == 1
+
+
+def test_a_clients_one_query_passes_anothers_many_documents(embed_file):
+    """Client a's 6 inputs, then client b's 1: b's vector comes back after at most one of
+    a's inputs more (the loop takes the clients' inputs in turn), a's all arrive too."""
+    _, path = embed_file
+    engine = build_engine(path, EngineOptions(dtype="f32", sessions=2, context=512,
+                                              prefill_chunk=64))
+    order: list[str] = []
+
+    async def both():
+        async def run(client, inputs):
+            out = await engine.embed(inputs, client)
+            order.append(client)
+            return out
+
+        many = asyncio.create_task(run("a", [list(range(5, 200))] * 6))
+        await asyncio.sleep(0)  # a's job is posted first
+        one = asyncio.create_task(run("b", [[7, 8, 9]]))
+        return await many, await one
+
+    try:
+        many, one = asyncio.run(both())
+    finally:
+        engine.stop()
+    assert order == ["b", "a"] and len(many) == 6 and len(one) == 1
+    assert all(torch.equal(v, many[0]) for v in many)  # the same input, the same bits

@@ -24,7 +24,7 @@ from appliance.server.services.streams import until_disconnect
 class EmbeddingService:
     def __init__(self, router: Any, generation: Any, limiter: Any, metrics: Any) -> None:
         self.router = router
-        self.generation = generation  # its draining flag
+        self.generation = generation  # its draining flag and the keys' concurrency caps
         self.limiter = limiter
         self.metrics = metrics
 
@@ -47,14 +47,18 @@ class EmbeddingService:
                               code="model_unloading")
         inputs = await asyncio.to_thread(_token_ids, handle, body.input)
         total = sum(len(ids) for ids in inputs)
+        self.generation.check_key_cap(principal)
         self.limiter.check_request(principal, total)
         status = "error"
         handle.num_in_flight += 1
-        try:
-            vectors = await until_disconnect(receive, handle.engine.embed(inputs))
+        self.generation.hold_key(principal.key_id)
+        try:  # the key's inputs take turns with other keys' on the engine thread
+            vectors = await until_disconnect(
+                receive, handle.engine.embed(inputs, principal.key_id))
             status = "ok"
         finally:
             handle.num_in_flight -= 1
+            self.generation.release_key(principal.key_id)
             self.limiter.record(principal, handle.name, total, 0, 0, status)
             labels = (handle.name, principal.key_id)
             self.metrics.prompt_tokens.labels(*labels).inc(total)

@@ -130,19 +130,32 @@ class GenerationService:
             raise Unavailable(f"the model '{handle.name}' is overloaded "
                               f"({handle.num_in_flight} requests in flight)",
                               code="overloaded", retry_after_s=1.0)
-        cap = principal.quota.max_concurrent_streams
-        if cap is not None and self._per_key[principal.key_id] >= cap:
-            raise TooManyRequests(f"API key {principal.key_id} already has {cap} requests "
-                                  f"running (its max_concurrent_streams)",
-                                  code="concurrent_streams", retry_after_s=1.0)
+        self.check_key_cap(principal)
         self.limiter.check_request(principal, job.estimated_tokens)
         max_pending = principal.quota.max_pending
         if handle.client_quotas.get(principal.key_id, -1) != max_pending:
             handle.engine.core.set_client_quota(principal.key_id, max_pending)
             handle.client_quotas[principal.key_id] = max_pending
-        self._per_key[principal.key_id] += 1
+        self.hold_key(principal.key_id)
         handle.num_in_flight += 1
         self.num_jobs += 1
+
+    def check_key_cap(self, principal: Any) -> None:
+        """429 when the key already runs its max_concurrent_streams requests (completions
+        and embeddings alike)."""
+        cap = principal.quota.max_concurrent_streams
+        if cap is not None and self._per_key[principal.key_id] >= cap:
+            raise TooManyRequests(f"API key {principal.key_id} already has {cap} requests "
+                                  f"running (its max_concurrent_streams)",
+                                  code="concurrent_streams", retry_after_s=1.0)
+
+    def hold_key(self, key_id: str) -> None:
+        self._per_key[key_id] += 1
+
+    def release_key(self, key_id: str) -> None:
+        self._per_key[key_id] -= 1
+        if self._per_key[key_id] <= 0:
+            del self._per_key[key_id]
 
     # -- running -------------------------------------------------------------------------
     async def run(self, job: Job, fmt: Format, receive: Any, stream: bool) -> Response:
@@ -248,9 +261,7 @@ class GenerationService:
         job.is_finished = True
         streams.close()
         key, handle = job.principal.key_id, job.handle
-        self._per_key[key] -= 1
-        if self._per_key[key] <= 0:
-            del self._per_key[key]
+        self.release_key(key)
         handle.num_in_flight -= 1
         self.num_jobs -= 1
         usage = job.usage()
