@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import llama_cpp
 import pytest
 import torch
 
@@ -31,6 +30,8 @@ def embed_file(request, tmp_path_factory, vocab_dir):
 
 
 def test_pooled_states_match_llama_cpp(embed_file):
+    import llama_cpp  # the reference (not on the GPU machine, where only the gpu test runs)
+
     pooling, path = embed_file
     logging.getLogger("llama-cpp-python").setLevel(logging.CRITICAL)
     ref = llama_cpp.Llama(model_path=str(path), embedding=True, n_ctx=512, n_batch=512,
