@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from appliance.auth import Principal, check_model_allowed
-from appliance.server.errors import BadRequest, Unavailable, Unsupported
+from appliance.server.errors import BadRequest, Unsupported
 from appliance.server.schemas import EmbeddingRequest
 from appliance.server.services.streams import until_disconnect
 
@@ -24,7 +24,7 @@ from appliance.server.services.streams import until_disconnect
 class EmbeddingService:
     def __init__(self, router: Any, generation: Any, limiter: Any, metrics: Any) -> None:
         self.router = router
-        self.generation = generation  # its draining flag and the keys' concurrency caps
+        self.generation = generation  # its serving checks and the keys' concurrency caps
         self.limiter = limiter
         self.metrics = metrics
 
@@ -40,11 +40,7 @@ class EmbeddingService:
         if body.dimensions is not None and body.dimensions > config.hidden_size:
             raise BadRequest(f"dimensions must be at most {config.hidden_size}",
                              param="dimensions")
-        if self.generation.is_draining:
-            raise Unavailable("the server is shutting down", code="shutting_down")
-        if handle.is_unloading:
-            raise Unavailable(f"the model '{handle.name}' is being unloaded",
-                              code="model_unloading")
+        self.generation.check_serving(handle)
         inputs = await asyncio.to_thread(_token_ids, handle, body.input)
         total = sum(len(ids) for ids in inputs)
         self.generation.check_key_cap(principal)

@@ -121,11 +121,7 @@ class GenerationService:
     # -- admission -----------------------------------------------------------------------
     def admit(self, job: Job) -> None:
         handle, principal = job.handle, job.principal
-        if self.is_draining:
-            raise Unavailable("the server is shutting down", code="shutting_down")
-        if handle.is_unloading:
-            raise Unavailable(f"the model '{handle.name}' is being unloaded",
-                              code="model_unloading")
+        self.check_serving(handle)
         if handle.num_in_flight >= self.router.max_in_flight:
             raise Unavailable(f"the model '{handle.name}' is overloaded "
                               f"({handle.num_in_flight} requests in flight)",
@@ -139,6 +135,14 @@ class GenerationService:
         self.hold_key(principal.key_id)
         handle.num_in_flight += 1
         self.num_jobs += 1
+
+    def check_serving(self, handle: Any) -> None:
+        """503 while the server shuts down or the model is being unloaded."""
+        if self.is_draining:
+            raise Unavailable("the server is shutting down", code="shutting_down")
+        if handle.is_unloading:
+            raise Unavailable(f"the model '{handle.name}' is being unloaded",
+                              code="model_unloading")
 
     def check_key_cap(self, principal: Any) -> None:
         """429 when the key already runs its max_concurrent_streams requests (completions

@@ -202,7 +202,7 @@ def parse_xml_call(text: str, schemas: dict[str, Any]) -> ToolCall | None:
     """Qwen3-Coder's `<function=NAME><parameter=KEY>\nvalue\n</parameter>...</function>`;
     None unless the text is exactly that."""
     m = _XML_FUNCTION.match(text)
-    if m is None or not _CALL_NAME.fullmatch(name := m.group(1).strip()):
+    if m is None or not CALL_NAME.fullmatch(name := m.group(1).strip()):
         return None
     schema = schemas.get(name)
     props = schema.get("properties", {}) if isinstance(schema, dict) else {}
@@ -299,7 +299,7 @@ def parse_mistral_calls(text: str) -> list[ToolCall] | None:
         head, sep, args = part.partition(M_ARGS)
         name, _, call_id = head.partition(M_CALL_ID)
         name, args, call_id = name.strip(), args.strip(), call_id.strip()
-        if not sep or not _CALL_NAME.fullmatch(name) or not is_json(args):
+        if not sep or not CALL_NAME.fullmatch(name) or not is_json(args):
             return None
         out.append(ToolCall(name, args, call_id if call_id.isalnum() else mistral_call_id()))
     return out or None
@@ -376,7 +376,7 @@ def parse_tool_json(text: str) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-_CALL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+CALL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's function names (and dots)
 _RECIPIENT = re.compile(r"\bto=(\S+?)(?=<\||\s|$)")
 _CHANNEL = re.compile(re.escape(H_CHANNEL) + r"\s*(\w+)")
 
@@ -504,7 +504,7 @@ def reply_parser_factory(template: str, prompt: str, *, tools: list[dict[str, An
     think = THINK_OPEN in template and THINK_CLOSE in template
     hermes = bool(tools) and markup in ("hermes", "qwen3_xml")
     if think or hermes:
-        in_reasoning = think and prompt.rstrip().endswith(THINK_OPEN)
+        in_reasoning = thinking_mode(template, prompt) == "open"
         schemas = {f["name"]: f.get("parameters") for t in tools or ()
                    if isinstance(t, dict) and isinstance(f := t.get("function"), dict)
                    and isinstance(f.get("name"), str)}

@@ -18,14 +18,12 @@ was trained to write it; otherwise its text.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from appliance.server.errors import BadRequest, Unsupported
-from appliance.server.services.replies import tool_markup
+from appliance.server.services.replies import CALL_NAME, tool_markup
 from engine.grammar import lark_grammar
 
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's function names (and dots)
 MAX_SCHEMA_CHARS = 1 << 18
 # compact JSON, as engine/grammar.py's response formats: with free whitespace a small model
 # can loop on spaces and newlines
@@ -117,7 +115,7 @@ def _xml_call(i: int, name: str, params: dict[str, Any]) -> tuple[str, list[str]
     close = json.dumps("\n</parameter>\n")  # every literal as a JSON string: lark's escapes
     parts, rules = [], []
     for j, (key, schema) in enumerate(props.items()):
-        if not _NAME.fullmatch(key):
+        if not CALL_NAME.fullmatch(key):
             raise BadRequest(f"parameter {key[:64]!r} of {name}: letters, digits, _ . - "
                              f"only", param="tools")
         schema = schema if isinstance(schema, dict) else {}
@@ -145,7 +143,7 @@ def _functions(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
                 not isinstance(f.get("name"), str):
             raise BadRequest('each tool must be {"type": "function", "function": {"name": '
                              '...}}', param="tools")
-        if not _NAME.fullmatch(f["name"]):
+        if not CALL_NAME.fullmatch(f["name"]):
             raise BadRequest(f"tool name {f['name'][:64]!r}: letters, digits, _ . - only, "
                              f"at most 64", param="tools")
         out.append(f)
