@@ -52,13 +52,16 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench" / "gpu")]
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from triton.language.extra.cuda import gdc_launch_dependents  # noqa: E402
 from kernels_check import random_blocks  # noqa: E402
 from provenance import commit_id  # noqa: E402
 from qmatmul_bench import Run, ceilings  # noqa: E402
 
 from kernels import qint, qint_gemv, quant_x  # noqa: E402
 from kernels.qint import Q4_K, default_qint_config, qint_triton  # noqa: E402
+from kernels.qgemv import sum_partials  # noqa: E402
 from kernels.quant_x import quantize_x  # noqa: E402
+from kernels.triton_util import await_inputs, launcher  # noqa: E402
 
 SHAPES = "4096x4096,6144x4096,4096x14336,28672x4096"
 TREE_GROUPS = 16  # _tree_barrier's arrival counters
@@ -174,6 +177,110 @@ def _chain_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, ctr_ptr, N, K, row_bytes,
             w, head = qint_gemv._ld_q4k(nxt, row_off, sb0)
 
 
+@triton.jit
+def _poll_flag(flag_ptr, need, gave_up_ptr, SLEEP: tl.constexpr):
+    """Polls the count at flag_ptr (acquire) until it reaches `need`, at most SPIN_LIMIT
+    times (a program that gives up counts itself into gave_up_ptr: the bench's check);
+    SLEEP > 0: nanoseconds between polls (NVIDIA's nanosleep)."""
+    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (seen < need) & (spins < SPIN_LIMIT):
+        if SLEEP > 0:
+            tl.inline_asm_elementwise(f"nanosleep.u32 {SLEEP};", "=r", [], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+        spins += 1
+    if spins >= SPIN_LIMIT:
+        tl.atomic_add(gave_up_ptr, 1, sem="relaxed", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _flow_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, done_ptr, N, K,
+                 row_bytes, sb_per_split, nsplit, layer, tiles_per_slice,
+                 BLOCK_N: tl.constexpr, PTX: tl.constexpr, FLAGS: tl.constexpr,
+                 EARLY: tl.constexpr, SLEEP: tl.constexpr, PDL: tl.constexpr = False):
+    """Product `layer` of the chain on programs of their own a split (grid (tiles, splits),
+    qint's grid split: the last program of a tile adds the partials in split order), x
+    fixed. FLAGS: instead of waiting for the whole previous launch (await_inputs), split s
+    waits only for the previous product's tiles of slice s (its rows [s N / S, (s + 1) N /
+    S): done_ptr[64 (layer - 1) + s] counts them as their sums land), as a product whose
+    x is the one before's output needs: a program streams its weights as soon as its
+    slice is in, while the previous product's last tiles still run. EARLY: the next launch
+    may start before this one's wait (else after it). done_ptr[64 * 64]: polls given up."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
+    sb0 = split * sb_per_split
+    w, head = qint_gemv._ld_q4k(w_ptr, row_off, sb0)
+    if FLAGS:
+        if PDL and EARLY:
+            gdc_launch_dependents()
+        if layer > 0:
+            _poll_flag(done_ptr + 64 * (layer - 1) + split, tiles_per_slice, done_ptr + 64 * 64,
+                       SLEEP)
+        if PDL and not EARLY:
+            gdc_launch_dependents()
+    else:
+        await_inputs(PDL)
+    acc = tl.zeros((BLOCK_N, 1), tl.float32)
+    acc = qint_gemv._sb_q4k(acc, w, head, sb0, q_ptr, dx_ptr, bs_ptr, K, 1, 1, PTX)
+    for i in range(1, sb_per_split):
+        wi, hi = qint_gemv._ld_q4k(w_ptr, row_off, sb0 + i)
+        acc = qint_gemv._sb_q4k(acc, wi, hi, sb0 + i, q_ptr, dx_ptr, bs_ptr, K, 1, 1, PTX)
+    offs = rn[:, None] + tl.zeros((1, 1), tl.int64)
+    mask = (rn < N)[:, None]
+    tl.store(part_ptr + split * N + offs, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial is written before the ticket
+    arrived = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+    if arrived == nsplit - 1:  # the tile's last: its sum, then the slice's count
+        sum_partials(y_ptr, part_ptr, N, offs, mask, nsplit)
+        tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+        tl.debug_barrier()  # every thread's sums are written before the count
+        tl.atomic_add(done_ptr + 64 * layer + pid_n // tiles_per_slice, 1, sem="release",
+                      scope="gpu")
+
+
+def flow(run: Run, n: int, k: int, layers: int, row: dict, w: torch.Tensor, x: torch.Tensor,
+         want_grid: torch.Tensor, cfg) -> None:
+    """The chain on qint's grid split (`cfg`: its programs a split), launches waiting for
+    the launch before (`grid`) against slice flags (`flow`, `flow_late`: the next launch
+    starts after this one's flags; `flow_sleep`: 200 ns between polls); into `row`."""
+    s, tile = cfg.split, cfg.block_n
+    tiles = -(-n // tile)
+    if tiles % s or s > 64 or layers > 64:
+        row["flow_skipped"] = f"{tiles} tiles do not cut into {s} slices"
+        return
+    xq = quantize_x(x)
+    y = torch.empty(layers, n, dtype=torch.float32, device=run.dev)
+    part = torch.empty(layers, s, n, dtype=torch.float32, device=run.dev)
+    tickets = torch.zeros(layers, tiles, dtype=torch.int32, device=run.dev)
+    done = torch.zeros(64 * 64 + 1, dtype=torch.int32, device=run.dev)
+    ptx = qint.ptx(run.dev)
+
+    def chained(flags: bool, early: bool, sleep: int) -> None:
+        done.zero_()
+        kernel = launcher(_flow_kernel, run.dev)  # PDL inside a capture
+        for i in range(layers):
+            kernel[(tiles, s)](*xq, w[i], y[i], part[i], tickets[i], done, n, k, w.shape[2],
+                               k // 256 // s, s, i, tiles // s, BLOCK_N=tile, PTX=ptx,
+                               FLAGS=flags, EARLY=early, SLEEP=sleep, num_warps=cfg.num_warps)
+
+    variants = {"grid": (False, False, 0), "flow": (True, True, 0),
+                "flow_late": (True, False, 0), "flow_sleep": (True, True, 200)}
+    if run.smoke:
+        variants = {"grid": (False, False, 0), "flow": (True, True, 0)}
+    for label, spec in variants.items():
+        y.fill_(float("nan"))
+        run.attempt(f"{n}x{k} {label}", partial(chained, *spec))
+        row[f"{label}_ok"] = bool(torch.equal(y, want_grid)) and int(done[64 * 64]) == 0
+        if not row[f"{label}_ok"]:
+            row[f"{label}_gave_up"] = int(done[64 * 64])
+        if not run.smoke:
+            row[label] = run.time_us([partial(chained, *spec)]) / layers
+
+
 def resident(kernel, warps: int, sms: int) -> int:
     """Programs of a compiled kernel the device holds at once (registers and shared
     memory per multiprocessor; at most 32 programs each)."""
@@ -223,6 +330,13 @@ def chain(run: Run, n: int, k: int, layers: int, dep: bool = False, split: int =
         if dep:
             xl = quantize_x(want[-1][None])
     want = torch.stack(want)
+    if not dep:  # the same products on qint's grid split, flags against launches
+        grid_cfg = qint.other_way(cfg)
+        row["grid_config"] = list(grid_cfg)
+        want_grid = torch.stack([qint_triton(x, w[i], Q4_K, (n, k), grid_cfg)[0]
+                                 for i in range(layers)])
+        row["grid_bits_equal"] = bool(torch.equal(want_grid, want))
+        flow(run, n, k, layers, row, w, x, want_grid, grid_cfg)
     y = torch.empty(layers, n, dtype=torch.float32, device=run.dev)
     ctr = torch.zeros(32 * (TREE_GROUPS + 1), dtype=torch.int32, device=run.dev)
     programs = -(-n // tile)
@@ -300,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke:
         out["ceilings"] = ceilings(run)
         print(f"copy {out['ceilings']['copy_gb_s']:.0f} GB/s; us a product (GB/s):")
-    labels = ("launches", "barrier", "prefetch", "tree", "free")
+    labels = ("launches", "barrier", "prefetch", "tree", "free", "grid", "flow", "flow_late",
+              "flow_sleep")
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
         if run.left() < 20:
