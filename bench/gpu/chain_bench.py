@@ -52,14 +52,14 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench" / "gpu")]
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from triton.language.extra.cuda import gdc_launch_dependents  # noqa: E402
 from kernels_check import random_blocks  # noqa: E402
 from provenance import commit_id  # noqa: E402
 from qmatmul_bench import Run, ceilings  # noqa: E402
+from triton.language.extra.cuda import gdc_launch_dependents  # noqa: E402
 
 from kernels import qint, qint_gemv, quant_x  # noqa: E402
-from kernels.qint import Q4_K, default_qint_config, qint_triton  # noqa: E402
 from kernels.qgemv import sum_partials  # noqa: E402
+from kernels.qint import Q4_K, default_qint_config, qint_triton  # noqa: E402
 from kernels.quant_x import quantize_x  # noqa: E402
 from kernels.triton_util import await_inputs, launcher  # noqa: E402
 
