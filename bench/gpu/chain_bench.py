@@ -196,10 +196,11 @@ def _poll_flag(flag_ptr, need, gave_up_ptr, SLEEP: tl.constexpr):
 
 
 @triton.jit
-def _flow_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, done_ptr, N, K,
-                 row_bytes, sb_per_split, nsplit, layer, tiles_per_slice,
+def _flow_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, done_ptr, blk_ptr,
+                 N, K, row_bytes, sb_per_split, nsplit, layer, tiles_per_slice, dx_slot,
                  BLOCK_N: tl.constexpr, PTX: tl.constexpr, FLAGS: tl.constexpr,
-                 EARLY: tl.constexpr, SLEEP: tl.constexpr, PDL: tl.constexpr = False):
+                 EARLY: tl.constexpr, SLEEP: tl.constexpr, DEP: tl.constexpr = False,
+                 PDL: tl.constexpr = False):
     """Product `layer` of the chain on programs of their own a split (grid (tiles, splits),
     qint's grid split: the last program of a tile adds the partials in split order), x
     fixed. FLAGS: instead of waiting for the whole previous launch (await_inputs), split s
@@ -207,19 +208,30 @@ def _flow_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, done
     S): done_ptr[64 (layer - 1) + s] counts them as their sums land), as a product whose
     x is the one before's output needs: a program streams its weights as soon as its
     slice is in, while the previous product's last tiles still run. EARLY: the next launch
-    may start before this one's wait (else after it). done_ptr[64 * 64]: polls given up."""
+    may start before this one's wait (else after it). done_ptr[64 * 64]: polls given up.
+    DEP (N = K, FLAGS): x is the product before's output, quantized: x slot `layer` (q, dx,
+    bs at slot strides K, dx_slot, K / 16); the last of a 256-row block's tiles to land
+    (blk_ptr[64 layer + block] counts them) quantizes the block into slot layer + 1
+    (quantize_store, as quantize_x) and counts it into the flag of its slice: split s
+    waits for its sb_per_split blocks."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_off = tl.where(rn < N, rn, 0).to(tl.int64) * row_bytes
     sb0 = split * sb_per_split
+    if DEP:
+        q_ptr += layer * K
+        dx_ptr += layer * dx_slot
+        bs_ptr += layer * (K // 16)
+        need = sb_per_split
+    else:
+        need = tiles_per_slice
     w, head = qint_gemv._ld_q4k(w_ptr, row_off, sb0)
     if FLAGS:
         if PDL and EARLY:
             gdc_launch_dependents()
         if layer > 0:
-            _poll_flag(done_ptr + 64 * (layer - 1) + split, tiles_per_slice, done_ptr + 64 * 64,
-                       SLEEP)
+            _poll_flag(done_ptr + 64 * (layer - 1) + split, need, done_ptr + 64 * 64, SLEEP)
         if PDL and not EARLY:
             gdc_launch_dependents()
     else:
@@ -238,47 +250,81 @@ def _flow_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, done
         sum_partials(y_ptr, part_ptr, N, offs, mask, nsplit)
         tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
         tl.debug_barrier()  # every thread's sums are written before the count
-        tl.atomic_add(done_ptr + 64 * layer + pid_n // tiles_per_slice, 1, sem="release",
-                      scope="gpu")
+        if DEP:
+            b = pid_n * BLOCK_N // 256
+            got = tl.atomic_add(blk_ptr + 64 * layer + b, 1, sem="acq_rel", scope="gpu")
+            if got == 256 // BLOCK_N - 1:  # the block's last tile: quantize it
+                bb = b + tl.zeros((1,), tl.int32)
+                xv = tl.load(y_ptr + bb[:, None] * 256 + tl.arange(0, 256)[None, :],
+                             cache_modifier=".cg")
+                quant_x.quantize_store(xv, bb, bb >= 0, 0, q_ptr + K, dx_ptr + dx_slot,
+                                       bs_ptr + K // 16, K)
+                tl.debug_barrier()
+                tl.atomic_add(done_ptr + 64 * layer + b // sb_per_split, 1, sem="release",
+                              scope="gpu")
+        else:
+            tl.atomic_add(done_ptr + 64 * layer + pid_n // tiles_per_slice, 1, sem="release",
+                          scope="gpu")
 
 
 def flow(run: Run, n: int, k: int, layers: int, row: dict, w: torch.Tensor, x: torch.Tensor,
-         want_grid: torch.Tensor, cfg) -> None:
+         want: torch.Tensor, cfg, dep: bool) -> None:
     """The chain on qint's grid split (`cfg`: its programs a split), launches waiting for
-    the launch before (`grid`) against slice flags (`flow`, `flow_late`: the next launch
-    starts after this one's flags; `flow_sleep`: 200 ns between polls); into `row`."""
+    the launch before (`grid`: qint_triton's launches, with dep quantize_x's between them)
+    against slice flags (`flow`, `flow_late`: the next launch starts after this one's
+    flags; `flow_sleep`: 200 ns between polls); into `row`."""
     s, tile = cfg.split, cfg.block_n
     tiles = -(-n // tile)
-    if tiles % s or s > 64 or layers > 64:
-        row["flow_skipped"] = f"{tiles} tiles do not cut into {s} slices"
+    if tiles % s or s > 64 or layers > 64 or dep and (n != k or 256 % tile):
+        row["flow_skipped"] = f"{tiles} tiles of {tile} rows do not cut into {s} slices"
         return
-    xq = quantize_x(x)
+    slots = layers + 1 if dep else 1
+    dx_slot = -(-k // 256 // 32) * 32  # each slot's scales on lines of their own
+    first = quantize_x(x)
+    xq = quant_x.QuantX(*(torch.zeros((slots, dx_slot if i == 1 else t.shape[1]),
+                                      dtype=t.dtype, device=run.dev)
+                          for i, t in enumerate(first)))
+    for t, v in zip(xq, first, strict=True):
+        t[0, :v.shape[1]] = v[0]
     y = torch.empty(layers, n, dtype=torch.float32, device=run.dev)
     part = torch.empty(layers, s, n, dtype=torch.float32, device=run.dev)
     tickets = torch.zeros(layers, tiles, dtype=torch.int32, device=run.dev)
     done = torch.zeros(64 * 64 + 1, dtype=torch.int32, device=run.dev)
+    blk = torch.zeros(64 * 64, dtype=torch.int32, device=run.dev)
     ptx = qint.ptx(run.dev)
 
     def chained(flags: bool, early: bool, sleep: int) -> None:
         done.zero_()
+        blk.zero_()
         kernel = launcher(_flow_kernel, run.dev)  # PDL inside a capture
         for i in range(layers):
-            kernel[(tiles, s)](*xq, w[i], y[i], part[i], tickets[i], done, n, k, w.shape[2],
-                               k // 256 // s, s, i, tiles // s, BLOCK_N=tile, PTX=ptx,
-                               FLAGS=flags, EARLY=early, SLEEP=sleep, num_warps=cfg.num_warps)
+            kernel[(tiles, s)](*xq, w[i], y[i], part[i], tickets[i], done, blk, n, k,
+                               w.shape[2], k // 256 // s, s, i, tiles // s, dx_slot,
+                               BLOCK_N=tile, PTX=ptx, FLAGS=flags, EARLY=early, SLEEP=sleep,
+                               DEP=dep, num_warps=cfg.num_warps)
 
-    variants = {"grid": (False, False, 0), "flow": (True, True, 0),
-                "flow_late": (True, False, 0), "flow_sleep": (True, True, 200)}
+    def launches() -> None:
+        xl = first
+        for i in range(layers):
+            y[i] = qint_triton(x, w[i], Q4_K, (n, k), cfg, xq=xl)[0]
+            if dep:
+                xl = quantize_x(y[i][None])
+
+    variants = {"grid": None, "flow": (True, True, 0), "flow_late": (True, False, 0),
+                "flow_sleep": (True, True, 200)}
     if run.smoke:
-        variants = {"grid": (False, False, 0), "flow": (True, True, 0)}
+        variants = {"grid": None, "flow": (True, True, 0)}
     for label, spec in variants.items():
+        fn = launches if spec is None else partial(chained, *spec)
         y.fill_(float("nan"))
-        run.attempt(f"{n}x{k} {label}", partial(chained, *spec))
-        row[f"{label}_ok"] = bool(torch.equal(y, want_grid)) and int(done[64 * 64]) == 0
+        run.attempt(f"{n}x{k} {label}", fn)
+        row[f"{label}_ok"] = bool(torch.equal(y, want)) and int(done[64 * 64]) == 0
         if not row[f"{label}_ok"]:
             row[f"{label}_gave_up"] = int(done[64 * 64])
+            off = (y != want).any(dim=1).nonzero()
+            row[f"{label}_first_off"] = int(off[0]) if len(off) else None
         if not run.smoke:
-            row[label] = run.time_us([partial(chained, *spec)]) / layers
+            row[label] = run.time_us([fn]) / layers
 
 
 def resident(kernel, warps: int, sms: int) -> int:
@@ -306,6 +352,7 @@ def chain(run: Run, n: int, k: int, layers: int, dep: bool = False, split: int =
            "mb_per_product": n * k // 256 * 144 / 1e6}
     if not (cfg.in_cta and cfg.split > 1):  # the persistent tile is in_cta's
         cfg = qint.in_cta_config(cfg._replace(split=max(2, cfg.split)))
+    grid_cfg = qint.other_way(cfg)  # the flow variants' (the grid split)
     if run.smoke and dep:  # one program: its own barrier passes in the interpreter
         cfg = cfg._replace(block_n=n)
     s, tile = cfg.split, cfg.block_n
@@ -330,13 +377,8 @@ def chain(run: Run, n: int, k: int, layers: int, dep: bool = False, split: int =
         if dep:
             xl = quantize_x(want[-1][None])
     want = torch.stack(want)
-    if not dep:  # the same products on qint's grid split, flags against launches
-        grid_cfg = qint.other_way(cfg)
-        row["grid_config"] = list(grid_cfg)
-        want_grid = torch.stack([qint_triton(x, w[i], Q4_K, (n, k), grid_cfg)[0]
-                                 for i in range(layers)])
-        row["grid_bits_equal"] = bool(torch.equal(want_grid, want))
-        flow(run, n, k, layers, row, w, x, want_grid, grid_cfg)
+    row["grid_config"] = list(grid_cfg)
+    flow(run, n, k, layers, row, w, x, want, grid_cfg, dep)
     y = torch.empty(layers, n, dtype=torch.float32, device=run.dev)
     ctr = torch.zeros(32 * (TREE_GROUPS + 1), dtype=torch.int32, device=run.dev)
     programs = -(-n // tile)
