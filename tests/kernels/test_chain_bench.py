@@ -34,6 +34,13 @@ def test_smoke_products_bit_equal(tmp_path):
     # barriers (one program: the interpreter runs programs one after the other)
     assert rows[3]["prefetch_ok"] is True and rows[3]["programs"] == 1
     assert rows[3]["tree_ok"] is True  # the tree barrier's pass count, one group of one
+    # the same products on qint's grid split, launched and chained by slice flags (the
+    # dependent chain's x quantized by each block's last tile)
+    # (64-row tiles: the first two shapes have one tile, which 2 slices cannot cut)
+    assert all("flow_skipped" in r for r in rows[:2])
+    for r in rows[2:]:
+        assert r["grid_ok"] is True and r["flow_ok"] is True, r
+        assert r["grid_config"][:2] == [64, 2] and r["grid_config"][6] is False  # not in_cta
 
 
 def test_smoke_split_override(tmp_path):
@@ -51,6 +58,40 @@ def test_smoke_split_override(tmp_path):
                           "48x1024", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 1 and "must divide" in bad.stdout
+
+
+@pytest.mark.parametrize("target", ["cuda:90", "hip:gfx1151"])
+@pytest.mark.parametrize("dep", [False, True])
+def test_flow_variant_builds(target, dep):
+    """The flow kernel: an acquire poll on its slice's flag, release counts of tiles (and
+    with dep of blocks, after the block's quantization); no griddepcontrol.wait."""
+    sys.path[:0] = [str(BENCH)]
+    try:
+        import chain_bench
+    finally:
+        sys.path.remove(str(BENCH))
+    from kernels import aot
+
+    cuda = target.startswith("cuda")
+    sig = {"q_ptr": "*i8", "dx_ptr": "*fp32", "bs_ptr": "*i32", "w_ptr": "*u8",
+           "y_ptr": "*fp32", "part_ptr": "*fp32", "ticket_ptr": "*i32", "done_ptr": "*i32",
+           "blk_ptr": "*i32", "N": "i32", "K": "i32", "row_bytes": "i32",
+           "sb_per_split": "i32", "nsplit": "i32", "layer": "i32", "tiles_per_slice": "i32",
+           "dx_slot": "i32"}
+    consts = {"BLOCK_N": 64, "PTX": cuda, "FLAGS": True, "EARLY": True, "SLEEP": 200 * cuda,
+              "DEP": dep, "PDL": cuda}
+    spec = aot.KernelSpec("flow", chain_bench._flow_kernel,
+                          {**sig, **{k: "constexpr" for k in consts}}, consts, 2, False,
+                          divisible=("q_ptr", "dx_ptr", "bs_ptr", "w_ptr", "y_ptr"),
+                          backend=target.partition(":")[0])
+    kernel = aot.build(spec, target)
+    info = aot.check_asm(spec, target, kernel)
+    assert not info["problems"], info
+    if cuda:
+        ptx = kernel.asm["ptx"]
+        assert "ld.global.gpu.acquire" in ptx and "atom.global.gpu.release.add" in ptx
+        assert "griddepcontrol.wait" not in ptx and "griddepcontrol.launch_dependents" in ptx
+        assert "nanosleep" in ptx
 
 
 @pytest.mark.parametrize("target,groups", [("cuda:90", 0), ("hip:gfx1151", 0),
