@@ -3,7 +3,7 @@
 A decode step at one stream is a chain of products, each waiting for the one before; a
 small product's time is mostly its ramp (its first weights arrive a DRAM latency after it
 may start) and its tail. This bench times `layers` products of one shape, x fixed (one
-row, quantized once), each weight matrix its own (they miss the L2), five ways:
+row, quantized once), each weight matrix its own (they miss the L2), nine ways:
 
 - `launches`: one qint launch each (kernels/qint.py, the engine's one-row build), in one
   CUDA graph with programmatic dependent launches: each waits for the one before;
@@ -21,7 +21,7 @@ Square shapes run again as a dependent chain (`dep`): each product's x is the ou
 the one before, quantized (as quantize_x does) by the kernel's programs between two
 barriers, against launches of quantize_x and the product in turn (the engine's o
 projection after its attention). Random weights grow the chain's values about 20 000x a
-product, so past the 8th they overflow to inf and NaN (a float64 run of the same chain:
+product, so past the 8th they overflow to inf and NaN (a float32 run of the same chain:
 bench/RESULTS.md, 2026-12-05): the check counts a NaN where qint_triton's output has one
 as equal (`same_bits`).
 
