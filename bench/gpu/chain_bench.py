@@ -270,6 +270,19 @@ def _flow_kernel(q_ptr, dx_ptr, bs_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, done
                           scope="gpu")
 
 
+def x_slots(first: quant_x.QuantX, slots: int, k: int) -> tuple[quant_x.QuantX, int]:
+    """`slots` quantized x's (q, dx, bs rows), slot 0 holding `first`, the others zero, and
+    the floats between slots' scales: each slot's scales on 128-byte lines of their own (a
+    read of slot l's scales must not bring slot l + 1's line, still unwritten, into an L1)."""
+    dx_slot = -(-k // 256 // 32) * 32
+    xq = quant_x.QuantX(*(torch.zeros((slots, dx_slot if i == 1 else t.shape[1]),
+                                      dtype=t.dtype, device=t.device)
+                          for i, t in enumerate(first)))
+    for t, v in zip(xq, first, strict=True):
+        t[0, :v.shape[1]] = v[0]
+    return xq, dx_slot
+
+
 def flow(run: Run, n: int, k: int, layers: int, row: dict, w: torch.Tensor, x: torch.Tensor,
          want: torch.Tensor, cfg, dep: bool) -> None:
     """The chain on qint's grid split (`cfg`: its programs a split), launches waiting for
@@ -282,13 +295,8 @@ def flow(run: Run, n: int, k: int, layers: int, row: dict, w: torch.Tensor, x: t
         row["flow_skipped"] = f"{tiles} tiles of {tile} rows do not cut into {s} slices"
         return
     slots = layers + 1 if dep else 1
-    dx_slot = -(-k // 256 // 32) * 32  # each slot's scales on lines of their own
     first = quantize_x(x)
-    xq = quant_x.QuantX(*(torch.zeros((slots, dx_slot if i == 1 else t.shape[1]),
-                                      dtype=t.dtype, device=run.dev)
-                          for i, t in enumerate(first)))
-    for t, v in zip(xq, first, strict=True):
-        t[0, :v.shape[1]] = v[0]
+    xq, dx_slot = x_slots(first, slots, k)
     y = torch.empty(layers, n, dtype=torch.float32, device=run.dev)
     part = torch.empty(layers, s, n, dtype=torch.float32, device=run.dev)
     tickets = torch.zeros(layers, tiles, dtype=torch.int32, device=run.dev)
@@ -368,15 +376,7 @@ def chain(run: Run, n: int, k: int, layers: int, dep: bool = False, split: int =
     s, tile = cfg.split, cfg.block_n
     w = torch.stack([random_blocks(run, "Q4_K", n, k) for _ in range(layers)])
     x = torch.randn(1, k, device=run.dev, generator=run.gen).bfloat16()
-    slots = layers + 1 if dep else 1
-    # floats between x slots' scales: each slot on its own 128-byte lines (a read of slot
-    # l's scales must not bring slot l + 1's line, still unwritten, into an L1)
-    dx_slot = -(-k // 256 // 32) * 32
-    xq = quant_x.QuantX(*(torch.zeros((slots, dx_slot if i == 1 else t.shape[1]),
-                                   dtype=t.dtype, device=run.dev)
-                       for i, t in enumerate(quantize_x(x))))
-    for t, v in zip(xq, quantize_x(x), strict=True):
-        t[0, :v.shape[1]] = v[0]
+    xq, dx_slot = x_slots(quantize_x(x), layers + 1 if dep else 1, k)
 
     def launches(i: int, xl: quant_x.QuantX) -> torch.Tensor:
         return qint_triton(x, w[i], Q4_K, (n, k), cfg, xq=xl)
