@@ -116,7 +116,9 @@ def has_sinks(mf: ModelFile) -> bool:
     the bisection): every part is as close to the CPU as in the other families (0.2-0.8%
     a linear, the attention with its sinks 0.01%), and with the CPU's expert choices
     forced every layout passes; the tiny model's router has near ties that these
-    differences flip. Until a routing-aware comparison passes on a GPU, ggml stays."""
+    differences flip. test_gpu_paths now compares along the GPU path's routing
+    (tests/engine/forced_routes.py; every layout passes it interpreted on the CPU with the
+    GPU's rounding). Until it passes on a GPU, ggml stays."""
     return "blk.0.attn_sinks.weight" in mf.tensors
 
 
