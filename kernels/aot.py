@@ -64,6 +64,7 @@ def kernel_specs(quick: bool = False) -> list[KernelSpec]:
         qint,
         qint_mma,
         qmatmul,
+        rotate,
     )
 
     specs = [*qgemv.aot_specs(KernelSpec), *qmatmul.aot_specs(KernelSpec),
@@ -73,7 +74,7 @@ def kernel_specs(quick: bool = False) -> list[KernelSpec]:
     if not quick:  # CI builds these in tests/kernels/test_fused_aot.py (no dots to check)
         specs += [*fused_norm.aot_specs(KernelSpec), *fused_rope.aot_specs(KernelSpec),
                   *kv_store.aot_specs(KernelSpec), *gated_act.aot_specs(KernelSpec),
-                  *gather_rows.aot_specs(KernelSpec)]
+                  *gather_rows.aot_specs(KernelSpec), *rotate.aot_specs(KernelSpec)]
     if quick:  # q8 K and q4 V are each built in their own pair
         specs = [s for s in specs if not (s.name.endswith("_m16") and "Q4_K" not in s.name
                                           and "Q6_K" not in s.name

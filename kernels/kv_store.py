@@ -8,9 +8,10 @@ multiply every 32-block by the normalized Hadamard matrix H first. Here that pro
 computed exactly up to one final rounding: a fast Walsh-Hadamard butterfly in float64
 (stages of distance 1, 2, 4, 8, 16; float32 inputs, so every add is exact unless a
 block spans more than 2^29 in magnitude), times 1/sqrt(32) in float64, rounded to
-float32. The kernel and `rotate_exact` (the reference) run the same operations in the
-same order, so their planes are bit-identical; formats.py's float32 matmul rotation
-differs from it by float32 rounding, which flips a code in about one element in 10^5.
+float32. The kernel (kernels/rotate.py's hadamard_blocks) and `rotate_exact` (the
+reference) run the same operations in the same order, so their planes are bit-identical;
+formats.py's float32 matmul rotation differs from it by float32 rounding, which flips a
+code in about one element in 10^5.
 
 Divisions use div_rn: a compiled `/` may be approximate on the GPU, and a code or scale
 that differs in its last bit would break bit-identity with the reference.
@@ -24,7 +25,7 @@ import torch
 
 from engine.errors import InvalidRequest
 from engine.kv.formats import FORMATS
-from engine.kv.hadamard import H_SCALE, rotate_exact
+from engine.kv.hadamard import rotate_exact
 from kernels.triton_util import (
     HAS_TRITON,
     await_inputs,
@@ -63,7 +64,7 @@ def kv_store_reference(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
 
 
 if HAS_TRITON:
-    _H_SCALE = tl.constexpr(H_SCALE)
+    from kernels.rotate import hadamard_blocks
 
     @helper
     def _round_half_even(v):
@@ -83,16 +84,6 @@ if HAS_TRITON:
         return tl.minimum(tl.maximum(_round_half_even(q), LO * 1.0), HI * 1.0)
 
     @helper
-    def _hadamard(x, RP: tl.constexpr):
-        """(RP, 32) float32 -> (RP, 32) float32 blocks times H (rotate_exact's order: the
-        butterfly over the last of five binary axes, then the axes rotated by one)."""
-        y = tl.reshape(x.to(tl.float64), (RP, 2, 2, 2, 2, 2))
-        for _ in tl.static_range(5):
-            a, b = tl.split(y)
-            y = tl.permute(tl.join(a + b, a - b), (0, 5, 1, 2, 3, 4))
-        return (tl.reshape(y, (RP, 32)) * tl.full((), _H_SCALE, tl.float64)).to(tl.float32)
-
-    @helper
     def _encode(x_ptr, stride_h, slot, p0, p1, FMT: tl.constexpr, ROTATE: tl.constexpr,
                 H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
                 RP: tl.constexpr):
@@ -110,7 +101,7 @@ if HAS_TRITON:
             ok = r < H * NB
             b = tl.load(x_ptr + (r // NB) * stride_h + (r % NB) * 32 + j, mask=ok, other=0.0)
             if ROTATE:
-                b = _hadamard(b, RP)
+                b = hadamard_blocks(b, RP)
             if FMT == 1:  # scale = amax / 127
                 amax = tl.max(tl.abs(b), 1)
                 scale = tl.minimum(tl.math.div_rn(amax, 127.0), 65504.0).to(tl.float16)

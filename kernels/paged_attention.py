@@ -9,7 +9,8 @@ engine/layers/attention.py). Scores are `scale * q.k`, soft-capped to
 denominator and contributes no value. K and V planes are engine/kv/formats.py's and are
 dequantized inside the kernel. q8/q4 store Hadamard-rotated 32-blocks: since
 q . (H k') = (H q) . k' and sum p (H v') = H sum p v', q is rotated once before the kernel
-and the output once after (engine/kv/hadamard.py), never a key or a value. The kernels,
+and the output once after (engine/kv/hadamard.py), never a key or a value, by
+kernels/rotate.py's exact launch (a float32 matmul's bits depend on its row count). The kernels,
 their launch and AOT specs are in kernels/paged_attention_triton.py.
 
 Work items (kernels/paged_attention_plan.py) are a block of query tokens of one row (all
@@ -35,6 +36,7 @@ from engine.errors import InvalidRequest
 from kernels.paged_attention_plan import FORMAT_IDS, AttnConfig, AttnPlan, plan_attention
 from kernels.paged_attention_triton import MERGE_HEADS, aot_specs, launch
 from kernels.quant_x import QK, QuantX, empty_quant_x
+from kernels.rotate import rotate
 from kernels.triton_util import kernels_run
 
 # aot_specs: kernels/aot.py collects every module's specs from here.
@@ -225,7 +227,7 @@ def _attention(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
     if plan.num_tokens != num_tokens:
         raise InvalidRequest(f"paged_attention: plan has {plan.num_tokens} tokens, q {num_tokens}")
     if k_format in ("q8", "q4"):
-        q = _rotate(q)
+        q = rotate(q)
     out = torch.empty(num_tokens, num_heads, dim_v, dtype=torch.float32, device=q.device)
     xq = None
     # whole 256-column blocks in every program that writes out: a KV head's query heads
@@ -240,5 +242,5 @@ def _attention(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
                page_table, page_size, (scale, window, softcap), sinks, plan, cfg, out, xq,
                decode_cfg)
     if v_format in ("q8", "q4"):
-        out = _rotate(out)
+        out = rotate(out)
     return out.reshape(num_tokens, num_heads * dim_v), xq

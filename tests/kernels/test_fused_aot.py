@@ -14,7 +14,7 @@ from kernels.triton_util import HAS_TRITON
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="the CPU torch build has no Triton")
 MODULES = ("kernels.fused_norm", "kernels.fused_rope", "kernels.kv_store", "kernels.gated_act",
-           "kernels.gather_rows")
+           "kernels.gather_rows", "kernels.rotate")
 TARGETS = ("hip:gfx1151", "cuda:90")
 
 
