@@ -7,10 +7,10 @@ both on the GPU path: a float64 Walsh-Hadamard butterfly (stages of distance 1, 
 its order, so the two are bit-identical. kernels/kv_store.py rotates with the same helper
 (`hadamard_blocks`) as it stores.
 
-Why not a float32 matmul by H: torch's GPU matmul picks its kernel by the row count, and
-the kernels sum a block's 32 products in different orders, so a row's rotated q (and with
-it its logits) differed by a last bit alone and among other rows. Here a row's bits
-depend on its own values only (DESIGN.md's batch invariance).
+Why not a float32 matmul by H (as before): a GPU matmul library picks its kernel by the
+row count, and its kernels may sum a block's 32 products in different orders, so a row's
+rotated q, and with it its logits, could differ in a last bit alone and among other rows.
+Here a row's bits depend on its own values only (DESIGN.md's batch invariance).
 """
 
 from __future__ import annotations
