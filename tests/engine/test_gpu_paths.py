@@ -187,16 +187,16 @@ def test_gpu_logits_close_to_cpu(tiny, weights, monkeypatch):
     (quantized KV on the GPU: test_graph_replay_is_bit_equal_to_eager and the interpreter
     tests in tests/engine/layers). MoE families: the CPU takes the GPU's routing (experts
     and weights; tests/engine/forced_routes.py: the tiny router is ill-conditioned), so
-    the GPU runs eagerly, where its routing's Python runs; its graph
-    replays give the eager bits (test_graph_replay_is_bit_equal_to_eager,
+    the GPU runs eagerly, where its routing's Python runs; its graph replays give the
+    eager bits (test_graph_replay_is_bit_equal_to_eager,
     test_mixed_graph_captured_when_idle_replays_the_eager_bits)."""
     kv_quant = "f16"
     models = [load_for(tiny, o).model for o in (opts("cpu", "bf16", False),
                                                  opts("cuda", weights, True))]
     moe = is_moe(models[0])
-    forced = ForcedRoutes(monkeypatch) if moe else None
     runners = [ModelRunner(m, 96, 16, kv_quant, cuda_graphs=not moe, max_context=256)
                for m in models]
+    forced = ForcedRoutes(monkeypatch) if moe else None  # after every load and runner
     seqs = [[SeqPages(r.pool) for _ in range(4)] for r in runners]
     spans = [(i, p) for i, p in enumerate(prompts_for(4))]
     for _ in range(6):
