@@ -6,7 +6,8 @@ multiprocessors with 32 keys a split at most and 16 at least, so a row alone wou
 keys finer than a row among 4 if the step's row count chose the cut, and a mixed step
 would take other items and another kernel config than a decode-only one if its one-token
 rows were planned as chunks. The model is the q8 layout of a tiny Llama (qint's products:
-a row's bits at any row count) with its head run a row at a time (RowHead)."""
+a row's bits at any row count) with its head run a row at a time (RowHead); f16 KV, and
+k8v4 eagerly (its quantized store and the attention's rotations, kernels/rotate.py)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ class RowHead:
         return torch.cat([self.head(x[i:i + 1]) for i in range(x.shape[0])])
 
 
-def alone_and_among(path: str, steps_alone: list, steps_among: list, graphs: bool) -> dict:
+def alone_and_among(path: str, steps_alone: list, steps_among: list, graphs: bool,
+                    kv_quant: str = "f16") -> dict:
     """In the worker: each list of steps on a runner of its own (64 multiprocessors, the
     split sizes put back after: the worker is shared) -> every step's logits."""
     import kernels.paged_attention_plan as plan_module
@@ -49,7 +51,7 @@ def alone_and_among(path: str, steps_alone: list, steps_among: list, graphs: boo
         out = {}
         for name, steps in (("alone", steps_alone), ("among", steps_among)):
             fake = FakeCapture() if graphs else None
-            runner = ModelRunner(model, PAGES, 16, "f16", cuda_graphs=graphs,
+            runner = ModelRunner(model, PAGES, 16, kv_quant, cuda_graphs=graphs,
                                  max_context=CONTEXT, capture=fake, num_sms=64)
             if graphs:
                 assert runner.mixed is not None
@@ -67,9 +69,10 @@ def alone_and_among(path: str, steps_alone: list, steps_among: list, graphs: boo
         plan_module.SPLIT_KEYS, plan_module.MIN_SPLIT_KEYS = saved
 
 
-@pytest.mark.parametrize("graphs", [False, True])
+# k8v4: the quantized K/V store, the rotations of q and of the output (kernels/rotate.py)
+@pytest.mark.parametrize("graphs,kv_quant", [(False, "f16"), (True, "f16"), (False, "k8v4")])
 def test_a_decoding_row_has_the_same_bits_alone_and_among_others(triton_worker, tmp_path,
-                                                                 vocab_dir, graphs):
+                                                                 vocab_dir, graphs, kv_quant):
     path = write_q8_llama(tmp_path / "q8.gguf", vocab_dir, num_layers=1, seed=23)
     ids = random_ids()
 
@@ -84,7 +87,7 @@ def test_a_decoding_row_has_the_same_bits_alone_and_among_others(triton_worker, 
     # the last token beside a prompt's chunk (a mixed step) and two decoding rows
     among += [[(1, ids(1)), (0, tokens[2]), (9, chunk), (3, ids(1))]]
     res = triton_worker.call("test_batch_invariance:alone_and_among", str(path), alone, among,
-                             graphs)
+                             graphs, kv_quant)
     got, want = res["among"]["logits"], res["alone"]["logits"]
     assert torch.equal(got[0], want[0])  # the prompt, alone in both
     for step in range(2):  # decode-only steps: row 0 of 5
