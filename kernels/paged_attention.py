@@ -10,8 +10,8 @@ denominator and contributes no value. K and V planes are engine/kv/formats.py's 
 dequantized inside the kernel. q8/q4 store Hadamard-rotated 32-blocks: since
 q . (H k') = (H q) . k' and sum p (H v') = H sum p v', q is rotated once before the kernel
 and the output once after (engine/kv/hadamard.py), never a key or a value, by
-kernels/rotate.py's exact launch (a float32 matmul's bits depend on its row count). The kernels,
-their launch and AOT specs are in kernels/paged_attention_triton.py.
+kernels/rotate.py's exact launch (a GPU matmul's bits may depend on its row count). The
+kernels, their launch and AOT specs are in kernels/paged_attention_triton.py.
 
 Work items (kernels/paged_attention_plan.py) are a block of query tokens of one row (all
 query heads of one KV head, GQA packed into the MMA's M side) times a range of key
