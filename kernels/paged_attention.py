@@ -27,12 +27,12 @@ into the same partial slots. Dots take f16 operands, accumulate in f32.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 from engine.errors import InvalidRequest
+from engine.kv.hadamard import rotate_blocks
 from kernels.paged_attention_plan import FORMAT_IDS, AttnConfig, AttnPlan, plan_attention
 from kernels.paged_attention_triton import MERGE_HEADS, aot_specs, launch
 from kernels.quant_x import QK, QuantX, empty_quant_x
@@ -49,22 +49,6 @@ _PLANES = {"f16": {"data": (torch.float16, 1)},
            "q4": {"codes": (torch.uint8, 2), "scales": (torch.float16, 32)}}
 
 
-@functools.lru_cache(maxsize=8)
-def hadamard32(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """(32, 32) normalized Sylvester Hadamard matrix (symmetric, its own inverse)."""
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < 32:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / 32**0.5).to(device=device, dtype=dtype)
-
-
-def _rotate(x: torch.Tensor) -> torch.Tensor:
-    """(..., d) -> every 32-block of the last dim times H, in x's float precision."""
-    x = x if x.dtype == torch.float64 else x.float()
-    h = hadamard32(x.device, x.dtype)
-    return (x.reshape(*x.shape[:-1], -1, 32) @ h).reshape(x.shape)
-
-
 def _decode64(planes: dict[str, torch.Tensor], fmt: str, slots: torch.Tensor) -> torch.Tensor:
     """Planes at `slots` (n,) -> (n, kv_heads, dim) float64, rotated back where stored so."""
     if fmt.startswith("f16"):
@@ -74,8 +58,7 @@ def _decode64(planes: dict[str, torch.Tensor], fmt: str, slots: torch.Tensor) ->
     if fmt.startswith("q4"):  # byte j: element 2j low nibble, 2j + 1 high, stored as code + 8
         codes = torch.stack([codes & 15, codes >> 4], -1).flatten(-2).double() - 8
     x = codes.double().reshape(*scales.shape, 32) * scales[..., None]
-    x = _rotate(x.flatten(-2)) if fmt in ("q8", "q4") else x.flatten(-2)
-    return x
+    return (rotate_blocks(x) if fmt in ("q8", "q4") else x).flatten(-2)
 
 
 def paged_attention_reference(
