@@ -57,7 +57,3 @@ class ForcedRoutes:
 
     def clear(self) -> None:
         self.pending.clear()
-
-
-def is_moe(model) -> bool:
-    return any(getattr(block, "moe", None) is not None for block in model.blocks)

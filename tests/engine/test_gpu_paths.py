@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from forced_routes import ForcedRoutes, is_moe
+from forced_routes import ForcedRoutes
 from span_batch import span_batch
 
 from engine.batch import ForwardBatch
@@ -106,16 +106,18 @@ def cpu_logits(path, prompt: list[int], tokens: list[int], routes_of: EngineOpti
     on the same tokens, run first."""
     ids = prompt + tokens
     rows = list(range(len(prompt) - 1, len(ids) - 1))
-    out = None
-    for options in ([] if routes_of is None else [routes_of]) + [opts("cpu", "bf16", False)]:
-        runner = ModelRunner(load_for(path, options).model, 64)
-        if forced is not None and options is routes_of:
-            forced.clear()  # routes of the load's own forwards (a hybrid layout's timing)
+
+    def prefill(runner: ModelRunner) -> torch.Tensor:
         seq = SeqPages(runner.pool)
         seq.ensure(len(ids))
-        out = runner.forward(ForwardBatch.build([(ids, 0)], {g: [seq.table(g)] for g in
-                                                              runner.pool.groups}, rows))
-    return out.cpu()
+        return runner.forward(ForwardBatch.build([(ids, 0)], {g: [seq.table(g)] for g in
+                                                               runner.pool.groups}, rows))
+
+    if routes_of is not None:
+        runner = ModelRunner(load_for(path, routes_of).model, 64)
+        forced.clear()  # routes of the load's own forwards (a hybrid layout's timing)
+        prefill(runner)
+    return prefill(ModelRunner(load_for(path, opts("cpu", "bf16", False)).model, 64)).cpu()
 
 
 def prompts_for(n: int) -> list[list[int]]:
@@ -166,7 +168,7 @@ def test_gpu_greedy_tokens_match_cpu(tiny, weights, graphs, monkeypatch):
     graphs_of = core.runner.graphs
     assert (graphs_of is not None and graphs_of.num_replays > 0) == graphs
     assert (core.num_ahead_steps > 0) == graphs  # look-ahead steps replay graphs
-    forced = ForcedRoutes(monkeypatch) if is_moe(core.runner.model) else None
+    forced = ForcedRoutes(monkeypatch) if core.runner.model.cfg.num_experts else None
     for prompt, a, b in zip(prompts, cpu, gpu, strict=True):
         if a == b:
             continue
@@ -193,7 +195,7 @@ def test_gpu_logits_close_to_cpu(tiny, weights, monkeypatch):
     kv_quant = "f16"
     models = [load_for(tiny, o).model for o in (opts("cpu", "bf16", False),
                                                  opts("cuda", weights, True))]
-    moe = is_moe(models[0])
+    moe = models[0].cfg.num_experts > 0
     runners = [ModelRunner(m, 96, 16, kv_quant, cuda_graphs=not moe, max_context=256)
                for m in models]
     forced = ForcedRoutes(monkeypatch) if moe else None  # after every load and runner
