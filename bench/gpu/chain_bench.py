@@ -332,10 +332,15 @@ def flow(run: Run, n: int, k: int, layers: int, row: dict, w: torch.Tensor, x: t
         row[f"{label}_ok"] = same_bits(y, want) and int(done[64 * 64]) == 0
         if not row[f"{label}_ok"]:
             row[f"{label}_gave_up"] = int(done[64 * 64])
-            off = (y.view(torch.int32) != want.view(torch.int32)).any(dim=1).nonzero()
-            row[f"{label}_first_off"] = int(off[0]) if len(off) else None
+            row[f"{label}_first_off"] = first_off(y, want)
         if not run.smoke:
             row[label] = run.time_us([fn]) / layers
+
+
+def first_off(y: torch.Tensor, want: torch.Tensor) -> int | None:
+    """The first product (row of y) whose bits differ from want's, or None."""
+    off = (y.view(torch.int32) != want.view(torch.int32)).any(dim=1).nonzero()
+    return int(off[0]) if len(off) else None
 
 
 def same_bits(y: torch.Tensor, want: torch.Tensor) -> bool:
@@ -428,8 +433,7 @@ def chain(run: Run, n: int, k: int, layers: int, dep: bool = False, split: int =
         persistent(barrier, prefetch, groups)
         row[f"{label}_ok"] = same_bits(y, want) and int(ctr[1]) == 0  # no poll gave up
         if not row[f"{label}_ok"]:  # where it went wrong: the first product off, polls given up
-            off = (y.view(torch.int32) != want.view(torch.int32)).any(dim=1).nonzero()
-            row[f"{label}_first_off"] = int(off[0]) if len(off) else None
+            row[f"{label}_first_off"] = first_off(y, want)
             row[f"{label}_gave_up"] = int(ctr[1])
         if not run.smoke:
             row[label] = run.time_us([partial(persistent, barrier, prefetch, groups)]) / layers
