@@ -29,14 +29,12 @@ from kernels.fused_norm import OUT_DTYPES
 from kernels.gated_act import ACTIVATION_IDS
 from kernels.qgemv import QMMConfig, default_config, ptx, x_left
 from kernels.qmatmul import SUPPORTED_TYPES, _device_info, _lut
-from kernels.qtiles import GEOMETRY, NAMES
+from kernels.qtiles import FLOAT_TYPES, GEOMETRY, NAMES
 from kernels.triton_util import HAS_TRITON, await_inputs, cast_out, helper, jit, launcher, tl
 
 __all__ = ["FLOAT_TYPES", "MOE_TYPES", "moe_matmul", "moe_matmul_reference", "plan_for",
            "row_bytes"]
 
-F32, F16, BF16 = 0, 1, 30
-FLOAT_TYPES = {F32: 4, F16: 2, BF16: 2}  # ggml type -> bytes an element
 MOE_TYPES = frozenset(SUPPORTED_TYPES) | frozenset(FLOAT_TYPES)
 
 
@@ -65,19 +63,6 @@ if HAS_TRITON:
     from kernels.gated_act import gated
 
     @helper
-    def _float_tile(QTYPE: tl.constexpr, w_ptr, row_off, k0, BK: tl.constexpr):
-        """(BN, BK) float32 weights of an F32 / F16 / BF16 matrix's rows at byte offsets
-        row_off, columns k0 .. k0 + BK."""
-        k = k0 + tl.arange(0, BK)
-        if QTYPE == 0:
-            rows = (w_ptr + row_off).to(tl.pointer_type(tl.float32), bitcast=True)
-        elif QTYPE == 1:
-            rows = (w_ptr + row_off).to(tl.pointer_type(tl.float16), bitcast=True)
-        else:
-            rows = (w_ptr + row_off).to(tl.pointer_type(tl.bfloat16), bitcast=True)
-        return tl.load(rows[:, None] + k[None, :]).to(tl.float32)
-
-    @helper
     def _expert_sum(acc, QTYPE: tl.constexpr, w_expert, row_off, lut_ptr, x_ptr, rm, m_ok,
                     stride_xm, k_start, k_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, X_LEFT: tl.constexpr, DOT_F64: tl.constexpr,
@@ -86,14 +71,8 @@ if HAS_TRITON:
         byte offsets row_off, BLOCK_K columns a step in order."""
         for kk in range(0, k_len, BLOCK_K):
             k0 = k_start + kk
-            if QTYPE == 0 or QTYPE == 1 or QTYPE == 30:
-                w = _float_tile(QTYPE, w_expert, row_off, k0, BLOCK_K)
-                xt = qtiles.x_tile(x_ptr, rm, m_ok, stride_xm, k0, BLOCK_K, X_LEFT)
-                acc = qtiles.mac(acc, xt, w, X_LEFT, DOT_F64)
-            else:
-                acc = qscaled.step(acc, QTYPE, w_expert, row_off, k0, lut_ptr, x_ptr, rm,
-                                   m_ok, stride_xm, BLOCK_N, BLOCK_K, BLOCK_M, X_LEFT,
-                                   DOT_F64, PTX)
+            acc = qscaled.step(acc, QTYPE, w_expert, row_off, k0, lut_ptr, x_ptr, rm, m_ok,
+                               stride_xm, BLOCK_N, BLOCK_K, BLOCK_M, X_LEFT, DOT_F64, PTX)
         return acc
 
     @jit
@@ -298,7 +277,7 @@ def aot_specs(spec: type) -> list:
     out = []
     for qtype in sorted(MOE_TYPES):
         as_type = qtiles.Q8_0 if qtype in FLOAT_TYPES else qtype
-        name = NAMES.get(qtype, {F32: "F32", F16: "F16", BF16: "BF16"}.get(qtype))
+        name = NAMES[qtype]
         for backend in ("hip", "cuda"):
             for m, suffix in ((16, ""), (64, "_m64")):  # the skinny and the tiled config
                 cfg = moe_configs(as_type, 1536, 2048, backend)[m == 64]

@@ -63,7 +63,9 @@ _HIP_MAX_BLOCK_K = 128
 # sm_90, per type (bench/gpu/qgemv_sweep.py on the H200, bench/RESULTS.md 2026-11-30):
 # Q4_K at 128 columns per step and 3 stages runs at 128 instead of 168 registers a thread
 # (4 blocks a multiprocessor instead of 3), 1.2-1.4x faster at 1 and 16 rows.
-_CUDA_MAX_BLOCK_K = {qtiles.Q4_K: 128, qtiles.Q6_K: 128}
+# BF16 at 128: the tiled build holds 242 registers a thread without spilling, where 256
+# columns spill 312 bytes (`python -m kernels.aot`; its speed is to be swept on the device).
+_CUDA_MAX_BLOCK_K = {qtiles.Q4_K: 128, qtiles.Q6_K: 128, qtiles.BF16: 128}
 _CUDA_SKINNY_STAGES = {qtiles.Q4_K: 3}
 # Types that run Ampere's mma.sync (m16n8k16) on sm_90 instead of wgmma, on both paths so
 # that a row's bits stay the same: the skinny kernel with 16 rows of x on the left

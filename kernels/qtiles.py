@@ -29,7 +29,12 @@ The float32 operations follow gguf-py's formulas; an offset code is scaled as
 of two, so o * d is exact), and the K-quants' `dl * q - ml` is one fma (gguf-py rounds
 twice: at most one float32 ulp apart, far below the bf16 rounding that follows).
 BK is a multiple of the type's step: 32 for the 32-element blocks and IQ4_XS, 64 for
-Q4_K/Q5_K, 128 for Q6_K (see GEOMETRY).
+Q4_K/Q5_K, 128 for Q6_K, 16 for BF16 (see GEOMETRY).
+
+Float matrices (F32, F16, BF16: one element a "block") are tiles of plain loads. Of them
+only BF16 is in GEOMETRY, the qmatmul kernels' types: a linear's float matrix is held in
+bf16 (engine/layers/ggml_linear.py), the precision the matrix unit multiplies in anyway;
+the MoE kernel (kernels/moe.py) reads all three.
 """
 
 from __future__ import annotations
@@ -39,13 +44,16 @@ from kernels.triton_util import helper, tl
 # GGML type ids (ggml.h); kernels/dequant.py names them through gguf, which the kernels
 # do not need at run time.
 Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, MXFP4 = 2, 6, 8, 12, 13, 14, 23, 39
+F32, F16, BF16 = 0, 1, 30
+FLOAT_TYPES = {F32: 4, F16: 2, BF16: 2}  # ggml type -> bytes an element
 # (elements per block, bytes per block, columns per tile step)
 GEOMETRY: dict[int, tuple[int, int, int]] = {
     Q4_0: (32, 18, 32), Q5_0: (32, 22, 32), Q8_0: (32, 34, 32), IQ4_XS: (256, 136, 32),
     MXFP4: (32, 17, 32), Q4_K: (256, 144, 64), Q5_K: (256, 176, 64), Q6_K: (256, 210, 128),
+    BF16: (1, 2, 16),
 }
 NAMES = {Q4_0: "Q4_0", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
-         Q6_K: "Q6_K", IQ4_XS: "IQ4_XS", MXFP4: "MXFP4"}
+         Q6_K: "Q6_K", IQ4_XS: "IQ4_XS", MXFP4: "MXFP4", F32: "F32", F16: "F16", BF16: "BF16"}
 
 
 @helper
@@ -116,6 +124,19 @@ def _columns(lo, hi, BN: tl.constexpr, BK: tl.constexpr):
 def _blocks32p(rows, k0, TS: tl.constexpr, BK: tl.constexpr):
     """(BN, BK // 32) pointers to the 32-element blocks of the tile."""
     return rows[:, None] + ((k0 // 32 + tl.arange(0, BK // 32)) * TS)[None, :]
+
+
+@helper
+def _tile_float(QTYPE: tl.constexpr, rows, k0, BK: tl.constexpr):
+    """F32 / F16 / BF16 rows (byte pointers `rows`, (BN,)): columns k0 .. k0 + BK."""
+    k = k0 + tl.arange(0, BK)
+    if QTYPE == 0:
+        p = rows.to(tl.pointer_type(tl.float32), bitcast=True)
+    elif QTYPE == 1:
+        p = rows.to(tl.pointer_type(tl.float16), bitcast=True)
+    else:
+        p = rows.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+    return tl.load(p[:, None] + k[None, :]).to(tl.float32)
 
 
 @helper
@@ -275,7 +296,9 @@ def dequant_tile(QTYPE: tl.constexpr, w_ptr, row_off, k0, lut, BN: tl.constexpr,
     """(BN, BK) float32 weights of columns k0 .. k0 + BK of the rows at byte offsets
     `row_off` ((BN,) int64) from w_ptr (`lut`: the code book of IQ4_XS and MXFP4 as
     float32, unused by the other types)."""
-    if QTYPE == 8:
+    if QTYPE == 0 or QTYPE == 1 or QTYPE == 30:
+        w = _tile_float(QTYPE, w_ptr + row_off, k0, BK)
+    elif QTYPE == 8:
         w = _tile_q8_0(w_ptr + row_off, k0, BN, BK)
     elif QTYPE == 2:
         w = _tile_q4_0(w_ptr + row_off, k0, BN, BK)

@@ -48,7 +48,7 @@ from kernels.qtiles import GEOMETRY  # noqa: E402
 
 F16_FIELDS = {"Q4_0": (0,), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
               "Q6_K": (208,), "IQ4_XS": (0,), "MXFP4": ()}
-ALL_TYPES = ["Q8_0", "Q4_K", "Q6_K", "Q4_0", "Q5_0", "Q5_K", "IQ4_XS", "MXFP4"]
+ALL_TYPES = ["Q8_0", "Q4_K", "Q6_K", "Q4_0", "Q5_0", "Q5_K", "IQ4_XS", "MXFP4", "BF16"]
 LLAMA = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
          ("down", 4096, 14336), ("head", 128256, 4096)]
 
@@ -100,7 +100,11 @@ def ceilings(run: Run) -> dict:
 
 
 def random_blocks(run: Run, name: str, n: int, k: int) -> torch.Tensor:
-    """(n, k / block * bytes) uint8: random bytes, finite random f16 scales."""
+    """(n, k / block * bytes) uint8: random bytes, finite random f16 scales (BF16: normal
+    values)."""
+    if name == "BF16":
+        w = torch.randn(n, k, device=run.dev, generator=run.gen).bfloat16()
+        return w.view(torch.uint8)
     block, size, _ = GEOMETRY[GGML_TYPES[name]]
     raw = torch.randint(0, 256, (n, k // block, size), dtype=torch.uint8, device=run.dev,
                         generator=run.gen)

@@ -23,7 +23,8 @@ from engine.layers.linear import Int8Linear, Linear, quantize_rows_int8
 from engine.layers.moe import DenseExperts, Experts, GroupedExperts
 from kernels.dequant import dequantize
 from kernels.gather_rows import can_gather
-from kernels.moe import BF16, F32, MOE_TYPES, row_bytes
+from kernels.moe import MOE_TYPES, row_bytes
+from kernels.qtiles import BF16, F32
 
 FLOAT_TYPES_BY_DTYPE = {torch.float32: F32, torch.bfloat16: BF16}  # dense experts' GGML type
 

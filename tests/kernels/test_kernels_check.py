@@ -28,7 +28,7 @@ def test_smoke_checks_pass_and_cover_every_type(smoke):
     report = smoke["report"]
     checks = report["qmatmul_check"]
     assert {c["type"] for c in checks} == {"Q8_0", "Q4_K", "Q6_K", "Q4_0", "Q5_0", "Q5_K",
-                                           "IQ4_XS", "MXFP4"}
+                                           "IQ4_XS", "MXFP4", "BF16"}
     assert all(c["ok"] and c["row0_bitequal_to_m1"] for c in checks)
     attention = report["attention_check"]
     assert attention and all(c["ok"] for c in attention)

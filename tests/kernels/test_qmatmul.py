@@ -39,7 +39,11 @@ LUT = {T(t): torch.tensor(v, dtype=torch.float32) for t, v in _LUTS.items()}
 
 
 def random_weight(qtype: T, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
-    """(n, k / block * bytes) uint8 blocks: random bytes with finite random f16 scales."""
+    """(n, k / block * bytes) uint8 blocks: random bytes with finite random f16 scales
+    (BF16: standard normal values)."""
+    if qtype == T.BF16:
+        w = torch.from_numpy(rng.standard_normal((n, k), dtype=np.float32))
+        return w.to(torch.bfloat16).view(torch.uint8)
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (n * k // block, size), dtype=np.uint8)
     for offset in F16_FIELDS[qtype]:
