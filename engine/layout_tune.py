@@ -197,11 +197,14 @@ def gpu_measure(device: torch.device, *, replays: int = 5) -> Measure:
     from kernels.dequant import block_geometry
     from kernels.qint import ACT8_STORED, qint_triton, row_bytes
     from kernels.qmatmul import SUPPORTED_TYPES, qmatmul
+    from kernels.qtiles import BF16, FLOAT_TYPES
 
     held: dict[tuple, list[torch.Tensor]] = {}  # the last shape's weight copies
 
     def measure(layout: str, ggml_type: int, n: int, k: int, m: int) -> float:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        if ggml_type in FLOAT_TYPES:  # the block layouts hold float matrices as BF16
+            ggml_type = BF16
         blocks = layout in ("ggml", "q8") and ggml_type in SUPPORTED_TYPES
         if blocks:
             block, size = block_geometry(ggml_type)

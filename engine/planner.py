@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from engine.gguf import ModelFile
 from engine.kv.formats import KV_QUANT_CHOICES, kv_bytes_per_token
 from engine.models.config import ModelConfig
+from kernels.qtiles import FLOAT_TYPES
 
 GIB = 1 << 30
 
@@ -52,8 +53,15 @@ def linear_tensors(mf: ModelFile) -> list:
 
 
 def dense_copy_bytes(mf: ModelFile) -> int:
-    """The hybrid layout's bf16 copies: every linear's matrix (linear_tensors)."""
-    return sum(2 * t.n_elements for t in linear_tensors(mf))
+    """The hybrid layout's bf16 copies: every linear's matrix (linear_tensors) but the
+    float ones, which the GPU holds in bf16 already (the copy is that tensor)."""
+    return sum(2 * t.n_elements for t in linear_tensors(mf) if t.ggml_type not in FLOAT_TYPES)
+
+
+def _gpu_bytes(t) -> int:
+    """A tensor as a GPU holds it: its blocks, a float matrix in bf16
+    (engine/layers/ggml_linear.py), vectors as the file has them."""
+    return 2 * t.n_elements if len(t.shape) == 2 and t.ggml_type in FLOAT_TYPES else t.n_bytes
 
 
 def weights_bytes(mf: ModelFile, cfg: ModelConfig, backend: str) -> int:
@@ -62,7 +70,7 @@ def weights_bytes(mf: ModelFile, cfg: ModelConfig, backend: str) -> int:
     if backend == "hybrid":
         return weights_bytes(mf, cfg, "gpu") + dense_copy_bytes(mf)
     if backend == "gpu":
-        return sum(t.n_bytes for t in mf.tensors.values())
+        return sum(_gpu_bytes(t) for t in mf.tensors.values())
     matrices = sum(t.n_elements for t in mf.tensors.values() if len(t.shape) > 1)
     vectors = sum(t.n_elements for t in mf.tensors.values() if len(t.shape) == 1)
     return matrices * 2 + vectors * 4

@@ -5,8 +5,11 @@ each call runs kernels/qmatmul.py's fused dequant-matmul (the Triton kernel on a
 reference elsewhere, or when MBUFO_KERNELS=torch). Rows of one GGML type concatenate
 block-row-wise, so a fused q/k/v or gate/up of one type is one launch; parts of other
 types (Q4_K_M files keep attn_v and ffn_down in Q6_K) are separate launches whose outputs
-are concatenated. Types without a qmatmul kernel (F16, BF16, F32, ...) are held dense in
-bf16 and go through torch.matmul. With `act8` (the `q8` layout) Q4_K and Q6_K parts
+are concatenated. Float matrices (F32, F16, BF16: gpt-oss's attention and output, F16
+files) are held in bf16 and run the same kernels as a BF16 "block" type, so their rows are
+batch-invariant too (a vendor matrix library picks its kernel, and with it the order of
+the sums, by the row count); with a float32 `dense_dtype` (exact parity runs) they stay
+float32 and go through torch.matmul. With `act8` (the `q8` layout) Q4_K and Q6_K parts
 multiply x quantized to 8 bits instead (kernels/qint.py: its own numerics, batch-invariant
 as well); their Q6_K blocks are repacked at load into qint's aligned rows (Q6_K_A).
 
@@ -39,6 +42,7 @@ from kernels.qint import (
     repack_q6k,
 )
 from kernels.qmatmul import SUPPORTED_TYPES, qmatmul, qmatmul_reference
+from kernels.qtiles import BF16, FLOAT_TYPES
 from kernels.quant_x import QuantX, quantize_x
 from kernels.triton_util import thread_flag
 
@@ -103,6 +107,9 @@ class GGMLLinear:
         """raw: the tensor's GGUF bytes (flat uint8, on the target device); `dense_rows`:
         also keep a `dense_dtype` copy for calls of that many rows or more."""
         out_features, in_features = (int(s) for s in shape)
+        if int(ggml_type) in FLOAT_TYPES and dense_dtype == torch.bfloat16:
+            return cls._from_float(raw, ggml_type, shape, bias, name=name, act8=act8,
+                                   dense_rows=dense_rows)
         if int(ggml_type) in SUPPORTED_TYPES:
             block, type_size = block_geometry(ggml_type)
             if in_features % block or raw.numel() != out_features * (in_features // block) * \
@@ -121,6 +128,27 @@ class GGMLLinear:
                             dequantize(raw, ggml_type, shape, out_dtype=dense_dtype, name=name))
             dense = None if dense_rows is None else part.weight  # the same tensor, no copy
         return cls([part], in_features, bias, act8=act8, dense=dense, dense_rows=dense_rows)
+
+    @classmethod
+    def _from_float(cls, raw: torch.Tensor, ggml_type: int, shape: tuple[int, int],
+                    bias: torch.Tensor | None, *, name: str, act8: bool,
+                    dense_rows: int | None) -> GGMLLinear:
+        """An F32/F16/BF16 matrix held in bf16 (F32 and F16 rounded once: the matrix unit
+        multiplies in bf16 anyway) as a BF16 part of the block kernels, so its rows are
+        batch-invariant like the blocks'; a BF16 file's bytes are used as they are, and a
+        hybrid layer's dense copy is the same tensor."""
+        out_features, in_features = (int(s) for s in shape)
+        if int(ggml_type) == BF16:
+            if raw.numel() != out_features * in_features * 2:
+                raise GGUFFormatError(f"{name}: {raw.numel()} bytes do not hold BF16 of "
+                                      f"shape {tuple(shape)}")
+            weight = raw.reshape(out_features, in_features * 2).contiguous()
+        else:
+            weight = dequantize(raw, ggml_type, shape, out_dtype=torch.bfloat16,
+                                name=name).view(torch.uint8)
+        dense = None if dense_rows is None else weight.view(torch.bfloat16)
+        return cls([GGMLPart(out_features, BF16, weight)], in_features, bias, act8=act8,
+                   dense=dense, dense_rows=dense_rows)
 
     @classmethod
     def fuse(cls, linears: Sequence[GGMLLinear]) -> GGMLLinear:
@@ -240,13 +268,16 @@ def probe_out_dtype(device: torch.device) -> bool:
 
 
 def _share_dense_rows(parts: list[GGMLPart], dense: torch.Tensor) -> list[GGMLPart]:
-    """`parts` with each dense part (a type without a kernel: F16, BF16, ...) replaced by
-    the view of its rows in the fused copy `dense`, whose rows are the same values (the
-    part's own tensor was the unfused copy: held twice otherwise)."""
+    """`parts` with each float part (BF16 bytes, or a dense f32 matrix) replaced by the
+    view of its rows in the fused copy `dense`, whose rows are the same values (the part's
+    own tensor was the unfused copy: held twice otherwise)."""
     out, row = [], 0
     for part in parts:
-        if part.ggml_type is None and part.weight.dtype == dense.dtype:
-            part = part._replace(weight=dense[row:row + part.out_features])
+        rows = dense[row:row + part.out_features]
+        if part.ggml_type == BF16 and dense.dtype == torch.bfloat16:
+            part = part._replace(weight=rows.view(torch.uint8))
+        elif part.ggml_type is None and part.weight.dtype == dense.dtype:
+            part = part._replace(weight=rows)
         out.append(part)
         row += part.out_features
     return out

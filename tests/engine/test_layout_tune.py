@@ -266,6 +266,27 @@ def test_hybrid_plan_counts_a_bf16_copy_of_every_linear(with_head, tied, capsys)
         assert out["weights_bytes"] == weights_bytes(mf, read_config(mf), "hybrid")
 
 
+def test_float_linears_count_as_bf16_and_have_no_second_copy(tmp_path, vocab_dir):
+    """A GPU holds F32/F16 matrices in bf16 (two bytes an element), and the hybrid layout's
+    copy of a float matrix is that tensor: no copy is counted for it."""
+    from engine.planner import dense_copy_bytes, weights_bytes
+
+    types = {**TYPES, "attn_output.weight": T.F32, "output.weight": T.F16}
+    spec = SyntheticSpec("llama", hidden_size=H, num_heads=8, num_kv_heads=2, head_dim=64,
+                         ffn_size=F, num_layers=LAYERS, types=types, tied_embeddings=False)
+    path = tmp_path / "floats.gguf"
+    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-bpe.gguf", seed=3)
+    with ModelFile.open(path) as mf:
+        cfg = read_config(mf)
+        floats = {"output.weight"} | {f"blk.{i}.attn_output.weight" for i in range(LAYERS)}
+        assert {mf.tensors[n].ggml_type for n in floats} == {T.F32, T.F16}
+        blocks = sum(t.n_bytes for n, t in mf.tensors.items() if n not in floats)
+        assert weights_bytes(mf, cfg, "gpu") == blocks + 2 * (LAYERS * H * Q + cfg.vocab_size * H)
+        quantized = [s for s in linear_shapes(mf) if s.ggml_type not in (T.F32, T.F16)]
+        assert dense_copy_bytes(mf) == sum(2 * s.count * s.out_features * s.in_features
+                                           for s in quantized)
+
+
 def test_a_moe_model_keeps_its_blocks_however_fast_bf16_times(tmp_path, vocab_dir):
     """qwen3moe: its experts are not timed (they are not 2-D linears), so bf16 is not
     offered even when its attention linears time fastest in it."""

@@ -24,13 +24,15 @@ from kernels.qint import Q6_K_A
 from kernels.quant_x import dequantized_x_reference
 
 F16_FIELDS = {T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}
+FLOATS = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 
 
 def random_raw(qtype: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Flat uint8 GGUF bytes of an (n, k) weight: random codes, finite random f16 scales."""
     block, size = GGML_QUANT_SIZES[qtype]
-    if qtype == T.F16:
-        return rng.standard_normal((n, k)).astype(np.float16).view(np.uint8).reshape(-1)
+    if qtype in FLOATS:
+        w = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)).to(FLOATS[qtype])
+        return w.view(torch.uint8).reshape(-1).numpy()
     raw = rng.integers(0, 256, (n * k // block, size), dtype=np.uint8)
     for offset in F16_FIELDS[qtype]:
         raw[:, offset:offset + 2] = (rng.standard_normal((len(raw), 1)) * 0.1).astype(
@@ -39,8 +41,8 @@ def random_raw(qtype: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray
 
 
 def dense64(raw: np.ndarray, qtype: T, n: int, k: int) -> torch.Tensor:
-    if qtype == T.F16:
-        return torch.from_numpy(raw.view(np.float16).astype(np.float64).reshape(n, k))
+    if qtype in FLOATS:
+        return torch.from_numpy(raw).view(FLOATS[qtype]).double().reshape(n, k)
     return torch.from_numpy(gguf_dequantize(raw.reshape(n, -1), qtype).astype(np.float64))
 
 
@@ -87,12 +89,48 @@ def test_triton_path_matches_gguf(triton_worker, rng, m):
     check(triton_worker.call("operator:call", layer, x), x, w, bias)
 
 
-def test_triton_path_with_dense_part_and_strided_x(triton_worker, rng):
+@pytest.mark.parametrize("m", [3, 17])
+def test_triton_path_with_float_parts_and_strided_x(triton_worker, rng, m):
+    """F16, BF16 and F32 matrices beside blocks: held as BF16 parts (neighbouring float
+    parts merge: one launch), skinny and tiled."""
     k = 128
-    layer, w, _ = build(rng, [(T.Q8_0, 48), (T.F16, 16), (T.Q8_0, 40)], k, with_bias=False)
-    assert [p.ggml_type for p in layer.parts] == [T.Q8_0, None, T.Q8_0]
-    x = torch.from_numpy(rng.standard_normal((3, 2 * k)).astype(np.float32))[:, ::2]
+    layer, w, _ = build(rng, [(T.Q8_0, 48), (T.F16, 16), (T.BF16, 8), (T.Q8_0, 40),
+                              (T.F32, 24)], k, with_bias=False)
+    assert [p.ggml_type for p in layer.parts] == [T.Q8_0, T.BF16, T.Q8_0, T.BF16]
+    assert [p.out_features for p in layer.parts] == [48, 24, 40, 24]
+    x = torch.from_numpy(rng.standard_normal((m, 2 * k)).astype(np.float32))[:, ::2]
     check(triton_worker.call("operator:call", layer, x), x, w, None)
+
+
+def test_float_matrix_held_in_bf16(rng):
+    """A BF16 file's bytes are the part as they are; F16 and F32 are rounded once to bf16
+    (round to nearest even, as torch rounds); with a float32 dense dtype (exact parity)
+    the matrix stays float32 beside the kernels."""
+    n, k = 8, 64
+    bf16 = torch.from_numpy(random_raw(T.BF16, n, k, rng))
+    layer = GGMLLinear.from_raw(bf16, int(T.BF16), (n, k))
+    assert layer.parts[0].weight.data_ptr() == bf16.data_ptr()
+    for qtype in (T.F16, T.F32):
+        raw = random_raw(qtype, n, k, rng)
+        part = GGMLLinear.from_raw(torch.from_numpy(raw), int(qtype), (n, k)).parts[0]
+        assert part.ggml_type == T.BF16 and part.weight.shape == (n, 2 * k)
+        want = torch.from_numpy(raw).view(FLOATS[qtype]).reshape(n, k).to(torch.bfloat16)
+        assert torch.equal(part.weight.view(torch.bfloat16), want)
+        exact = GGMLLinear.from_raw(torch.from_numpy(raw), int(qtype), (n, k),
+                                    dense_dtype=torch.float32).parts[0]
+        assert exact.ggml_type is None and exact.weight.dtype == torch.float32
+    with pytest.raises(GGUFFormatError, match="attn_out"):
+        GGMLLinear.from_raw(bf16[:-2], int(T.BF16), (n, k), name="blk.0.attn_out.weight")
+
+
+def test_float_part_rows_are_batch_invariant(triton_worker, rng):
+    """A BF16 part's row: the same bits alone, among 5 (skinny) and among 33 (tiled)."""
+    k = 256
+    layer, _, _ = build(rng, [(T.F16, 40)], k, with_bias=False)
+    x = torch.from_numpy(rng.standard_normal((33, k)).astype(np.float32))
+    alone = triton_worker.call("operator:call", layer, x[:1])
+    for rows in (5, 33):
+        assert torch.equal(triton_worker.call("operator:call", layer, x[:rows])[:1], alone)
 
 
 def test_torch_path_matches_gguf(rng):
@@ -206,9 +244,9 @@ def test_hybrid_copy_is_the_whole_fused_matrix_and_counts_in_nbytes(rng):
 
 
 def test_hybrid_fused_dense_parts_are_views_of_the_copy_not_held_twice(rng):
-    """A hybrid fuse of a type without a kernel (F16) beside Q4_K: the F16 rows are held
-    once (the part is the copy's rows), and the layer's results are unchanged below and
-    from its threshold."""
+    """A hybrid fuse of a float matrix (F16, held as BF16) beside Q4_K: the float rows are
+    held once (the part is the copy's rows), and the layer's results are unchanged below
+    and from its threshold."""
     k = 256
     f16 = rng.standard_normal((16, k)).astype(np.float16)
     q4 = random_raw(T.Q4_K, 8, k, rng)
@@ -222,7 +260,7 @@ def test_hybrid_fused_dense_parts_are_views_of_the_copy_not_held_twice(rng):
 
     hybrid, q8 = fused(2), fused(None)
     dense_part = hybrid.parts[-1]
-    assert dense_part.ggml_type is None
+    assert dense_part.ggml_type == int(T.BF16)
     assert dense_part.weight.data_ptr() == hybrid.dense[8:].data_ptr()
     q4_bytes = hybrid.parts[0].weight.numel()
     assert hybrid.nbytes == q4_bytes + hybrid.dense.numel() * 2
