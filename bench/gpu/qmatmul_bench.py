@@ -45,7 +45,8 @@ from kernels.dequant import dequantize_reference  # noqa: E402
 from kernels.qmatmul import QMMConfig, _lut, qmatmul_tiled, qmatmul_triton  # noqa: E402
 from kernels.qtiles import GEOMETRY  # noqa: E402
 
-TYPES, WIDE = ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K", "Q5_0", "IQ4_XS", "MXFP4"], ("Q4_K", "Q6_K")
+TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K", "Q5_0", "IQ4_XS", "MXFP4", "BF16"]
+WIDE = ("Q4_K", "Q6_K")
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
 MS = (1, 4, 16, 64)
 OLD_REV = "ea7adbd"  # the first kernels (bench/RESULTS.md 2026-11-29); d18f10e: first qgemv
@@ -374,11 +375,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--budget-s", type=float, default=270.0, help="then skip (and list)")
     ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--shapes", help="N:K,... weight shapes (default: Llama-3.1-8B's)")
     ap.add_argument("--old-rev", default=OLD_REV, help="git revision of the previous kernel")
     ap.add_argument("--old-src", help="a folder with the previous qmatmul.py and qtiles.py")
     args = ap.parse_args(argv)
     args.types = [t for t in args.types.split(",") if t]
-    args.shapes, args.ms = ([(64, 512)], (1, 4, 17)) if args.smoke else (SHAPES, MS)
+    given = [tuple(int(v) for v in item.split(":")) for item in (args.shapes or "").split(",")
+             if item]
+    args.shapes, args.ms = ([(64, 512)], (1, 4, 17)) if args.smoke else (given or SHAPES, MS)
     run = Run(args)
     run.out.update(device="cpu (interpreter)" if args.smoke else torch.cuda.get_device_name(),
                    versions=[torch.__version__, __import__("triton").__version__])

@@ -85,3 +85,16 @@ def test_unknown_plan_and_no_plan_fail():
     assert bad.returncode == 1 and "unknown plan nope" in bad.stderr
     usage = dry()
     assert usage.returncode == 2 and "PLAN" in usage.stdout
+
+
+def test_floats_plan_times_bf16_at_gpt_oss_shapes():
+    """floats: qmatmul_bench on BF16 only, at gpt-oss-20b's fused q|k|v, output and head
+    shapes and Llama's 4096^2; the bench parses the shapes it is given."""
+    run = dry("floats")
+    assert run.returncode == 0, run.stderr
+    lines = dict(line.split(": ", 1) for line in run.stdout.splitlines())
+    assert list(lines) == ["floats"]
+    check_commands(lines)
+    words = shlex.split(lines["floats"])
+    assert words[words.index("--types") + 1] == "BF16"
+    assert words[words.index("--shapes") + 1] == "5120:2880,2880:4096,201088:2880,4096:4096"
