@@ -1,7 +1,8 @@
 """`mbufo` command line. Each subcommand lives in its own module and registers itself here.
 
 Conventions: `--json` prints exactly one compact JSON object on the last line of stdout;
-progress and logs go to stderr. Engine errors exit with status 2 and a one-line message.
+progress and logs go to stderr. Engine errors, and the database's storage failing (a full
+disk, a read-only or damaged file), exit with status 2 and a one-line message.
 """
 
 from __future__ import annotations
@@ -51,6 +52,32 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        from appliance.db import STORAGE_CODE, storage_failure
+
+        reason = storage_failure(exc)
+        if reason is None:
+            raise
+        print(f"mbufo: error ({STORAGE_CODE}): {_where(args)}{reason}; free space (or "
+              f"mend the file) and run it again", file=sys.stderr)
+        return 2
+
+
+def _where(args: argparse.Namespace) -> str:
+    """'the database at PATH (N MiB free on its disk): ', or '' when the settings do not
+    name it."""
+    import shutil
+
+    from appliance.settings import load_settings
+
+    try:
+        settings = load_settings({"data_dir": getattr(args, "data_dir", None)},
+                                 config=getattr(args, "config", None))
+        path = settings.database_path
+        free = shutil.disk_usage(path.parent).free >> 20
+    except Exception:  # noqa: BLE001 - the message still says what failed
+        return ""
+    return f"the database at {path} ({free} MiB free on its disk): "
 
 
 if __name__ == "__main__":

@@ -7,12 +7,12 @@ import logging
 import os
 
 from appliance.db.database import Database
-from appliance.db.errors import StateError
+from appliance.db.errors import STORAGE_CODE, StateError, storage_failure
 from appliance.settings import Settings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Database", "StateError", "open_database"]
+__all__ = ["STORAGE_CODE", "Database", "StateError", "open_database", "storage_failure"]
 
 
 def open_database(settings: Settings, *, upgrade: bool = True) -> Database:

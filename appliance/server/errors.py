@@ -2,7 +2,8 @@
 
 Every error a client sees is `{"error": {"message", "type", "param", "code"}}` with the
 matching HTTP status. Errors raised on purpose are `ApiError`s (or engine, auth and rate
-limit errors, mapped here by their code); anything else is a bug: logged with its
+limit errors, mapped here by their code); the database's storage failing (a full disk) is
+a 503 `storage_unavailable`, its reason logged; anything else is a bug: logged with its
 traceback and answered as a 500 that names nothing internal.
 """
 
@@ -69,6 +70,8 @@ class Unavailable(ApiError):
     status, code = 503, "unavailable"
 
 
+STORAGE_RETRY_S = 30.0  # a full disk is not freed in a second
+
 # engine error code -> HTTP status (engine/errors.py names the codes)
 _ENGINE_STATUS = {
     "invalid_request": 400, "context_length_exceeded": 400, "chat_template": 400,
@@ -104,7 +107,7 @@ def as_api_error(exc: BaseException) -> ApiError:
 
 def _state_layer_error(exc: BaseException) -> ApiError | None:
     from appliance.auth import AuthError
-    from appliance.db import StateError
+    from appliance.db import STORAGE_CODE, StateError, storage_failure
     from appliance.usage import RateLimited
 
     if isinstance(exc, AuthError | StateError):
@@ -112,6 +115,11 @@ def _state_layer_error(exc: BaseException) -> ApiError | None:
     if isinstance(exc, RateLimited):
         return ApiError(exc.message, code=exc.code, status=429,
                         retry_after_s=exc.retry_after_s)
+    reason = storage_failure(exc)
+    if reason is not None:  # the operator's log says what; the client, only that it failed
+        log.error("the database failed: %s (%s: %s)", reason, type(exc).__name__, exc)
+        return ApiError("the server's storage is unavailable; try again later",
+                        code=STORAGE_CODE, status=503, retry_after_s=STORAGE_RETRY_S)
     return None
 
 
