@@ -44,7 +44,7 @@ class RateLimited(Exception):
 class RateLimiter:
     def __init__(self, db: Database | None = None,
                  clock: Callable[[], float] = time.monotonic, *,
-                 now: Callable[[], datetime] = utcnow, flush_interval_s: float = 1.0) -> None:
+                 now: Callable[[], datetime] = utcnow, flush_interval_s: float = 0.05) -> None:
         self._clock = clock
         self._now = now
         self._lock = threading.Lock()

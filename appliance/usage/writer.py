@@ -1,8 +1,12 @@
 """Buffered usage rows: record() appends, a thread writes batches, close() flushes.
 
-Each batch is one transaction, so a row is written whole or not at all. A failed batch
-goes back to the head of the buffer for the next flush; past MAX_BUFFERED rows the oldest
-are dropped (and logged) rather than growing without bound while the disk is unwritable.
+Each batch is one transaction, so a row is written whole or not at all. The thread writes
+what has gathered every `flush_interval_s` (50 ms: a killed server loses at most that
+much usage; a busy one commits about 20 batches a second, whatever its request rate). A
+failed batch goes back to the head of the buffer; while the database keeps refusing (a
+full disk), the retries back off to RETRY_MAX_S and only the first failure and the
+recovery are logged. Past MAX_BUFFERED rows the oldest are dropped (and logged) rather
+than growing without bound while the disk is unwritable.
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ log = logging.getLogger(__name__)
 
 MAX_BUFFERED = 100_000
 BATCH_ROWS = 256
+RETRY_MAX_S = 10.0
 
 
 class UsageWriter:
-    def __init__(self, db: Database, *, flush_interval_s: float = 1.0) -> None:
+    def __init__(self, db: Database, *, flush_interval_s: float = 0.05) -> None:
         self._db = db
         self._interval = flush_interval_s
+        self._failing = False  # the last flush was refused
         self._rows: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()  # one batch in flight at a time, in order
@@ -57,11 +63,16 @@ class UsageWriter:
                 with self._db.session() as session:
                     session.execute(insert(UsageRecord), rows)
             except SQLAlchemyError as exc:
-                log.warning("could not write %d usage rows (kept for retry): %s",
-                            len(rows), getattr(exc, "orig", exc))
+                log.log(logging.DEBUG if self._failing else logging.WARNING,
+                        "could not write %d usage rows (kept for retry): %s", len(rows),
+                        getattr(exc, "orig", exc))
+                self._failing = True
                 with self._lock:
                     self._rows[:0] = rows
                 return False
+            if self._failing:
+                self._failing = False
+                log.info("usage rows written again (%d waited)", len(rows))
             return True
 
     def close(self) -> None:
@@ -72,7 +83,8 @@ class UsageWriter:
         self.flush()
 
     def _run(self) -> None:
+        wait = self._interval
         while not self._stopping:
-            self._wake.wait(self._interval)
+            self._wake.wait(wait)
             self._wake.clear()
-            self.flush()
+            wait = self._interval if self.flush() else min(max(2 * wait, 0.5), RETRY_MAX_S)

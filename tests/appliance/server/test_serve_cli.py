@@ -1,5 +1,6 @@
 """`mbufo serve` as a process: first start prints the admin key once and serves with it;
-SIGTERM shuts down cleanly; --no-auth off loopback is refused."""
+SIGTERM shuts down cleanly; SIGKILL loses no finished request's usage and no state;
+--no-auth off loopback is refused."""
 
 from __future__ import annotations
 
@@ -87,3 +88,68 @@ def test_a_model_that_does_not_load_ends_serve_with_its_reason(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("mbufo: error: model ") and "missing.gguf" in last
     assert "did not load" in last and "readable GGUF" in last
+
+
+def _start(tmp_path, tiny_gguf, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-c", RUN, "serve", "--port", str(port), "--data-dir",
+           str(tmp_path / "data"), "--model", str(tiny_gguf), "--sessions", "2", "-c", "512"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=_env(tmp_path))
+
+
+def _wait_healthy(proc: subprocess.Popen, port: int) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.returncode
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+def test_a_killed_server_keeps_its_state_and_restarts(tmp_path, tiny_gguf):
+    """SIGKILL in the middle of a stream, 0.2 s after a finished request: the restarted
+    server accepts the same admin key without printing a new one, the finished request's
+    usage row was written (the writer commits every 50 ms), and the database is intact."""
+    import sqlite3
+
+    port = _free_port()
+    proc = _start(tmp_path, tiny_gguf, port)
+    try:
+        key = None
+        deadline = time.monotonic() + 120
+        while key is None:  # the first start prints the admin key before serving
+            assert time.monotonic() < deadline
+            match = re.search(r"mbufo_[A-Za-z0-9]+_[A-Za-z0-9]+", proc.stdout.readline())
+            key = match.group(0) if match else None
+        _wait_healthy(proc, port)
+        url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {key}"}
+        done = httpx.post(f"{url}/v1/completions", headers=auth, timeout=60, json={
+            "prompt": "one two", "max_tokens": 2, "ignore_eos": True})
+        assert done.status_code == 200, done.text
+        time.sleep(0.2)
+        with httpx.stream("POST", f"{url}/v1/completions", headers=auth, timeout=60, json={
+                "prompt": "three", "max_tokens": 400, "ignore_eos": True, "stream": True}) as s:
+            next(s.iter_lines())  # streaming
+            proc.kill()
+            proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    db = tmp_path / "data" / "mbufo.db"
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        rows = conn.execute("SELECT prompt_tokens, completion_tokens, status FROM usage").fetchall()
+    assert (2, "ok") in [(c, st) for _, c, st in rows], rows
+    again = _start(tmp_path, tiny_gguf, port)
+    try:
+        _wait_healthy(again, port)
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=auth, timeout=10)
+        assert models.status_code == 200 and models.json()["data"], models.text
+    finally:
+        again.send_signal(signal.SIGTERM)
+        out, _ = again.communicate(timeout=60)
+    assert "mbufo_" not in out  # no second admin key

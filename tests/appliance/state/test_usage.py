@@ -3,6 +3,7 @@ table, summaries. Expected waits are worked out by hand from the window definiti
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 import time
@@ -157,6 +158,33 @@ def test_a_refused_batch_is_kept_whole_and_retried(settings) -> None:
         limiter.record(who("a"), "m", 99, 1, 0, "ok")
         assert limiter.flush() is True
         assert [r[2] for r in usage_rows(db)] == [0, 1, 2, 3, 4, 99]
+    finally:
+        blocker.close()
+        limiter.close()
+        db.close()
+
+
+def test_a_refusing_database_is_retried_with_backoff_and_logged_once(settings, caplog):
+    """While another writer holds the lock (as a full disk refuses), the thread keeps the
+    rows and retries less and less often, warning once; the rows land after the release."""
+    db = Database(settings.database_path, busy_timeout_s=0.02)
+    limiter = RateLimiter(db, flush_interval_s=0.01)
+    blocker = sqlite3.connect(db.path, isolation_level=None)
+    try:
+        blocker.execute("BEGIN IMMEDIATE")
+        with caplog.at_level(logging.DEBUG, logger="appliance.usage.writer"):
+            for i in range(3):
+                limiter.record(who("a"), "m", i, 1, 0, "ok")
+            time.sleep(1.5)  # at 10 ms a try without backoff: over 40 refusals
+            refusals = [r for r in caplog.records if "could not write" in r.message]
+            assert 2 <= len(refusals) <= 5, len(refusals)
+            assert [r.levelno for r in refusals].count(logging.WARNING) == 1
+            blocker.execute("ROLLBACK")
+            deadline = time.monotonic() + 15.0
+            while len(usage_rows(db)) < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert [r[2] for r in usage_rows(db)] == [0, 1, 2]
+        assert any("written again" in r.message for r in caplog.records)
     finally:
         blocker.close()
         limiter.close()
