@@ -9,9 +9,9 @@ engine/layers/attention.py). Scores are `scale * q.k`, soft-capped to
 denominator and contributes no value. K and V planes are engine/kv/formats.py's and are
 dequantized inside the kernel. q8/q4 store Hadamard-rotated 32-blocks: since
 q . (H k') = (H q) . k' and sum p (H v') = H sum p v', q is rotated once before the kernel
-and the output once after (engine/kv/hadamard.py), never a key or a value, by
-kernels/rotate.py's exact launch (a GPU matmul's bits may depend on its row count). The
-kernels, their launch and AOT specs are in kernels/paged_attention_triton.py.
+(kernels/rotate.py's exact launch: a GPU matmul's bits may depend on its row count) and
+the output by the kernel that stores it (engine/kv/hadamard.py), never a key or a value.
+The kernels, their launch and AOT specs are in kernels/paged_attention_triton.py.
 
 Work items (kernels/paged_attention_plan.py) are a block of query tokens of one row (all
 query heads of one KV head, GQA packed into the MMA's M side) times a range of key
@@ -38,6 +38,8 @@ from kernels.paged_attention_triton import MERGE_HEADS, aot_specs, launch
 from kernels.quant_x import QK, QuantX, empty_quant_x
 from kernels.rotate import rotate
 from kernels.triton_util import kernels_run
+
+ROTATED = ("q8", "q4")  # formats that store K or V blocks times H
 
 # aot_specs: kernels/aot.py collects every module's specs from here.
 __all__ = ["AttnConfig", "AttnPlan", "aot_specs", "paged_attention", "paged_attention_q8",
@@ -166,10 +168,9 @@ def paged_attention_q8(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
                        v_planes: dict[str, torch.Tensor], k_format: str, v_format: str,
                        **kwargs: Any) -> tuple[torch.Tensor, QuantX | None]:
     """paged_attention's output, and it quantized for a q8 product (kernels/quant_x.py's
-    quantize_x bits) by the kernel that writes it, where it can: the kernels run, V is
-    stored unrotated (its rotation would follow the kernel) and each KV head's query heads
-    hold whole 256-column super-blocks (G Dv a multiple of 256); else None (the product
-    quantizes for itself). No launch of its own."""
+    quantize_x bits) by the kernel that writes it, where it can: the kernels run and each
+    KV head's query heads hold whole 256-column super-blocks (G Dv a multiple of 256); else
+    None (the product quantizes for itself). No launch of its own."""
     return _attention(q, k_planes, v_planes, k_format, v_format, True, **kwargs)
 
 
@@ -209,21 +210,18 @@ def _attention(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
                               device=q.device)
     if plan.num_tokens != num_tokens:
         raise InvalidRequest(f"paged_attention: plan has {plan.num_tokens} tokens, q {num_tokens}")
-    if k_format in ("q8", "q4"):
+    if k_format in ROTATED:
         q = rotate(q)
     out = torch.empty(num_tokens, num_heads, dim_v, dtype=torch.float32, device=q.device)
     xq = None
     # whole 256-column blocks in every program that writes out: a KV head's query heads
     # (the partial kernel) and MERGE_HEADS heads (the merge on a GPU)
-    if quantize and v_format not in ("q8", "q4") and (group * dim_v) % QK == 0 \
-            and (MERGE_HEADS * dim_v) % QK == 0:
+    if quantize and (group * dim_v) % QK == 0 and (MERGE_HEADS * dim_v) % QK == 0:
         xq = empty_quant_x(num_tokens, num_heads * dim_v, q.device)
     if num_tokens:
         decode_cfg = (AttnConfig.decode(group, dim, dim_v, backend)
                       if plan.decode_work is not None else None)
         launch(q, (k0, k1, v0, v1), (FORMAT_IDS[k_format], FORMAT_IDS[v_format]), positions,
                page_table, page_size, (scale, window, softcap), sinks, plan, cfg, out, xq,
-               decode_cfg)
-    if v_format in ("q8", "q4"):
-        out = rotate(out)
+               decode_cfg, v_format in ROTATED)
     return out.reshape(num_tokens, num_heads * dim_v), xq

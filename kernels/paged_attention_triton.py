@@ -1,6 +1,5 @@
 """The Triton side of kernels/paged_attention.py: the kernels, their launch and their AOT
-specs. paged_attention() checks the inputs, rotates q and the output and picks this path
-or the float64 reference.
+specs. paged_attention() checks the inputs and picks this path or the float64 reference.
 
 The partial kernel runs one work item (kernels/paged_attention_plan.py) per program and
 one KV head per program along the second axis: the item's query tokens times the group's
@@ -10,6 +9,16 @@ merge kernel combines each token's splits per head (BLOCK_S of them a load, in a
 fixed by their count) and applies the sinks. When every
 token has one split and there are no sinks (short decode rows, prefill), the partial
 kernel writes the output itself and the merge is not launched.
+
+Rotated V formats (q8, q4: each 32-block of V stored times the Hadamard matrix H,
+engine/kv/hadamard.py): with ROT_OUT whichever kernel writes the output (the partial one
+when DIRECT, else the merge) rotates it back as it stores it (H is its own inverse), with
+kernels/rotate.py's float64 butterfly on the float32 values, rounded once: the bits of
+`rotate_exact`, row by row, no launch of its own, and no register more in the sm_90 or
+gfx1151 builds (`python -m kernels.aot`). A rotated K's q is rotated by its own launch
+before the kernel (kernels/paged_attention.py): rotating the loaded q tile in the partial
+kernel, in float64 or float32, took the sm_90 decode build from 185 registers to 255 and
+32 bytes of spills, and the float64 one spilled 20-28 VGPRs on gfx1151.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from kernels.triton_util import HAS_TRITON, await_inputs, helper, jit, launcher,
 
 if HAS_TRITON:
     from kernels.quant_x import QuantX, quantize_store
+    from kernels.rotate import hadamard_blocks
 else:
     from kernels.quant_x import QuantX
 
@@ -80,11 +90,13 @@ if HAS_TRITON:
         PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         DIRECT: tl.constexpr = False, PDL: tl.constexpr = False, QUANT: tl.constexpr = False,
+        ROT_OUT: tl.constexpr = False,
     ):
         """Partials of one work item (program 0) and KV head (program 1); base-2 logits.
         DIRECT (every token in one split, no sinks): the output acc / l itself into acc_ptr,
         the merge's bits (its weights are exp2(0) = 1), and no merge launch; with QUANT
-        (G * DV a multiple of 256) also quantized for kernels/qint.py (_quantize_out)."""
+        (G * DV a multiple of 256) also quantized for kernels/qint.py (_quantize_out).
+        ROT_OUT (with DIRECT): the output rotated as stored."""
         item = work_ptr + tl.program_id(0) * 6
         kvh = tl.program_id(1)
         # The work item and positions are the step's inputs, written before the kernels
@@ -131,6 +143,8 @@ if HAS_TRITON:
         dv = tl.arange(0, DVP)
         if DIRECT:  # slot t: the token's row of out (T, H, Dv)
             acc = acc / tl.where(ok, l_i, 1.0)[:, None]
+            if ROT_OUT:
+                acc = _rotated(acc, BLOCK_M, DVP)
         else:
             tl.store(m_ptr + out, m_i, mask=ok)
             tl.store(l_ptr + out, l_i, mask=ok)
@@ -140,6 +154,12 @@ if HAS_TRITON:
             for i in range(0, q_count):
                 _quantize_out(acc_ptr, q_begin + i, kvh * (G * DV // 256), G * DV // 256,
                               xq_ptr, xdx_ptr, xbs_ptr, KVH * G * DV)
+
+    @helper
+    def _rotated(x, R: tl.constexpr, C: tl.constexpr):
+        """(R, C) rows -> each 32-column block times H (float64, rounded to float32 once)."""
+        blocks = tl.reshape(x.to(tl.float32), (R * C // 32, 32))
+        return tl.reshape(hadamard_blocks(blocks, R * C // 32), (R, C))
 
     @helper
     def _quantize_out(out_ptr, tok, b0, NB: tl.constexpr, q_ptr, dx_ptr, bs_ptr,
@@ -161,13 +181,14 @@ if HAS_TRITON:
         xq_ptr, xdx_ptr, xbs_ptr,
         H: tl.constexpr, HB: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
         HAS_SINKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-        PDL: tl.constexpr = False, QUANT: tl.constexpr = False,
+        PDL: tl.constexpr = False, QUANT: tl.constexpr = False, ROT_OUT: tl.constexpr = False,
     ):
         """out[t, h] = the merge of token t's splits of head h, for BLOCK_T tokens times
         HB heads a program (row r: token r // HB, head r % HB). A row's splits are read
         BLOCK_S at a time (one load of their (BLOCK_S, Dv) partials, not one per split):
         the largest logit first, then the weighted sums. QUANT (HB * DV a multiple of
-        256): also the program's columns of each token quantized for kernels/qint.py."""
+        256): also the program's columns of each token quantized for kernels/qint.py.
+        ROT_OUT: out rotated (each 32-block times H) as stored, before the quantization."""
         r = tl.arange(0, BLOCK_T * HB)
         t = tl.program_id(0) * BLOCK_T + r // HB
         h = tl.program_id(1) * HB + r % HB
@@ -200,7 +221,10 @@ if HAS_TRITON:
             den += tl.exp2(sink - mx)
         den = tl.where(ok, den, 1.0)
         out = (t.to(tl.int64) * H + h)[:, None] * DV + dv[None, :]
-        tl.store(out_ptr + out, acc / den[:, None], mask=ok[:, None] & (dv < DV)[None, :])
+        res = acc / den[:, None]
+        if ROT_OUT:
+            res = _rotated(res, BLOCK_T * HB, DVP)
+        tl.store(out_ptr + out, res, mask=ok[:, None] & (dv < DV)[None, :])
         if QUANT:  # the program's heads: whole 256-column blocks of each of its tokens
             for i in tl.static_range(BLOCK_T):
                 tok = tl.program_id(0) * BLOCK_T + i
@@ -213,13 +237,15 @@ def launch(q: torch.Tensor, planes: tuple[torch.Tensor, ...], formats: tuple[int
            positions: torch.Tensor, page_table: torch.Tensor, page_size: int,
            params: tuple[float, int | None, float | None], sinks: torch.Tensor | None,
            plan: AttnPlan, cfg: AttnConfig, out: torch.Tensor,
-           xq: QuantX | None = None, decode_cfg: AttnConfig | None = None) -> None:
+           xq: QuantX | None = None, decode_cfg: AttnConfig | None = None,
+           rotate_out: bool = False) -> None:
     """Both kernels (the partial one alone when every token has one split and there are no
     sinks), writing out (T, H, Dv) float32; planes are (k0, k1, v0, v1), formats the
     FORMAT_IDS of K and V, params (scale, window, softcap). Partial buffers are (slots, H)
     and (slots, H, Dv) float32. `xq` (G Dv a multiple of 256): also out quantized into it
     by the kernel that writes out. The plan's decode_work, if any, runs as a second partial
-    launch with `decode_cfg` (into the same slots; one merge after both)."""
+    launch with `decode_cfg` (into the same slots; one merge after both). `rotate_out`:
+    out rotated back (a rotated V) by the kernel that writes it."""
     (num_tokens, num_heads, dim), dim_v, dev = q.shape, out.shape[2], q.device
     kv_heads = planes[0].shape[1]
     scale, window, softcap = params
@@ -251,25 +277,28 @@ def launch(q: torch.Tensor, planes: tuple[torch.Tensor, ...], formats: tuple[int
             DV=dim_v, DP=next_pow2(dim), DVP=next_pow2(dim_v), PAGE=page_size,
             HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, DIRECT=direct,
-            QUANT=direct and xq is not None, num_warps=c.num_warps,
+            QUANT=direct and xq is not None, ROT_OUT=direct and rotate_out,
+            num_warps=c.num_warps,
             **({} if c.num_stages is None else {"num_stages": c.num_stages}),
         )
     if direct:
         return
     merge(m_part, l_part, acc_part, plan.tok_base, plan.tok_splits,
-          None if sinks is None else (sinks.float() * _LOG2E).contiguous(), out, xq=xq)
+          None if sinks is None else (sinks.float() * _LOG2E).contiguous(), out, xq=xq,
+          rotate_out=rotate_out)
 
 
 def merge(m_part: torch.Tensor, l_part: torch.Tensor, acc_part: torch.Tensor,
           tok_base: torch.Tensor, tok_splits: torch.Tensor, sinks_log2: torch.Tensor | None,
           out: torch.Tensor, geometry: tuple[int, int] | None = None,
-          xq: QuantX | None = None) -> None:
+          xq: QuantX | None = None, rotate_out: bool = False) -> None:
     """The merge kernel: token t's partials at slots tok_base[t] .. + tok_splits[t] - 1 of
     m_part, l_part (slots, H) (log2 units) and acc_part (slots, H, Dv) -> out (T, H, Dv),
     with the sink logits (H,) in log2 units. `geometry` (tokens, heads) a program: by
     default on a GPU (1, MERGE_HEADS), a one-stream step's merge on many multiprocessors
     rather than one; the interpreter pays per program, so there it takes many. `xq`: out
-    also quantized into it (each program's heads whole 256-column blocks)."""
+    also quantized into it (each program's heads whole 256-column blocks); `rotate_out`:
+    out's 32-blocks times H (rotated V)."""
     num_tokens, num_heads, dim_v = out.shape
     if geometry is None:
         geometry = ((16, next_pow2(num_heads)) if out.device.type == "cpu"
@@ -285,14 +314,15 @@ def merge(m_part: torch.Tensor, l_part: torch.Tensor, acc_part: torch.Tensor,
         m_part if sinks_log2 is None else sinks_log2, out, num_tokens, *quant,
         H=num_heads, HB=heads, DV=dim_v, DVP=next_pow2(dim_v),
         HAS_SINKS=sinks_log2 is not None, BLOCK_T=block_t, BLOCK_S=MERGE_SPLITS,
-        QUANT=xq is not None,
+        QUANT=xq is not None, ROT_OUT=rotate_out,
     )
 
 
 def aot_specs(spec: type) -> list:
     """kernels/aot.py: every K/V format pair's loader at Llama-like shapes (GQA 4:1,
-    head dim 128), one with window and softcap, decode steps' config (on "hip" the
-    default's); the merge with and without sinks."""
+    head dim 128), one with window and softcap, decode steps'
+    config (on "hip" the default's), also writing out quantized (and rotated back for a
+    rotated V); the merge with and without sinks, and quantizing (rotated and not)."""
     if not HAS_TRITON:
         return []
     plane = {"f16": "*fp16", "q8": "*i8", "q4": "*u8"}
@@ -318,10 +348,10 @@ def aot_specs(spec: type) -> list:
                 + ("_window_softcap" if extras else ""))
         out.append(spec(name, _attn_partial_kernel, signature, consts, cfg.num_warps, True,
                         backend, cfg.num_stages))
-        if decode and k_fmt == "f16":  # the q8 layout's decode step: out quantized for o
-            q_consts = {**consts, "DIRECT": True, "QUANT": True}
+        if decode:  # the q8 layout's decode step: out quantized for o
+            q_consts = {**consts, "DIRECT": True, "QUANT": True, "ROT_OUT": v_fmt != "f16"}
             out.append(spec(name + "_direct_q8", _attn_partial_kernel,
-                            {**signature, "DIRECT": "constexpr", "QUANT": "constexpr"},
+                            {**signature, **{k: "constexpr" for k in q_consts}},
                             q_consts, cfg.num_warps, True, backend, cfg.num_stages))
     for sinks in (False, True):
         consts = {"H": 32, "HB": MERGE_HEADS, "DV": 128, "DVP": 128, "HAS_SINKS": sinks,
@@ -332,8 +362,10 @@ def aot_specs(spec: type) -> list:
                      "xdx_ptr": "*fp32", "xbs_ptr": "*i32", **{k: "constexpr" for k in consts}}
         out.append(spec(f"paged_attention_merge{'_sinks' if sinks else ''}", _attn_merge_kernel,
                         signature, consts, 4, False))
-    consts = {"H": 32, "HB": MERGE_HEADS, "DV": 128, "DVP": 128, "HAS_SINKS": False,
-              "BLOCK_T": 1, "BLOCK_S": MERGE_SPLITS, "QUANT": True}
-    out.append(spec("paged_attention_merge_q8", _attn_merge_kernel,
-                    {**signature, "QUANT": "constexpr"}, consts, 4, False))
+    for rot in (False, True):
+        consts = {"H": 32, "HB": MERGE_HEADS, "DV": 128, "DVP": 128, "HAS_SINKS": False,
+                  "BLOCK_T": 1, "BLOCK_S": MERGE_SPLITS, "QUANT": True, "ROT_OUT": rot}
+        out.append(spec(f"paged_attention_merge{'_rot' if rot else ''}_q8", _attn_merge_kernel,
+                        {**signature, "QUANT": "constexpr", "ROT_OUT": "constexpr"}, consts, 4,
+                        False))
     return out

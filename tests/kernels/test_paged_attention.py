@@ -239,20 +239,22 @@ def test_merge_refuses_to_quantize_partial_blocks(interp, rng):
                     torch.ones(1, dtype=torch.int32), None, out, (1, 4), True)
 
 
+@pytest.mark.parametrize("kv_quant", ["f16", "k8v4"])
 @pytest.mark.parametrize("rows,config,sinks", [
     ([(1, 40), (1, 7), (1, 130)], AttnConfig.decode(4, 128, 128, "cuda"), False),  # direct
     ([(1, 300), (3, 35), (1, 129)], AttnConfig(block_m=16, block_n=16, split_keys=64), False),
     ([(1, 40), (2, 9)], None, True),  # sinks: the merge kernel writes out
 ])
-def test_output_quantized_for_q8(interp, rng, rows, config, sinks):
+def test_output_quantized_for_q8(interp, rng, rows, config, sinks, kv_quant):
     """paged_attention_q8: the launch that writes the output (the partial kernel with one
     split a token and no sinks, else the merge) also writes it quantized, with
     kernels/qint.py's quantize_x bits of that output (its float64-exact reference), and
-    the output itself is paged_attention's."""
-    q, kv, batch = make_case(rng, "f16", rows, heads=8, kv_heads=2, dim=128)
+    the output itself is paged_attention's; a rotated V's output is quantized as rotated
+    back."""
+    q, kv, batch = make_case(rng, kv_quant, rows, heads=8, kv_heads=2, dim=128)
     kw = kwargs(batch, 128, sinks=torch.from_numpy(rng.standard_normal(8, dtype=np.float32))
                 if sinks else None)
-    args = (q, kv.k[0], kv.v[0], "f16", "f16")
+    args = (q, kv.k[0], kv.v[0], kv.k_format.name, kv.v_format.name)
     out, xq = interp.call("kernels.paged_attention:paged_attention_q8", *args, config=config,
                           **kw)
     assert xq is not None
@@ -265,14 +267,34 @@ def test_output_quantized_for_q8(interp, rng, rows, config, sinks):
 
 
 def test_output_quantized_only_where_it_can(interp, rng):
-    """A rotated V (q8 planes) or a KV head's query heads short of a 256-column block:
-    no quantized output (None), and the output as paged_attention's."""
-    q, kv, batch = make_case(rng, "q8", [(1, 40), (2, 9)], heads=8, kv_heads=2, dim=128)
-    args = (q, kv.k[0], kv.v[0], "q8", "q8")
-    out, xq = interp.call("kernels.paged_attention:paged_attention_q8", *args,
-                          **kwargs(batch, 128))
-    assert xq is None and torch.equal(out, interp.call(KERNEL, *args, **kwargs(batch, 128)))
+    """A KV head's query heads short of a 256-column block: no quantized output (None)."""
     q, kv, batch = make_case(rng, "f16", [(1, 40)], heads=2, kv_heads=2, dim=128)
     out, xq = interp.call("kernels.paged_attention:paged_attention_q8", q, kv.k[0], kv.v[0],
                           "f16", "f16", **kwargs(batch, 128))
     assert xq is None
+
+
+@pytest.mark.parametrize("kv_quant", ["q8", "k8v4", "k4v4"])
+@pytest.mark.parametrize("rows,config,sinks", [
+    (ROWS, None, False),
+    ([(1, 300), (3, 35), (1, 129)], AttnConfig(block_m=16, block_n=16, split_keys=64), False),
+    ([(1, 40), (1, 7)], AttnConfig.decode(4, 64, 64, "cuda"), False),  # direct
+    ([(1, 40), (2, 9)], None, True),  # the merge writes out
+])
+def test_rotations_are_the_exact_rotations(interp, rng, kv_quant, rows, config,
+                                                          sinks):
+    """Rotated K and V: q rotated by its launch and the output by the kernel that stores
+    it (the partial kernel, direct, or the merge) give the bits of the exact rotations
+    (engine/kv/hadamard.py's rotate_exact) around the same kernel on the same planes read
+    unrotated (the _plain formats): q before it, the output after it."""
+    from engine.kv.hadamard import rotate_exact
+
+    q, kv, batch = make_case(rng, kv_quant, rows)
+    kw = kwargs(batch, 64, sinks=torch.from_numpy(rng.standard_normal(8, dtype=np.float32))
+                if sinks else None)
+    k_fmt, v_fmt = kv.k_format.name, kv.v_format.name
+    folded = interp.call(KERNEL, q, kv.k[0], kv.v[0], k_fmt, v_fmt, config=config, **kw)
+    apart = interp.call(KERNEL, rotate_exact(q), kv.k[0], kv.v[0], k_fmt + "_plain",
+                        v_fmt + "_plain", config=config, **kw)
+    apart = rotate_exact(apart.view(q.shape[0], 8, 64)).reshape(apart.shape)
+    assert torch.equal(folded, apart)
