@@ -11,6 +11,12 @@ One program per (token, head) rotates one q or k head (GQA: fewer k heads), read
 k in place from the fused qkv projection (any row and head
 strides) and writing new contiguous (T, heads, d) tensors. Float32 throughout.
 
+With the K/V store into a rotated K format (q8, q4: each 32-block stored times the Hadamard
+matrix H), the q heads come out rotated too, in the basis the attention multiplies them
+with the stored K (kernels/paged_attention.py's `q_rotated`): kernels/rotate.py's
+butterfly on the roped float32 head, read back after the program's barrier, the bits of
+`rotate_exact`; the attention's own rotation launch is saved.
+
 `rope_cos_sin` makes a step's cos/sin in one launch (torch takes four: the positions'
 conversion, the product with the frequencies, cos, sin), with torch's float32 operations:
 the angle pos * inv_freq rounded once, then tl.cos / tl.sin, which lower to the math
@@ -26,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import InvalidRequest
-from kernels.kv_store import kv_store, store_args
+from kernels.kv_store import FORMAT_CODES, kv_store, store_args
+from kernels.rotate import rotate_exact
 from kernels.triton_util import (
     HAS_TRITON,
     await_inputs,
@@ -38,7 +45,8 @@ from kernels.triton_util import (
     tl,
 )
 
-__all__ = ["KVStore", "rope_cos_sin", "rope_cos_sin_reference", "rope_qk", "rope_qk_reference"]
+__all__ = ["KVStore", "q_rotates", "rope_cos_sin", "rope_cos_sin_reference", "rope_qk",
+           "rope_qk_reference"]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
@@ -92,6 +100,15 @@ if HAS_TRITON:
         tl.store(at + HALF, tl.sin(angle), mask=ok)
 
     from kernels.kv_store import _encode
+    from kernels.rotate import hadamard_blocks
+
+    @helper
+    def _rotate_head(x_ptr, NB: tl.constexpr, NBP: tl.constexpr):
+        """The NB 32-blocks at x_ptr (this program's own writes) times H, in place."""
+        tl.debug_barrier()  # the program's writes of the head, visible to all its threads
+        r = tl.arange(0, NBP)[:, None]
+        at = x_ptr + r * 32 + tl.arange(0, 32)[None, :]
+        tl.store(at, hadamard_blocks(tl.load(at, mask=r < NB, other=0.0), NBP), mask=r < NB)
 
     @helper
     def _rope_head(src, dst, cos, sin, w_ptr, eps, HALF: tl.constexpr, HALFP: tl.constexpr,
@@ -129,7 +146,8 @@ if HAS_TRITON:
         the token's cos/sin row: a decode step's few tokens still spread over the device.
         With STORE, program H rotates every k head of the token, then stores them into the
         KV planes at the token's slot (kernels/kv_store.py's _encode), and program H + 1
-        stores its v: the step's K/V store without a launch of its own."""
+        stores its v: the step's K/V store without a launch of its own; with K_ROT the q
+        programs rotate their head as the stored K is."""
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         i = tl.arange(0, HALFP)[None, :]
@@ -137,8 +155,11 @@ if HAS_TRITON:
         cos = tl.load(cos_ptr + t * stride_ct + i, mask=i < HALF, other=0.0)  # (1, HALFP)
         sin = tl.load(sin_ptr + t * stride_st + i, mask=i < HALF, other=0.0)
         if h < H:
-            _rope_head(q_ptr + t * stride_qt + h * stride_qh, qo_ptr + (t * H + h) * (2 * HALF),
-                       cos, sin, qw_ptr, eps, HALF, HALFP, NEOX, HAS_NORM)
+            q_row = qo_ptr + (t * H + h) * (2 * HALF)
+            _rope_head(q_ptr + t * stride_qt + h * stride_qh, q_row, cos, sin, qw_ptr, eps,
+                       HALF, HALFP, NEOX, HAS_NORM)
+            if STORE and K_ROT:
+                _rotate_head(q_row, 2 * HALF // 32, 2 * HALFP // 32)
         elif not STORE:
             _rope_head(k_ptr + t * stride_kt + (h - H) * stride_kh,
                        ko_ptr + (t * KVH + h - H) * (2 * HALF), cos, sin, kw_ptr, eps, HALF,
@@ -180,6 +201,11 @@ def _check(q, k, cos, sin, q_weight, k_weight) -> tuple[torch.Tensor, torch.Tens
     return cos, sin
 
 
+def q_rotates(store: KVStore | None) -> bool:
+    """Whether rope_qk with `store` returns q rotated (a K format stored times H)."""
+    return store is not None and FORMAT_CODES[store.k_format][1]
+
+
 class KVStore(NamedTuple):
     """Where rope_qk also stores the step's K (rotated) and V: kernels/kv_store.py's
     arguments besides k."""
@@ -199,7 +225,8 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     """q (T, H, d), k (T, KVH, d) float32 (any row/head strides), cos/sin (T, d/2) or
     (T, 1, d/2) -> contiguous rotated (q, k), after their RMSNorm when weights are given;
     with `store`, the rotated k and store.v also stored at store.slots of the KV planes
-    (kv_store's bits) by the same launch.
+    (kv_store's bits) by the same launch, and into a rotated K format (q_rotates) q's
+    32-blocks come out times H (rotate_exact's bits).
 
     One launch on a GPU (or on the CPU when the interpreter is active), else the references.
     """
@@ -207,6 +234,8 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         q_out, k_out = rope_qk_reference(q, k, cos, sin, neox, q_weight, k_weight, eps)
         if store is not None:
             kv_store(k_out, *store)
+            if q_rotates(store):
+                q_out = rotate_exact(q_out)
         return q_out, k_out
     cos, sin = _check(q, k, cos, sin, q_weight, k_weight)
     (tokens, heads, dim), kv_heads = q.shape, k.shape[1]

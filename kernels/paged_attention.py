@@ -9,8 +9,9 @@ engine/layers/attention.py). Scores are `scale * q.k`, soft-capped to
 denominator and contributes no value. K and V planes are engine/kv/formats.py's and are
 dequantized inside the kernel. q8/q4 store Hadamard-rotated 32-blocks: since
 q . (H k') = (H q) . k' and sum p (H v') = H sum p v', q is rotated once before the kernel
-(kernels/rotate.py's exact launch: a GPU matmul's bits may depend on its row count) and
-the output by the kernel that stores it (engine/kv/hadamard.py), never a key or a value.
+(by kernels/fused_rope.py as it stores the K, `q_rotated`, else by kernels/rotate.py's
+exact launch: a GPU matmul's bits may depend on its row count) and the output by the
+kernel that stores it (engine/kv/hadamard.py), never a key or a value.
 The kernels, their launch and AOT specs are in kernels/paged_attention_triton.py.
 
 Work items (kernels/paged_attention_plan.py) are a block of query tokens of one row (all
@@ -36,7 +37,7 @@ from engine.kv.hadamard import rotate_blocks
 from kernels.paged_attention_plan import FORMAT_IDS, AttnConfig, AttnPlan, plan_attention
 from kernels.paged_attention_triton import MERGE_HEADS, aot_specs, launch
 from kernels.quant_x import QK, QuantX, empty_quant_x
-from kernels.rotate import rotate
+from kernels.rotate import rotate, rotate_exact
 from kernels.triton_util import kernels_run
 
 ROTATED = ("q8", "q4")  # formats that store K or V blocks times H
@@ -151,17 +152,20 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
     plan: AttnPlan | None = None,
     config: AttnConfig | None = None,
+    q_rotated: bool = False,
 ) -> torch.Tensor:
     """q (T, H, D) -> (T, H * Dv) float32.
 
     Runs the kernels on a GPU (or on the CPU when the interpreter is active), else the
     reference. `plan` (plan_attention, built from the host copies of query_start and
     seq_lens) may be shared by every layer of a step with the same window and config.
+    `q_rotated`: q's 32-blocks are times H already (kernels/fused_rope.py rotates q as it
+    stores a rotated K), so a rotated K needs no rotation launch here.
     """
     return _attention(q, k_planes, v_planes, k_format, v_format, False, query_start=query_start,
                       seq_lens=seq_lens, positions=positions, page_table=page_table,
                       page_size=page_size, scale=scale, window=window, softcap=softcap,
-                      sinks=sinks, plan=plan, config=config)[0]
+                      sinks=sinks, plan=plan, config=config, q_rotated=q_rotated)[0]
 
 
 def paged_attention_q8(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
@@ -177,7 +181,7 @@ def paged_attention_q8(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
 def _attention(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
                v_planes: dict[str, torch.Tensor], k_format: str, v_format: str,
                quantize: bool, plan: AttnPlan | None = None, config: AttnConfig | None = None,
-               **kwargs: Any) -> tuple[torch.Tensor, QuantX | None]:
+               q_rotated: bool = False, **kwargs: Any) -> tuple[torch.Tensor, QuantX | None]:
     """paged_attention (kwargs: its query_start .. sinks), and with `quantize` the output
     quantized where it can be (paged_attention_q8)."""
     names = ("query_start", "seq_lens", "positions", "page_table", "page_size", "scale",
@@ -188,7 +192,10 @@ def _attention(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
                         "missing or unknown")
     query_start, seq_lens, positions, page_table, page_size, scale, window, softcap, sinks = (
         kwargs[k] for k in names)
+    rotated_q = q_rotated and k_format in ROTATED  # q in the stored K's basis
     if not kernels_run(q.device):
+        if rotated_q:  # the reference reads K rotated back: q too (H is its own inverse)
+            q = rotate_exact(q)
         return paged_attention_reference(q, k_planes, v_planes, k_format, v_format,
                                          **kwargs).float(), None
     if q.dim() != 3 or q.stride(-1) != 1 or not q.dtype.is_floating_point:
@@ -210,7 +217,7 @@ def _attention(q: torch.Tensor, k_planes: dict[str, torch.Tensor],
                               device=q.device)
     if plan.num_tokens != num_tokens:
         raise InvalidRequest(f"paged_attention: plan has {plan.num_tokens} tokens, q {num_tokens}")
-    if k_format in ROTATED:
+    if k_format in ROTATED and not rotated_q:
         q = rotate(q)
     out = torch.empty(num_tokens, num_heads, dim_v, dtype=torch.float32, device=q.device)
     xq = None

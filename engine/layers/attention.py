@@ -26,9 +26,11 @@ import torch
 from engine.batch import ForwardBatch
 from engine.kernel_select import use_triton
 from engine.kv.cache import KVCache
+from engine.kv.hadamard import rotate_exact
 from engine.layers.attention_cpu import attend_cpu, softmax_with_sinks
 from kernels.fused_rope import KVStore
 from kernels.paged_attention import (
+    ROTATED,
     AttnConfig,
     AttnPlan,
     paged_attention,
@@ -80,12 +82,15 @@ def attend(
     stored: bool = False,
 ) -> torch.Tensor:
     """q (T, H, D), k (T, KVH, D), v (T, KVH, Dv) float32 -> (T, H * Dv) float32; `stored`:
-    k and v are in the cache already (rope_qk's store, `kv_target`)."""
+    k and v are in the cache already (rope_qk's store, `kv_target`), and q comes from that
+    call: rotated as a rotated K is stored (kernels/fused_rope.py's q_rotates)."""
     group = kv.group_of(layer.index)
     if not stored:
         kv.write(layer.index, batch.write_slots(group, kv.page_size), k, v)
     if use_triton(q.device):
-        return attend_triton(layer, q, batch, kv, group)
+        return attend_triton(layer, q, batch, kv, group, q_rotated=stored)
+    if stored and kv.k_format.name in ROTATED:  # back to the basis the CPU paths read K in
+        q = rotate_exact(q)
     if q.device.type == "cpu":
         return attend_cpu(layer, q, batch, kv, group)
     return attend_reference(layer, q, batch, kv, group)
@@ -123,16 +128,17 @@ def attend_q8(layer: AttnLayer, q: torch.Tensor, batch: ForwardBatch,
     """attend(..., stored=True) on the Triton path, and its output quantized for a q8
     output projection by the attention's own launch where it can (paged_attention_q8;
     None: the projection quantizes for itself)."""
-    return attend_triton(layer, q, batch, kv, kv.group_of(layer.index), quantize=True)
+    return attend_triton(layer, q, batch, kv, kv.group_of(layer.index), quantize=True,
+                         q_rotated=True)
 
 
 def attend_triton(
     layer: AttnLayer, q: torch.Tensor, batch: ForwardBatch, kv: KVCache, group: str,
-    quantize: bool = False,
+    quantize: bool = False, q_rotated: bool = False,
 ) -> Any:
     """One paged-attention launch for every row; without a PlannedBatch the plan is made
     here from the batch (a host synchronisation per layer). With `quantize`:
-    (out, out quantized or None), paged_attention_q8's."""
+    (out, out quantized or None), paged_attention_q8's; `q_rotated`: paged_attention's."""
     inputs = batch.attn.get(group) if isinstance(batch, PlannedBatch) else None
     k_planes, v_planes = kv.k[layer.index], kv.v[layer.index]
     assert k_planes is not None and v_planes is not None
@@ -143,7 +149,8 @@ def attend_triton(
         page_table=batch.page_tables[group] if inputs is None else inputs.page_table,
         page_size=kv.page_size, scale=layer.scale, window=layer.window,
         softcap=layer.softcap, sinks=layer.sinks, plan=None if inputs is None else inputs.plan,
-        config=attn_config(layer, q.device) if inputs is None else inputs.config)
+        config=attn_config(layer, q.device) if inputs is None else inputs.config,
+        q_rotated=q_rotated)
 
 
 def attn_config(layer: AttnLayer, device: torch.device, decode: bool = False) -> AttnConfig:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequest
+from engine.kv.hadamard import rotate_exact
 from engine.layers.rope import Rope
 from kernels.fused_rope import KVStore, rope_cos_sin_reference, rope_qk, rope_qk_reference
 from kernels.kv_store import kv_store_reference
@@ -107,7 +108,9 @@ def test_store_is_rope_then_kv_store(interp, gen, k_format, v_format, tokens, he
                                      neox, norm):
     """With a KVStore, the launch gives rope_qk's q and k bit for bit and stores the rotated
     k and v as kv_store's reference does, every other byte of the planes untouched (they
-    start as random bytes); v is a strided view of the qkv row, its head dim another."""
+    start as random bytes); v is a strided view of the qkv row, its head dim another. Into
+    a Hadamard-rotated K format (q8, q4; not the _plain ones) q comes out rotated too, as
+    rotate_exact rotates it."""
     from test_kv_store import clone, random_planes, same_bits
 
     dim, dv = 64, 96
@@ -123,6 +126,8 @@ def test_store_is_rope_then_kv_store(interp, gen, k_format, v_format, tokens, he
         "test_fused_rope:rope_store", q, k, cos, sin, neox, qw, kw, v, slots, k_planes,
         v_planes, k_format, v_format)
     want_q, want_k = interp.call(KERNEL, q, k, cos, sin, neox, qw, kw, EPS)
+    if k_format in ("q8", "q4"):
+        want_q = rotate_exact(want_q)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     kv_store_reference(want_k, v, slots, ref_k, ref_v, k_format, v_format)
     assert same_bits(got_kp, ref_k) and same_bits(got_vp, ref_v)
@@ -154,7 +159,7 @@ def test_cpu_reference_path_stores_too(gen):
     q_out, k_out = rope_qk(q, k, cos, sin, True, store=KVStore(v, slots, planes_k, planes_v,
                                                                 "q8", "f16"))
     want_q, want_k = rope_qk_reference(q, k, cos, sin, True)
-    assert torch.equal(q_out, want_q) and torch.equal(k_out, want_k)
+    assert torch.equal(q_out, rotate_exact(want_q)) and torch.equal(k_out, want_k)  # q8 K
     kv_store_reference(want_k, v, slots, ref_k, ref_v, "q8", "f16")
     assert same_bits(planes_k, ref_k) and same_bits(planes_v, ref_v)
 

@@ -298,3 +298,13 @@ def test_rotations_are_the_exact_rotations(interp, rng, kv_quant, rows, config,
                         v_fmt + "_plain", config=config, **kw)
     apart = rotate_exact(apart.view(q.shape[0], 8, 64)).reshape(apart.shape)
     assert torch.equal(folded, apart)
+    # q rotated before the call (rope_qk's store does): the same bits, no rotation here
+    pre = interp.call(KERNEL, rotate_exact(q), kv.k[0], kv.v[0], k_fmt, v_fmt, config=config,
+                      q_rotated=True, **kw)
+    assert torch.equal(pre, folded)
+    ref = paged_attention_reference(q, kv.k[0], kv.v[0], k_fmt, v_fmt, **kw)
+    assert_close(pre, ref)
+    from kernels.paged_attention import paged_attention  # the reference path (no interpreter)
+
+    cpu = paged_attention(rotate_exact(q), kv.k[0], kv.v[0], k_fmt, v_fmt, q_rotated=True, **kw)
+    assert_close(cpu, ref, tol=1e-5)
