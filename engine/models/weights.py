@@ -18,13 +18,13 @@ from engine.errors import GGUFFormatError, InvalidRequest, UnsupportedTensorType
 from engine.gguf import ModelFile
 from engine.kernel_select import use_triton
 from engine.layers.embedding import Embedding
-from engine.layers.ggml_linear import GGMLLinear
+from engine.layers.ggml_linear import GGMLLinear, GGMLPart
 from engine.layers.linear import Int8Linear, Linear, quantize_rows_int8
 from engine.layers.moe import DenseExperts, Experts, GroupedExperts
 from kernels.dequant import dequantize
 from kernels.gather_rows import can_gather
 from kernels.moe import MOE_TYPES, row_bytes
-from kernels.qtiles import BF16, F32
+from kernels.qtiles import BF16, F32, FLOAT_TYPES
 
 FLOAT_TYPES_BY_DTYPE = {torch.float32: F32, torch.bfloat16: BF16}  # dense experts' GGML type
 
@@ -142,6 +142,13 @@ class WeightLoader:
             return self._linear(name, shape, None)
         if embedding.table is not None and not self.ggml:  # ggml: the tied table's blocks
             return Linear(embedding.table)
+        table = embedding.table
+        if self.ggml and table is not None and table.dtype == torch.bfloat16 and \
+                self.file.tensors[embedding.name].ggml_type in FLOAT_TYPES:
+            # a float file's table is held in bf16 by both (ggml_linear.py): once
+            return GGMLLinear([GGMLPart(shape[0], BF16, table.view(torch.uint8))], shape[1],
+                              act8=self.act8, dense=None if self.dense_rows is None else table,
+                              dense_rows=self.dense_rows)
         if self.ggml and embedding.raw is not None:  # the blocks the lookup reads, shared
             return self._ggml_linear(embedding.raw, int(embedding.ggml_type), embedding.name,
                                      shape, None)

@@ -57,6 +57,39 @@ def test_ggml_layout_matches_dense_f32(tiny):
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("table_type", [T.F16, T.BF16])
+def test_a_tied_float_table_is_held_once(tmp_path, vocab_dir, table_type):
+    """A float token table that is also the head: on the block layouts the head is a BF16
+    part over the embedding's own bf16 table (one copy, the head's values the table's),
+    and its products are the dense model's; a quantized tied table keeps its blocks."""
+    spec = SyntheticSpec("qwen2", hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                         ffn_size=256, num_layers=1,
+                         types={**MIXED, "token_embd.weight": table_type})
+    path = tmp_path / "float_table.gguf"
+    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-spm.gguf", seed=3)
+    for weights in ("ggml", "q8"):
+        model = load_for(path, EngineOptions(device="cpu", dtype="bf16", weights=weights)).model
+        table = model.embedding.table
+        assert table is not None and table.dtype == torch.bfloat16
+        (part,) = model.head.parts
+        assert part.ggml_type == T.BF16 and part.weight.data_ptr() == table.data_ptr()
+        x = torch.randn(3, 256)
+        want = x.double() @ table.double().T
+        err = (model.head(x).double() - want).abs().max() / want.abs().max()
+        assert err < 1e-5, float(err)
+    quantized = load_for(tiny_path(tmp_path, vocab_dir), EngineOptions(
+        device="cpu", dtype="bf16", weights="ggml")).model
+    assert [p.ggml_type for p in quantized.head.parts] == [T.Q8_0]
+
+
+def tiny_path(tmp_path, vocab_dir):
+    spec = SyntheticSpec("qwen2", hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                         ffn_size=256, num_layers=1, types=MIXED)
+    path = tmp_path / "q8_table.gguf"
+    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-spm.gguf", seed=3)
+    return path
+
+
 def test_q8_layout_marks_every_block_linear(tiny):
     """`q8` is the ggml layout with 8-bit activations for Q4_K (engine/layers/ggml_linear.py):
     every fused linear carries the flag; its forward stays near the exact one (x's 8-bit
