@@ -4,13 +4,18 @@ counted in the memory plan."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
+from server_harness import TINY_SPEC
 
 from appliance.server.router import engine_options, planned_bytes
 from appliance.settings import SettingsError, load_settings
 from engine.gguf import ModelFile
 from engine.planner import dense_copy_bytes
+from engine.synthetic import write_synthetic_gguf
 
 
 def test_weights_reach_the_engine_options_from_flag_env_and_file(tmp_path):
@@ -30,12 +35,18 @@ def test_unknown_weights_are_refused_with_the_choices():
         load_settings({"weights": "q4"}, environ={})
 
 
-def test_hybrid_plans_its_bf16_copies_on_a_gpu(tiny_gguf, monkeypatch):
+@pytest.mark.parametrize("quantized", [True, False])
+def test_hybrid_plans_its_bf16_copies_on_a_gpu(tmp_path, vocab_dir, monkeypatch, quantized):
+    """The copies of the quantized linears are counted; a float file's matrices are their
+    own copies (engine/layers/ggml_linear.py): nothing more."""
+    spec = replace(TINY_SPEC, default_type=T.Q8_0 if quantized else T.F32)
+    path = tmp_path / "tiny.gguf"
+    write_synthetic_gguf(path, spec, vocab_dir / "ggml-vocab-llama-spm.gguf", seed=7)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    q8 = planned_bytes(str(tiny_gguf), engine_options(load_settings({"weights": "q8"},
-                                                                    environ={})))
-    hybrid = planned_bytes(str(tiny_gguf), engine_options(load_settings(
+    q8 = planned_bytes(str(path), engine_options(load_settings({"weights": "q8"},
+                                                               environ={})))
+    hybrid = planned_bytes(str(path), engine_options(load_settings(
         {"weights": "hybrid"}, environ={})))
-    with ModelFile.open(tiny_gguf) as mf:
+    with ModelFile.open(path) as mf:
         copies = dense_copy_bytes(mf)
-    assert hybrid == q8 + copies and copies > 0
+    assert hybrid == q8 + copies and (copies > 0) == quantized
