@@ -108,7 +108,11 @@ if HAS_TRITON:
         tl.debug_barrier()  # the program's writes of the head, visible to all its threads
         r = tl.arange(0, NBP)[:, None]
         at = x_ptr + r * 32 + tl.arange(0, 32)[None, :]
-        tl.store(at, hadamard_blocks(tl.load(at, mask=r < NB, other=0.0), NBP), mask=r < NB)
+        b = tl.load(at, mask=r < NB, other=0.0)
+        # every thread has read the head before any overwrites it (a small head is held
+        # by several threads at once, and a warp may run ahead of another)
+        tl.debug_barrier()
+        tl.store(at, hadamard_blocks(b, NBP), mask=r < NB)
 
     @helper
     def _rope_head(src, dst, cos, sin, w_ptr, eps, HALF: tl.constexpr, HALFP: tl.constexpr,
