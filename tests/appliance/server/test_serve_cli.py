@@ -32,6 +32,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _wait_healthy(proc: subprocess.Popen, port: int) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
 def test_serve_prints_the_admin_key_once_and_stops_on_sigterm(tmp_path, tiny_gguf):
     port = _free_port()
     cmd = [sys.executable, "-c", RUN, "serve", "--port", str(port), "--data-dir",
@@ -39,16 +52,7 @@ def test_serve_prints_the_admin_key_once_and_stops_on_sigterm(tmp_path, tiny_ggu
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env(tmp_path))
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        _wait_healthy(proc, port)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -95,19 +99,6 @@ def _start(tmp_path, tiny_gguf, port: int) -> subprocess.Popen:
            str(tmp_path / "data"), "--model", str(tiny_gguf), "--sessions", "2", "-c", "512"]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env=_env(tmp_path))
-
-
-def _wait_healthy(proc: subprocess.Popen, port: int) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.returncode
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
 
 
 def test_a_killed_server_keeps_its_state_and_restarts(tmp_path, tiny_gguf):
