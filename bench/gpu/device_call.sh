@@ -31,6 +31,8 @@
 #           the file moe wrote
 #   oss     engine_bench on the synthetic gpt-oss-20b (MXFP4 experts, BF16 elsewhere) at
 #           1/16/64 streams and pp512 with the one-stream timeline, then llama.cpp on it
+#   kvq     engine_bench at 1 and 16 streams and pp512, q8 + graphs, once for each KV format in
+#           KVQ (default "f16 k8v4"), each with the one-stream step's kernel timeline
 #   floats  qmatmul_bench on BF16 weights (the kernels F16/BF16/F32 matrices run) beside
 #           torch's bf16 matmul, at gpt-oss-20b's attention and head shapes and Llama's 4096^2
 #   moe_ab  moe at 1 and 16 streams and pp512 once for each ROUTE:ACT in MOE_AB (default
@@ -139,6 +141,14 @@ plan() {
       --prefill 512 --forward-context 96 --no-profile --graph-profile 1 --out "$OUT/oss" &&
     run oss_peer bash bench/gpu/llama_cpp_peer.sh run "$DIR/llama-src.tgz" \
       /tmp/gpt-oss-20b_MXFP4.gguf "$OUT/oss_peer" ;;
+  kvq)
+    local failed=0 q
+    for q in ${KVQ:-f16 k8v4}; do
+      run "kv_$q" python3 bench/gpu/engine_bench.py $SYN --vocab "$VOCAB" --concurrency 1,16 \
+        --tokens 64 --prefill 512 --forward-context 96 --no-profile --graph-profile 1 \
+        --kv-quant "$q" --out "$OUT/kv_$q" || failed=1
+    done
+    return $failed ;;
   floats)
     run floats python3 bench/gpu/qmatmul_bench.py --types BF16 --budget-s 240 \
       --shapes 5120:2880,2880:4096,201088:2880,4096:4096 --out "$OUT/floats" ;;
@@ -161,7 +171,7 @@ print(e(sys.argv[1], sys.argv[2], '/tmp'))" "$MOE" "$QWEN_VOCAB" > "$OUT/moe_fil
     PEER_BUILD="$build" plan moe_peer || rc=1  # its writer finds moe's file written
     return $rc ;;
   *) echo "unknown plan $1 (tests, engine, long, attn, fair, capture, busy, moe, moe_peer," \
-       "moe_both, moe_ab, oss, floats)" >&2
+       "moe_both, moe_ab, oss, kvq, floats)" >&2
      return 2 ;;
   esac
 }

@@ -54,6 +54,7 @@ from engine.bench.bound import (  # noqa: E402
 from engine.build import EngineOptions, build_core, load_for  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.gguf import ModelFile  # noqa: E402
+from engine.kv.formats import KV_QUANT_CHOICES  # noqa: E402
 from engine.models.registry import read_config  # noqa: E402
 from engine.sampler import SamplingParams  # noqa: E402
 from engine.scheduler.request import Request  # noqa: E402
@@ -250,7 +251,7 @@ def run_variant(path: Path, name: str, args, levels: list[int], lengths: list[in
                          device=args.device, max_pending_per_client=None, cuda_graphs=graphs,
                          weights=weights, itl_target_ms=None if "itloff" in parts else "auto",
                          look_ahead="noahead" not in parts, tune_tiles="notune" not in parts,
-                         dense_rows=dense_rows)
+                         dense_rows=dense_rows, kv_quant=args.kv_quant)
     out.update({"weights": weights, "cuda_graphs": graphs, "look_ahead": "noahead" not in parts,
                 "tune_tiles": "notune" not in parts, "pad_kernels": pad_count(name)})
     t0 = time.perf_counter()
@@ -425,6 +426,8 @@ def main() -> int:
                     help="profile one stream's decode steps (host operations, device busy)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu for a smoke run")
+    ap.add_argument("--kv-quant", default=EngineOptions().kv_quant, choices=KV_QUANT_CHOICES,
+                    help="the KV format of every variant (and of the bound's KV bytes)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     path = ensure_synthetic(args.synthetic, args.vocab, "/tmp")  # written once, atomically
@@ -439,7 +442,7 @@ def main() -> int:
                "commit": commit_id(),
                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                "tokens_per_stream": args.tokens, "prompt_tokens": args.prompt,
-               "consumers": args.consumers,
+               "consumers": args.consumers, "kv_quant": args.kv_quant,
                "variants": {}}
     out_file = Path(args.out) / "engine_bench.json"
     out_file.parent.mkdir(parents=True, exist_ok=True)
@@ -454,7 +457,7 @@ def main() -> int:
     # over this device's measured copy rate (engine/bench/bound.py)
     with ModelFile.open(path) as mf:
         results["bound"] = decode_bound(mf, read_config(mf), args.prompt + args.tokens,
-                                        EngineOptions().kv_quant, copy_rate_gb_s(args.device))
+                                        args.kv_quant, copy_rate_gb_s(args.device))
     print(f"bound: {results['bound']}", flush=True)
     for name in args.variants.split(","):
         record: dict = {}

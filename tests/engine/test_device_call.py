@@ -98,3 +98,15 @@ def test_floats_plan_times_bf16_at_gpt_oss_shapes():
     words = shlex.split(lines["floats"])
     assert words[words.index("--types") + 1] == "BF16"
     assert words[words.index("--shapes") + 1] == "5120:2880,2880:4096,201088:2880,4096:4096"
+
+
+def test_kvq_plan_runs_each_kv_format():
+    """kvq: the engine at 1 and 16 streams once for each KV format, with the timeline."""
+    run = dry("kvq", KVQ="f16 k8v4 q8")
+    assert run.returncode == 0, run.stderr
+    lines = dict(line.split(": ", 1) for line in run.stdout.splitlines())
+    assert list(lines) == ["kv_f16", "kv_k8v4", "kv_q8"]
+    check_commands(lines)
+    for q in ("f16", "k8v4", "q8"):
+        words = shlex.split(lines[f"kv_{q}"])
+        assert words[words.index("--kv-quant") + 1] == q and "--graph-profile" in words
