@@ -108,20 +108,6 @@ def build_core(loaded: LoadedModel, opts: EngineOptions) -> EngineCore:
                       look_ahead=opts.look_ahead)
 
 
-def has_sinks(mf: ModelFile) -> bool:
-    """Whether the model's attention has sink logits (gpt-oss). On a GPU `auto` then takes
-    the ggml layout without measuring, the only layout its GPU tests pass on: the q8, bf16
-    and hybrid layouts put a tiny gpt-oss file's logits 22-34% from the CPU's (H200,
-    2026-12-05, test_gpu_paths). No kernel is at fault (bench/RESULTS.md, 2026-12-05,
-    the bisection): every part is as close to the CPU as in the other families (0.2-0.8%
-    a linear, the attention with its sinks 0.01%), and with the CPU's expert choices
-    forced every layout passes; the tiny model's router has near ties that these
-    differences flip. test_gpu_paths now compares along the GPU path's routing
-    (tests/engine/forced_routes.py; every layout passes it interpreted on the CPU with the
-    GPU's rounding). Until it passes on a GPU, ggml stays."""
-    return "blk.0.attn_sinks.weight" in mf.tensors
-
-
 def load_for(model: str | os.PathLike, opts: EngineOptions) -> LoadedModel:
     """engine.loader.load with the options' dtype, device and weight layout; on a GPU with
     the Triton kernels, `weights="auto"` measures both layouts first (engine/layout_tune.py),
@@ -147,14 +133,6 @@ def load_for(model: str | os.PathLike, opts: EngineOptions) -> LoadedModel:
     cfg = read_config(mf)
     tokenizer = Tokenizer.from_metadata(mf.metadata)
     layout, choice, dense_rows = opts.weights, None, opts.dense_rows
-    if device.type == "cuda" and has_sinks(mf):
-        if tune:
-            tune, layout = False, "ggml"
-            log.info("%s: the ggml weight layout (attention sinks: see has_sinks)", path.name)
-        elif layout != "ggml":
-            log.warning("%s: the %s weight layout is not yet checked on a GPU for models with "
-                        "attention sinks (gpt-oss); ggml is (see engine/build.py has_sinks)",
-                        path.name, layout)
     if tune or hybrid_tune:
         from engine.layout_tune import measure_layout
 
