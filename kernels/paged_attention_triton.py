@@ -15,10 +15,11 @@ engine/kv/hadamard.py): with ROT_OUT whichever kernel writes the output (the par
 when DIRECT, else the merge) rotates it back as it stores it (H is its own inverse), with
 kernels/rotate.py's float64 butterfly on the float32 values, rounded once: the bits of
 `rotate_exact`, row by row, no launch of its own, and no register more in the sm_90 or
-gfx1151 builds (`python -m kernels.aot`). A rotated K's q is rotated by its own launch
-before the kernel (kernels/paged_attention.py): rotating the loaded q tile in the partial
-kernel, in float64 or float32, took the sm_90 decode build from 185 registers to 255 and
-32 bytes of spills, and the float64 one spilled 20-28 VGPRs on gfx1151.
+gfx1151 builds (`python -m kernels.aot`). A rotated K's q arrives rotated (by
+kernels/fused_rope.py as it stores K, else by kernels/paged_attention.py's launch):
+rotating the loaded q tile in the partial kernel, in float64 or float32, took the sm_90
+decode build from 185 registers to 255 and 32 bytes of spills, and the float64 one
+spilled 20-28 VGPRs on gfx1151.
 """
 
 from __future__ import annotations
