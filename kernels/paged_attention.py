@@ -34,13 +34,15 @@ import torch
 
 from engine.errors import InvalidRequest
 from engine.kv.hadamard import rotate_blocks
+from kernels.kv_store import FORMAT_CODES
 from kernels.paged_attention_plan import FORMAT_IDS, AttnConfig, AttnPlan, plan_attention
 from kernels.paged_attention_triton import MERGE_HEADS, aot_specs, launch
 from kernels.quant_x import QK, QuantX, empty_quant_x
 from kernels.rotate import rotate, rotate_exact
 from kernels.triton_util import kernels_run
 
-ROTATED = ("q8", "q4")  # formats that store K or V blocks times H
+# formats that store K or V blocks times H (the K/V store's table says which)
+ROTATED = frozenset(name for name, (_, rotated) in FORMAT_CODES.items() if rotated)
 
 # aot_specs: kernels/aot.py collects every module's specs from here.
 __all__ = ["AttnConfig", "AttnPlan", "aot_specs", "paged_attention", "paged_attention_q8",
